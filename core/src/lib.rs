@@ -1,0 +1,8 @@
+//! Host-free logic shared by the weir filter, the sidecar and the simulator.
+//!
+//! Nothing here performs I/O or reads a clock: callers pass time in. The crate builds natively
+//! and for `wasm32-wasip1`, so the same code is tested on the host and inside the proxy-wasm VM.
+
+pub mod kv_profile;
+pub mod openai;
+pub mod tokens;

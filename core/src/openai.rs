@@ -1,0 +1,404 @@
+//! The OpenAI-compatible wire contract: request bodies as weir reads them and errors in the
+//! shape clients (and the official SDKs) expect.
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::tokens::{ChatTurn, Encoding, TokenId, TokenizerUnavailable};
+
+/// Which OpenAI endpoint a body was sent to; it decides whether `messages` or `prompt` is read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    ChatCompletions,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn from_path(path: &str) -> Option<Self> {
+        let path = path.split('?').next().unwrap_or(path);
+        match path {
+            "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
+            "/v1/completions" => Some(Endpoint::Completions),
+            _ => None,
+        }
+    }
+}
+
+/// The fields of a chat or text completion request that serving and metering depend on.
+/// Unknown fields (temperature, top_p, ...) are accepted and ignored, as engines do.
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: String,
+    #[serde(default)]
+    pub messages: Option<Vec<ChatMessage>>,
+    #[serde(default)]
+    pub prompt: Option<PromptInput>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// vLLM extension: generate exactly the token limit.
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+    /// vLLM extension: scopes prefix-cache reuse to requests carrying the same salt.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// `prompt` of the completions endpoint: one string, or one pre-tokenized prompt.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<TokenId>),
+    Batch(Vec<String>),
+}
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+impl CompletionRequest {
+    /// Parses a body, naming the offending field or position on failure.
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        serde_json::from_slice(body).map_err(|e| {
+            let what = if e.is_syntax() || e.is_eof() {
+                "malformed JSON"
+            } else {
+                "invalid request"
+            };
+            ApiError::bad_request(format!("{what}: {e}"))
+        })
+    }
+
+    pub fn is_streaming(&self) -> bool {
+        self.stream.unwrap_or(false)
+    }
+
+    /// Whether the client asked for the trailing usage chunk of a stream.
+    pub fn wants_stream_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
+
+    /// The output-token ceiling the client set, `max_completion_tokens` taking precedence.
+    pub fn max_output_tokens(&self) -> Option<u32> {
+        self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    /// Checks the parameters every engine rejects, independent of the model.
+    pub fn validate(&self, endpoint: Endpoint) -> Result<(), ApiError> {
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::bad_request(format!(
+                "n={n} is not supported; only n=1 is served"
+            ))
+            .with_param("n"));
+        }
+        if self.max_output_tokens() == Some(0) {
+            let param = if self.max_completion_tokens.is_some() {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            return Err(
+                ApiError::bad_request(format!("{param} must be at least 1")).with_param(param)
+            );
+        }
+        if self.stream_options.is_some() && !self.is_streaming() {
+            return Err(ApiError::bad_request(
+                "stream_options can only be set when stream is true",
+            )
+            .with_param("stream_options"));
+        }
+        match endpoint {
+            Endpoint::ChatCompletions => self.validate_messages(),
+            Endpoint::Completions => match &self.prompt {
+                None => Err(ApiError::bad_request("prompt is required").with_param("prompt")),
+                Some(PromptInput::Batch(batch)) if batch.len() != 1 => Err(ApiError::bad_request(
+                    "a batch of prompts is not supported; send one prompt per request",
+                )
+                .with_param("prompt")),
+                Some(_) => Ok(()),
+            },
+        }
+    }
+
+    fn validate_messages(&self) -> Result<(), ApiError> {
+        let messages = match &self.messages {
+            Some(m) if !m.is_empty() => m,
+            _ => {
+                return Err(ApiError::bad_request("messages must be a non-empty array")
+                    .with_param("messages"));
+            }
+        };
+        for (i, m) in messages.iter().enumerate() {
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].role '{}' is not one of {}",
+                    m.role,
+                    ROLES.join(", ")
+                ))
+                .with_param("messages"));
+            }
+            if let Some(MessageContent::Parts(parts)) = &m.content {
+                if let Some(p) = parts.iter().find(|p| p.kind != "text" || p.text.is_none()) {
+                    return Err(ApiError::bad_request(format!(
+                        "messages[{i}].content: only text parts are supported, got '{}'",
+                        p.kind
+                    ))
+                    .with_param("messages"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Token ids of the prompt as the engine would see it (chat framing included).
+    /// Call after [`validate`](Self::validate).
+    pub fn prompt_tokens(
+        &self,
+        endpoint: Endpoint,
+        encoding: Encoding,
+    ) -> Result<Vec<TokenId>, TokenizerUnavailable> {
+        match endpoint {
+            Endpoint::ChatCompletions => {
+                let turns = self.messages.iter().flatten().map(|m| ChatTurn {
+                    role: &m.role,
+                    name: m.name.as_deref(),
+                    content: match &m.content {
+                        None => Vec::new(),
+                        Some(MessageContent::Text(t)) => vec![t.as_str()],
+                        Some(MessageContent::Parts(parts)) => {
+                            parts.iter().filter_map(|p| p.text.as_deref()).collect()
+                        }
+                    },
+                });
+                encoding.encode_chat(turns)
+            }
+            Endpoint::Completions => match &self.prompt {
+                Some(PromptInput::Text(t)) => encoding.encode(t),
+                Some(PromptInput::Batch(b)) => encoding.encode(b.first().map_or("", |s| s)),
+                Some(PromptInput::Tokens(ids)) => Ok(ids.clone()),
+                None => Ok(Vec::new()),
+            },
+        }
+    }
+}
+
+/// An error in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
+///
+/// `code` carries a machine-readable code where one exists (`context_length_exceeded`) and
+/// otherwise the HTTP status, as vLLM does.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(400, "BadRequestError", message)
+    }
+
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(404, "NotFoundError", message)
+    }
+
+    pub fn payload_too_large(limit: usize) -> Self {
+        Self::new(
+            413,
+            "BadRequestError",
+            format!("request body exceeds the limit of {limit} bytes"),
+        )
+    }
+
+    pub fn rate_limited(message: impl Into<String>) -> Self {
+        Self::new(429, "RateLimitError", message)
+    }
+
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(500, "InternalServerError", message)
+    }
+
+    pub fn context_length_exceeded(max_context: u64, prompt: u64, completion: u64) -> Self {
+        Self::bad_request(format!(
+            "This model's maximum context length is {max_context} tokens. However, you requested \
+             {} tokens ({prompt} in the messages, {completion} in the completion). Please reduce \
+             the length of the messages or completion.",
+            prompt + completion
+        ))
+        .with_param("messages")
+        .with_code("context_length_exceeded")
+    }
+
+    pub fn with_param(mut self, param: &str) -> Self {
+        self.param = Some(param.to_owned());
+        self
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    pub fn to_json(&self) -> Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code.map_or_else(|| json!(self.status), |c| json!(c)),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(body: &str) -> Result<CompletionRequest, ApiError> {
+        CompletionRequest::parse(body.as_bytes())
+    }
+
+    fn chat(body: &str) -> Result<CompletionRequest, ApiError> {
+        let req = parse(body)?;
+        req.validate(Endpoint::ChatCompletions)?;
+        Ok(req)
+    }
+
+    #[test]
+    fn malformed_json_is_named() {
+        let err = parse("{\"model\": ").err();
+        assert!(err.is_some_and(|e| e.status == 400 && e.message.starts_with("malformed JSON")));
+    }
+
+    #[test]
+    fn wrong_types_name_the_problem() {
+        let err = parse(r#"{"model":"m","messages":[],"max_tokens":"ten"}"#).err();
+        let msg = err.map(|e| e.message).unwrap_or_default();
+        assert!(
+            msg.starts_with("invalid request") && msg.contains("invalid type"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn n_other_than_one_is_rejected() {
+        let err = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#).err();
+        assert_eq!(err.and_then(|e| e.param), Some("n".to_owned()));
+        assert!(chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":1}"#).is_ok());
+    }
+
+    #[test]
+    fn empty_messages_and_unknown_roles_are_rejected() {
+        assert!(chat(r#"{"model":"m","messages":[]}"#).is_err());
+        assert!(chat(r#"{"model":"m","messages":[{"role":"wizard","content":"x"}]}"#).is_err());
+        assert!(
+            chat(r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn max_completion_tokens_wins_over_max_tokens() {
+        let req = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_completion_tokens":7}"#,
+        );
+        assert_eq!(req.ok().and_then(|r| r.max_output_tokens()), Some(7));
+    }
+
+    #[test]
+    fn completions_need_one_prompt() {
+        let check = |b: &str| parse(b).and_then(|r| r.validate(Endpoint::Completions));
+        assert!(check(r#"{"model":"m"}"#).is_err());
+        assert!(check(r#"{"model":"m","prompt":["a","b"]}"#).is_err());
+        assert!(check(r#"{"model":"m","prompt":[1,2,3]}"#).is_ok());
+        assert!(check(r#"{"model":"m","prompt":"hi"}"#).is_ok());
+    }
+
+    #[test]
+    fn stream_options_need_stream() {
+        assert!(chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":true}}"#).is_err());
+        let req = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":true,"stream_options":{"include_usage":true}}"#,
+        );
+        assert!(req.is_ok_and(|r| r.wants_stream_usage()));
+    }
+
+    #[test]
+    fn error_shape_is_openai_compatible() {
+        let v = ApiError::context_length_exceeded(100, 90, 20).to_json();
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        assert_eq!(v["error"]["type"], "BadRequestError");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("110 tokens"))
+        );
+        let v = ApiError::not_found("nope").to_json();
+        assert_eq!(v["error"]["code"], 404);
+        assert!(v["error"]["param"].is_null());
+    }
+
+    #[test]
+    fn token_prompts_pass_through() {
+        let req = parse(r#"{"model":"m","prompt":[5,6,7]}"#);
+        let ids = req.ok().and_then(|r| {
+            r.prompt_tokens(Endpoint::Completions, Encoding::Cl100kBase)
+                .ok()
+        });
+        assert_eq!(ids, Some(vec![5, 6, 7]));
+    }
+}
