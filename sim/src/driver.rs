@@ -1,0 +1,225 @@
+//! Runs the [`Engine`] against the wall clock on its own thread.
+//!
+//! A step's tokens are released when the step would have finished on the GPU: its model-time
+//! end divided by the time scale. Requests and aborts are taken between steps, so an abort
+//! frees its blocks before the next step is built.
+
+use std::collections::HashMap;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+use tracing::warn;
+
+use crate::engine::{Engine, Finished, SeqId, SeqSpec, StepReport};
+use crate::metrics::EngineMetrics;
+use crate::profile::Profile;
+
+/// What a request's handler hears from the engine.
+#[derive(Debug)]
+pub enum SeqEvent {
+    /// The sequence produced its token number `index` (0-based).
+    Token {
+        index: u32,
+    },
+    Finished(Finished),
+    /// The engine refused the sequence.
+    Rejected(String),
+}
+
+enum Command {
+    Submit {
+        spec: SeqSpec,
+        finish_reason: &'static str,
+        events: UnboundedSender<SeqEvent>,
+    },
+    Abort(SeqId),
+}
+
+/// A handle to the engine thread; cheap to clone.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: UnboundedSender<Command>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread. `time_scale` > 1 runs model time faster than the wall clock.
+    pub fn spawn(
+        profile: Profile,
+        time_scale: f64,
+        metrics: EngineMetrics,
+    ) -> std::io::Result<Self> {
+        let (tx, rx) = unbounded_channel();
+        let driver = Driver {
+            engine: Engine::new(profile),
+            metrics,
+            subscribers: HashMap::new(),
+            scale: time_scale,
+            start: Instant::now(),
+        };
+        thread::Builder::new()
+            .name("engine".into())
+            .spawn(move || driver.run(rx))?;
+        Ok(EngineHandle { commands: tx })
+    }
+
+    /// Queues a sequence; its tokens arrive on the returned channel.
+    /// `finish_reason` is what the sequence reports when it generates all its tokens.
+    pub fn submit(
+        &self,
+        spec: SeqSpec,
+        finish_reason: &'static str,
+    ) -> UnboundedReceiver<SeqEvent> {
+        let (events, rx) = unbounded_channel();
+        let cmd = Command::Submit {
+            spec,
+            finish_reason,
+            events,
+        };
+        if let Err(rejected) = self.commands.send(cmd) {
+            if let Command::Submit { events, .. } = rejected.0 {
+                let _ = events.send(SeqEvent::Rejected("engine stopped".into()));
+            }
+        }
+        rx
+    }
+
+    pub fn abort(&self, id: SeqId) {
+        let _ = self.commands.send(Command::Abort(id));
+    }
+}
+
+struct Subscriber {
+    events: UnboundedSender<SeqEvent>,
+    finish_reason: &'static str,
+    arrival: f64,
+    last_token: f64,
+}
+
+struct Driver {
+    engine: Engine,
+    metrics: EngineMetrics,
+    subscribers: HashMap<SeqId, Subscriber>,
+    scale: f64,
+    start: Instant,
+}
+
+impl Driver {
+    fn run(mut self, mut rx: UnboundedReceiver<Command>) {
+        loop {
+            if self.engine.is_idle() {
+                // Sleep until work arrives; the GPU's clock runs on meanwhile.
+                let Some(cmd) = rx.blocking_recv() else {
+                    return;
+                };
+                let now = self.model_now();
+                self.engine.advance_to(now);
+                self.apply(cmd);
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                self.apply(cmd);
+            }
+            match self.engine.step() {
+                Some(report) => {
+                    self.wait_until(report.end);
+                    self.publish(report);
+                }
+                // Submission guarantees every sequence fits, so this is only reached when all
+                // work was aborted in the same breath; yield rather than spin.
+                None => thread::sleep(Duration::from_millis(1)),
+            }
+            self.update_gauges();
+        }
+    }
+
+    fn model_now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64() * self.scale
+    }
+
+    fn wait_until(&self, model_time: f64) {
+        let due = self.start + Duration::from_secs_f64(model_time / self.scale);
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            thread::sleep(wait);
+        }
+    }
+
+    fn apply(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit {
+                spec,
+                finish_reason,
+                events,
+            } => {
+                let id = spec.id;
+                match self.engine.submit(spec) {
+                    Ok(()) => {
+                        let arrival = self.engine.now();
+                        self.subscribers.insert(
+                            id,
+                            Subscriber {
+                                events,
+                                finish_reason,
+                                arrival,
+                                last_token: arrival,
+                            },
+                        );
+                    }
+                    Err(e) => {
+                        let _ = events.send(SeqEvent::Rejected(e.to_string()));
+                    }
+                }
+            }
+            Command::Abort(id) => {
+                self.engine.abort(id);
+                self.subscribers.remove(&id);
+            }
+        }
+        self.update_gauges();
+    }
+
+    fn publish(&mut self, report: StepReport) {
+        let m = &self.metrics;
+        m.iteration_tokens.observe(report.batched_tokens as f64);
+        m.preemptions.inc_by(u64::from(report.preemptions));
+        m.prefix_queries.inc_by(report.prefix_queries);
+        m.prefix_hits.inc_by(report.prefix_hits);
+
+        let mut gone = Vec::new();
+        for &(id, index) in &report.tokens {
+            let Some(sub) = self.subscribers.get_mut(&id) else {
+                continue;
+            };
+            if index == 0 {
+                m.ttft.observe(report.end - sub.arrival);
+            } else {
+                m.itl.observe(report.end - sub.last_token);
+            }
+            sub.last_token = report.end;
+            m.generation_tokens.inc();
+            if sub.events.send(SeqEvent::Token { index }).is_err() {
+                gone.push(id);
+            }
+        }
+        for done in report.finished {
+            let Some(sub) = self.subscribers.remove(&done.id) else {
+                continue;
+            };
+            m.prompt_tokens.inc_by(done.usage.prompt_tokens);
+            m.e2e.observe(done.e2e_seconds);
+            m.queue_time.observe(done.queue_seconds);
+            m.count_success(sub.finish_reason);
+            let _ = sub.events.send(SeqEvent::Finished(done));
+        }
+        for id in gone {
+            warn!(seq = id, "receiver gone; aborting");
+            self.engine.abort(id);
+            self.subscribers.remove(&id);
+        }
+    }
+
+    fn update_gauges(&self) {
+        self.metrics.running.set(self.engine.num_running() as i64);
+        self.metrics.waiting.set(self.engine.num_waiting() as i64);
+        self.metrics.kv_usage.set(self.engine.kv_usage());
+    }
+}

@@ -1,0 +1,127 @@
+//! Failure injection for reliability tests of whatever sits in front of the simulator.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{RngExt, SeedableRng};
+
+/// Faults chosen on the command line; all off by default.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct FaultFlags {
+    /// Fraction of requests answered at once with 500 InternalServerError.
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub error_rate: f64,
+    /// Fraction of requests answered at once with 429 and `Retry-After: 1`.
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
+    pub throttle_rate: f64,
+    /// Cut every response's connection (no `[DONE]`, no usage) after this many tokens.
+    #[arg(long, value_name = "TOKENS")]
+    pub drop_after: Option<u32>,
+    /// Pause every stream for `--stall-for` after this many tokens.
+    #[arg(long, value_name = "TOKENS", requires = "stall_for")]
+    pub stall_after: Option<u32>,
+    /// How long a stall lasts, in wall-clock milliseconds.
+    #[arg(long, value_name = "MS", value_parser = parse_millis)]
+    pub stall_for: Option<Duration>,
+    /// Crash (exit code 70) as soon as the N-th request has produced its first token,
+    /// taking every in-flight stream down with it.
+    #[arg(long, value_name = "N")]
+    pub exit_after: Option<u64>,
+}
+
+fn parse_millis(s: &str) -> Result<Duration, String> {
+    s.parse::<u64>()
+        .map(Duration::from_millis)
+        .map_err(|e| format!("expected milliseconds: {e}"))
+}
+
+/// What to do with an incoming request before it reaches the engine.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Serve,
+    Fail,
+    Throttle,
+}
+
+pub struct Faults {
+    pub flags: FaultFlags,
+    rng: Mutex<SmallRng>,
+    accepted: AtomicU64,
+}
+
+impl Faults {
+    pub fn new(flags: FaultFlags, seed: u64) -> Self {
+        Faults {
+            flags,
+            rng: Mutex::new(SmallRng::seed_from_u64(seed)),
+            accepted: AtomicU64::new(0),
+        }
+    }
+
+    /// Draws this request's fate and, when it is served, its 1-based acceptance number.
+    pub fn admit(&self) -> (Verdict, u64) {
+        let roll: f64 = match self.rng.lock() {
+            Ok(mut rng) => rng.random(),
+            Err(poisoned) => poisoned.into_inner().random(),
+        };
+        if roll < self.flags.error_rate {
+            return (Verdict::Fail, 0);
+        }
+        if roll < self.flags.error_rate + self.flags.throttle_rate {
+            return (Verdict::Throttle, 0);
+        }
+        (
+            Verdict::Serve,
+            self.accepted.fetch_add(1, Ordering::Relaxed) + 1,
+        )
+    }
+
+    /// Whether the request with this acceptance number brings the process down.
+    pub fn is_fatal(&self, accepted: u64) -> bool {
+        self.flags.exit_after.is_some_and(|n| accepted >= n)
+    }
+
+    /// A stall to insert before token `index`, if any.
+    pub fn stall_before(&self, index: u32) -> Option<Duration> {
+        match (self.flags.stall_after, self.flags.stall_for) {
+            (Some(n), Some(d)) if index == n => Some(d),
+            _ => None,
+        }
+    }
+
+    pub fn drops_before(&self, index: u32) -> bool {
+        self.flags.drop_after.is_some_and(|n| index >= n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_split_requests() {
+        let flags = FaultFlags {
+            error_rate: 0.2,
+            throttle_rate: 0.3,
+            ..FaultFlags::default()
+        };
+        let faults = Faults::new(flags, 3);
+        let verdicts: Vec<Verdict> = (0..2000).map(|_| faults.admit().0).collect();
+        let count = |v: Verdict| verdicts.iter().filter(|&x| *x == v).count();
+        assert!((300..500).contains(&count(Verdict::Fail)));
+        assert!((500..700).contains(&count(Verdict::Throttle)));
+        assert!((900..1100).contains(&count(Verdict::Serve)));
+    }
+
+    #[test]
+    fn no_faults_by_default() {
+        let faults = Faults::new(FaultFlags::default(), 0);
+        assert_eq!(faults.admit(), (Verdict::Serve, 1));
+        assert_eq!(faults.admit(), (Verdict::Serve, 2));
+        assert!(!faults.is_fatal(1_000_000));
+        assert!(faults.stall_before(0).is_none());
+        assert!(!faults.drops_before(1_000_000));
+    }
+}

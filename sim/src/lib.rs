@@ -1,0 +1,14 @@
+//! weir-sim: an LLM serving engine simulated at iteration level, behind vLLM's API and metrics.
+//!
+//! The [`engine`] is a pure state machine in model time; the [`driver`] runs it against the wall
+//! clock (optionally sped up); the [`server`] speaks the OpenAI API over HTTP.
+
+pub mod driver;
+pub mod engine;
+pub mod faults;
+pub mod kv_cache;
+pub mod metrics;
+pub mod profile;
+pub mod server;
+pub mod text;
+pub mod wire;

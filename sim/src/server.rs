@@ -1,0 +1,381 @@
+//! The OpenAI-compatible HTTP front of the simulator.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::stream;
+use prometheus_client::registry::Registry;
+use serde_json::json;
+use tokio::sync::mpsc;
+use tracing::error;
+use weir_core::openai::{ApiError, CompletionRequest, Endpoint};
+
+use crate::driver::{EngineHandle, SeqEvent};
+use crate::engine::{SeqId, SeqSpec};
+use crate::faults::{Faults, Verdict};
+use crate::kv_cache::block_hashes;
+use crate::metrics::render;
+use crate::profile::Profile;
+use crate::text::TextGen;
+use crate::wire::{ResponseHead, SSE_DONE, sse_event};
+
+/// Prompts larger than this are tokenized off the async workers.
+const INLINE_TOKENIZE_BYTES: usize = 64 * 1024;
+
+/// Everything the handlers share.
+pub struct App {
+    pub engine: EngineHandle,
+    pub profile: Profile,
+    /// The model name clients must send.
+    pub model: String,
+    pub registry: Registry,
+    pub faults: Faults,
+    pub seed: u64,
+    pub max_body_bytes: usize,
+    next_id: AtomicU64,
+}
+
+impl App {
+    pub fn new(
+        engine: EngineHandle,
+        profile: Profile,
+        model: String,
+        registry: Registry,
+        faults: Faults,
+        seed: u64,
+        max_body_bytes: usize,
+    ) -> Self {
+        App {
+            engine,
+            profile,
+            model,
+            registry,
+            faults,
+            seed,
+            max_body_bytes,
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async {
+            error_response(&ApiError::not_found("no such route; see /v1/models"))
+        })
+        .with_state(app)
+}
+
+async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
+    complete(app, Endpoint::ChatCompletions, body).await
+}
+
+async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
+    complete(app, Endpoint::Completions, body).await
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": app.model,
+            "object": "model",
+            "owned_by": "weir-sim",
+            "max_model_len": app.profile.model.max_model_len,
+        }],
+    }))
+    .into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        render(&app.registry),
+    )
+        .into_response()
+}
+
+pub fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut response = (status, axum::Json(e.to_json())).into_response();
+    if e.status == 429 || e.status == 503 {
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    response
+}
+
+/// One accepted request on its way through the engine.
+struct Job {
+    head: ResponseHead,
+    spec: SeqSpec,
+    finish_reason: &'static str,
+    text: TextGen,
+    stream: bool,
+    include_usage: bool,
+    accepted: u64,
+}
+
+async fn complete(app: Arc<App>, endpoint: Endpoint, body: Body) -> Response {
+    let job = match prepare(&app, endpoint, body).await {
+        Ok(job) => job,
+        Err(e) => return error_response(&e),
+    };
+    let events = app.engine.submit(job.spec.clone(), job.finish_reason);
+    let guard = AbortOnDrop {
+        engine: app.engine.clone(),
+        id: Some(job.spec.id),
+    };
+    if job.stream {
+        stream_response(app, job, events, guard)
+    } else {
+        collect_response(app, job, events, guard).await
+    }
+}
+
+/// Parses, validates and sizes a request: everything that can fail before the engine sees it.
+async fn prepare(app: &App, endpoint: Endpoint, body: Body) -> Result<Job, ApiError> {
+    let bytes = axum::body::to_bytes(body, app.max_body_bytes)
+        .await
+        .map_err(|_| ApiError::payload_too_large(app.max_body_bytes))?;
+    let req = CompletionRequest::parse(&bytes)?;
+    req.validate(endpoint)?;
+    if req.model != app.model {
+        return Err(ApiError::not_found(format!(
+            "The model `{}` does not exist. Valid aliases: {}.",
+            req.model, app.model
+        ))
+        .with_param("model"));
+    }
+    let (verdict, accepted) = app.faults.admit();
+    match verdict {
+        Verdict::Serve => {}
+        Verdict::Fail => return Err(ApiError::internal("injected engine failure")),
+        Verdict::Throttle => return Err(ApiError::rate_limited("injected throttling")),
+    }
+
+    let encoding = app.profile.model.tokenizer;
+    let (req, tokens) = if bytes.len() > INLINE_TOKENIZE_BYTES {
+        tokio::task::spawn_blocking(move || {
+            let tokens = req.prompt_tokens(endpoint, encoding);
+            (req, tokens)
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+    } else {
+        let tokens = req.prompt_tokens(endpoint, encoding);
+        (req, tokens)
+    };
+    let tokens = tokens.map_err(|e| ApiError::internal(e.to_string()))?;
+
+    let prompt_len = tokens.len() as u64;
+    let max_len = app.profile.model.max_model_len;
+    let max_tokens = req
+        .max_output_tokens()
+        .map_or(max_len.saturating_sub(prompt_len), u64::from);
+    if max_tokens == 0 || prompt_len + max_tokens > max_len {
+        return Err(ApiError::context_length_exceeded(
+            max_len, prompt_len, max_tokens,
+        ));
+    }
+    let capacity = app.profile.kv_capacity_tokens();
+    if prompt_len + max_tokens > capacity {
+        return Err(ApiError::bad_request(format!(
+            "{} tokens of context exceed the KV cache capacity of {capacity} tokens",
+            prompt_len + max_tokens
+        ))
+        .with_param("max_tokens"));
+    }
+
+    let seed = req.seed.unwrap_or_else(|| {
+        let mut h = DefaultHasher::new();
+        (app.seed, &tokens).hash(&mut h);
+        h.finish()
+    });
+    let mut text = TextGen::new(seed);
+    let max_tokens = u32::try_from(max_tokens).unwrap_or(u32::MAX);
+    let output_len = if req.ignore_eos.unwrap_or(false) {
+        max_tokens
+    } else {
+        text.natural_length(&app.profile.output).min(max_tokens)
+    };
+    let id = app.next_id.fetch_add(1, Ordering::Relaxed);
+    Ok(Job {
+        head: ResponseHead::new(endpoint, id, &app.model),
+        spec: SeqSpec {
+            id,
+            prompt_len,
+            block_hashes: block_hashes(req.cache_salt.as_deref(), &tokens),
+            output_len,
+        },
+        finish_reason: if output_len == max_tokens {
+            "length"
+        } else {
+            "stop"
+        },
+        text,
+        stream: req.is_streaming(),
+        include_usage: req.wants_stream_usage(),
+        accepted,
+    })
+}
+
+/// Aborts the engine sequence unless the request completed: a dropped handler or a closed
+/// stream means the client went away.
+struct AbortOnDrop {
+    engine: EngineHandle,
+    id: Option<SeqId>,
+}
+
+impl AbortOnDrop {
+    fn disarm(&mut self) {
+        self.id = None;
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.engine.abort(id);
+        }
+    }
+}
+
+/// The connection is to be cut, as a crashed engine would.
+struct Dropped;
+
+/// Applies the token-level faults, then yields the piece of text for token `index`.
+async fn next_piece(app: &App, job: &mut Job, index: u32) -> Result<&'static str, Dropped> {
+    if index == 0 && app.faults.is_fatal(job.accepted) {
+        error!(request = job.accepted, "--exit-after reached: crashing");
+        std::process::exit(70);
+    }
+    if app.faults.drops_before(index) {
+        return Err(Dropped);
+    }
+    if let Some(stall) = app.faults.stall_before(index) {
+        tokio::time::sleep(stall).await;
+    }
+    Ok(job.text.next_piece())
+}
+
+type Chunk = Result<Bytes, io::Error>;
+
+fn stream_response(
+    app: Arc<App>,
+    job: Job,
+    events: mpsc::UnboundedReceiver<SeqEvent>,
+    guard: AbortOnDrop,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Chunk>(64);
+    tokio::spawn(pump(app, job, events, guard, tx));
+    let body = Body::from_stream(stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|chunk| (chunk, rx))
+    }));
+    Response::builder()
+        .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
+        .header(header::CACHE_CONTROL, "no-cache")
+        .body(body)
+        .unwrap_or_else(|e| error_response(&ApiError::internal(e.to_string())))
+}
+
+/// Relays engine events as SSE until the sequence ends or the client leaves.
+async fn pump(
+    app: Arc<App>,
+    mut job: Job,
+    mut events: mpsc::UnboundedReceiver<SeqEvent>,
+    mut guard: AbortOnDrop,
+    tx: mpsc::Sender<Chunk>,
+) {
+    loop {
+        let event = tokio::select! {
+            event = events.recv() => event,
+            _ = tx.closed() => return,
+        };
+        let frame = match event {
+            Some(SeqEvent::Token { index }) => match next_piece(&app, &mut job, index).await {
+                Ok(piece) => {
+                    let last = index + 1 == job.spec.output_len;
+                    job.head
+                        .token_frames(piece, index == 0, last.then_some(job.finish_reason))
+                }
+                Err(Dropped) => {
+                    let _ = tx.send(Err(io::Error::other("injected drop"))).await;
+                    return;
+                }
+            },
+            Some(SeqEvent::Finished(done)) => {
+                guard.disarm();
+                let mut tail = String::new();
+                if job.include_usage {
+                    tail.push_str(&job.head.usage_frame(&done.usage));
+                }
+                tail.push_str(SSE_DONE);
+                let _ = tx.send(Ok(Bytes::from(tail))).await;
+                return;
+            }
+            Some(SeqEvent::Rejected(msg)) => {
+                guard.disarm();
+                let err = ApiError::bad_request(msg).to_json().to_string();
+                let _ = tx.send(Ok(Bytes::from(sse_event(&err) + SSE_DONE))).await;
+                return;
+            }
+            None => {
+                let err = ApiError::internal("engine stopped").to_json().to_string();
+                let _ = tx.send(Ok(Bytes::from(sse_event(&err)))).await;
+                return;
+            }
+        };
+        if tx.send(Ok(Bytes::from(frame))).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn collect_response(
+    app: Arc<App>,
+    mut job: Job,
+    mut events: mpsc::UnboundedReceiver<SeqEvent>,
+    mut guard: AbortOnDrop,
+) -> Response {
+    let mut text = String::new();
+    while let Some(event) = events.recv().await {
+        match event {
+            SeqEvent::Token { index } => match next_piece(&app, &mut job, index).await {
+                Ok(piece) => text.push_str(piece),
+                Err(Dropped) => {
+                    let cut =
+                        stream::once(async { Err::<Bytes, _>(io::Error::other("injected drop")) });
+                    return Body::from_stream(cut).into_response();
+                }
+            },
+            SeqEvent::Finished(done) => {
+                guard.disarm();
+                let body = job.head.response(&text, job.finish_reason, &done.usage);
+                return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
+            }
+            SeqEvent::Rejected(msg) => {
+                guard.disarm();
+                return error_response(&ApiError::bad_request(msg));
+            }
+        }
+    }
+    error_response(&ApiError::internal("engine stopped"))
+}
