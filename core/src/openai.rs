@@ -178,14 +178,14 @@ impl CompletionRequest {
                 ))
                 .with_param("messages"));
             }
-            if let Some(MessageContent::Parts(parts)) = &m.content {
-                if let Some(p) = parts.iter().find(|p| p.kind != "text" || p.text.is_none()) {
-                    return Err(ApiError::bad_request(format!(
-                        "messages[{i}].content: only text parts are supported, got '{}'",
-                        p.kind
-                    ))
-                    .with_param("messages"));
-                }
+            if let Some(MessageContent::Parts(parts)) = &m.content
+                && let Some(p) = parts.iter().find(|p| p.kind != "text" || p.text.is_none())
+            {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].content: only text parts are supported, got '{}'",
+                    p.kind
+                ))
+                .with_param("messages"));
             }
         }
         Ok(())

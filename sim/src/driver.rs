@@ -76,10 +76,10 @@ impl EngineHandle {
             finish_reason,
             events,
         };
-        if let Err(rejected) = self.commands.send(cmd) {
-            if let Command::Submit { events, .. } = rejected.0 {
-                let _ = events.send(SeqEvent::Rejected("engine stopped".into()));
-            }
+        if let Err(rejected) = self.commands.send(cmd)
+            && let Command::Submit { events, .. } = rejected.0
+        {
+            let _ = events.send(SeqEvent::Rejected("engine stopped".into()));
         }
         rx
     }

@@ -123,10 +123,10 @@ impl BlockPool {
             let block = &mut self.blocks[id];
             block.free_stamp = None;
             block.refs = 1;
-            if let Some(hash) = block.hash.take() {
-                if self.cached.get(&hash) == Some(&id) {
-                    self.cached.remove(&hash);
-                }
+            if let Some(hash) = block.hash.take()
+                && self.cached.get(&hash) == Some(&id)
+            {
+                self.cached.remove(&hash);
             }
             ids.push(id);
         }
