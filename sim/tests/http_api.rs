@@ -295,3 +295,72 @@ async fn exit_after_crashes_mid_stream() {
     );
     assert_eq!(sim.wait_exit(), Some(70));
 }
+
+#[tokio::test]
+async fn profiles_load_from_yaml_files() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/profiles/qwen2.5-32b-a100.yaml"
+    );
+    let sim = Sim::start(&["--profile", path, "--time-scale", "100"]);
+    let models: Value = sim
+        .http
+        .get(sim.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "qwen2.5-32b");
+    assert_eq!(models["data"][0]["max_model_len"], 32768);
+    // (2 x 80 GB x 0.9 - 65 GB) / (16 tokens x 2 x 64 layers x 8 heads x 128 x 1 byte) = 37,670.
+    let text = sim
+        .http
+        .get(sim.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(text.contains("num_gpu_blocks=\"37670\""), "{text}");
+    let body = chat("qwen2.5-32b", "hi", json!({"max_tokens": 3}));
+    assert_eq!(sim.post("/v1/chat/completions", body).await.status(), 200);
+}
+
+#[tokio::test]
+async fn injected_stall_pauses_then_resumes() {
+    let sim = Sim::start(&[
+        "--preset",
+        "tiny",
+        "--time-scale",
+        "50",
+        "--stall-after",
+        "2",
+        "--stall-for",
+        "400",
+    ]);
+    let body = chat(
+        "tiny",
+        "x",
+        json!({"stream": true, "max_tokens": 6, "ignore_eos": true}),
+    );
+    let mut resp = sim.post("/v1/chat/completions", body).await;
+    let mut arrivals = Vec::new();
+    while let Some(bytes) = resp.chunk().await.unwrap() {
+        let text = String::from_utf8_lossy(&bytes).into_owned();
+        arrivals.push((std::time::Instant::now(), text));
+    }
+    let all: String = arrivals.iter().map(|(_, t)| t.as_str()).collect();
+    assert!(
+        all.ends_with("data: [DONE]\n\n"),
+        "the stream completes after the stall"
+    );
+    // The longest pause between frames is at least the injected stall (a lower bound only).
+    let longest = arrivals.windows(2).map(|w| w[1].0 - w[0].0).max().unwrap();
+    assert!(
+        longest >= std::time::Duration::from_millis(400),
+        "{longest:?}"
+    );
+}
