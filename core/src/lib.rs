@@ -3,6 +3,10 @@
 //! Nothing here performs I/O or reads a clock: callers pass time in. The crate builds natively
 //! and for `wasm32-wasip1`, so the same code is tested on the host and inside the proxy-wasm VM.
 
+pub mod bucket;
+pub mod config;
+pub mod keys;
 pub mod kv_profile;
 pub mod openai;
+pub mod reservation;
 pub mod tokens;

@@ -1,0 +1,514 @@
+//! Reserving quota across the hierarchy, and settling it when the request ends.
+//!
+//! A request is charged at every level on its key's path (org, workspace, project, key): one
+//! request, its estimated input tokens, its reserved output tokens and a concurrency slot,
+//! wherever a limit is set. Charges are all-or-nothing: if one level refuses, the ones already
+//! taken are given back. Each counter is updated with a compare-and-swap loop over the host's
+//! shared data, bounded so a hot key can never spin a worker.
+
+use crate::bucket::{Bucket, decode_count, encode_count};
+use crate::config::{Level, Limits, Tenant};
+
+/// Attempts per counter before a reservation gives up as contended.
+pub const MAX_CAS_ATTEMPTS: usize = 16;
+
+/// Key-value storage with compare-and-swap, shared by every worker (proxy-wasm shared data).
+pub trait SharedStore {
+    /// The value and its CAS token, if the key exists.
+    fn load(&self, key: &str) -> Option<(Vec<u8>, u32)>;
+    /// Writes if the key's CAS token still equals `cas` (`None`: unconditionally).
+    fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// Someone else wrote the key since it was read.
+    CasMismatch,
+    Failed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitKind {
+    Requests,
+    InputTokens,
+    OutputTokens,
+    Concurrency,
+}
+
+impl LimitKind {
+    const ALL: [LimitKind; 4] = [
+        LimitKind::Requests,
+        LimitKind::InputTokens,
+        LimitKind::OutputTokens,
+        LimitKind::Concurrency,
+    ];
+
+    /// The config name of the limit, also used as the rejection reason.
+    pub fn name(self) -> &'static str {
+        match self {
+            LimitKind::Requests => "requests_per_minute",
+            LimitKind::InputTokens => "input_tokens_per_minute",
+            LimitKind::OutputTokens => "output_tokens_per_minute",
+            LimitKind::Concurrency => "concurrent_requests",
+        }
+    }
+
+    fn limit(self, limits: &Limits) -> Option<u64> {
+        match self {
+            LimitKind::Requests => limits.requests_per_minute,
+            LimitKind::InputTokens => limits.input_tokens_per_minute,
+            LimitKind::OutputTokens => limits.output_tokens_per_minute,
+            LimitKind::Concurrency => limits.concurrent_requests,
+        }
+    }
+}
+
+/// Separate counters for enforced and shadow routes, so shadow traffic never spends the
+/// budget that enforced traffic is held to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ledger {
+    Enforce,
+    Shadow,
+}
+
+/// What a request asks for, or what it turned out to use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Demand {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+}
+
+/// One counter on the request's path.
+#[derive(Clone, Debug, PartialEq)]
+struct Counter {
+    key: String,
+    kind: LimitKind,
+    limit: u64,
+}
+
+/// Charges held by a request until it settles.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reservation {
+    held: Vec<Counter>,
+    pub demand: Demand,
+}
+
+/// Why a reservation was refused.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Denial {
+    /// A limit at `level` (a tenant path prefix) has no room.
+    Limit {
+        level: String,
+        kind: LimitKind,
+        limit: u64,
+        remaining: u64,
+        retry_after_ms: u64,
+    },
+    /// A counter kept changing under us; retrying shortly will do.
+    Contended,
+}
+
+fn counter_key(ledger: Ledger, level: &Level, kind: LimitKind) -> String {
+    let ns = match ledger {
+        Ledger::Enforce => "e",
+        Ledger::Shadow => "s",
+    };
+    let suffix = match kind {
+        LimitKind::Requests => "rpm",
+        LimitKind::InputTokens => "itpm",
+        LimitKind::OutputTokens => "otpm",
+        LimitKind::Concurrency => "conc",
+    };
+    format!("weir:{ns}:{}:{suffix}", level.path)
+}
+
+fn counters(tenant: &Tenant, ledger: Ledger) -> impl Iterator<Item = Counter> + '_ {
+    tenant.levels.iter().flat_map(move |level| {
+        LimitKind::ALL.into_iter().filter_map(move |kind| {
+            kind.limit(&level.limits).map(|limit| Counter {
+                key: counter_key(ledger, level, kind),
+                kind,
+                limit,
+            })
+        })
+    })
+}
+
+/// Creates the counters of every level that has none yet (full buckets, empty slots), so that
+/// every later update is a compare-and-swap on an existing key.
+pub fn initialize<'a>(
+    store: &impl SharedStore,
+    tenants: impl IntoIterator<Item = &'a Tenant>,
+    now_ms: u64,
+) {
+    for tenant in tenants {
+        for ledger in [Ledger::Enforce, Ledger::Shadow] {
+            for c in counters(tenant, ledger) {
+                if store.load(&c.key).is_none() {
+                    let _ = store.store(&c.key, &initial(&c, now_ms), None);
+                }
+            }
+        }
+    }
+}
+
+fn initial(c: &Counter, now_ms: u64) -> Vec<u8> {
+    match c.kind {
+        LimitKind::Concurrency => encode_count(0).to_vec(),
+        _ => Bucket::full(c.limit, now_ms).encode().to_vec(),
+    }
+}
+
+/// Outcome of one compare-and-swap update.
+enum Update<T> {
+    Done,
+    Refused(T),
+    Contended,
+}
+
+/// Reads, transforms and conditionally writes one key, retrying on CAS conflicts.
+fn update<T>(
+    store: &impl SharedStore,
+    key: &str,
+    mut f: impl FnMut(Option<&[u8]>) -> Result<Vec<u8>, T>,
+) -> Update<T> {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let current = store.load(key);
+        let next = match f(current.as_ref().map(|(v, _)| v.as_slice())) {
+            Ok(next) => next,
+            Err(refusal) => return Update::Refused(refusal),
+        };
+        match store.store(key, &next, current.map(|(_, cas)| cas)) {
+            Ok(()) => return Update::Done,
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Failed) => return Update::Contended,
+        }
+    }
+    Update::Contended
+}
+
+impl Counter {
+    fn amount(&self, demand: Demand) -> u64 {
+        match self.kind {
+            LimitKind::Requests | LimitKind::Concurrency => 1,
+            LimitKind::InputTokens => demand.input_tokens,
+            LimitKind::OutputTokens => demand.output_tokens,
+        }
+    }
+
+    /// Takes this counter's share of `demand`, or reports the shortfall.
+    fn take(&self, store: &impl SharedStore, demand: Demand, now_ms: u64) -> Update<Denial> {
+        let amount = self.amount(demand);
+        update(store, &self.key, |current| match self.kind {
+            LimitKind::Concurrency => {
+                let held = current.and_then(decode_count).unwrap_or(0);
+                if held >= self.limit {
+                    return Err((0, 1_000));
+                }
+                Ok(encode_count(held + 1).to_vec())
+            }
+            _ => {
+                let bucket = current
+                    .and_then(Bucket::decode)
+                    .unwrap_or_else(|| Bucket::full(self.limit, now_ms));
+                bucket
+                    .take(self.limit, amount, now_ms)
+                    .map(|b| b.encode().to_vec())
+                    .map_err(|s| (s.remaining, s.retry_after_ms))
+            }
+        })
+        .map_refusal(|(remaining, retry_after_ms)| Denial::Limit {
+            level: level_of(&self.key),
+            kind: self.kind,
+            limit: self.limit,
+            remaining,
+            retry_after_ms,
+        })
+    }
+
+    /// Gives back `refund` tokens (negative: charges more) or releases the slot.
+    fn give_back(&self, store: &impl SharedStore, refund: f64, now_ms: u64) -> bool {
+        let result = update::<()>(store, &self.key, |current| {
+            Ok(match self.kind {
+                LimitKind::Concurrency => {
+                    let held = current.and_then(decode_count).unwrap_or(0);
+                    encode_count(held.saturating_sub(1)).to_vec()
+                }
+                _ => current
+                    .and_then(Bucket::decode)
+                    .unwrap_or_else(|| Bucket::full(self.limit, now_ms))
+                    .adjust(self.limit, refund, now_ms)
+                    .encode()
+                    .to_vec(),
+            })
+        });
+        matches!(result, Update::Done)
+    }
+}
+
+impl<T> Update<T> {
+    fn map_refusal<U>(self, f: impl FnOnce(T) -> U) -> Update<U> {
+        match self {
+            Update::Done => Update::Done,
+            Update::Refused(t) => Update::Refused(f(t)),
+            Update::Contended => Update::Contended,
+        }
+    }
+}
+
+/// The tenant path a counter key belongs to (`weir:e:acme/team:rpm` → `acme/team`).
+fn level_of(key: &str) -> String {
+    let inner = key.splitn(3, ':').nth(2).unwrap_or(key);
+    inner
+        .rsplit_once(':')
+        .map_or(inner, |(path, _)| path)
+        .to_owned()
+}
+
+/// Charges `demand` at every level of the tenant's path, all or nothing.
+pub fn reserve(
+    store: &impl SharedStore,
+    tenant: &Tenant,
+    demand: Demand,
+    ledger: Ledger,
+    now_ms: u64,
+) -> Result<Reservation, Denial> {
+    let mut held: Vec<Counter> = Vec::new();
+    for counter in counters(tenant, ledger) {
+        let denial = match counter.take(store, demand, now_ms) {
+            Update::Done => {
+                held.push(counter);
+                continue;
+            }
+            Update::Refused(denial) => denial,
+            Update::Contended => Denial::Contended,
+        };
+        let taken = Reservation { held, demand };
+        release(store, &taken, Demand::default(), now_ms, true);
+        return Err(denial);
+    }
+    Ok(Reservation { held, demand })
+}
+
+/// Replaces the reservation with what the request actually used: unused tokens go back,
+/// overruns are charged, the concurrency slot is released. Returns how many counters could
+/// not be updated (contention past the retry bound).
+pub fn settle(
+    store: &impl SharedStore,
+    reservation: &Reservation,
+    actual: Demand,
+    now_ms: u64,
+) -> usize {
+    release(store, reservation, actual, now_ms, false)
+}
+
+fn release(
+    store: &impl SharedStore,
+    reservation: &Reservation,
+    actual: Demand,
+    now_ms: u64,
+    rollback: bool,
+) -> usize {
+    let reserved = reservation.demand;
+    reservation
+        .held
+        .iter()
+        .filter(|c| {
+            let refund = match c.kind {
+                LimitKind::Requests if rollback => 1.0,
+                LimitKind::Requests => return false,
+                LimitKind::Concurrency => 0.0,
+                LimitKind::InputTokens => reserved.input_tokens as f64 - actual.input_tokens as f64,
+                LimitKind::OutputTokens => {
+                    reserved.output_tokens as f64 - actual.output_tokens as f64
+                }
+            };
+            !c.give_back(store, refund, now_ms)
+        })
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::{Cell, RefCell};
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::config::Config;
+
+    /// Shared data as Envoy keeps it, with optional injected CAS conflicts.
+    #[derive(Default)]
+    struct Memory {
+        data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
+        conflicts: Cell<usize>,
+    }
+
+    impl SharedStore for Memory {
+        fn load(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+            self.data.borrow().get(key).cloned()
+        }
+
+        fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+            if self.conflicts.get() > 0 {
+                self.conflicts.set(self.conflicts.get() - 1);
+                return Err(StoreError::CasMismatch);
+            }
+            let mut data = self.data.borrow_mut();
+            let current = data.get(key).map(|(_, c)| *c);
+            if cas.is_some() && cas != current {
+                return Err(StoreError::CasMismatch);
+            }
+            data.insert(key.to_owned(), (value.to_vec(), current.unwrap_or(0) + 1));
+            Ok(())
+        }
+    }
+
+    impl Memory {
+        fn level(&self, key: &str) -> f64 {
+            Bucket::decode(&self.data.borrow()[key].0).unwrap().level
+        }
+
+        fn count(&self, key: &str) -> u64 {
+            decode_count(&self.data.borrow()[key].0).unwrap()
+        }
+    }
+
+    fn tenant(org: &str, key: &str) -> Tenant {
+        let json = format!(
+            r#"{{"orgs":[{{"id":"acme","limits":{org},"workspaces":[{{"id":"w","projects":[
+                {{"id":"p","keys":[{{"id":"k","sha256":"{h}","limits":{key}}}]}}]}}]}}]}}"#,
+            h = "a".repeat(64)
+        );
+        let config = Config::from_json(json.as_bytes()).unwrap();
+        config.directory().lookup(&"a".repeat(64)).unwrap().clone()
+    }
+
+    const IN_100: Demand = Demand {
+        input_tokens: 100,
+        output_tokens: 50,
+    };
+
+    #[test]
+    fn charges_every_level_and_settles_the_difference() {
+        let t = tenant(
+            r#"{"input_tokens_per_minute":1000,"output_tokens_per_minute":500}"#,
+            r#"{"concurrent_requests":2,"requests_per_minute":10}"#,
+        );
+        let store = Memory::default();
+        initialize(&store, [&t], 0);
+        let r = reserve(&store, &t, IN_100, Ledger::Enforce, 0).unwrap();
+        assert_eq!(store.level("weir:e:acme:itpm"), 900.0);
+        assert_eq!(store.level("weir:e:acme:otpm"), 450.0);
+        assert_eq!(store.count("weir:e:acme/w/p/k:conc"), 1);
+        assert_eq!(store.level("weir:e:acme/w/p/k:rpm"), 9.0);
+
+        let actual = Demand {
+            input_tokens: 120,
+            output_tokens: 10,
+        };
+        assert_eq!(settle(&store, &r, actual, 0), 0);
+        assert_eq!(
+            store.level("weir:e:acme:itpm"),
+            880.0,
+            "input overrun charged"
+        );
+        assert_eq!(
+            store.level("weir:e:acme:otpm"),
+            490.0,
+            "unused output refunded"
+        );
+        assert_eq!(store.count("weir:e:acme/w/p/k:conc"), 0);
+        assert_eq!(
+            store.level("weir:e:acme/w/p/k:rpm"),
+            9.0,
+            "a request stays counted"
+        );
+    }
+
+    #[test]
+    fn a_refusal_anywhere_rolls_back_everything() {
+        let t = tenant(
+            r#"{"input_tokens_per_minute":1000}"#,
+            r#"{"output_tokens_per_minute":40}"#,
+        );
+        let store = Memory::default();
+        initialize(&store, [&t], 0);
+        let small = Demand {
+            input_tokens: 10,
+            output_tokens: 10,
+        };
+        reserve(&store, &t, small, Ledger::Enforce, 0).unwrap();
+        let denial = reserve(&store, &t, IN_100, Ledger::Enforce, 0).unwrap_err();
+        match denial {
+            Denial::Limit {
+                level,
+                kind,
+                limit,
+                retry_after_ms,
+                ..
+            } => {
+                assert_eq!(level, "acme/w/p/k");
+                assert_eq!(kind, LimitKind::OutputTokens);
+                assert_eq!(limit, 40);
+                // Over the whole bucket: it waits until the bucket is full again (10 at 40/min).
+                assert_eq!(retry_after_ms, 15_000);
+            }
+            Denial::Contended => panic!("not contended"),
+        }
+        // The org's input tokens taken by the refused request were given back.
+        assert_eq!(store.level("weir:e:acme:itpm"), 990.0);
+    }
+
+    #[test]
+    fn concurrency_slots_are_bounded_and_released() {
+        let t = tenant("{}", r#"{"concurrent_requests":2}"#);
+        let store = Memory::default();
+        let a = reserve(&store, &t, IN_100, Ledger::Enforce, 0).unwrap();
+        let _b = reserve(&store, &t, IN_100, Ledger::Enforce, 0).unwrap();
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, 0).is_err());
+        settle(&store, &a, IN_100, 0);
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, 0).is_ok());
+    }
+
+    #[test]
+    fn shadow_counters_are_separate() {
+        let t = tenant("{}", r#"{"requests_per_minute":1}"#);
+        let store = Memory::default();
+        assert!(reserve(&store, &t, IN_100, Ledger::Shadow, 0).is_ok());
+        assert!(reserve(&store, &t, IN_100, Ledger::Shadow, 0).is_err());
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, 0).is_ok());
+    }
+
+    #[test]
+    fn cas_conflicts_are_retried_then_reported() {
+        let t = tenant("{}", r#"{"requests_per_minute":10}"#);
+        let store = Memory::default();
+        initialize(&store, [&t], 0);
+        store.conflicts.set(MAX_CAS_ATTEMPTS - 1);
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, 0).is_ok());
+        store.conflicts.set(MAX_CAS_ATTEMPTS);
+        assert_eq!(
+            reserve(&store, &t, IN_100, Ledger::Enforce, 0),
+            Err(Denial::Contended)
+        );
+        assert_eq!(store.level("weir:e:acme/w/p/k:rpm"), 9.0);
+    }
+
+    #[test]
+    fn retry_after_is_when_the_bucket_refills() {
+        let t = tenant("{}", r#"{"input_tokens_per_minute":600}"#);
+        let store = Memory::default();
+        let big = Demand {
+            input_tokens: 500,
+            output_tokens: 0,
+        };
+        reserve(&store, &t, big, Ledger::Enforce, 0).unwrap();
+        let Err(Denial::Limit { retry_after_ms, .. }) =
+            reserve(&store, &t, big, Ledger::Enforce, 0)
+        else {
+            panic!("expected a limit")
+        };
+        assert_eq!(retry_after_ms, 40_000, "400 more tokens at 10/s");
+        assert!(reserve(&store, &t, big, Ledger::Enforce, 40_000).is_ok());
+    }
+}
