@@ -5,6 +5,7 @@
 
 pub mod bucket;
 pub mod config;
+pub mod estimate;
 pub mod keys;
 pub mod kv_profile;
 pub mod openai;
