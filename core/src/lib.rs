@@ -8,6 +8,7 @@ pub mod config;
 pub mod estimate;
 pub mod keys;
 pub mod kv_profile;
+pub mod meter;
 pub mod openai;
 pub mod reservation;
 pub mod tokens;

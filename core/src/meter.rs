@@ -1,0 +1,374 @@
+//! Metering a response as it passes: the engine's usage when it reports one, a count of the
+//! tokens seen when it does not.
+//!
+//! Streams are scanned event by event across chunk boundaries. Only the bytes of an incomplete
+//! trailing event are held back (never more than [`MAX_HELD_BYTES`]); everything else is
+//! forwarded at once. The usage-only event that weir asks the engine for is removed again
+//! when the client did not ask for it.
+
+use serde::Deserialize;
+
+/// An event larger than this is forwarded unparsed rather than held.
+pub const MAX_HELD_BYTES: usize = 64 * 1024;
+
+/// Token counts of a finished response.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+pub struct Usage {
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub completion_tokens: u64,
+}
+
+#[derive(Deserialize)]
+struct Event {
+    #[serde(default)]
+    choices: Option<Vec<Choice>>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(default)]
+    error: Option<serde::de::IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Choice {
+    #[serde(default)]
+    delta: Option<Delta>,
+    #[serde(default)]
+    text: Option<String>,
+    #[serde(default)]
+    message: Option<Delta>,
+}
+
+#[derive(Deserialize)]
+struct Delta {
+    #[serde(default)]
+    content: Option<String>,
+}
+
+impl Choice {
+    fn content(&self) -> Option<&str> {
+        self.delta
+            .as_ref()
+            .or(self.message.as_ref())
+            .and_then(|d| d.content.as_deref())
+            .or(self.text.as_deref())
+    }
+}
+
+/// Meters a server-sent-event stream of chat or text completion chunks.
+#[derive(Debug, Default)]
+pub struct StreamMeter {
+    hide_usage_event: bool,
+    held: Vec<u8>,
+    usage: Option<Usage>,
+    content_events: u64,
+    error_events: u64,
+}
+
+impl StreamMeter {
+    /// `hide_usage_event`: the client did not ask for `include_usage`, so the usage-only
+    /// event is metered and then dropped.
+    pub fn new(hide_usage_event: bool) -> Self {
+        StreamMeter {
+            hide_usage_event,
+            ..StreamMeter::default()
+        }
+    }
+
+    /// The engine's usage, once its usage event has passed.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    /// Events that carried generated text: one per token for vLLM-style engines, so this is
+    /// the fallback completion count when no usage arrives.
+    pub fn content_events(&self) -> u64 {
+        self.content_events
+    }
+
+    /// Events that carried an error object (an engine failing mid-stream).
+    pub fn error_events(&self) -> u64 {
+        self.error_events
+    }
+
+    /// Takes the next chunk of the stream and returns the bytes to forward now.
+    pub fn feed(&mut self, chunk: &[u8], end_of_stream: bool) -> Vec<u8> {
+        self.held.extend_from_slice(chunk);
+        let complete = if end_of_stream {
+            self.held.len()
+        } else {
+            match last_boundary(&self.held) {
+                Some(end) => end,
+                None if self.held.len() > MAX_HELD_BYTES => {
+                    return std::mem::take(&mut self.held);
+                }
+                None => return Vec::new(),
+            }
+        };
+        let rest = self.held.split_off(complete);
+        let ready = std::mem::replace(&mut self.held, rest);
+        let mut out = Vec::with_capacity(ready.len());
+        for event in split_events(&ready) {
+            if self.observe(event) {
+                out.extend_from_slice(event);
+            }
+        }
+        out
+    }
+
+    /// Meters one event; returns whether to forward it.
+    fn observe(&mut self, event: &[u8]) -> bool {
+        let Some(data) = event_data(event) else {
+            return true;
+        };
+        let Ok(parsed) = serde_json::from_slice::<Event>(&data) else {
+            return true;
+        };
+        if parsed.error.is_some() {
+            self.error_events += 1;
+        }
+        let choices = parsed.choices.unwrap_or_default();
+        if choices
+            .iter()
+            .any(|c| c.content().is_some_and(|t| !t.is_empty()))
+        {
+            self.content_events += 1;
+        }
+        match parsed.usage {
+            Some(usage) => {
+                self.usage = Some(usage);
+                !(self.hide_usage_event && choices.is_empty())
+            }
+            None => true,
+        }
+    }
+}
+
+/// End (exclusive) of the last complete event: just past the last blank line.
+fn last_boundary(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf
+        .windows(4)
+        .rposition(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
+    lf.max(crlf)
+}
+
+/// Splits complete events, each keeping its trailing blank line.
+fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let lf = rest.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+        let crlf = rest.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+        let end = match (lf, crlf) {
+            (Some(a), Some(b)) => a.min(b),
+            (a, b) => a.or(b).unwrap_or(rest.len()),
+        };
+        let (event, tail) = rest.split_at(end);
+        rest = tail;
+        Some(event)
+    })
+}
+
+/// The concatenated `data:` lines of an event, if any.
+fn event_data(event: &[u8]) -> Option<Vec<u8>> {
+    let mut data: Option<Vec<u8>> = None;
+    for line in event.split(|&b| b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if let Some(value) = line.strip_prefix(b"data:") {
+            let value = value.strip_prefix(b" ").unwrap_or(value);
+            let d = data.get_or_insert_with(Vec::new);
+            if !d.is_empty() {
+                d.push(b'\n');
+            }
+            d.extend_from_slice(value);
+        }
+    }
+    data
+}
+
+/// Meters a non-streamed JSON response: the body is copied (up to a bound) as it passes and
+/// read once it is complete.
+#[derive(Debug)]
+pub struct BodyMeter {
+    body: Vec<u8>,
+    limit: usize,
+    overflowed: bool,
+}
+
+/// What a complete non-streamed body says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyUsage {
+    Reported(Usage),
+    /// No usage object: the completion is estimated from the generated text's length.
+    Estimated {
+        completion_tokens: u64,
+    },
+    /// Not parseable (too large, not JSON, an error body).
+    Unknown,
+}
+
+impl BodyMeter {
+    pub fn new(limit: usize) -> Self {
+        BodyMeter {
+            body: Vec::new(),
+            limit,
+            overflowed: false,
+        }
+    }
+
+    pub fn feed(&mut self, chunk: &[u8]) {
+        if self.body.len() + chunk.len() > self.limit {
+            self.overflowed = true;
+            self.body = Vec::new();
+        }
+        if !self.overflowed {
+            self.body.extend_from_slice(chunk);
+        }
+    }
+
+    pub fn finish(&self) -> BodyUsage {
+        if self.overflowed {
+            return BodyUsage::Unknown;
+        }
+        let Ok(parsed) = serde_json::from_slice::<Event>(&self.body) else {
+            return BodyUsage::Unknown;
+        };
+        if let Some(usage) = parsed.usage {
+            return BodyUsage::Reported(usage);
+        }
+        match parsed.choices {
+            Some(choices) if parsed.error.is_none() => BodyUsage::Estimated {
+                completion_tokens: choices
+                    .iter()
+                    .filter_map(Choice::content)
+                    .map(crate::estimate::fast_count)
+                    .sum(),
+            },
+            _ => BodyUsage::Unknown,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHUNK: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\n";
+    const USAGE: &str = "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":16,\"total_tokens\":32,\"completion_tokens\":16}}\n\n";
+    const DONE: &str = "data: [DONE]\n\n";
+
+    fn stream() -> String {
+        format!("{CHUNK}{CHUNK}{USAGE}{DONE}")
+    }
+
+    #[test]
+    fn usage_event_is_read_and_hidden_when_not_asked_for() {
+        let mut meter = StreamMeter::new(true);
+        let out = meter.feed(stream().as_bytes(), true);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            format!("{CHUNK}{CHUNK}{DONE}")
+        );
+        assert_eq!(
+            meter.usage(),
+            Some(Usage {
+                prompt_tokens: 16,
+                completion_tokens: 16
+            })
+        );
+        assert_eq!(meter.content_events(), 2);
+    }
+
+    #[test]
+    fn usage_event_passes_when_asked_for() {
+        let mut meter = StreamMeter::new(false);
+        let out = meter.feed(stream().as_bytes(), true);
+        assert_eq!(String::from_utf8(out).unwrap(), stream());
+    }
+
+    #[test]
+    fn events_split_anywhere_are_reassembled_without_holding_complete_ones() {
+        let whole = stream();
+        for split in 1..whole.len() {
+            let mut meter = StreamMeter::new(true);
+            let (a, b) = whole.as_bytes().split_at(split);
+            let first = meter.feed(a, false);
+            // Whatever was forwarded first is a prefix of complete events.
+            let complete_before = whole[..split].rfind("\n\n").map_or(0, |i| i + 2);
+            let expected_first = whole[..complete_before].replace(USAGE, "");
+            assert_eq!(
+                String::from_utf8(first.clone()).unwrap(),
+                expected_first,
+                "split {split}"
+            );
+            let mut all = first;
+            all.extend(meter.feed(b, true));
+            assert_eq!(
+                String::from_utf8(all).unwrap(),
+                format!("{CHUNK}{CHUNK}{DONE}"),
+                "split {split}"
+            );
+            assert_eq!(meter.usage().map(|u| u.completion_tokens), Some(16));
+        }
+    }
+
+    #[test]
+    fn crlf_events_and_multiline_data_are_understood() {
+        let mut meter = StreamMeter::new(true);
+        let usage = "data: {\"choices\":[],\r\ndata: \"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}\r\n\r\n";
+        let chunk = "data: {\"choices\":[{\"text\":\"a\"}]}\r\n\r\n";
+        let out = meter.feed(format!("{chunk}{usage}{chunk}").as_bytes(), false);
+        assert_eq!(String::from_utf8(out).unwrap(), format!("{chunk}{chunk}"));
+        assert_eq!(meter.usage().map(|u| u.completion_tokens), Some(2));
+        assert_eq!(meter.content_events(), 2);
+    }
+
+    #[test]
+    fn huge_events_are_forwarded_not_hoarded() {
+        let mut meter = StreamMeter::new(true);
+        let blob = vec![b'x'; MAX_HELD_BYTES + 1];
+        assert_eq!(meter.feed(&blob, false).len(), blob.len());
+    }
+
+    #[test]
+    fn error_events_are_counted() {
+        let mut meter = StreamMeter::new(true);
+        meter.feed(
+            b"data: {\"error\":{\"message\":\"replica lost\"}}\n\n",
+            false,
+        );
+        assert_eq!(meter.error_events(), 1);
+    }
+
+    #[test]
+    fn non_streamed_bodies_report_or_estimate() {
+        let mut m = BodyMeter::new(1024);
+        m.feed(br#"{"choices":[{"message":{"content":"hello"}}],"#);
+        m.feed(br#""usage":{"prompt_tokens":5,"completion_tokens":1}}"#);
+        assert_eq!(
+            m.finish(),
+            BodyUsage::Reported(Usage {
+                prompt_tokens: 5,
+                completion_tokens: 1
+            })
+        );
+
+        let mut m = BodyMeter::new(1024);
+        m.feed(br#"{"choices":[{"text":"hello world"}]}"#);
+        assert_eq!(
+            m.finish(),
+            BodyUsage::Estimated {
+                completion_tokens: 2
+            }
+        );
+
+        let mut m = BodyMeter::new(8);
+        m.feed(br#"{"choices":[]}"#);
+        assert_eq!(m.finish(), BodyUsage::Unknown);
+    }
+}
