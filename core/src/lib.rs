@@ -3,6 +3,7 @@
 //! Nothing here performs I/O or reads a clock: callers pass time in. The crate builds natively
 //! and for `wasm32-wasip1`, so the same code is tested on the host and inside the proxy-wasm VM.
 
+pub mod admission;
 pub mod bucket;
 pub mod config;
 pub mod estimate;

@@ -163,7 +163,10 @@ fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
             return None;
         }
         let lf = rest.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-        let crlf = rest.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+        let crlf = rest
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map(|i| i + 4);
         let end = match (lf, crlf) {
             (Some(a), Some(b)) => a.min(b),
             (a, b) => a.or(b).unwrap_or(rest.len()),

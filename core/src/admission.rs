@@ -1,0 +1,270 @@
+//! The front door's decision on a request body: is it well-formed and allowed, how many tokens
+//! does it bring and may it take, and what the upstream receives instead of it.
+//!
+//! Nothing is silently downgraded: a request over a limit is rejected with the limit named.
+//! The only value weir fills in is `max_tokens` when the request sets none and the tenant's
+//! config states a cap (`default_max_tokens`, else the `max_output_tokens` limit).
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::config::{Config, Tenant};
+use crate::estimate::{self, Method};
+use crate::openai::{ApiError, CompletionRequest, Endpoint};
+
+/// Output tokens reserved when neither the request, the tenant nor the model bounds the answer.
+/// Only the reservation uses it; settlement charges what the engine reports.
+pub const UNBOUNDED_OUTPUT_RESERVATION: u64 = 1024;
+
+/// A request that may proceed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Admitted {
+    pub model: String,
+    pub prompt_tokens: u64,
+    pub method: Method,
+    /// Output tokens to reserve: the request's cap, or the cap weir filled in.
+    pub reserved_output: u64,
+    pub stream: bool,
+    /// The client asked for the usage chunk (weir always asks the engine for it).
+    pub client_wants_usage: bool,
+    /// The body to send upstream, when it differs from the client's.
+    pub rewritten_body: Option<Vec<u8>>,
+}
+
+/// A request turned away, with the metric label of why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rejection {
+    pub error: ApiError,
+    pub reason: &'static str,
+}
+
+fn reject(reason: &'static str, error: ApiError) -> Rejection {
+    Rejection { error, reason }
+}
+
+/// Decides on a complete request body.
+pub fn admit(
+    config: &Config,
+    tenant: &Tenant,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<Admitted, Rejection> {
+    if body.len() > config.max_body_bytes {
+        return Err(reject(
+            "body_too_large",
+            ApiError::payload_too_large(config.max_body_bytes),
+        ));
+    }
+    let mut value: Value = serde_json::from_slice(body).map_err(|e| {
+        reject(
+            "malformed_body",
+            ApiError::bad_request(format!("malformed JSON: {e}")),
+        )
+    })?;
+    let req = CompletionRequest::deserialize(&value).map_err(|e| {
+        reject(
+            "malformed_body",
+            ApiError::bad_request(format!("invalid request: {e}")),
+        )
+    })?;
+    req.validate(endpoint)
+        .map_err(|e| reject("invalid_request", e))?;
+
+    if !tenant.may_use(&req.model) {
+        return Err(reject(
+            "model_not_allowed",
+            ApiError::new(
+                403,
+                "PermissionDeniedError",
+                format!("model '{}' is not allowed for this API key", req.model),
+            )
+            .with_param("model")
+            .with_code("model_not_allowed"),
+        ));
+    }
+
+    let output_cap = tenant.tightest(|l| l.max_output_tokens);
+    let requested = req.max_output_tokens().map(u64::from);
+    if let (Some(asked), Some(cap)) = (requested, output_cap) {
+        if asked > cap {
+            let param = if req.max_completion_tokens.is_some() {
+                "max_completion_tokens"
+            } else {
+                "max_tokens"
+            };
+            return Err(reject(
+                "max_tokens_over_limit",
+                ApiError::bad_request(format!(
+                    "{param} {asked} exceeds this key's limit of {cap} output tokens per request"
+                ))
+                .with_param(param),
+            ));
+        }
+    }
+    let filled_in = match requested {
+        Some(_) => None,
+        None => tenant.default_max_tokens.or(output_cap),
+    };
+
+    let (encoding, model_context) = config.model(&req.model);
+    let (prompt_tokens, method) =
+        estimate::prompt_tokens(&req, endpoint, encoding, config.estimator.exact_below_bytes)
+            .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
+
+    let context_cap = [model_context, tenant.tightest(|l| l.max_context_tokens)]
+        .into_iter()
+        .flatten()
+        .min();
+    let output = requested.or(filled_in);
+    if let Some(cap) = context_cap {
+        if prompt_tokens + output.unwrap_or(1) > cap {
+            return Err(reject(
+                "context_length_exceeded",
+                ApiError::context_length_exceeded(cap, prompt_tokens, output.unwrap_or(0)),
+            ));
+        }
+    }
+    let reserved_output = output
+        .or_else(|| context_cap.map(|cap| cap - prompt_tokens))
+        .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION);
+
+    let stream = req.is_streaming();
+    let client_wants_usage = req.wants_stream_usage();
+    let rewritten_body = rewrite(&mut value, stream && !client_wants_usage, filled_in);
+    Ok(Admitted {
+        model: req.model,
+        prompt_tokens,
+        method,
+        reserved_output,
+        stream,
+        client_wants_usage,
+        rewritten_body,
+    })
+}
+
+/// Strips `cache_salt` (the sidecar sets a per-tenant one), asks the engine for stream usage,
+/// and fills in `max_tokens`; returns the new body if anything changed.
+fn rewrite(value: &mut Value, ask_usage: bool, max_tokens: Option<u64>) -> Option<Vec<u8>> {
+    let obj = value.as_object_mut()?;
+    let mut changed = obj.remove("cache_salt").is_some();
+    if ask_usage {
+        let options = obj
+            .entry("stream_options")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if let Some(options) = options.as_object_mut() {
+            options.insert("include_usage".into(), Value::Bool(true));
+            changed = true;
+        }
+    }
+    if let Some(n) = max_tokens {
+        obj.insert("max_tokens".into(), Value::from(n));
+        changed = true;
+    }
+    changed.then(|| serde_json::to_vec(value).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(key_limits: &str, policy: &str) -> Config {
+        let json = format!(
+            r#"{{"orgs":[{{"id":"o","policy":{policy},"workspaces":[{{"id":"w","projects":[{{"id":"p",
+                "keys":[{{"id":"k","sha256":"{h}","limits":{key_limits}}}]}}]}}]}}],
+                "models":{{"small":{{"max_context_tokens":100}}}},"max_body_bytes":2000}}"#,
+            h = "a".repeat(64)
+        );
+        Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    fn run(config: &Config, body: &str) -> Result<Admitted, Rejection> {
+        let tenant = config.directory().lookup(&"a".repeat(64)).unwrap().clone();
+        admit(config, &tenant, Endpoint::ChatCompletions, body.as_bytes())
+    }
+
+    fn reason(r: Result<Admitted, Rejection>) -> (&'static str, u16) {
+        let rej = r.unwrap_err();
+        (rej.reason, rej.error.status)
+    }
+
+    const HELLO: &str = r#"{"model":"big","messages":[{"role":"user","content":"hello"}]"#;
+
+    #[test]
+    fn bad_bodies_are_named() {
+        let c = config("{}", "{}");
+        assert_eq!(reason(run(&c, "{nope")), ("malformed_body", 400));
+        assert_eq!(reason(run(&c, r#"{"model":1}"#)), ("malformed_body", 400));
+        assert_eq!(
+            reason(run(&c, r#"{"model":"m","messages":[]}"#)),
+            ("invalid_request", 400)
+        );
+        assert_eq!(reason(run(&c, &" ".repeat(2001))), ("body_too_large", 413));
+    }
+
+    #[test]
+    fn models_outside_the_allow_list_are_forbidden() {
+        let c = config("{}", r#"{"models":["small"]}"#);
+        assert_eq!(
+            reason(run(&c, &format!("{HELLO}}}"))),
+            ("model_not_allowed", 403)
+        );
+    }
+
+    #[test]
+    fn context_and_output_limits_reject_instead_of_downgrading() {
+        let c = config(r#"{"max_output_tokens":50}"#, "{}");
+        let over = format!("{HELLO},\"max_tokens\":51}}");
+        assert_eq!(reason(run(&c, &over)), ("max_tokens_over_limit", 400));
+        let small =
+            r#"{"model":"small","messages":[{"role":"user","content":"hello"}],"max_tokens":95}"#;
+        let rej = run(&c, small).unwrap_err();
+        assert_eq!(rej.error.code, Some("context_length_exceeded"));
+        assert!(run(&c, &small.replace("95", "50")).is_ok());
+    }
+
+    #[test]
+    fn missing_max_tokens_gets_the_stated_cap() {
+        let c = config(
+            r#"{"max_output_tokens":50}"#,
+            r#"{"default_max_tokens":20}"#,
+        );
+        let a = run(&c, &format!("{HELLO}}}")).unwrap();
+        assert_eq!(a.reserved_output, 20);
+        let body: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
+        assert_eq!(body["max_tokens"], 20);
+
+        let uncapped = config("{}", "{}");
+        let a = run(&uncapped, &format!("{HELLO}}}")).unwrap();
+        assert_eq!(a.reserved_output, UNBOUNDED_OUTPUT_RESERVATION);
+        assert_eq!(a.rewritten_body, None, "nothing to change");
+
+        let small = r#"{"model":"small","messages":[{"role":"user","content":"hello"}]}"#;
+        let a = run(&uncapped, small).unwrap();
+        assert_eq!(
+            a.reserved_output,
+            100 - a.prompt_tokens,
+            "the rest of the context"
+        );
+    }
+
+    #[test]
+    fn streams_ask_the_engine_for_usage_and_salts_are_stripped() {
+        let c = config("{}", "{}");
+        let body = format!("{HELLO},\"stream\":true,\"max_tokens\":5,\"cache_salt\":\"steal\"}}");
+        let a = run(&c, &body).unwrap();
+        assert!(a.stream && !a.client_wants_usage);
+        let sent: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
+        assert_eq!(sent["stream_options"]["include_usage"], true);
+        assert!(sent.get("cache_salt").is_none());
+        assert_eq!(
+            a.prompt_tokens, 8,
+            "'hello' + 3 framing + 'user' + 3 priming"
+        );
+
+        let asked =
+            format!("{HELLO},\"stream\":true,\"stream_options\":{{\"include_usage\":true}}}}");
+        let a = run(&c, &asked).unwrap();
+        assert!(a.client_wants_usage);
+        assert_eq!(a.rewritten_body, None);
+    }
+}
