@@ -217,9 +217,10 @@ mod tests {
         assert_eq!(reason(run(&c, &over)), ("max_tokens_over_limit", 400));
         let small =
             r#"{"model":"small","messages":[{"role":"user","content":"hello"}],"max_tokens":95}"#;
-        let rej = run(&c, small).unwrap_err();
+        let uncapped = config("{}", "{}");
+        let rej = run(&uncapped, small).unwrap_err();
         assert_eq!(rej.error.code, Some("context_length_exceeded"));
-        assert!(run(&c, &small.replace("95", "50")).is_ok());
+        assert!(run(&uncapped, &small.replace("95", "50")).is_ok());
     }
 
     #[test]
