@@ -9,7 +9,7 @@ use weir_sim::driver::EngineHandle;
 use weir_sim::faults::{FaultFlags, Faults};
 use weir_sim::metrics::EngineMetrics;
 use weir_sim::profile::{OutputLength, Profile};
-use weir_sim::server::{App, router};
+use weir_sim::server::{App, Settings, router};
 
 /// An OpenAI-compatible LLM engine simulator with vLLM's scheduling physics and metric names.
 ///
@@ -61,6 +61,10 @@ struct Cli {
     /// Largest request body accepted; larger ones get 413.
     #[arg(long, default_value_t = 32 * 1024 * 1024, value_name = "BYTES")]
     max_body_bytes: usize,
+    /// Keep the last N requests (headers and body) for `GET /debug/requests`, so tests can see
+    /// what a proxy in front forwarded. Off by default: prompts are never kept otherwise.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    record_requests: usize,
     #[command(flatten)]
     faults: FaultFlags,
     /// Print the resolved profile as YAML and exit.
@@ -154,15 +158,14 @@ async fn main() -> anyhow::Result<()> {
         profile.kv_capacity_tokens(),
         cli.time_scale
     );
-    let app = App::new(
-        engine,
-        profile,
+    let settings = Settings {
         model,
-        registry,
-        Faults::new(cli.faults.clone(), cli.seed),
-        cli.seed,
-        cli.max_body_bytes,
-    );
+        seed: cli.seed,
+        max_body_bytes: cli.max_body_bytes,
+        record_requests: cli.record_requests,
+    };
+    let faults = Faults::new(cli.faults.clone(), cli.seed);
+    let app = App::new(engine, profile, registry, faults, settings);
 
     let addr: SocketAddr = format!("{}:{}", cli.host, cli.port)
         .parse()

@@ -1,19 +1,20 @@
 //! The OpenAI-compatible HTTP front of the simulator.
 
+use std::collections::VecDeque;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::io;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use futures::stream;
 use prometheus_client::registry::Registry;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tracing::error;
 use weir_core::openai::{ApiError, CompletionRequest, Endpoint};
@@ -30,16 +31,24 @@ use crate::wire::{ResponseHead, SSE_DONE, sse_event};
 /// Prompts larger than this are tokenized off the async workers.
 const INLINE_TOKENIZE_BYTES: usize = 64 * 1024;
 
-/// Everything the handlers share.
-pub struct App {
-    pub engine: EngineHandle,
-    pub profile: Profile,
+/// Server settings from the command line.
+pub struct Settings {
     /// The model name clients must send.
     pub model: String,
-    pub registry: Registry,
-    pub faults: Faults,
     pub seed: u64,
     pub max_body_bytes: usize,
+    /// Keep the last N requests (headers and body) for `GET /debug/requests`; 0 keeps none.
+    pub record_requests: usize,
+}
+
+/// Everything the handlers share.
+pub struct App {
+    engine: EngineHandle,
+    profile: Profile,
+    registry: Registry,
+    faults: Faults,
+    settings: Settings,
+    recorded: Mutex<VecDeque<Value>>,
     next_id: AtomicU64,
 }
 
@@ -47,22 +56,37 @@ impl App {
     pub fn new(
         engine: EngineHandle,
         profile: Profile,
-        model: String,
         registry: Registry,
         faults: Faults,
-        seed: u64,
-        max_body_bytes: usize,
+        settings: Settings,
     ) -> Self {
         App {
             engine,
             profile,
-            model,
             registry,
             faults,
-            seed,
-            max_body_bytes,
+            settings,
+            recorded: Mutex::new(VecDeque::new()),
             next_id: AtomicU64::new(1),
         }
+    }
+
+    /// Keeps what a request looked like on arrival, for tests of the proxies in front.
+    fn record(&self, path: &str, headers: &HeaderMap, body: &[u8]) {
+        if self.settings.record_requests == 0 {
+            return;
+        }
+        let headers: serde_json::Map<String, Value> = headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(String::from_utf8_lossy(v.as_bytes()))))
+            .collect();
+        let body =
+            serde_json::from_slice(body).unwrap_or_else(|_| json!(String::from_utf8_lossy(body)));
+        let mut recorded = self.recorded.lock().unwrap_or_else(|e| e.into_inner());
+        if recorded.len() == self.settings.record_requests {
+            recorded.pop_front();
+        }
+        recorded.push_back(json!({"path": path, "headers": headers, "body": body}));
     }
 }
 
@@ -73,25 +97,31 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
+        .route("/debug/requests", get(recorded_requests))
         .fallback(|| async {
             error_response(&ApiError::not_found("no such route; see /v1/models"))
         })
         .with_state(app)
 }
 
-async fn chat_completions(State(app): State<Arc<App>>, body: Body) -> Response {
-    complete(app, Endpoint::ChatCompletions, body).await
+async fn chat_completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    complete(app, Endpoint::ChatCompletions, headers, body).await
 }
 
-async fn completions(State(app): State<Arc<App>>, body: Body) -> Response {
-    complete(app, Endpoint::Completions, body).await
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    complete(app, Endpoint::Completions, headers, body).await
+}
+
+async fn recorded_requests(State(app): State<Arc<App>>) -> Response {
+    let recorded = app.recorded.lock().unwrap_or_else(|e| e.into_inner());
+    axum::Json(Value::Array(recorded.iter().cloned().collect())).into_response()
 }
 
 async fn models(State(app): State<Arc<App>>) -> Response {
     axum::Json(json!({
         "object": "list",
         "data": [{
-            "id": app.model,
+            "id": app.settings.model,
             "object": "model",
             "owned_by": "weir-sim",
             "max_model_len": app.profile.model.max_model_len,
@@ -133,8 +163,8 @@ struct Job {
     accepted: u64,
 }
 
-async fn complete(app: Arc<App>, endpoint: Endpoint, body: Body) -> Response {
-    let job = match prepare(&app, endpoint, body).await {
+async fn complete(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
+    let job = match prepare(&app, endpoint, &headers, body).await {
         Ok(job) => job,
         Err(e) => return error_response(&e),
     };
@@ -151,16 +181,27 @@ async fn complete(app: Arc<App>, endpoint: Endpoint, body: Body) -> Response {
 }
 
 /// Parses, validates and sizes a request: everything that can fail before the engine sees it.
-async fn prepare(app: &App, endpoint: Endpoint, body: Body) -> Result<Job, ApiError> {
-    let bytes = axum::body::to_bytes(body, app.max_body_bytes)
+async fn prepare(
+    app: &App,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Job, ApiError> {
+    let limit = app.settings.max_body_bytes;
+    let bytes = axum::body::to_bytes(body, limit)
         .await
-        .map_err(|_| ApiError::payload_too_large(app.max_body_bytes))?;
+        .map_err(|_| ApiError::payload_too_large(limit))?;
+    let path = match endpoint {
+        Endpoint::ChatCompletions => "/v1/chat/completions",
+        Endpoint::Completions => "/v1/completions",
+    };
+    app.record(path, headers, &bytes);
     let req = CompletionRequest::parse(&bytes)?;
     req.validate(endpoint)?;
-    if req.model != app.model {
+    if req.model != app.settings.model {
         return Err(ApiError::not_found(format!(
             "The model `{}` does not exist. Valid aliases: {}.",
-            req.model, app.model
+            req.model, app.settings.model
         ))
         .with_param("model"));
     }
@@ -206,7 +247,7 @@ async fn prepare(app: &App, endpoint: Endpoint, body: Body) -> Result<Job, ApiEr
 
     let seed = req.seed.unwrap_or_else(|| {
         let mut h = DefaultHasher::new();
-        (app.seed, &tokens).hash(&mut h);
+        (app.settings.seed, &tokens).hash(&mut h);
         h.finish()
     });
     let mut text = TextGen::new(seed);
@@ -218,7 +259,7 @@ async fn prepare(app: &App, endpoint: Endpoint, body: Body) -> Result<Job, ApiEr
     };
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     Ok(Job {
-        head: ResponseHead::new(endpoint, id, &app.model),
+        head: ResponseHead::new(endpoint, id, &app.settings.model),
         spec: SeqSpec {
             id,
             prompt_len,

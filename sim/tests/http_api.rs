@@ -364,3 +364,61 @@ async fn injected_stall_pauses_then_resumes() {
         "{longest:?}"
     );
 }
+
+#[tokio::test]
+async fn recording_keeps_what_arrived_only_when_asked() {
+    let sim = Sim::start(&[
+        "--preset",
+        "tiny",
+        "--time-scale",
+        "50",
+        "--record-requests",
+        "2",
+    ]);
+    for i in 0..3 {
+        let body = chat(
+            "tiny",
+            &format!("prompt {i}"),
+            json!({"max_tokens": 1, "cache_salt": "s"}),
+        );
+        sim.http
+            .post(sim.url("/v1/chat/completions"))
+            .header("x-weir-tenant", format!("t{i}"))
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+    }
+    let seen: Value = sim
+        .http
+        .get(sim.url("/debug/requests"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let seen = seen.as_array().unwrap();
+    assert_eq!(seen.len(), 2, "bounded to the last N");
+    assert_eq!(seen[1]["headers"]["x-weir-tenant"], "t2");
+    assert_eq!(seen[1]["body"]["cache_salt"], "s");
+    assert_eq!(seen[1]["body"]["messages"][0]["content"], "prompt 2");
+
+    let quiet = Sim::start(&["--preset", "tiny"]);
+    quiet
+        .post(
+            "/v1/chat/completions",
+            chat("tiny", "secret", json!({"max_tokens": 1})),
+        )
+        .await;
+    let seen: Value = quiet
+        .http
+        .get(quiet.url("/debug/requests"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(seen, json!([]));
+}
