@@ -85,21 +85,21 @@ pub fn admit(
 
     let output_cap = tenant.tightest(|l| l.max_output_tokens);
     let requested = req.max_output_tokens().map(u64::from);
-    if let (Some(asked), Some(cap)) = (requested, output_cap) {
-        if asked > cap {
-            let param = if req.max_completion_tokens.is_some() {
-                "max_completion_tokens"
-            } else {
-                "max_tokens"
-            };
-            return Err(reject(
-                "max_tokens_over_limit",
-                ApiError::bad_request(format!(
-                    "{param} {asked} exceeds this key's limit of {cap} output tokens per request"
-                ))
-                .with_param(param),
-            ));
-        }
+    if let (Some(asked), Some(cap)) = (requested, output_cap)
+        && asked > cap
+    {
+        let param = if req.max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        return Err(reject(
+            "max_tokens_over_limit",
+            ApiError::bad_request(format!(
+                "{param} {asked} exceeds this key's limit of {cap} output tokens per request"
+            ))
+            .with_param(param),
+        ));
     }
     let filled_in = match requested {
         Some(_) => None,
@@ -116,13 +116,13 @@ pub fn admit(
         .flatten()
         .min();
     let output = requested.or(filled_in);
-    if let Some(cap) = context_cap {
-        if prompt_tokens + output.unwrap_or(1) > cap {
-            return Err(reject(
-                "context_length_exceeded",
-                ApiError::context_length_exceeded(cap, prompt_tokens, output.unwrap_or(0)),
-            ));
-        }
+    if let Some(cap) = context_cap
+        && prompt_tokens + output.unwrap_or(1) > cap
+    {
+        return Err(reject(
+            "context_length_exceeded",
+            ApiError::context_length_exceeded(cap, prompt_tokens, output.unwrap_or(0)),
+        ));
     }
     let reserved_output = output
         .or_else(|| context_cap.map(|cap| cap - prompt_tokens))
@@ -178,7 +178,12 @@ mod tests {
     }
 
     fn run(config: &Config, body: &str) -> Result<Admitted, Rejection> {
-        let tenant = config.directory().lookup(&"a".repeat(64)).unwrap().clone();
+        let tenant = config
+            .directory()
+            .lookup(&"a".repeat(64))
+            .unwrap()
+            .as_ref()
+            .clone();
         admit(config, &tenant, Endpoint::ChatCompletions, body.as_bytes())
     }
 

@@ -6,6 +6,7 @@
 //! request path only does a hash lookup.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
 use serde::Deserialize;
 
@@ -262,15 +263,20 @@ impl Tenant {
     }
 }
 
-/// Keys by hash, ready for the request path.
+/// Keys by hash, ready for the request path. Tenants are shared, so a request holds one by
+/// reference count rather than by copy.
 #[derive(Clone, Debug, Default)]
 pub struct Directory {
-    by_hash: HashMap<String, Tenant>,
+    by_hash: HashMap<String, Arc<Tenant>>,
 }
 
 impl Directory {
-    pub fn lookup(&self, key_sha256: &str) -> Option<&Tenant> {
+    pub fn lookup(&self, key_sha256: &str) -> Option<&Arc<Tenant>> {
         self.by_hash.get(key_sha256)
+    }
+
+    pub fn tenants(&self) -> impl Iterator<Item = &Tenant> {
+        self.by_hash.values().map(Arc::as_ref)
     }
 
     pub fn len(&self) -> usize {
@@ -371,7 +377,7 @@ impl Config {
                             (&project.id, &project.limits, &project.policy),
                             (&key.id, &key.limits, &key.policy),
                         ];
-                        by_hash.insert(key.sha256.clone(), resolve(&chain));
+                        by_hash.insert(key.sha256.clone(), Arc::new(resolve(&chain)));
                     }
                 }
             }

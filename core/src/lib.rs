@@ -11,5 +11,7 @@ pub mod keys;
 pub mod kv_profile;
 pub mod meter;
 pub mod openai;
+pub mod reply;
 pub mod reservation;
 pub mod tokens;
+pub mod trusted;

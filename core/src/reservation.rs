@@ -380,7 +380,12 @@ mod tests {
             h = "a".repeat(64)
         );
         let config = Config::from_json(json.as_bytes()).unwrap();
-        config.directory().lookup(&"a".repeat(64)).unwrap().clone()
+        config
+            .directory()
+            .lookup(&"a".repeat(64))
+            .unwrap()
+            .as_ref()
+            .clone()
     }
 
     const IN_100: Demand = Demand {

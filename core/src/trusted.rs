@@ -1,0 +1,35 @@
+//! The headers the filter sets for the upstream, after removing any a caller sent. Only the
+//! filter writes `x-weir-*`; the sidecar trusts them because of that.
+
+pub const PREFIX: &str = "x-weir-";
+/// `org/workspace/project/key` of the authenticated key.
+pub const TENANT: &str = "x-weir-tenant";
+pub const TIER: &str = "x-weir-tier";
+pub const WEIGHT: &str = "x-weir-weight";
+/// `interactive` or `batch`.
+pub const PRIORITY: &str = "x-weir-priority";
+pub const REQUEST_ID: &str = "x-weir-request-id";
+/// Prompt tokens as the gateway estimated them.
+pub const INPUT_TOKENS: &str = "x-weir-input-tokens";
+/// Output tokens reserved for the answer.
+pub const RESERVED_OUTPUT: &str = "x-weir-reserved-output";
+/// `exact` or `fast`: how the prompt was counted.
+pub const ESTIMATE: &str = "x-weir-estimate";
+/// On responses of shadow routes: what enforcement would have done.
+pub const SHADOW_DECISION: &str = "x-weir-shadow";
+
+/// Whether a header is in weir's namespace (and must not come from a caller).
+pub fn is_reserved(name: &str) -> bool {
+    name.len() >= PREFIX.len() && name[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reserved_names_are_case_insensitive() {
+        assert!(super::is_reserved("x-weir-tenant"));
+        assert!(super::is_reserved("X-Weir-Anything"));
+        assert!(!super::is_reserved("x-wei"));
+        assert!(!super::is_reserved("authorization"));
+    }
+}

@@ -1,0 +1,144 @@
+//! The thin layer over proxy-wasm host calls that the request logic needs: shared data as a
+//! [`SharedStore`], the clock, properties, and metrics. Host calls that can fail report it;
+//! nothing here panics.
+
+use std::collections::HashMap;
+use std::time::UNIX_EPOCH;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use weir_core::reservation::{SharedStore, StoreError};
+
+/// Envoy's shared data, visible to every worker VM with the same `vm_id`.
+pub struct SharedData;
+
+impl SharedStore for SharedData {
+    fn load(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        match hostcalls::get_shared_data(key) {
+            Ok((Some(value), Some(cas))) => Some((value, cas)),
+            _ => None,
+        }
+    }
+
+    fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        hostcalls::set_shared_data(key, Some(value), cas).map_err(|status| match status {
+            Status::CasMismatch => StoreError::CasMismatch,
+            _ => StoreError::Failed,
+        })
+    }
+}
+
+/// Milliseconds since the Unix epoch by Envoy's clock.
+pub fn now_ms() -> u64 {
+    hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A property as UTF-8 (route name, route metadata leaves, ...).
+pub fn property(path: Vec<&str>) -> Option<String> {
+    let bytes = hostcalls::get_property(path).ok()??;
+    String::from_utf8(bytes).ok()
+}
+
+/// Writes a filter-state entry `wasm.<name>`, read by access logs as
+/// `%FILTER_STATE(wasm.<name>:PLAIN)%`.
+pub fn set_filter_state(name: &str, value: &str) {
+    let _ = hostcalls::set_property(vec![name], Some(value.as_bytes()));
+}
+
+/// Counters, gauges and histograms defined once per VM. Envoy keeps them in its stats store
+/// (as `wasmcustom.<name>`), summed across workers.
+#[derive(Default)]
+pub struct Metrics {
+    ids: HashMap<String, u32>,
+}
+
+impl Metrics {
+    pub fn define(&mut self, kind: MetricType, name: &str) {
+        match hostcalls::define_metric(kind, name) {
+            Ok(id) => {
+                self.ids.insert(name.to_owned(), id);
+            }
+            Err(status) => log::warn!("weir: cannot define metric {name}: {status:?}"),
+        }
+    }
+
+    /// Adds to a counter or gauge (negative only for gauges).
+    pub fn add(&self, name: &str, delta: i64) {
+        if let (Some(&id), true) = (self.ids.get(name), delta != 0) {
+            let _ = hostcalls::increment_metric(id, delta);
+        }
+    }
+
+    pub fn record(&self, name: &str, value: u64) {
+        if let Some(&id) = self.ids.get(name) {
+            let _ = hostcalls::record_metric(id, value);
+        }
+    }
+}
+
+/// Which side of the exchange a header or body call is about.
+#[derive(Clone, Copy)]
+pub enum Side {
+    Request,
+    Response,
+}
+
+impl Side {
+    fn headers(self) -> MapType {
+        match self {
+            Side::Request => MapType::HttpRequestHeaders,
+            Side::Response => MapType::HttpResponseHeaders,
+        }
+    }
+
+    fn body(self) -> BufferType {
+        match self {
+            Side::Request => BufferType::HttpRequestBody,
+            Side::Response => BufferType::HttpResponseBody,
+        }
+    }
+}
+
+pub fn header(side: Side, name: &str) -> Option<String> {
+    hostcalls::get_map_value(side.headers(), name)
+        .ok()
+        .flatten()
+}
+
+pub fn header_names(side: Side) -> Vec<String> {
+    hostcalls::get_map(side.headers())
+        .map(|pairs| pairs.into_iter().map(|(k, _)| k).collect())
+        .unwrap_or_default()
+}
+
+/// Sets (or with `None` removes) a header; only valid before the headers are sent on.
+pub fn set_header(side: Side, name: &str, value: Option<&str>) {
+    if let Err(status) = hostcalls::set_map_value(side.headers(), name, value) {
+        log::debug!("weir: cannot set header {name}: {status:?}");
+    }
+}
+
+pub fn body(side: Side, size: usize) -> Vec<u8> {
+    hostcalls::get_buffer(side.body(), 0, size)
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Replaces the whole current body buffer of `size` bytes.
+pub fn replace_body(side: Side, size: usize, value: &[u8]) {
+    if let Err(status) = hostcalls::set_buffer(side.body(), 0, size, value) {
+        log::warn!("weir: cannot replace body: {status:?}");
+    }
+}
+
+/// Answers the request locally; Envoy stops forwarding it.
+pub fn local_reply(status: u16, headers: &[(&str, String)], body: &[u8]) {
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    if let Err(s) = hostcalls::send_http_response(u32::from(status), headers, Some(body)) {
+        log::warn!("weir: cannot send local reply: {s:?}");
+    }
+}

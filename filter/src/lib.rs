@@ -1,0 +1,88 @@
+//! weir's Envoy filter (proxy-wasm): tenant auth, token estimation, quota reservation in shared
+//! data, and streamed settlement. The decisions live in `weir-core`; this crate is the glue to
+//! Envoy's callbacks.
+
+mod host;
+mod request;
+mod telemetry;
+
+use std::rc::Rc;
+
+use proxy_wasm::hostcalls;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use weir_core::config::{Config, Directory};
+use weir_core::reservation;
+
+use crate::host::{Metrics, SharedData};
+use crate::request::Request;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|_| Box::new(Root::default()));
+}}
+
+/// What every request on a worker shares: the validated config and its key directory.
+pub struct Gateway {
+    pub config: Config,
+    pub directory: Directory,
+    pub metrics: Metrics,
+}
+
+#[derive(Default)]
+struct Root {
+    gateway: Option<Rc<Gateway>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    /// Validates the plugin configuration. An invalid one is logged with the offending field
+    /// and refused, so Envoy does not start with it.
+    fn on_configure(&mut self, _: usize) -> bool {
+        let raw = hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        let config = match Config::from_json(&raw) {
+            Ok(config) => config,
+            Err(e) => {
+                log::error!("weir: invalid configuration: {e}");
+                return false;
+            }
+        };
+        // Load vocabularies now rather than on a worker's first request.
+        let encodings = config.models.values().filter_map(|m| m.encoding);
+        for encoding in encodings.chain([config.default_encoding]) {
+            if let Err(e) = encoding.bpe() {
+                log::error!("weir: {e}");
+                return false;
+            }
+        }
+        let directory = config.directory();
+        reservation::initialize(&SharedData, directory.tenants(), host::now_ms());
+        log::info!("weir: configured with {} keys", directory.len());
+        self.gateway = Some(Rc::new(Gateway {
+            config,
+            directory,
+            metrics: telemetry::define(),
+        }));
+        true
+    }
+
+    fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
+        // Envoy does not start without a valid configuration, so a gateway is always there.
+        let gateway = self.gateway.clone().unwrap_or_else(|| {
+            Rc::new(Gateway {
+                config: Config::default(),
+                directory: Directory::default(),
+                metrics: Metrics::default(),
+            })
+        });
+        Some(Box::new(Request::new(gateway)))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}

@@ -1,0 +1,457 @@
+//! One HTTP exchange through the filter, from request headers to the access log.
+//!
+//! ```text
+//! headers ─► strip x-weir-*, pick route mode, authenticate ─► hold headers for the body
+//! body    ─► admit (parse, limits, estimate) ─► reserve at every level ─► rewrite ─► forward
+//! response─► meter the stream/body as it passes (usage chunk hidden unless asked for)
+//! end     ─► settle: engine usage replaces the reservation   (on_log settles anything left:
+//!                                                             client gone, upstream reset)
+//! ```
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use proxy_wasm::traits::{Context, HttpContext};
+use proxy_wasm::types::Action;
+use weir_core::admission::{self, Admitted};
+use weir_core::config::{Mode, Tenant};
+use weir_core::keys::{hash_key, key_from_headers};
+use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
+use weir_core::openai::{ApiError, Endpoint};
+use weir_core::reply::Reply;
+use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation};
+use weir_core::trusted;
+
+use crate::Gateway;
+use crate::host::{self, SharedData, Side};
+use crate::telemetry::{self, AccessRecord};
+
+/// Non-streamed response bodies larger than this are not parsed for usage.
+const MAX_METERED_BODY: usize = 4 * 1024 * 1024;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    /// Not ours: the route is off or outside its rollout, or shadow let it through.
+    Passthrough,
+    /// Authenticated; headers held until the body is read.
+    AwaitingBody,
+    /// Sent upstream; waiting for the response.
+    Forwarded,
+    Responding,
+    /// Answered locally (rejected).
+    Replied,
+    /// Settled.
+    Done,
+}
+
+enum Meter {
+    None,
+    Stream(StreamMeter),
+    Body(BodyMeter),
+}
+
+pub struct Request {
+    gw: Rc<Gateway>,
+    stage: Stage,
+    shadow: bool,
+    endpoint: Option<Endpoint>,
+    tenant: Option<Arc<Tenant>>,
+    admitted: Option<Admitted>,
+    reservation: Option<Reservation>,
+    meter: Meter,
+    upstream_status: u16,
+    /// In shadow mode, the first rejection enforcement would have made.
+    would_reject: Option<&'static str>,
+    outcome: &'static str,
+    usage: Demand,
+}
+
+impl Request {
+    pub fn new(gw: Rc<Gateway>) -> Self {
+        Request {
+            gw,
+            stage: Stage::Passthrough,
+            shadow: false,
+            endpoint: None,
+            tenant: None,
+            admitted: None,
+            reservation: None,
+            meter: Meter::None,
+            upstream_status: 0,
+            would_reject: None,
+            outcome: "passthrough",
+            usage: Demand::default(),
+        }
+    }
+
+    /// The route's mode for this request, after its rollout share.
+    fn mode(&self, request_id: &str) -> Mode {
+        let route_name = host::property(vec!["xds", "route_name"]);
+        let mut route = self.gw.config.route(route_name.as_deref()).clone();
+        let meta = |key| {
+            host::property(vec![
+                "xds",
+                "route_metadata",
+                "filter_metadata",
+                "weir",
+                key,
+            ])
+        };
+        if let Some(mode) = meta("mode").and_then(|m| serde_json::from_value(m.into()).ok()) {
+            route.mode = mode;
+        }
+        if let Some(pct) = meta("rollout_percent").and_then(|p| p.parse().ok()) {
+            route.rollout_percent = pct;
+        }
+        if rollout_bucket(request_id) < u32::from(route.rollout_percent) {
+            route.mode
+        } else {
+            Mode::Off
+        }
+    }
+
+    /// Enforce: answer locally and stop. Shadow: note what would have happened and go on at
+    /// `shadow_stage`.
+    fn refuse(&mut self, reply: Reply, reason: &'static str, shadow_stage: Stage) -> Action {
+        self.gw.metrics.add(&telemetry::rejection_metric(reason), 1);
+        if self.shadow {
+            self.gw.metrics.add(telemetry::SHADOW_WOULD_REJECT, 1);
+            self.would_reject.get_or_insert(reason);
+            self.stage = shadow_stage;
+            if shadow_stage == Stage::Passthrough {
+                self.outcome = "passthrough";
+            }
+            return Action::Continue;
+        }
+        self.stage = Stage::Replied;
+        self.outcome = "rejected";
+        host::local_reply(reply.status, &reply.headers, &reply.body);
+        Action::Pause
+    }
+
+    fn on_headers(&mut self, end_of_stream: bool) -> Action {
+        for name in host::header_names(Side::Request) {
+            if trusted::is_reserved(&name) {
+                host::set_header(Side::Request, &name, None);
+            }
+        }
+        let request_id = host::header(Side::Request, "x-request-id")
+            .unwrap_or_else(|| format!("weir-{:x}", host::now_ms()));
+        let mode = self.mode(&request_id);
+        if mode == Mode::Off {
+            return Action::Continue;
+        }
+        self.shadow = mode == Mode::Shadow;
+        self.outcome = "ok";
+
+        let authorization = host::header(Side::Request, "authorization");
+        let x_api_key = host::header(Side::Request, "x-api-key");
+        let key = key_from_headers(authorization.as_deref(), x_api_key.as_deref());
+        let tenant = key.and_then(|k| self.gw.directory.lookup(&hash_key(k)).cloned());
+        let Some(tenant) = tenant else {
+            let (reason, message) = match key {
+                None => (
+                    "missing_api_key",
+                    "Missing API key: send `Authorization: Bearer <key>`.",
+                ),
+                Some(_) => ("invalid_api_key", "Incorrect API key provided."),
+            };
+            let error =
+                ApiError::new(401, "AuthenticationError", message).with_code("invalid_api_key");
+            return self.refuse(Reply::error(&error), reason, Stage::Passthrough);
+        };
+        if !self.gw.config.forward_api_key {
+            host::set_header(Side::Request, "authorization", None);
+            host::set_header(Side::Request, "x-api-key", None);
+        }
+        let weight = tenant.weight.to_string();
+        for (name, value) in [
+            (trusted::TENANT, tenant.path()),
+            (trusted::TIER, tenant.tier.as_str()),
+            (trusted::WEIGHT, weight.as_str()),
+            (trusted::PRIORITY, tenant.priority.as_str()),
+            (trusted::REQUEST_ID, request_id.as_str()),
+        ] {
+            host::set_header(Side::Request, name, Some(value));
+        }
+        self.tenant = Some(tenant);
+
+        let path = host::header(Side::Request, ":path").unwrap_or_default();
+        self.endpoint = Endpoint::from_path(&path);
+        if self.endpoint.is_none() {
+            // Not a completion (models, health, ...): authenticated, nothing to meter.
+            self.stage = Stage::Forwarded;
+            return Action::Continue;
+        }
+        if end_of_stream {
+            let error = ApiError::bad_request("a JSON request body is required");
+            return self.refuse(Reply::error(&error), "missing_body", Stage::Passthrough);
+        }
+        self.stage = Stage::AwaitingBody;
+        Action::Pause
+    }
+
+    fn on_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        if self.stage != Stage::AwaitingBody {
+            return Action::Continue;
+        }
+        let limit = self.gw.config.max_body_bytes;
+        if size > limit {
+            let error = ApiError::payload_too_large(limit);
+            return self.refuse(Reply::error(&error), "body_too_large", Stage::Passthrough);
+        }
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = host::body(Side::Request, size);
+        let (Some(tenant), Some(endpoint)) = (self.tenant.clone(), self.endpoint) else {
+            return Action::Continue;
+        };
+        let admitted = match admission::admit(&self.gw.config, &tenant, endpoint, &body) {
+            Ok(admitted) => admitted,
+            Err(rejection) => {
+                let reply = Reply::error(&rejection.error);
+                return self.refuse(reply, rejection.reason, Stage::Passthrough);
+            }
+        };
+        let demand = Demand {
+            input_tokens: admitted.prompt_tokens,
+            output_tokens: admitted.reserved_output,
+        };
+        let ledger = if self.shadow {
+            Ledger::Shadow
+        } else {
+            Ledger::Enforce
+        };
+        match reservation::reserve(&SharedData, &tenant, demand, ledger, host::now_ms()) {
+            Ok(r) => {
+                self.gw.metrics.add(telemetry::RESERVED, total(demand));
+                self.reservation = Some(r);
+            }
+            Err(denial) => {
+                let reason = match &denial {
+                    Denial::Limit { kind, .. } => kind.name(),
+                    Denial::Contended => "contended",
+                };
+                // In shadow mode the request goes on, metered but holding no reservation.
+                let action = self.refuse(Reply::denied(&denial), reason, Stage::AwaitingBody);
+                if self.stage == Stage::Replied {
+                    return action;
+                }
+            }
+        }
+
+        if let Some(new_body) = &admitted.rewritten_body {
+            host::replace_body(Side::Request, size, new_body);
+            host::set_header(
+                Side::Request,
+                "content-length",
+                Some(&new_body.len().to_string()),
+            );
+        }
+        let input = admitted.prompt_tokens.to_string();
+        let output = admitted.reserved_output.to_string();
+        for (name, value) in [
+            (trusted::INPUT_TOKENS, input.as_str()),
+            (trusted::RESERVED_OUTPUT, output.as_str()),
+            (trusted::ESTIMATE, admitted.method.as_str()),
+        ] {
+            host::set_header(Side::Request, name, Some(value));
+        }
+        self.meter = if admitted.stream {
+            Meter::Stream(StreamMeter::new(!admitted.client_wants_usage))
+        } else {
+            Meter::Body(BodyMeter::new(MAX_METERED_BODY))
+        };
+        self.admitted = Some(admitted);
+        self.stage = Stage::Forwarded;
+        Action::Continue
+    }
+
+    fn on_response_headers(&mut self, end_of_stream: bool) -> Action {
+        if self.stage != Stage::Forwarded {
+            return Action::Continue;
+        }
+        self.upstream_status = host::header(Side::Response, ":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        if matches!(self.meter, Meter::Stream(_)) {
+            // Hiding the usage chunk changes the length.
+            host::set_header(Side::Response, "content-length", None);
+        }
+        if let Some(reason) = self.would_reject {
+            let decision = format!("would-reject; reason={reason}");
+            host::set_header(Side::Response, trusted::SHADOW_DECISION, Some(&decision));
+        }
+        self.stage = Stage::Responding;
+        if end_of_stream {
+            self.finish(self.completed_outcome());
+        }
+        Action::Continue
+    }
+
+    fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        if self.stage != Stage::Responding {
+            return Action::Continue;
+        }
+        let chunk = host::body(Side::Response, size);
+        match &mut self.meter {
+            Meter::Stream(meter) => {
+                let out = meter.feed(&chunk, end_of_stream);
+                if out != chunk {
+                    host::replace_body(Side::Response, size, &out);
+                }
+            }
+            Meter::Body(meter) => meter.feed(&chunk),
+            Meter::None => {}
+        }
+        if end_of_stream {
+            self.finish(self.completed_outcome());
+        }
+        Action::Continue
+    }
+
+    fn completed_outcome(&self) -> &'static str {
+        if self.upstream_status >= 400 {
+            "upstream_error"
+        } else {
+            "ok"
+        }
+    }
+
+    /// Replaces the reservation with what was used: the engine's count when it reported one,
+    /// nothing when the upstream failed before serving, else what was seen streaming past.
+    fn finish(&mut self, outcome: &'static str) {
+        if matches!(
+            self.stage,
+            Stage::Done | Stage::Replied | Stage::Passthrough
+        ) {
+            return;
+        }
+        self.stage = Stage::Done;
+        self.outcome = outcome;
+        let estimate = self.admitted.as_ref().map_or(0, |a| a.prompt_tokens);
+        let reported = match &self.meter {
+            Meter::Stream(m) => m.usage(),
+            Meter::Body(m) => match m.finish() {
+                BodyUsage::Reported(u) => Some(u),
+                _ => None,
+            },
+            Meter::None => None,
+        };
+        self.usage = match reported {
+            Some(u) => {
+                if u.prompt_tokens > 0 {
+                    let err = estimate.abs_diff(u.prompt_tokens) * 100 / u.prompt_tokens;
+                    self.gw.metrics.record(telemetry::ESTIMATE_ERROR, err);
+                }
+                Demand {
+                    input_tokens: u.prompt_tokens,
+                    output_tokens: u.completion_tokens,
+                }
+            }
+            None if self.upstream_status >= 400 => Demand::default(),
+            None => Demand {
+                input_tokens: estimate,
+                output_tokens: match &self.meter {
+                    Meter::Stream(m) => m.content_events(),
+                    Meter::Body(m) => match m.finish() {
+                        BodyUsage::Estimated { completion_tokens } => completion_tokens,
+                        _ => 0,
+                    },
+                    Meter::None => 0,
+                },
+            },
+        };
+        if let Some(r) = self.reservation.take() {
+            let conflicts = reservation::settle(&SharedData, &r, self.usage, host::now_ms());
+            self.gw
+                .metrics
+                .add(telemetry::SETTLE_CONFLICTS, conflicts as i64);
+            self.gw.metrics.add(telemetry::RESERVED, -total(r.demand));
+        }
+        self.gw
+            .metrics
+            .add(telemetry::TOKENS_IN, self.usage.input_tokens as i64);
+        self.gw
+            .metrics
+            .add(telemetry::TOKENS_OUT, self.usage.output_tokens as i64);
+    }
+
+    fn on_log_entry(&mut self) {
+        // The backstop: a stream that ended without its last chunk (client gone, upstream
+        // reset) settles here with what was seen.
+        if matches!(
+            self.stage,
+            Stage::AwaitingBody | Stage::Forwarded | Stage::Responding
+        ) {
+            self.finish("cancelled");
+        }
+        self.gw
+            .metrics
+            .add(&telemetry::request_metric(self.outcome), 1);
+        if let Some(tenant) = &self.tenant {
+            AccessRecord {
+                tenant: tenant.path(),
+                model: self.admitted.as_ref().map_or("-", |a| a.model.as_str()),
+                tokens_in: self.usage.input_tokens,
+                tokens_out: self.usage.output_tokens,
+                estimate: self.admitted.as_ref().map_or(0, |a| a.prompt_tokens),
+                outcome: self.outcome,
+            }
+            .publish();
+        }
+    }
+}
+
+fn total(d: Demand) -> i64 {
+    (d.input_tokens + d.output_tokens) as i64
+}
+
+/// A stable 0–99 bucket for a request id (FNV-1a), so rollout shares are deterministic.
+fn rollout_bucket(request_id: &str) -> u32 {
+    let hash = request_id.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
+    hash % 100
+}
+
+impl Context for Request {}
+
+impl HttpContext for Request {
+    fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
+        self.on_headers(end_of_stream)
+    }
+
+    fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        self.on_body(size, end_of_stream)
+    }
+
+    fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
+        self.on_response_headers(end_of_stream)
+    }
+
+    fn on_http_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
+        self.on_response_body(size, end_of_stream)
+    }
+
+    fn on_log(&mut self) {
+        self.on_log_entry();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rollout_bucket;
+
+    #[test]
+    fn rollout_buckets_are_stable_and_spread() {
+        assert_eq!(rollout_bucket("abc"), rollout_bucket("abc"));
+        let ids: Vec<u32> = (0..10_000)
+            .map(|i| rollout_bucket(&format!("req-{i}")))
+            .collect();
+        let under_half = ids.iter().filter(|&&b| b < 50).count();
+        assert!((4_500..5_500).contains(&under_half), "{under_half}");
+        assert!(ids.iter().all(|&b| b < 100));
+    }
+}

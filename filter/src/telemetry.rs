@@ -1,0 +1,86 @@
+//! What the filter counts (Envoy stats `wasmcustom.weir.*`) and what it leaves for access logs
+//! (filter state `wasm.weir.*`). Counts and labels only: never prompt or response content.
+
+use proxy_wasm::types::MetricType;
+
+use crate::host::{self, Metrics};
+
+pub const OUTCOMES: [&str; 5] = [
+    "ok",
+    "rejected",
+    "upstream_error",
+    "cancelled",
+    "passthrough",
+];
+
+pub const REJECTIONS: [&str; 15] = [
+    "missing_api_key",
+    "invalid_api_key",
+    "missing_body",
+    "body_too_large",
+    "malformed_body",
+    "invalid_request",
+    "model_not_allowed",
+    "max_tokens_over_limit",
+    "context_length_exceeded",
+    "requests_per_minute",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+    "concurrent_requests",
+    "contended",
+    "internal",
+];
+
+pub const TOKENS_IN: &str = "weir.tokens.input";
+pub const TOKENS_OUT: &str = "weir.tokens.output";
+/// |estimate − engine count| / engine count, in percent, per request with engine usage.
+pub const ESTIMATE_ERROR: &str = "weir.estimate.error_pct";
+/// Tokens currently held by reservations on this Envoy.
+pub const RESERVED: &str = "weir.reserved_tokens";
+pub const SHADOW_WOULD_REJECT: &str = "weir.shadow.would_reject";
+pub const SETTLE_CONFLICTS: &str = "weir.settle.conflicts";
+
+pub fn request_metric(outcome: &str) -> String {
+    format!("weir.requests.{outcome}")
+}
+
+pub fn rejection_metric(reason: &str) -> String {
+    format!("weir.rejections.{reason}")
+}
+
+pub fn define() -> Metrics {
+    let mut m = Metrics::default();
+    for outcome in OUTCOMES {
+        m.define(MetricType::Counter, &request_metric(outcome));
+    }
+    for reason in REJECTIONS {
+        m.define(MetricType::Counter, &rejection_metric(reason));
+    }
+    for counter in [TOKENS_IN, TOKENS_OUT, SHADOW_WOULD_REJECT, SETTLE_CONFLICTS] {
+        m.define(MetricType::Counter, counter);
+    }
+    m.define(MetricType::Gauge, RESERVED);
+    m.define(MetricType::Histogram, ESTIMATE_ERROR);
+    m
+}
+
+/// One request's record for the access log, read as `%FILTER_STATE(wasm.weir.<field>:PLAIN)%`.
+pub struct AccessRecord<'a> {
+    pub tenant: &'a str,
+    pub model: &'a str,
+    pub tokens_in: u64,
+    pub tokens_out: u64,
+    pub estimate: u64,
+    pub outcome: &'a str,
+}
+
+impl AccessRecord<'_> {
+    pub fn publish(&self) {
+        host::set_filter_state("weir.tenant", self.tenant);
+        host::set_filter_state("weir.model", self.model);
+        host::set_filter_state("weir.tokens_in", &self.tokens_in.to_string());
+        host::set_filter_state("weir.tokens_out", &self.tokens_out.to_string());
+        host::set_filter_state("weir.estimate", &self.estimate.to_string());
+        host::set_filter_state("weir.outcome", self.outcome);
+    }
+}
