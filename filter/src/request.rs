@@ -341,9 +341,9 @@ impl Request {
         };
         self.usage = match reported {
             Some(u) => {
-                if u.prompt_tokens > 0 {
-                    let err = estimate.abs_diff(u.prompt_tokens) * 100 / u.prompt_tokens;
-                    self.gw.metrics.record(telemetry::ESTIMATE_ERROR, err);
+                let off = estimate.abs_diff(u.prompt_tokens) * 100;
+                if let Some(err_pct) = off.checked_div(u.prompt_tokens) {
+                    self.gw.metrics.record(telemetry::ESTIMATE_ERROR, err_pct);
                 }
                 Demand {
                     input_tokens: u.prompt_tokens,
