@@ -14,12 +14,15 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    /// The endpoint a request path names; the API may be mounted under a prefix.
     pub fn from_path(path: &str) -> Option<Self> {
         let path = path.split('?').next().unwrap_or(path);
-        match path {
-            "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
-            "/v1/completions" => Some(Endpoint::Completions),
-            _ => None,
+        if path.ends_with("/v1/chat/completions") {
+            Some(Endpoint::ChatCompletions)
+        } else if path.ends_with("/v1/completions") {
+            Some(Endpoint::Completions)
+        } else {
+            None
         }
     }
 }
@@ -390,6 +393,19 @@ mod tests {
         let v = ApiError::not_found("nope").to_json();
         assert_eq!(v["error"]["code"], 404);
         assert!(v["error"]["param"].is_null());
+    }
+
+    #[test]
+    fn endpoints_are_found_under_prefixes() {
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions?x=1"),
+            Some(Endpoint::ChatCompletions)
+        );
+        assert_eq!(
+            Endpoint::from_path("/team/v1/completions"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(Endpoint::from_path("/v1/models"), None);
     }
 
     #[test]

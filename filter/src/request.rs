@@ -183,6 +183,12 @@ impl Request {
             self.stage = Stage::Forwarded;
             return Action::Continue;
         }
+        let limit = self.gw.config.max_body_bytes;
+        let declared = host::header(Side::Request, "content-length").and_then(|v| v.parse().ok());
+        if declared.is_some_and(|len: usize| len > limit) {
+            let error = ApiError::payload_too_large(limit);
+            return self.refuse(Reply::error(&error), "body_too_large", Stage::Passthrough);
+        }
         if end_of_stream {
             let error = ApiError::bad_request("a JSON request body is required");
             return self.refuse(Reply::error(&error), "missing_body", Stage::Passthrough);
@@ -269,6 +275,10 @@ impl Request {
     }
 
     fn on_response_headers(&mut self, end_of_stream: bool) -> Action {
+        if let (Some(reason), true) = (self.would_reject, self.shadow) {
+            let decision = format!("would-reject; reason={reason}");
+            host::set_header(Side::Response, trusted::SHADOW_DECISION, Some(&decision));
+        }
         if self.stage != Stage::Forwarded {
             return Action::Continue;
         }
@@ -278,10 +288,6 @@ impl Request {
         if matches!(self.meter, Meter::Stream(_)) {
             // Hiding the usage chunk changes the length.
             host::set_header(Side::Response, "content-length", None);
-        }
-        if let Some(reason) = self.would_reject {
-            let decision = format!("would-reject; reason={reason}");
-            host::set_header(Side::Response, trusted::SHADOW_DECISION, Some(&decision));
         }
         self.stage = Stage::Responding;
         if end_of_stream {

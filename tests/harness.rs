@@ -1,0 +1,286 @@
+//! Starts weir's real parts on loopback for end-to-end tests: the simulator, and Envoy with the
+//! built filter. Binaries come from the workspace's target directory (built by
+//! `cargo xtask test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM` and `ENVOY_BIN`.
+//!
+//! Every child process is started from one long-lived thread with `PR_SET_PDEATHSIG`, so the
+//! whole stack dies with the test binary, however it exits.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Sender, channel};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+fn from_env_or(var: &str, default: PathBuf) -> PathBuf {
+    let path = std::env::var_os(var).map_or(default, PathBuf::from);
+    assert!(
+        path.exists(),
+        "{} not found (set {var}, or run `cargo xtask test`, which builds and installs it)",
+        path.display()
+    );
+    path
+}
+
+pub fn sim_bin() -> PathBuf {
+    from_env_or(
+        "WEIR_SIM_BIN",
+        workspace_root().join("target/debug/weir-sim"),
+    )
+}
+
+pub fn filter_wasm() -> PathBuf {
+    from_env_or(
+        "WEIR_FILTER_WASM",
+        workspace_root().join("target/wasm32-wasip1/wasm/weir_filter.wasm"),
+    )
+}
+
+pub fn envoy_bin() -> PathBuf {
+    from_env_or("ENVOY_BIN", workspace_root().join(".weir/venv/bin/envoy"))
+}
+
+type SpawnRequest = (Command, Sender<std::io::Result<Child>>);
+
+/// Spawns a child that is killed when this process exits (the spawning thread never ends).
+pub fn spawn_owned(cmd: Command) -> Child {
+    static SPAWNER: OnceLock<Mutex<Sender<SpawnRequest>>> = OnceLock::new();
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = channel::<SpawnRequest>();
+        std::thread::spawn(move || {
+            for (mut cmd, reply) in rx {
+                // SAFETY: prctl is async-signal-safe and touches only the child's own state.
+                unsafe {
+                    cmd.pre_exec(|| {
+                        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                        Ok(())
+                    });
+                }
+                let _ = reply.send(cmd.spawn());
+            }
+        });
+        Mutex::new(tx)
+    });
+    let (tx, rx) = channel();
+    spawner.lock().unwrap().send((cmd, tx)).unwrap();
+    rx.recv().unwrap().expect("spawn child process")
+}
+
+/// A running `weir-sim`.
+pub struct Sim {
+    pub url: String,
+    pub port: u16,
+    _child: Child,
+}
+
+impl Sim {
+    pub fn start(args: &[&str]) -> Sim {
+        let mut cmd = Command::new(sim_bin());
+        cmd.args(["--port", "0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = spawn_owned(cmd);
+        let mut banner = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut banner)
+            .unwrap();
+        let addr = banner
+            .split("http://")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {banner:?}"))
+            .to_owned();
+        let port = addr.rsplit(':').next().unwrap().parse().unwrap();
+        Sim {
+            url: format!("http://{addr}"),
+            port,
+            _child: child,
+        }
+    }
+
+    /// What the simulator received, newest last (needs `--record-requests`).
+    pub async fn received(&self) -> Vec<serde_json::Value> {
+        let v: serde_json::Value = reqwest::get(format!("{}/debug/requests", self.url))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        v.as_array().cloned().unwrap_or_default()
+    }
+}
+
+/// A running Envoy with the weir filter, from `envoy/envoy.yaml.tmpl`.
+pub struct Envoy {
+    pub url: String,
+    pub admin: String,
+    pub access_log: PathBuf,
+    _child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Envoy {
+    /// Starts Envoy (`--concurrency 2`) with `weir_config`, routing to the given upstreams.
+    pub fn start(weir_config: &serde_json::Value, upstream_port: u16, flaky_port: u16) -> Envoy {
+        let dir = tempfile::tempdir().unwrap();
+        let access_log = dir.path().join("access.log");
+        let admin_path = dir.path().join("admin.address");
+        let template =
+            std::fs::read_to_string(workspace_root().join("envoy/envoy.yaml.tmpl")).unwrap();
+        let config_json = serde_json::to_string(&weir_config.to_string()).unwrap();
+        let rendered = template
+            .replace("@@ADMIN_PORT@@", "0")
+            .replace("@@LISTEN_PORT@@", "0")
+            .replace("@@ACCESS_LOG@@", &access_log.display().to_string())
+            .replace("@@WEIR_CONFIG@@", &config_json)
+            .replace("@@FILTER_WASM@@", &filter_wasm().display().to_string())
+            .replace("@@UPSTREAM_PORT@@", &upstream_port.to_string())
+            .replace("@@FLAKY_PORT@@", &flaky_port.to_string());
+        let config_path = dir.path().join("envoy.yaml");
+        std::fs::write(&config_path, rendered).unwrap();
+        let mut cmd = Command::new(envoy_bin());
+        cmd.arg("-c")
+            .arg(&config_path)
+            .args([
+                "--concurrency",
+                "2",
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+            ])
+            // Flush the access log at once so tests can read it.
+            .args([
+                "--file-flush-interval-msec",
+                "20",
+                "--file-flush-min-size-kb",
+                "0",
+            ])
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .arg("--log-path")
+            .arg(dir.path().join("envoy.log"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let child = spawn_owned(cmd);
+        let admin = wait_for(Duration::from_secs(60), || {
+            std::fs::read_to_string(&admin_path)
+                .ok()
+                .filter(|s| !s.trim().is_empty())
+                .map(|s| format!("http://{}", s.trim()))
+        })
+        .unwrap_or_else(|| {
+            let log = std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default();
+            panic!("Envoy did not start:\n{log}")
+        });
+        let port = wait_for(Duration::from_secs(60), || listener_port(&admin))
+            .expect("Envoy listener did not come up");
+        Envoy {
+            url: format!("http://127.0.0.1:{port}"),
+            admin,
+            access_log,
+            _child: child,
+            _dir: dir,
+        }
+    }
+
+    /// `wasmcustom.weir.*` stats, summed over workers, without the prefix.
+    pub async fn stats(&self) -> HashMap<String, u64> {
+        let text = reqwest::get(format!("{}/stats?filter=^wasmcustom.weir", self.admin))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter_map(|l| {
+                let (name, value) = l.split_once(": ")?;
+                Some((
+                    name.strip_prefix("wasmcustom.")?.to_owned(),
+                    value.parse().ok()?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Access log lines of a request id, waiting (up to five seconds) for Envoy to flush them.
+    pub fn access_log_for(&self, request_id: &str) -> Vec<String> {
+        let lines = || {
+            std::fs::read_to_string(&self.access_log)
+                .unwrap_or_default()
+                .lines()
+                .filter(|l| l.contains(&format!("id={request_id} ")))
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        };
+        wait_for(Duration::from_secs(5), || {
+            Some(lines()).filter(|l| !l.is_empty())
+        })
+        .unwrap_or_default()
+    }
+}
+
+/// The port Envoy bound for its listener (configured as port 0), from the admin API.
+fn listener_port(admin: &str) -> Option<u16> {
+    let body = http_get(
+        admin.trim_start_matches("http://"),
+        "/listeners?format=json",
+    )?;
+    let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+    v["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
+        .as_u64()
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|&p| p != 0)
+}
+
+/// A blocking HTTP/1.1 GET for start-up probes, which run before any async client exists.
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(addr).ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes()).ok()?;
+    let mut response = String::new();
+    conn.read_to_string(&mut response).ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    if !head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        return Some(body.to_owned());
+    }
+    let (mut rest, mut out) = (body, String::new());
+    loop {
+        let (size, tail) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.trim(), 16).ok()?;
+        if size == 0 {
+            return Some(out);
+        }
+        out.push_str(tail.get(..size)?);
+        rest = tail.get(size + 2..)?;
+    }
+}
+
+/// Polls `probe` every 50 ms until it yields a value or `limit` passes.
+pub fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Option<T> {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = probe() {
+            return Some(v);
+        }
+        if start.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
