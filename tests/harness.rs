@@ -1,6 +1,7 @@
-//! Starts weir's real parts on loopback for end-to-end tests: the simulator, and Envoy with the
-//! built filter. Binaries come from the workspace's target directory (built by
-//! `cargo xtask test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM` and `ENVOY_BIN`.
+//! Starts weir's real parts on loopback, for the end-to-end tests and `cargo xtask up`: the
+//! simulator, and Envoy with the built filter. Binaries come from the workspace's target
+//! directory (built by `cargo xtask test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM` and
+//! `ENVOY_BIN`.
 //!
 //! Every child process is started from one long-lived thread with `PR_SET_PDEATHSIG`, so the
 //! whole stack dies with the test binary, however it exits.
@@ -77,16 +78,27 @@ pub fn spawn_owned(cmd: Command) -> Child {
     rx.recv().unwrap().expect("spawn child process")
 }
 
-/// A running `weir-sim`.
+/// A running `weir-sim`; stopped when dropped.
 pub struct Sim {
     pub url: String,
     pub port: u16,
-    _child: Child,
+    child: Child,
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 impl Sim {
     pub fn start(args: &[&str]) -> Sim {
-        let mut cmd = Command::new(sim_bin());
+        Sim::start_from(&sim_bin(), args)
+    }
+
+    pub fn start_from(bin: &Path, args: &[&str]) -> Sim {
+        let mut cmd = Command::new(bin);
         cmd.args(["--port", "0"])
             .args(args)
             .stdout(Stdio::piped())
@@ -106,7 +118,7 @@ impl Sim {
         Sim {
             url: format!("http://{addr}"),
             port,
-            _child: child,
+            child,
         }
     }
 
@@ -122,18 +134,50 @@ impl Sim {
     }
 }
 
-/// A running Envoy with the weir filter, from `envoy/envoy.yaml.tmpl`.
+/// A running Envoy with the weir filter, from `envoy/envoy.yaml.tmpl`; stopped when dropped.
 pub struct Envoy {
     pub url: String,
     pub admin: String,
     pub access_log: PathBuf,
-    _child: Child,
+    child: Child,
     _dir: tempfile::TempDir,
 }
 
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Where Envoy listens and what it routes to.
+pub struct EnvoyOptions<'a> {
+    pub weir_config: &'a serde_json::Value,
+    pub upstream_port: u16,
+    /// The `/flaky/` route's upstream.
+    pub flaky_port: u16,
+    /// 0 picks a free port.
+    pub listen_port: u16,
+}
+
 impl Envoy {
-    /// Starts Envoy (`--concurrency 2`) with `weir_config`, routing to the given upstreams.
+    /// Starts Envoy (`--concurrency 2`) on a free port with `weir_config`.
     pub fn start(weir_config: &serde_json::Value, upstream_port: u16, flaky_port: u16) -> Envoy {
+        Envoy::launch(EnvoyOptions {
+            weir_config,
+            upstream_port,
+            flaky_port,
+            listen_port: 0,
+        })
+    }
+
+    pub fn launch(opts: EnvoyOptions<'_>) -> Envoy {
+        let EnvoyOptions {
+            weir_config,
+            upstream_port,
+            flaky_port,
+            listen_port,
+        } = opts;
         let dir = tempfile::tempdir().unwrap();
         let access_log = dir.path().join("access.log");
         let admin_path = dir.path().join("admin.address");
@@ -142,7 +186,7 @@ impl Envoy {
         let config_json = serde_json::to_string(&weir_config.to_string()).unwrap();
         let rendered = template
             .replace("@@ADMIN_PORT@@", "0")
-            .replace("@@LISTEN_PORT@@", "0")
+            .replace("@@LISTEN_PORT@@", &listen_port.to_string())
             .replace("@@ACCESS_LOG@@", &access_log.display().to_string())
             .replace("@@WEIR_CONFIG@@", &config_json)
             .replace("@@FILTER_WASM@@", &filter_wasm().display().to_string())
@@ -190,7 +234,7 @@ impl Envoy {
             url: format!("http://127.0.0.1:{port}"),
             admin,
             access_log,
-            _child: child,
+            child,
             _dir: dir,
         }
     }

