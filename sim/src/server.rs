@@ -28,6 +28,9 @@ use crate::profile::Profile;
 use crate::text::TextGen;
 use crate::wire::{ResponseHead, SSE_DONE, sse_event};
 
+/// How long an injected drop waits for earlier frames to be written out.
+const FLUSH_BEFORE_DROP: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Prompts larger than this are tokenized off the async workers.
 const INLINE_TOKENIZE_BYTES: usize = 64 * 1024;
 
@@ -358,6 +361,9 @@ async fn pump(
                         .token_frames(piece, index == 0, last.then_some(job.finish_reason))
                 }
                 Err(Dropped) => {
+                    // Let the tokens already sent reach the socket before the cut, so clients
+                    // see exactly `--drop-after` tokens.
+                    tokio::time::sleep(FLUSH_BEFORE_DROP).await;
                     let _ = tx.send(Err(io::Error::other("injected drop"))).await;
                     return;
                 }
