@@ -158,6 +158,8 @@ pub struct EnvoyOptions<'a> {
     pub flaky_port: u16,
     /// 0 picks a free port.
     pub listen_port: u16,
+    /// Without it, the same Envoy with no weir filter: the baseline of overhead benchmarks.
+    pub with_filter: bool,
 }
 
 impl Envoy {
@@ -168,6 +170,7 @@ impl Envoy {
             upstream_port,
             flaky_port,
             listen_port: 0,
+            with_filter: true,
         })
     }
 
@@ -177,12 +180,18 @@ impl Envoy {
             upstream_port,
             flaky_port,
             listen_port,
+            with_filter,
         } = opts;
         let dir = tempfile::tempdir().unwrap();
         let access_log = dir.path().join("access.log");
         let admin_path = dir.path().join("admin.address");
-        let template =
+        let mut template =
             std::fs::read_to_string(workspace_root().join("envoy/envoy.yaml.tmpl")).unwrap();
+        if !with_filter {
+            let start = template.find("# @@FILTER_BEGIN@@").unwrap();
+            let end = template.find("# @@FILTER_END@@").unwrap();
+            template.replace_range(start..end, "");
+        }
         let config_json = serde_json::to_string(&weir_config.to_string()).unwrap();
         let rendered = template
             .replace("@@ADMIN_PORT@@", "0")

@@ -56,7 +56,7 @@ pub struct EstimatorConfig {
 }
 
 fn default_exact_below_bytes() -> usize {
-    32 * 1024
+    8 * 1024
 }
 
 impl Default for EstimatorConfig {

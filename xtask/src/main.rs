@@ -7,6 +7,8 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use weir_e2e::{Envoy, EnvoyOptions, Sim};
 
+mod bench;
+
 #[derive(Parser)]
 #[command(
     name = "cargo xtask",
@@ -32,6 +34,9 @@ enum Task {
         #[arg(long, default_value_t = 1.0)]
         time_scale: f64,
     },
+    /// Overhead benchmarks, each against a baseline from the same run: token counting (native
+    /// and in wasm, exact vs fast) and Envoy with vs without the weir filter.
+    Bench,
     /// Install what the tests need, then run every test: lints, Rust, and the Python SDK suite.
     Test {
         /// Skip `cargo fmt --check` and `cargo clippy -D warnings`.
@@ -49,6 +54,7 @@ fn main() -> ExitCode {
             time_scale,
         } => up(&preset, port, time_scale),
         Task::Test { no_lint } => test(!no_lint),
+        Task::Bench => bench(),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -126,6 +132,7 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
         upstream_port: sim.port,
         flaky_port: sim.port,
         listen_port: port,
+        with_filter: true,
     });
     let (stop, stopped) = std::sync::mpsc::channel();
     ctrlc::set_handler(move || {
@@ -159,6 +166,47 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
     drop(envoy);
     drop(sim);
     Ok(())
+}
+
+fn bench() -> anyhow::Result<()> {
+    python_env()?;
+    build_filter()?;
+    run(
+        "building weir-sim (release)",
+        cargo().args(["build", "--release", "-p", "weir-sim"]),
+    )?;
+    run(
+        "token counting, native",
+        cargo().args([
+            "bench",
+            "-q",
+            "-p",
+            "weir-core",
+            "--bench",
+            "token_counting",
+        ]),
+    )?;
+    run(
+        "token counting, wasm32-wasip1 under V8",
+        cargo()
+            .args([
+                "bench",
+                "-q",
+                "-p",
+                "weir-core",
+                "--bench",
+                "token_counting",
+            ])
+            .args(["--target", "wasm32-wasip1"])
+            .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner()),
+    )?;
+    bench::filter_overhead(&root().join("target/release/weir-sim"))
+}
+
+/// Runs wasm32-wasip1 test and bench binaries under Node's V8.
+fn wasi_runner() -> String {
+    let script = root().join("tests/wasi-runner.mjs");
+    format!("node --no-warnings {}", script.display())
 }
 
 /// Where the filter's wasm lands (`--profile wasm`).
@@ -239,13 +287,7 @@ fn test(lint: bool) -> anyhow::Result<()> {
         "weir-core tests inside wasm (wasm32-wasip1 under Node's V8)",
         cargo()
             .args(["test", "-p", "weir-core", "--target", "wasm32-wasip1"])
-            .env(
-                "CARGO_TARGET_WASM32_WASIP1_RUNNER",
-                format!(
-                    "node --no-warnings {}",
-                    root().join("tests/wasi-runner.mjs").display()
-                ),
-            ),
+            .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner()),
     )?;
     run(
         "pytest (OpenAI SDK against the real binaries)",

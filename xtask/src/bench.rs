@@ -1,0 +1,139 @@
+//! `cargo xtask bench`: overhead benchmarks, each printed against a baseline measured in the
+//! same run.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use weir_e2e::{Envoy, EnvoyOptions, Sim};
+
+/// Requests per side per round, rounds alternating between the two Envoys.
+const LATENCY_ROUNDS: usize = 5;
+const LATENCY_REQUESTS: usize = 300;
+const THROUGHPUT_CONCURRENCY: usize = 16;
+const THROUGHPUT_WINDOW: Duration = Duration::from_secs(3);
+
+const BENCH_KEY: &str = "wk-bench";
+
+/// Envoy with vs without the weir filter in front of the same simulator, on a ~2 KB chat
+/// request: added latency (sequential requests) and requests/s (16 in flight).
+pub fn filter_overhead(sim_bin: &std::path::Path) -> anyhow::Result<()> {
+    let sim = Sim::start_from(sim_bin, &["--preset", "tiny", "--time-scale", "1000"]);
+    let config = |exact_below_bytes: usize| {
+        json!({
+            "orgs": [{"id": "bench", "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
+                {"id": "k", "sha256": weir_core::keys::hash_key(BENCH_KEY)}
+            ]}]}]}],
+            "models": {"tiny": {"max_context_tokens": 4096}},
+            "estimator": {"exact_below_bytes": exact_below_bytes},
+        })
+    };
+    let launch = |with_filter, exact_below_bytes| {
+        Envoy::launch(EnvoyOptions {
+            weir_config: &config(exact_below_bytes),
+            upstream_port: sim.port,
+            flaky_port: sim.port,
+            listen_port: 0,
+            with_filter,
+        })
+    };
+    // The default config counts this prompt exactly; the second filter only estimates.
+    let without = launch(false, 0);
+    let exact = launch(true, 8 * 1024);
+    let fast = launch(true, 0);
+    let sides = [
+        ("without filter", &without.url),
+        ("filter, exact", &exact.url),
+        ("filter, fast", &fast.url),
+    ];
+    let content =
+        "Summarise the quarterly capacity review for the inference platform team. ".repeat(27);
+    let body = json!({
+        "model": "tiny", "max_tokens": 1,
+        "messages": [{"role": "user", "content": content}],
+    })
+    .to_string();
+
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let client = reqwest::Client::new();
+        let send = |url: String| {
+            let (client, body) = (client.clone(), body.clone());
+            async move {
+                let start = Instant::now();
+                let resp = client
+                    .post(format!("{url}/v1/chat/completions"))
+                    .bearer_auth(BENCH_KEY)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await?;
+                anyhow::ensure!(resp.status().is_success(), "status {}", resp.status());
+                resp.bytes().await?;
+                Ok::<_, anyhow::Error>(start.elapsed())
+            }
+        };
+        for (_, url) in sides {
+            for _ in 0..200 {
+                send(url.clone()).await?;
+            }
+        }
+        let mut latencies = vec![Vec::new(); sides.len()];
+        for _ in 0..LATENCY_ROUNDS {
+            for ((_, url), out) in sides.iter().zip(latencies.iter_mut()) {
+                for _ in 0..LATENCY_REQUESTS {
+                    out.push(send(url.to_string()).await?);
+                }
+            }
+        }
+        let mut rates = Vec::new();
+        for (_, url) in sides {
+            let deadline = Instant::now() + THROUGHPUT_WINDOW;
+            let workers = (0..THROUGHPUT_CONCURRENCY).map(|_| {
+                let send = &send;
+                async move {
+                    let mut done = 0u64;
+                    while Instant::now() < deadline {
+                        send(url.clone()).await?;
+                        done += 1;
+                    }
+                    Ok::<_, anyhow::Error>(done)
+                }
+            });
+            let counts = futures::future::try_join_all(workers).await?;
+            rates.push(counts.iter().sum::<u64>() as f64 / THROUGHPUT_WINDOW.as_secs_f64());
+        }
+        println!(
+            "\nfilter overhead: ~2 KB chat request (~400 prompt tokens), Envoy --concurrency 2, one simulator"
+        );
+        println!(
+            "upstream, same run; latency over {} sequential requests per side, added vs the baseline",
+            LATENCY_ROUNDS * LATENCY_REQUESTS
+        );
+        let rate_header = format!("req/s ({THROUGHPUT_CONCURRENCY} conc)");
+        println!(
+            "{:<16} {:>8} {:>8} {:>9} {:>9} {rate_header:>16} {:>7}",
+            "", "p50 µs", "p99 µs", "+p50 µs", "+p99 µs", "ratio"
+        );
+        let (base50, base99) = percentiles(&mut latencies[0]);
+        for (((name, _), lat), rate) in sides.iter().zip(latencies.iter_mut()).zip(&rates) {
+            let (p50, p99) = percentiles(lat);
+            println!(
+                "{name:<16} {p50:>8.0} {p99:>8.0} {:>+9.0} {:>+9.0} {rate:>16.0} {:>6.2}x",
+                p50 - base50,
+                p99 - base99,
+                rate / rates[0]
+            );
+        }
+        Ok(())
+    })
+}
+
+/// p50 and p99 in microseconds.
+fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
+    samples.sort_unstable();
+    let at = |q: f64| {
+        let i = ((samples.len() as f64 * q) as usize).min(samples.len().saturating_sub(1));
+        samples.get(i).map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    };
+    (at(0.50), at(0.99))
+}
