@@ -13,5 +13,6 @@ pub mod meter;
 pub mod openai;
 pub mod reply;
 pub mod reservation;
+pub mod scheduler;
 pub mod tokens;
 pub mod trusted;
