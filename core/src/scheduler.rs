@@ -142,9 +142,9 @@ impl<T> Scheduler<T> {
 
     /// Requests a tenant has waiting.
     pub fn depth(&self, tenant: &str) -> usize {
-        self.by_name
-            .get(tenant)
-            .map_or(0, |&t| self.tenants[t].queues.iter().map(VecDeque::len).sum())
+        self.by_name.get(tenant).map_or(0, |&t| {
+            self.tenants[t].queues.iter().map(VecDeque::len).sum()
+        })
     }
 
     /// A tenant's virtual token counter (0 for a tenant never seen).
@@ -181,7 +181,11 @@ impl<T> Scheduler<T> {
 
     /// Queues a request. `weight` is the tenant's current scheduling weight (> 0).
     pub fn push(&mut self, tenant: &str, weight: f64, priority: Priority, item: T, now_ms: u64) {
-        let weight = if weight.is_finite() && weight > 0.0 { weight } else { 1.0 };
+        let weight = if weight.is_finite() && weight > 0.0 {
+            weight
+        } else {
+            1.0
+        };
         let t = self.intern(tenant, weight);
         if !self.tenants[t].backlogged() {
             // Returning from idle: no credit for the time away.
@@ -227,25 +231,58 @@ impl<T> Scheduler<T> {
         }
     }
 
-    /// The tenant and class to serve next, if any.
-    fn choose(&self, now_ms: u64) -> Option<(usize, usize)> {
+    /// The tenant and class to serve next among heads that `eligible` accepts, if any.
+    fn choose(
+        &self,
+        now_ms: u64,
+        eligible: &mut impl FnMut(&str, &T) -> bool,
+    ) -> Option<(usize, usize)> {
+        let mut ok = |t: usize, class: usize| {
+            let state = &self.tenants[t];
+            state.queues[class]
+                .front()
+                .is_some_and(|head| eligible(&state.name, &head.item))
+        };
         match self.policy {
-            Policy::Fifo => self.heads.first().map(|&(_, t, class)| (t, class)),
+            Policy::Fifo => self
+                .heads
+                .iter()
+                .find(|&&(_, t, class)| ok(t, class))
+                .map(|&(_, t, class)| (t, class)),
             Policy::Fair => {
-                if let Some(&(enqueued, _, t)) = self.batch_heads.first() {
-                    if now_ms.saturating_sub(enqueued) >= self.aging_ms {
-                        return Some((t, 1));
-                    }
+                let aged = self
+                    .batch_heads
+                    .iter()
+                    .take_while(|&&(enqueued, _, _)| {
+                        now_ms.saturating_sub(enqueued) >= self.aging_ms
+                    })
+                    .find(|&&(_, _, t)| ok(t, 1));
+                if let Some(&(_, _, t)) = aged {
+                    return Some((t, 1));
                 }
-                (0..CLASSES)
-                    .find_map(|class| self.ready[class].first().map(|&(_, _, t)| (t, class)))
+                (0..CLASSES).find_map(|class| {
+                    self.ready[class]
+                        .iter()
+                        .find(|&&(_, _, t)| ok(t, class))
+                        .map(|&(_, _, t)| (t, class))
+                })
             }
         }
     }
 
     /// Hands out the next request. Charge what it is served with [`charge`](Self::charge).
     pub fn pop(&mut self, now_ms: u64) -> Option<Dispatch<'_, T>> {
-        let (t, class) = self.choose(now_ms)?;
+        self.pop_where(now_ms, |_, _| true)
+    }
+
+    /// Hands out the next request whose tenant and head request `eligible` accepts (the
+    /// tenant is under its KV cap, a replica has room): the others keep their places.
+    pub fn pop_where(
+        &mut self,
+        now_ms: u64,
+        mut eligible: impl FnMut(&str, &T) -> bool,
+    ) -> Option<Dispatch<'_, T>> {
+        let (t, class) = self.choose(now_ms, &mut eligible)?;
         for c in 0..CLASSES {
             self.unindex_head(t, c);
         }
@@ -332,7 +369,11 @@ mod tests {
 
     /// Serves `decisions` requests of `input`+`output` tokens, keeping every tenant backlogged;
     /// returns tokens served per tenant.
-    fn serve(s: &mut Scheduler<u32>, decisions: usize, weights: &[(&str, f64)]) -> HashMap<String, u64> {
+    fn serve(
+        s: &mut Scheduler<u32>,
+        decisions: usize,
+        weights: &[(&str, f64)],
+    ) -> HashMap<String, u64> {
         let mut served = HashMap::new();
         for _ in 0..decisions {
             let d = s.pop(0).unwrap();
@@ -372,7 +413,11 @@ mod tests {
             s.charge("noisy", 2_000, 0);
         }
         s.push("small", 1.0, I, 999, 0);
-        assert_eq!(s.pop(0).unwrap().item, 999, "the new tenant's counter is lowest");
+        assert_eq!(
+            s.pop(0).unwrap().item,
+            999,
+            "the new tenant's counter is lowest"
+        );
     }
 
     #[test]
@@ -404,7 +449,11 @@ mod tests {
         s.push("chat", 1.0, I, 2, 1_000);
         assert_eq!(s.pop(1_000).unwrap().item, 2);
         s.push("chat", 1.0, I, 3, 1_000);
-        assert_eq!(s.pop(4_999).unwrap().item, 3, "batch waits while interactive is queued");
+        assert_eq!(
+            s.pop(4_999).unwrap().item,
+            3,
+            "batch waits while interactive is queued"
+        );
         s.push("chat", 1.0, I, 4, 5_000);
         let aged = s.pop(5_000).unwrap();
         assert_eq!((aged.item, aged.priority, aged.waited_ms), (1, B, 5_000));
@@ -436,6 +485,18 @@ mod tests {
         sorted.sort_unstable();
         assert_eq!(sorted, vec![3, 4, 5]);
         assert!(s.is_empty());
+    }
+
+    #[test]
+    fn ineligible_tenants_keep_their_place() {
+        let mut s = fair();
+        s.push("hog", 1.0, I, 1, 0);
+        s.push("other", 1.0, I, 2, 0);
+        s.charge("other", 500, 0);
+        let d = s.pop_where(0, |tenant, _| tenant != "hog").unwrap();
+        assert_eq!(d.item, 2, "the hog is over its cap: skipped, not dropped");
+        assert_eq!(s.pop_where(0, |_, _| false).map(|d| d.item), None);
+        assert_eq!(s.pop(0).unwrap().item, 1);
     }
 
     #[test]
