@@ -342,7 +342,7 @@ async fn upstream_reset_mid_stream_settles_and_releases_the_slot() {
         json!({"stream": true, "max_tokens": 100, "ignore_eos": true}),
     );
     let resp = post_with(
-        "/flaky/v1/chat/completions",
+        "/alt/v1/chat/completions",
         Some("reset"),
         body.to_string(),
         &[("x-request-id", id)],

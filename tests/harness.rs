@@ -41,6 +41,13 @@ pub fn sim_bin() -> PathBuf {
     )
 }
 
+pub fn sidecar_bin() -> PathBuf {
+    from_env_or(
+        "WEIR_SIDECAR_BIN",
+        workspace_root().join("target/debug/weir-sidecar"),
+    )
+}
+
 pub fn filter_wasm() -> PathBuf {
     from_env_or(
         "WEIR_FILTER_WASM",
@@ -104,16 +111,7 @@ impl Sim {
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         let mut child = spawn_owned(cmd);
-        let mut banner = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut banner)
-            .unwrap();
-        let addr = banner
-            .split("http://")
-            .nth(1)
-            .and_then(|s| s.split_whitespace().next())
-            .unwrap_or_else(|| panic!("no address in {banner:?}"))
-            .to_owned();
+        let addr = read_banner(&mut child);
         let port = addr.rsplit(':').next().unwrap().parse().unwrap();
         Sim {
             url: format!("http://{addr}"),
@@ -131,6 +129,73 @@ impl Sim {
             .await
             .unwrap();
         v.as_array().cloned().unwrap_or_default()
+    }
+}
+
+/// The first `http://ADDR` a child prints on stdout (its listening banner).
+fn read_banner(child: &mut Child) -> String {
+    let mut banner = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut banner)
+        .unwrap();
+    banner
+        .split("http://")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {banner:?}"))
+        .to_owned()
+}
+
+/// A running `weir-sidecar` with its config and ledger in a temporary directory.
+pub struct Sidecar {
+    pub url: String,
+    pub port: u16,
+    pub ledger: PathBuf,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Sidecar {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Sidecar {
+    /// Starts the sidecar with `config` (the listen address and ledger path are filled in).
+    pub fn start(mut config: serde_json::Value) -> Sidecar {
+        let dir = tempfile::tempdir().unwrap();
+        let ledger = dir.path().join("ledger.sqlite");
+        config["listen"] = "127.0.0.1:0".into();
+        config["ledger"] = ledger.display().to_string().into();
+        let path = dir.path().join("sidecar.json");
+        std::fs::write(&path, config.to_string()).unwrap();
+        let mut cmd = Command::new(sidecar_bin());
+        cmd.arg("--config")
+            .arg(&path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        let mut child = spawn_owned(cmd);
+        let addr = read_banner(&mut child);
+        let port = addr.rsplit(':').next().unwrap().parse().unwrap();
+        Sidecar {
+            url: format!("http://{addr}"),
+            port,
+            ledger,
+            child,
+            _dir: dir,
+        }
+    }
+
+    /// Text of the sidecar's `/metrics`.
+    pub async fn metrics(&self) -> String {
+        reqwest::get(format!("{}/metrics", self.url))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
     }
 }
 
@@ -154,8 +219,8 @@ impl Drop for Envoy {
 pub struct EnvoyOptions<'a> {
     pub weir_config: &'a serde_json::Value,
     pub upstream_port: u16,
-    /// The `/flaky/` route's upstream.
-    pub flaky_port: u16,
+    /// The `/alt/` route's upstream.
+    pub alt_port: u16,
     /// 0 picks a free port.
     pub listen_port: u16,
     /// Without it, the same Envoy with no weir filter: the baseline of overhead benchmarks.
@@ -164,11 +229,11 @@ pub struct EnvoyOptions<'a> {
 
 impl Envoy {
     /// Starts Envoy (`--concurrency 2`) on a free port with `weir_config`.
-    pub fn start(weir_config: &serde_json::Value, upstream_port: u16, flaky_port: u16) -> Envoy {
+    pub fn start(weir_config: &serde_json::Value, upstream_port: u16, alt_port: u16) -> Envoy {
         Envoy::launch(EnvoyOptions {
             weir_config,
             upstream_port,
-            flaky_port,
+            alt_port,
             listen_port: 0,
             with_filter: true,
         })
@@ -178,7 +243,7 @@ impl Envoy {
         let EnvoyOptions {
             weir_config,
             upstream_port,
-            flaky_port,
+            alt_port,
             listen_port,
             with_filter,
         } = opts;
@@ -200,7 +265,7 @@ impl Envoy {
             .replace("@@WEIR_CONFIG@@", &config_json)
             .replace("@@FILTER_WASM@@", &filter_wasm().display().to_string())
             .replace("@@UPSTREAM_PORT@@", &upstream_port.to_string())
-            .replace("@@FLAKY_PORT@@", &flaky_port.to_string());
+            .replace("@@ALT_PORT@@", &alt_port.to_string());
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, rendered).unwrap();
         let mut cmd = Command::new(envoy_bin());
@@ -298,7 +363,7 @@ fn listener_port(admin: &str) -> Option<u16> {
 }
 
 /// A blocking HTTP/1.1 GET for start-up probes, which run before any async client exists.
-fn http_get(addr: &str, path: &str) -> Option<String> {
+pub fn http_get(addr: &str, path: &str) -> Option<String> {
     use std::io::{Read, Write};
     let mut conn = std::net::TcpStream::connect(addr).ok()?;
     let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");

@@ -13,6 +13,8 @@ pub const REQUEST_ID: &str = "x-weir-request-id";
 pub const INPUT_TOKENS: &str = "x-weir-input-tokens";
 /// Output tokens reserved for the answer.
 pub const RESERVED_OUTPUT: &str = "x-weir-reserved-output";
+/// The tenant's cap on KV tokens held by its running requests (`active_kv_tokens`), if any.
+pub const KV_LIMIT: &str = "x-weir-kv-limit";
 /// `exact` or `fast`: how the prompt was counted.
 pub const ESTIMATE: &str = "x-weir-estimate";
 /// On responses of shadow routes: what enforcement would have done.

@@ -174,6 +174,9 @@ impl Request {
         ] {
             host::set_header(Side::Request, name, Some(value));
         }
+        if let Some(cap) = tenant.tightest(|l| l.active_kv_tokens) {
+            host::set_header(Side::Request, trusted::KV_LIMIT, Some(&cap.to_string()));
+        }
         self.tenant = Some(tenant);
 
         let path = host::header(Side::Request, ":path").unwrap_or_default();

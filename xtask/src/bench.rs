@@ -31,7 +31,7 @@ pub fn filter_overhead(sim_bin: &std::path::Path) -> anyhow::Result<()> {
         Envoy::launch(EnvoyOptions {
             weir_config: &config(exact_below_bytes),
             upstream_port: sim.port,
-            flaky_port: sim.port,
+            alt_port: sim.port,
             listen_port: 0,
             with_filter,
         })

@@ -130,7 +130,7 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
     let envoy = Envoy::launch(EnvoyOptions {
         weir_config: &config,
         upstream_port: sim.port,
-        flaky_port: sim.port,
+        alt_port: sim.port,
         listen_port: port,
         with_filter: true,
     });

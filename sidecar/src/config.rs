@@ -1,0 +1,115 @@
+//! The sidecar's configuration file (YAML or JSON).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SidecarConfig {
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// `fair` (virtual token counter) or `fifo` (the benchmark baseline).
+    #[serde(default = "default_policy")]
+    pub policy: String,
+    #[serde(default)]
+    pub queue: QueueConfig,
+    /// Secret mixed into each tenant's `cache_salt`, so salts cannot be guessed across tenants.
+    pub cache_salt_secret: String,
+    #[serde(default = "default_ledger")]
+    pub ledger: PathBuf,
+    pub pools: Vec<PoolConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// Requests one tenant may have waiting; more get 429 at once.
+    pub max_per_tenant: usize,
+    /// Requests waiting in total; more get 429 at once.
+    pub max_total: usize,
+    /// How long a request may wait for dispatch when the filter sent no deadline.
+    pub deadline_ms: u64,
+    /// A batch request waiting this long goes ahead of interactive work.
+    pub batch_aging_ms: u64,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            max_per_tenant: 256,
+            max_total: 4096,
+            deadline_ms: 30_000,
+            batch_aging_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    pub model: String,
+    pub replicas: Vec<String>,
+    /// KV tokens each replica holds; read from the engine's `vllm:cache_config_info` if unset.
+    #[serde(default)]
+    pub kv_tokens_per_replica: Option<u64>,
+    /// Above this KV usage (0–1) the prefix-affine replica is passed over for the least loaded.
+    #[serde(default = "default_affinity_threshold")]
+    pub affinity_load_threshold: f64,
+    /// Leading prompt bytes hashed (with the tenant) to pick the affine replica.
+    #[serde(default = "default_affinity_prefix")]
+    pub affinity_prefix_bytes: usize,
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9100))
+}
+
+fn default_policy() -> String {
+    "fair".into()
+}
+
+fn default_ledger() -> PathBuf {
+    PathBuf::from("weir-ledger.sqlite")
+}
+
+fn default_affinity_threshold() -> f64 {
+    0.85
+}
+
+fn default_affinity_prefix() -> usize {
+    1024
+}
+
+impl SidecarConfig {
+    pub fn from_file(path: &Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let config: SidecarConfig = match path.extension().and_then(|e| e.to_str()) {
+            Some("json") => serde_json::from_str(&text)?,
+            _ => serde_yaml_ng::from_str(&text)?,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if !matches!(self.policy.as_str(), "fair" | "fifo") {
+            bail!("policy must be 'fair' or 'fifo', not '{}'", self.policy);
+        }
+        if self.pools.is_empty() {
+            bail!("pools: at least one pool is needed");
+        }
+        for (i, pool) in self.pools.iter().enumerate() {
+            if pool.replicas.is_empty() {
+                bail!("pools[{i}].replicas: at least one replica is needed");
+            }
+        }
+        if self.cache_salt_secret.len() < 16 {
+            bail!("cache_salt_secret: use at least 16 characters");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,309 @@
+//! The dispatch loop: one task owns the fair queues and the pools' KV accounting. Handlers
+//! enqueue jobs and wait for an assignment; relays report tokens served and completion; probes
+//! report engine metrics. Nothing else mutates this state, so it needs no locks.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use weir_core::config::Priority;
+use weir_core::scheduler::{Policy, Scheduler, TokenWeights};
+
+use crate::config::QueueConfig;
+use crate::metrics::{Metrics, tenant};
+use crate::pool::{EngineSample, Pool};
+
+/// A request waiting for a replica.
+pub struct Job {
+    pub tenant: String,
+    pub weight: f64,
+    pub priority: Priority,
+    pub pool: usize,
+    pub input_tokens: u64,
+    /// KV tokens to reserve: the prompt plus the output it may still produce.
+    pub kv_need: u64,
+    /// The tenant's active-KV cap (`active_kv_tokens`), if it has one.
+    pub kv_cap: Option<u64>,
+    pub affinity: u64,
+    pub arrived_ms: u64,
+    /// Wall-clock ms by which it must be dispatched, or it is dropped.
+    pub deadline_ms: u64,
+    pub reply: oneshot::Sender<Result<Assignment, Refusal>>,
+}
+
+/// Where a job runs.
+#[derive(Debug)]
+pub struct Assignment {
+    pub pool: usize,
+    pub replica: usize,
+    pub url: String,
+    pub queued_ms: u64,
+}
+
+/// Why a job was not dispatched.
+#[derive(Debug, PartialEq)]
+pub enum Refusal {
+    /// The tenant (or the whole sidecar) has as many requests waiting as it may.
+    QueueFull,
+    /// It waited past its deadline.
+    DeadlinePassed,
+    /// No healthy replica could take it.
+    NoReplica,
+}
+
+pub enum Event {
+    Enqueue(Job),
+    /// Output tokens streamed to a tenant: charged to its virtual token counter.
+    Served {
+        tenant: String,
+        output_tokens: u64,
+    },
+    Finished {
+        pool: usize,
+        replica: usize,
+        tenant: String,
+        kv_need: u64,
+    },
+    ReplicaFailed {
+        pool: usize,
+        replica: usize,
+    },
+    Sample {
+        pool: usize,
+        replica: usize,
+        sample: Option<EngineSample>,
+    },
+}
+
+pub struct Dispatcher {
+    scheduler: Scheduler<Job>,
+    pools: Vec<Pool>,
+    /// Which replicas' KV budgets come from the config (not the engine's report).
+    budget_configured: Vec<bool>,
+    tenant_kv: HashMap<String, u64>,
+    queue: QueueConfig,
+    metrics: Metrics,
+}
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Dispatcher {
+    pub fn new(
+        policy: Policy,
+        pools: Vec<Pool>,
+        budget_configured: Vec<bool>,
+        queue: QueueConfig,
+        metrics: Metrics,
+    ) -> Self {
+        Dispatcher {
+            scheduler: Scheduler::new(policy, TokenWeights::default(), queue.batch_aging_ms),
+            pools,
+            budget_configured,
+            tenant_kv: HashMap::new(),
+            queue,
+            metrics,
+        }
+    }
+
+    pub async fn run(mut self, mut events: mpsc::UnboundedReceiver<Event>) {
+        let mut tick = tokio::time::interval(Duration::from_millis(25));
+        loop {
+            tokio::select! {
+                event = events.recv() => match event {
+                    Some(event) => self.apply(event),
+                    None => return,
+                },
+                _ = tick.tick() => self.expire(now_ms()),
+            }
+            while let Ok(event) = events.try_recv() {
+                self.apply(event);
+            }
+            self.dispatch(now_ms());
+        }
+    }
+
+    fn apply(&mut self, event: Event) {
+        match event {
+            Event::Enqueue(job) => self.enqueue(job),
+            Event::Served {
+                tenant: t,
+                output_tokens,
+            } => {
+                self.scheduler.charge(&t, 0, output_tokens);
+                self.metrics
+                    .vtc_counter
+                    .get_or_create(&tenant(&t))
+                    .set(self.scheduler.counter(&t));
+            }
+            Event::Finished {
+                pool,
+                replica,
+                tenant: t,
+                kv_need,
+            } => {
+                if let Some(r) = self
+                    .pools
+                    .get_mut(pool)
+                    .and_then(|p| p.replicas.get_mut(replica))
+                {
+                    r.reserved = r.reserved.saturating_sub(kv_need);
+                    r.in_flight = r.in_flight.saturating_sub(1);
+                }
+                let held = self.tenant_kv.entry(t.clone()).or_default();
+                *held = held.saturating_sub(kv_need);
+                self.metrics
+                    .active_kv_tokens
+                    .get_or_create(&tenant(&t))
+                    .set(*held as i64);
+            }
+            Event::ReplicaFailed { pool, replica } => {
+                if let Some(r) = self
+                    .pools
+                    .get_mut(pool)
+                    .and_then(|p| p.replicas.get_mut(replica))
+                {
+                    r.healthy = false;
+                }
+            }
+            Event::Sample {
+                pool,
+                replica,
+                sample,
+            } => self.observe(pool, replica, sample),
+        }
+    }
+
+    fn observe(&mut self, pool: usize, replica: usize, sample: Option<EngineSample>) {
+        let configured = self.budget_configured.get(pool).copied().unwrap_or(false);
+        let Some(r) = self
+            .pools
+            .get_mut(pool)
+            .and_then(|p| p.replicas.get_mut(replica))
+        else {
+            return;
+        };
+        r.healthy = sample.is_some();
+        if let Some(s) = sample {
+            r.engine = s;
+            if !configured {
+                r.kv_budget = s.kv_tokens.unwrap_or(r.kv_budget);
+            }
+        }
+        let labels = vec![("replica", r.url.clone())];
+        self.metrics
+            .replica_healthy
+            .get_or_create(&labels)
+            .set(i64::from(r.healthy));
+        self.metrics
+            .replica_kv_usage
+            .get_or_create(&labels)
+            .set(r.engine.kv_usage);
+        self.metrics
+            .replica_running
+            .get_or_create(&labels)
+            .set(r.engine.running as i64);
+        self.metrics
+            .replica_waiting
+            .get_or_create(&labels)
+            .set(r.engine.waiting as i64);
+    }
+
+    fn enqueue(&mut self, job: Job) {
+        let full = self.scheduler.depth(&job.tenant) >= self.queue.max_per_tenant
+            || self.scheduler.len() >= self.queue.max_total;
+        if full {
+            self.metrics.reject("queue_full");
+            let _ = job.reply.send(Err(Refusal::QueueFull));
+            return;
+        }
+        let (t, weight, priority, arrived) =
+            (job.tenant.clone(), job.weight, job.priority, job.arrived_ms);
+        self.scheduler.push(&t, weight, priority, job, arrived);
+        self.update_depth(&t);
+    }
+
+    fn update_depth(&self, t: &str) {
+        self.metrics
+            .queue_depth
+            .get_or_create(&tenant(t))
+            .set(self.scheduler.depth(t) as i64);
+    }
+
+    /// Drops jobs whose deadline passed (they get a retryable refusal) or whose client left.
+    fn expire(&mut self, now: u64) {
+        let gone = self
+            .scheduler
+            .remove_where(|job| job.deadline_ms <= now || job.reply.is_closed());
+        for job in gone {
+            self.update_depth(&job.tenant);
+            if !job.reply.is_closed() {
+                self.metrics.reject("deadline");
+                let _ = job.reply.send(Err(Refusal::DeadlinePassed));
+            }
+        }
+    }
+
+    /// Hands out work while something fits: the fairest eligible job first.
+    fn dispatch(&mut self, now: u64) {
+        loop {
+            let Dispatcher {
+                scheduler,
+                pools,
+                tenant_kv,
+                ..
+            } = self;
+            let eligible = |t: &str, job: &Job| {
+                let held = tenant_kv.get(t).copied().unwrap_or(0);
+                let under_cap = job
+                    .kv_cap
+                    .is_none_or(|cap| held == 0 || held + job.kv_need <= cap);
+                under_cap && !job.reply.is_closed() && pools[job.pool].fits(job.kv_need)
+            };
+            let Some(d) = scheduler.pop_where(now, eligible) else {
+                return;
+            };
+            let (t, job) = (d.tenant.to_owned(), d.item);
+            let pool = &mut self.pools[job.pool];
+            let Some(replica) = pool.route(job.affinity, job.kv_need) else {
+                let _ = job.reply.send(Err(Refusal::NoReplica));
+                continue;
+            };
+            let r = &mut pool.replicas[replica];
+            r.reserved += job.kv_need;
+            r.in_flight += 1;
+            let url = r.url.clone();
+            let held = self.tenant_kv.entry(t.clone()).or_default();
+            *held += job.kv_need;
+            self.metrics
+                .active_kv_tokens
+                .get_or_create(&tenant(&t))
+                .set(*held as i64);
+            self.scheduler.charge(&t, job.input_tokens, 0);
+            self.update_depth(&t);
+            let queued_ms = now.saturating_sub(job.arrived_ms);
+            self.metrics
+                .queue_wait
+                .get_or_create(&tenant(&t))
+                .observe(queued_ms as f64 / 1e3);
+            let assignment = Assignment {
+                pool: job.pool,
+                replica,
+                url,
+                queued_ms,
+            };
+            if job.reply.send(Ok(assignment)).is_err() {
+                // The client left between the check and now: give the room back.
+                self.apply(Event::Finished {
+                    pool: job.pool,
+                    replica,
+                    tenant: t,
+                    kv_need: job.kv_need,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! weir-sidecar: the dispatcher between Envoy (with the weir filter) and pools of
+//! OpenAI-compatible engines. Per-tenant fair queues, KV-aware admission, tenant-scoped prefix
+//! affinity with per-tenant `cache_salt`, a streaming relay with cancellation, an idempotent
+//! usage ledger and Prometheus metrics.
+
+pub mod config;
+pub mod dispatcher;
+pub mod ledger;
+pub mod metrics;
+pub mod pool;
+pub mod relay;
+pub mod server;

@@ -1,0 +1,128 @@
+//! The sidecar's Prometheus metrics: per tenant (queue, fairness, KV, latency, tokens) and per
+//! replica. Labels carry tenant paths and replica URLs only, never content.
+
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(&'static str, String)>;
+
+fn latency_histogram() -> Histogram {
+    Histogram::new([
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ])
+}
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub queue_depth: Family<Labels, Gauge>,
+    pub queue_wait: Family<Labels, Histogram, fn() -> Histogram>,
+    pub vtc_counter: Family<Labels, Gauge<f64, AtomicU64>>,
+    pub active_kv_tokens: Family<Labels, Gauge>,
+    pub ttft: Family<Labels, Histogram, fn() -> Histogram>,
+    pub itl: Family<Labels, Histogram, fn() -> Histogram>,
+    pub tokens: Family<Labels, Counter>,
+    pub goodput_tokens: Family<Labels, Counter>,
+    pub rejections: Family<Labels, Counter>,
+    pub replica_kv_usage: Family<Labels, Gauge<f64, AtomicU64>>,
+    pub replica_running: Family<Labels, Gauge>,
+    pub replica_waiting: Family<Labels, Gauge>,
+    pub replica_healthy: Family<Labels, Gauge>,
+}
+
+pub fn tenant(t: &str) -> Labels {
+    vec![("tenant", t.to_owned())]
+}
+
+impl Metrics {
+    pub fn new() -> (Metrics, Registry) {
+        let m = Metrics {
+            queue_depth: Family::default(),
+            queue_wait: Family::new_with_constructor(latency_histogram),
+            vtc_counter: Family::default(),
+            active_kv_tokens: Family::default(),
+            ttft: Family::new_with_constructor(latency_histogram),
+            itl: Family::new_with_constructor(latency_histogram),
+            tokens: Family::default(),
+            goodput_tokens: Family::default(),
+            rejections: Family::default(),
+            replica_kv_usage: Family::default(),
+            replica_running: Family::default(),
+            replica_waiting: Family::default(),
+            replica_healthy: Family::default(),
+        };
+        let mut r = Registry::with_prefix("weir");
+        r.register(
+            "queue_depth",
+            "Requests waiting per tenant",
+            m.queue_depth.clone(),
+        );
+        r.register(
+            "queue_wait_seconds",
+            "Time from arrival to dispatch",
+            m.queue_wait.clone(),
+        );
+        r.register(
+            "vtc_counter",
+            "Virtual token counter per tenant (fairness debt)",
+            m.vtc_counter.clone(),
+        );
+        r.register(
+            "active_kv_tokens",
+            "KV tokens reserved by a tenant's running requests",
+            m.active_kv_tokens.clone(),
+        );
+        r.register(
+            "ttft_seconds",
+            "Time to first token, arrival to first chunk",
+            m.ttft.clone(),
+        );
+        r.register("itl_seconds", "Time between streamed chunks", m.itl.clone());
+        r.register(
+            "tokens",
+            "Tokens served per tenant and direction",
+            m.tokens.clone(),
+        );
+        r.register(
+            "goodput_tokens",
+            "Tokens of requests completed within their deadline, per tier",
+            m.goodput_tokens.clone(),
+        );
+        r.register(
+            "rejections",
+            "Requests turned away, by reason",
+            m.rejections.clone(),
+        );
+        r.register(
+            "replica_kv_usage",
+            "Engine-reported KV usage (0-1)",
+            m.replica_kv_usage.clone(),
+        );
+        r.register(
+            "replica_running",
+            "Engine-reported running requests",
+            m.replica_running.clone(),
+        );
+        r.register(
+            "replica_waiting",
+            "Engine-reported waiting requests",
+            m.replica_waiting.clone(),
+        );
+        r.register(
+            "replica_healthy",
+            "1 while the replica answers its probes",
+            m.replica_healthy.clone(),
+        );
+        (m, r)
+    }
+
+    pub fn reject(&self, reason: &'static str) {
+        self.rejections
+            .get_or_create(&vec![("reason", reason.to_owned())])
+            .inc();
+    }
+}

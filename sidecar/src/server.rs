@@ -1,0 +1,258 @@
+//! The HTTP side: Envoy sends filtered requests here. Only requests carrying the filter's
+//! trusted headers are served; the sidecar binds to loopback by default (use mTLS between pods).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use prometheus_client::registry::Registry;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tokio::sync::{mpsc, oneshot};
+use weir_core::config::Priority;
+use weir_core::openai::{ApiError, Endpoint};
+use weir_core::trusted;
+
+use crate::dispatcher::{Event, Job, Refusal, now_ms};
+use crate::ledger::Ledger;
+use crate::metrics::Metrics;
+use crate::pool::affinity_key;
+use crate::relay::{Flight, relay};
+
+/// Output tokens assumed for KV admission when the request may produce more: reserving the
+/// whole `max_tokens` would admit a fraction of what fits. The engine preempts if a guess is
+/// too low, and the per-tenant cap bounds the damage.
+const EXPECTED_OUTPUT_TOKENS: u64 = 512;
+
+pub struct App {
+    pub events: mpsc::UnboundedSender<Event>,
+    pub http: reqwest::Client,
+    pub metrics: Metrics,
+    pub registry: Registry,
+    pub ledger: Ledger,
+    /// Model name → pool index, with each pool's affinity prefix length.
+    pub pools: Vec<(String, usize)>,
+    pub cache_salt_secret: String,
+    pub queue_deadline_ms: u64,
+}
+
+/// What the filter established about a request.
+#[derive(Clone, Debug)]
+pub struct Trusted {
+    pub tenant: String,
+    pub request_id: String,
+    pub tier: String,
+    pub weight: f64,
+    pub priority: Priority,
+    pub input_tokens: u64,
+    pub reserved_output: u64,
+    pub kv_cap: Option<u64>,
+    pub deadline_ms: u64,
+}
+
+impl Trusted {
+    fn from_headers(h: &HeaderMap, default_deadline_ms: u64) -> Option<Trusted> {
+        let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
+        let num = |name: &str| get(name).and_then(|v| v.parse::<u64>().ok());
+        Some(Trusted {
+            tenant: get(trusted::TENANT).filter(|t| !t.is_empty())?.to_owned(),
+            request_id: get(trusted::REQUEST_ID)
+                .filter(|t| !t.is_empty())?
+                .to_owned(),
+            tier: get(trusted::TIER).unwrap_or("standard").to_owned(),
+            weight: get(trusted::WEIGHT)
+                .and_then(|w| w.parse().ok())
+                .unwrap_or(1.0),
+            priority: match get(trusted::PRIORITY) {
+                Some("batch") => Priority::Batch,
+                _ => Priority::Interactive,
+            },
+            input_tokens: num(trusted::INPUT_TOKENS).unwrap_or(0),
+            reserved_output: num(trusted::RESERVED_OUTPUT).unwrap_or(EXPECTED_OUTPUT_TOKENS),
+            kv_cap: num(trusted::KV_LIMIT),
+            deadline_ms: now_ms() + default_deadline_ms,
+        })
+    }
+}
+
+pub fn router(app: Arc<App>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/health", get(|| async { StatusCode::OK }))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { error_response(&ApiError::not_found("no such route")) })
+        .with_state(app)
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    let mut out = String::new();
+    let _ = prometheus_client::encoding::text::encode(&mut out, &app.registry);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        out,
+    )
+        .into_response()
+}
+
+pub fn error_response(e: &ApiError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = (status, axum::Json(e.to_json())).into_response();
+    if matches!(e.status, 429 | 502 | 503) {
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    resp
+}
+
+async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(app, Endpoint::ChatCompletions, headers, body).await
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(app, Endpoint::Completions, headers, body).await
+}
+
+/// The tenant's prefix-cache scope: a salt only weir can derive, so no tenant can name another's.
+fn cache_salt(secret: &str, tenant: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(secret.as_bytes())
+        .chain_update([0u8])
+        .chain_update(tenant.as_bytes())
+        .finalize();
+    digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
+
+async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+    let arrived = Instant::now();
+    let Some(who) = Trusted::from_headers(&headers, app.queue_deadline_ms) else {
+        app.metrics.reject("untrusted");
+        return error_response(
+            &ApiError::new(
+                401,
+                "AuthenticationError",
+                "requests must come through the weir filter",
+            )
+            .with_code("untrusted_request"),
+        );
+    };
+    let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
+        return error_response(&ApiError::bad_request("malformed JSON"));
+    };
+    let model = value["model"].as_str().unwrap_or_default().to_owned();
+    let Some(pool) = app.pools.iter().position(|(m, _)| *m == model) else {
+        return error_response(
+            &ApiError::not_found(format!("The model `{model}` is not served here."))
+                .with_param("model"),
+        );
+    };
+    let prefix_bytes = app.pools[pool].1;
+    let prompt = match endpoint {
+        Endpoint::ChatCompletions => &value["messages"],
+        Endpoint::Completions => &value["prompt"],
+    };
+    let prompt = prompt.to_string();
+    let affinity = affinity_key(
+        &who.tenant,
+        &prompt.as_bytes()[..prompt.len().min(prefix_bytes)],
+    );
+    value["cache_salt"] = json!(cache_salt(&app.cache_salt_secret, &who.tenant));
+    let stream = value["stream"].as_bool().unwrap_or(false);
+    let kv_need = who.input_tokens + who.reserved_output.min(EXPECTED_OUTPUT_TOKENS);
+
+    let (reply, assigned) = oneshot::channel();
+    let job = Job {
+        tenant: who.tenant.clone(),
+        weight: who.weight,
+        priority: who.priority,
+        pool,
+        input_tokens: who.input_tokens,
+        kv_need,
+        kv_cap: who.kv_cap,
+        affinity,
+        arrived_ms: now_ms(),
+        deadline_ms: who.deadline_ms,
+        reply,
+    };
+    if app.events.send(Event::Enqueue(job)).is_err() {
+        return error_response(&ApiError::new(
+            503,
+            "ServiceUnavailableError",
+            "dispatcher stopped",
+        ));
+    }
+    let assignment = match assigned.await {
+        Ok(Ok(a)) => a,
+        Ok(Err(Refusal::QueueFull)) => {
+            return error_response(
+                &ApiError::rate_limited("too many requests queued for this tenant; retry shortly")
+                    .with_code("queue_full"),
+            );
+        }
+        Ok(Err(Refusal::DeadlinePassed)) => {
+            return error_response(
+                &ApiError::new(
+                    503,
+                    "ServiceUnavailableError",
+                    "the pool is saturated and the request's wait passed its deadline",
+                )
+                .with_code("queue_deadline"),
+            );
+        }
+        Ok(Err(Refusal::NoReplica)) | Err(_) => {
+            return error_response(&ApiError::new(
+                503,
+                "ServiceUnavailableError",
+                "no healthy replica",
+            ));
+        }
+    };
+    let path = match endpoint {
+        Endpoint::ChatCompletions => "/v1/chat/completions",
+        Endpoint::Completions => "/v1/completions",
+    };
+    let body = serde_json::to_vec(&value).unwrap_or_default();
+    let flight = Flight::new(app, who, model, assignment, kv_need, arrived);
+    relay(flight, path, body, stream).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn salts_differ_per_tenant_and_secret() {
+        let a = cache_salt("secret-0123456789", "acme/p/k");
+        assert_eq!(a, cache_salt("secret-0123456789", "acme/p/k"));
+        assert_ne!(a, cache_salt("secret-0123456789", "globex/p/k"));
+        assert_ne!(a, cache_salt("other-secret-0123", "acme/p/k"));
+        assert_eq!(a.len(), 32);
+    }
+
+    #[test]
+    fn requests_without_the_filters_headers_are_untrusted() {
+        let mut h = HeaderMap::new();
+        assert!(Trusted::from_headers(&h, 1000).is_none());
+        h.insert(trusted::TENANT, HeaderValue::from_static("a/b/c/d"));
+        assert!(
+            Trusted::from_headers(&h, 1000).is_none(),
+            "needs a request id too"
+        );
+        h.insert(trusted::REQUEST_ID, HeaderValue::from_static("r1"));
+        h.insert(trusted::PRIORITY, HeaderValue::from_static("batch"));
+        h.insert(trusted::KV_LIMIT, HeaderValue::from_static("5000"));
+        let t = Trusted::from_headers(&h, 1000).unwrap();
+        assert_eq!(
+            (t.priority, t.kv_cap, t.weight),
+            (Priority::Batch, Some(5000), 1.0)
+        );
+    }
+}

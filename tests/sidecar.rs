@@ -1,0 +1,496 @@
+//! The dispatcher sidecar end to end: real Envoy with the filter → the sidecar → simulator
+//! replicas, on loopback. The stack is shared by the tests of this binary, which take turns
+//! (they measure ordering and shares, so they must not load the pool at the same time).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use reqwest::{Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, MutexGuard};
+use weir_core::keys::hash_key;
+use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+
+struct Stack {
+    sims: Vec<Sim>,
+    sidecar: Sidecar,
+    envoy: Envoy,
+}
+
+/// One key per test role.
+const TENANTS: [&str; 12] = [
+    "aff-a", "aff-b", "retry", "flood", "crash", "bulk", "chat", "heavy", "light", "late", "hog",
+    "calm",
+];
+
+fn weir_config() -> Value {
+    let keys: Vec<Value> = TENANTS
+        .iter()
+        .map(|id| {
+            let mut key = json!({"id": id, "sha256": hash_key(&format!("key-{id}"))});
+            match *id {
+                "bulk" => key["policy"] = json!({"priority": "batch"}),
+                "heavy" => key["policy"] = json!({"weight": 3}),
+                "hog" => key["limits"] = json!({"active_kv_tokens": 4000}),
+                _ => {}
+            }
+            key
+        })
+        .collect();
+    json!({
+        "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": keys}]}]}],
+        "models": {"tiny": {"max_context_tokens": 4096}},
+    })
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let tiny = [
+            "--preset",
+            "tiny",
+            "--time-scale",
+            "10",
+            "--output-len",
+            "fixed:20",
+        ];
+        let sims = vec![
+            Sim::start(&tiny),
+            Sim::start(&tiny),
+            Sim::start(
+                &[
+                    &tiny[..],
+                    &["--served-model-name", "crashy", "--exit-after", "1"],
+                ]
+                .concat(),
+            ),
+            Sim::start(&[&tiny[..], &["--served-model-name", "crashy"]].concat()),
+        ];
+        let sidecar = Sidecar::start(json!({
+            "policy": "fair",
+            "cache_salt_secret": "e2e-secret-0123456789",
+            "queue": {"max_per_tenant": 32, "deadline_ms": 20000, "batch_aging_ms": 60000},
+            "pools": [
+                {"model": "tiny", "replicas": [sims[0].url, sims[1].url]},
+                {"model": "crashy", "replicas": [sims[2].url, sims[3].url]},
+            ],
+        }));
+        let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+        // The sidecar admits nothing until its probes have read every replica.
+        let addr = sidecar.url.trim_start_matches("http://").to_owned();
+        wait_for(Duration::from_secs(10), || {
+            let text = http_get(&addr, "/metrics")?;
+            (text.matches("weir_replica_healthy{").count() >= 4).then_some(())
+        })
+        .expect("replicas probed");
+        Stack {
+            sims,
+            sidecar,
+            envoy,
+        }
+    })
+}
+
+/// One test at a time on the shared pool.
+async fn turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::const_new(());
+    TURN.lock().await
+}
+
+fn chat(content: &str, extra: Value) -> String {
+    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body.to_string()
+}
+
+async fn post(key: &str, body: String, request_id: Option<&str>) -> Response {
+    let mut req = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", stack().envoy.url))
+        .bearer_auth(format!("key-{key}"))
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(id) = request_id {
+        req = req.header("x-request-id", id);
+    }
+    req.send().await.unwrap()
+}
+
+async fn sim_metric(sim: &Sim, name: &str) -> f64 {
+    let text = reqwest::get(format!("{}/metrics", sim.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find(|l| l.starts_with(&format!("{name}{{")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+/// Ledger rows, read from the sidecar's SQLite file.
+fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
+    let conn = weir_sidecar::ledger::open(&stack().sidecar.ledger).unwrap();
+    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
+}
+
+fn ledger_rows(request_id: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {
+    wait_for(Duration::from_secs(5), || {
+        let rows: Vec<_> = ledger()
+            .into_iter()
+            .filter(|r| r.request_id == request_id)
+            .collect();
+        (!rows.is_empty()).then_some(rows)
+    })
+    .unwrap_or_default()
+}
+
+/// A prompt of about `tokens` tokens, distinct per `tag`.
+fn prompt(tag: &str, tokens: usize) -> String {
+    format!("{tag}: {}", "pack the cache ".repeat(tokens / 3))
+}
+
+#[tokio::test]
+async fn requests_without_the_filter_are_refused() {
+    let _turn = turn().await;
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", stack().sidecar.url))
+        .body(chat("hi", json!({})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn tenant_prefixes_stick_to_one_replica_and_never_cross_tenants() {
+    let _turn = turn().await;
+    let s = stack();
+    let shared = prompt("a shared system prompt", 600);
+    let hits = |i| sim_metric(&s.sims[i], "vllm:prefix_cache_hits_total");
+    let before = [hits(0).await, hits(1).await];
+    let mut cached = Vec::new();
+    for _ in 0..4 {
+        let v: Value = post("aff-a", chat(&shared, json!({"max_tokens": 1})), None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        cached.push(
+            v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap(),
+        );
+    }
+    assert_eq!(cached[0], 0);
+    assert!(
+        cached[1..].iter().all(|&c| c > 500),
+        "the affine replica's cache is warm: {cached:?}"
+    );
+    let gained = [hits(0).await - before[0], hits(1).await - before[1]];
+    assert!(
+        gained.iter().filter(|&&g| g > 0.0).count() == 1,
+        "all hits on one replica: {gained:?}"
+    );
+
+    let v: Value = post("aff-b", chat(&shared, json!({"max_tokens": 1})), None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        v["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "another tenant's identical prefix gets no hits"
+    );
+}
+
+#[tokio::test]
+async fn a_retried_request_id_is_billed_once() {
+    let _turn = turn().await;
+    for _ in 0..2 {
+        let resp = post(
+            "retry",
+            chat("bill me once", json!({"max_tokens": 3})),
+            Some("retry-42"),
+        )
+        .await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.bytes().await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rows = ledger_rows("retry-42");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].tenant, "acme/lab/e2e/retry");
+    assert_eq!(
+        (rows[0].completion_tokens, rows[0].source.as_str()),
+        (3, "engine")
+    );
+}
+
+#[tokio::test]
+async fn a_flood_past_the_queue_bound_gets_fast_429s_while_admitted_work_completes() {
+    let _turn = turn().await;
+    let start = Instant::now();
+    let attempts = (0..64).map(|i| async move {
+        let body = chat(
+            &prompt(&format!("flood {i}"), 2000),
+            json!({"max_tokens": 100, "ignore_eos": true, "stream": true}),
+        );
+        let resp = post("flood", body, None).await;
+        let status = resp.status();
+        let retry_after = resp.headers().get("retry-after").is_some();
+        let text = resp.text().await.unwrap_or_default();
+        (status, retry_after, text, start.elapsed())
+    });
+    let results = futures::future::join_all(attempts).await;
+    let refused: Vec<_> = results
+        .iter()
+        .filter(|r| r.0 == StatusCode::TOO_MANY_REQUESTS)
+        .collect();
+    let served: Vec<_> = results.iter().filter(|r| r.0 == StatusCode::OK).collect();
+    assert!(
+        !refused.is_empty(),
+        "the bound of 16 queued per tenant was hit"
+    );
+    assert!(refused.iter().all(|r| r.1 && r.2.contains("queue_full")));
+    assert_eq!(served.len() + refused.len(), results.len());
+    assert!(
+        served.iter().all(|r| r.2.ends_with("data: [DONE]\n\n")),
+        "admitted requests complete"
+    );
+    let last_refusal = refused.iter().map(|r| r.3).max().unwrap();
+    let first_completion = served.iter().map(|r| r.3).min().unwrap();
+    assert!(
+        last_refusal < first_completion,
+        "refusals are immediate, not queued"
+    );
+}
+
+#[tokio::test]
+async fn a_replica_lost_mid_stream_ends_cleanly_and_later_requests_go_elsewhere() {
+    let _turn = turn().await;
+    let mut failure = None;
+    for i in 0..20 {
+        let id = format!("crash-{i}");
+        let body = json!({"model": "crashy", "stream": true, "max_tokens": 50, "ignore_eos": true,
+            "messages": [{"role": "user", "content": format!("attempt {i}")}]})
+        .to_string();
+        let text = post("crash", body, Some(&id))
+            .await
+            .text()
+            .await
+            .unwrap_or_default();
+        if text.contains("\"error\"") {
+            failure = Some((id, text));
+            break;
+        }
+        assert!(text.ends_with("data: [DONE]\n\n"));
+    }
+    let (id, text) = failure.expect("one request landed on the replica that dies");
+    let error_event = text
+        .split("\n\n")
+        .find(|e| e.contains("\"error\""))
+        .unwrap();
+    let event: Value = serde_json::from_str(error_event.trim_start_matches("data: ")).unwrap();
+    assert_eq!(event["error"]["type"], "ServiceUnavailableError");
+    assert!(
+        text.ends_with("data: [DONE]\n\n"),
+        "the stream is closed properly"
+    );
+    let rows = ledger_rows(&id);
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].outcome, "failed");
+    for i in 0..6 {
+        let body = json!({"model": "crashy", "max_tokens": 5,
+            "messages": [{"role": "user", "content": format!("after {i}")}]})
+        .to_string();
+        assert_eq!(
+            post("crash", body, None).await.status(),
+            StatusCode::OK,
+            "healthy replica serves"
+        );
+    }
+}
+
+#[tokio::test]
+async fn interactive_requests_overtake_queued_batch_work() {
+    let _turn = turn().await;
+    let start = Instant::now();
+    let bulk = (0..14).map(|i| async move {
+        let body = chat(
+            &prompt(&format!("bulk {i}"), 2000),
+            json!({"max_tokens": 60, "ignore_eos": true}),
+        );
+        let resp = post("bulk", body, None).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.bytes().await.unwrap();
+        start.elapsed()
+    });
+    let chat_reqs = async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let sent = start.elapsed();
+        let done = futures::future::join_all((0..3).map(|i| async move {
+            let resp = post(
+                "chat",
+                chat(&format!("quick question {i}"), json!({"max_tokens": 5})),
+                None,
+            )
+            .await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            resp.bytes().await.unwrap();
+            start.elapsed()
+        }))
+        .await;
+        (sent, done)
+    };
+    let (bulk_done, (chat_sent, chat_done)) =
+        tokio::join!(futures::future::join_all(bulk), chat_reqs);
+    let last_chat = chat_done.iter().max().unwrap();
+    let bulk_after_chat = bulk_done.iter().filter(|t| *t > last_chat).count();
+    let bulk_queued_at_chat = bulk_done.iter().filter(|t| **t > chat_sent).count();
+    assert!(
+        bulk_queued_at_chat >= 6,
+        "the pool was saturated with batch work"
+    );
+    assert!(
+        bulk_after_chat >= 4,
+        "interactive went ahead of {bulk_after_chat} queued batch requests"
+    );
+}
+
+#[tokio::test]
+async fn weights_divide_service_three_to_one_and_returning_tenants_are_lifted() {
+    let _turn = turn().await;
+    // Enough clients that both tenants stay backlogged: VTC shares service among backlogged
+    // tenants, and one whose queue keeps emptying is (rightly) lifted each time it returns.
+    let window = Duration::from_secs(6);
+    let start = Instant::now();
+    let started_ms = weir_sidecar::dispatcher::now_ms();
+    let client = |key: &'static str| async move {
+        let mut n = 0u32;
+        while start.elapsed() < window {
+            let body = chat(
+                &prompt(&format!("{key} {n}"), 1500),
+                json!({"max_tokens": 40, "ignore_eos": true}),
+            );
+            let resp = post(key, body, None).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            resp.bytes().await.unwrap();
+            n += 1;
+        }
+    };
+    let loops = (0..24).flat_map(|_| [client("heavy"), client("light")]);
+    let late = async {
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        let counters = vtc_counters().await;
+        let floor = counters["acme/lab/e2e/heavy"].min(counters["acme/lab/e2e/light"]);
+        let resp = post(
+            "late",
+            chat("back from idle", json!({"max_tokens": 1})),
+            None,
+        )
+        .await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        resp.bytes().await.unwrap();
+        (floor, vtc_counters().await["acme/lab/e2e/late"])
+    };
+    let (_, (floor, late_counter)) = tokio::join!(futures::future::join_all(loops), late);
+    assert!(
+        floor > 100_000.0,
+        "both tenants ran up their counters: {floor}"
+    );
+    assert!(
+        late_counter >= floor,
+        "lifted to the backlogged minimum: {late_counter} < {floor}"
+    );
+
+    // Count the steady state: after the queues filled, before the clients stopped.
+    let steady = (started_ms + 1_000)..(started_ms + window.as_millis() as u64);
+    let served = |tenant: &str| -> u64 {
+        ledger()
+            .iter()
+            .filter(|r| {
+                r.tenant == tenant && r.outcome == "ok" && steady.contains(&r.finished_at_ms)
+            })
+            .map(|r| r.prompt_tokens + r.completion_tokens)
+            .sum()
+    };
+    let (heavy, light) = (served("acme/lab/e2e/heavy"), served("acme/lab/e2e/light"));
+    let ratio = heavy as f64 / light as f64;
+    println!("weights 3:1 -> served heavy:light = {ratio:.3} ({heavy} vs {light} tokens)");
+    assert!(
+        (ratio / 3.0 - 1.0).abs() <= 0.10,
+        "heavy:light = {ratio:.2} ({heavy} vs {light} tokens)"
+    );
+}
+
+async fn vtc_counters() -> HashMap<String, f64> {
+    stack()
+        .sidecar
+        .metrics()
+        .await
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("weir_vtc_counter{tenant=\"")?;
+            let (tenant, value) = rest.split_once("\"} ")?;
+            Some((tenant.to_owned(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_long_context_kv_hog_is_capped_and_others_keep_their_deadlines() {
+    let _turn = turn().await;
+    let hog = (0..8).map(|i| async move {
+        let body = chat(
+            &prompt(&format!("hog session {i}"), 3000),
+            json!({"max_tokens": 40, "ignore_eos": true}),
+        );
+        post("hog", body, None).await.status()
+    });
+    let watch = async {
+        let mut peak = 0.0f64;
+        let mut calm = Vec::new();
+        for i in 0..10 {
+            let resp = post(
+                "calm",
+                chat(&format!("calm {i}"), json!({"max_tokens": 5})),
+                Some(&format!("calm-{i}")),
+            )
+            .await;
+            calm.push(resp.status());
+            resp.bytes().await.unwrap();
+            let metrics = stack().sidecar.metrics().await;
+            let held = metrics
+                .lines()
+                .find(|l| l.starts_with("weir_active_kv_tokens{tenant=\"acme/lab/e2e/hog\"}"))
+                .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+                .unwrap_or(0.0);
+            peak = peak.max(held);
+        }
+        (peak, calm)
+    };
+    let (hog_statuses, (peak, calm)) = tokio::join!(futures::future::join_all(hog), watch);
+    assert!(
+        hog_statuses.iter().all(|s| *s == StatusCode::OK),
+        "the hog is served, one session at a time"
+    );
+    assert!(
+        peak <= 4000.0,
+        "the hog never held more than its cap: {peak}"
+    );
+    assert!(calm.iter().all(|s| *s == StatusCode::OK));
+    let waits: Vec<u64> = (0..10)
+        .map(|i| ledger_rows(&format!("calm-{i}"))[0].queued_ms)
+        .collect();
+    assert!(
+        waits.iter().all(|&w| w < 1_000),
+        "others never wait behind the hog: {waits:?}"
+    );
+}
