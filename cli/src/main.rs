@@ -1,5 +1,6 @@
 //! `weir`: operator commands. Keys are minted here and only their SHA-256 goes into the
-//! gateway config, so the plaintext key exists once, in this command's output.
+//! gateway config, so the plaintext key exists once, in this command's output. Usage is exported
+//! from the sidecar's ledger.
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -20,6 +21,83 @@ enum Command {
         #[command(subcommand)]
         action: KeysAction,
     },
+    /// Export billed usage from the sidecar's ledger (one row per request id).
+    Usage {
+        /// The ledger database (the sidecar's `ledger` setting).
+        #[arg(long, default_value = "weir-ledger.sqlite")]
+        ledger: std::path::PathBuf,
+        /// Only this tenant (`org/workspace/project/key`); all tenants when omitted.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// How far back: `90s`, `30m`, `24h`, `7d`, or `all`.
+        #[arg(long, default_value = "24h")]
+        since: String,
+        #[arg(long, value_enum, default_value = "csv")]
+        format: Format,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Format {
+    Csv,
+    Json,
+}
+
+/// The start of the window in Unix ms, from a relative duration.
+fn since_ms(since: &str, now_ms: u64) -> anyhow::Result<u64> {
+    if since == "all" {
+        return Ok(0);
+    }
+    let (n, unit) = since.split_at(since.len().saturating_sub(1));
+    let n: u64 = n
+        .parse()
+        .with_context(|| format!("--since {since}: expected a number and s, m, h or d"))?;
+    let unit_ms = match unit {
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => anyhow::bail!("--since {since}: the unit must be s, m, h or d"),
+    };
+    Ok(now_ms.saturating_sub(n.saturating_mul(unit_ms)))
+}
+
+fn export_usage(
+    ledger: &std::path::Path,
+    tenant: Option<&str>,
+    since: &str,
+    format: Format,
+) -> anyhow::Result<()> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as u64;
+    let conn = weir_sidecar::ledger::open(ledger)
+        .with_context(|| format!("opening ledger {}", ledger.display()))?;
+    let rows = weir_sidecar::ledger::query(&conn, tenant, since_ms(since, now)?)?;
+    match format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+        Format::Csv => {
+            println!(
+                "request_id,tenant,model,replica,prompt_tokens,completion_tokens,source,outcome,queued_ms,finished_at_ms"
+            );
+            for r in rows {
+                println!(
+                    "{},{},{},{},{},{},{},{},{},{}",
+                    r.request_id,
+                    r.tenant,
+                    r.model,
+                    r.replica,
+                    r.prompt_tokens,
+                    r.completion_tokens,
+                    r.source,
+                    r.outcome,
+                    r.queued_ms,
+                    r.finished_at_ms
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -62,6 +140,12 @@ fn main() -> anyhow::Result<()> {
                 .context("reading the key from stdin")?;
             println!("{}", hash_key(key.trim()));
         }
+        Command::Usage {
+            ledger,
+            tenant,
+            since,
+            format,
+        } => export_usage(&ledger, tenant.as_deref(), &since, format)?,
     }
     Ok(())
 }
@@ -69,6 +153,41 @@ fn main() -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn since_understands_relative_windows() {
+        assert_eq!(since_ms("all", 1_000_000).unwrap(), 0);
+        assert_eq!(since_ms("90s", 1_000_000).unwrap(), 910_000);
+        assert_eq!(since_ms("2h", 10_000_000).unwrap(), 2_800_000);
+        assert!(since_ms("3w", 0).is_err());
+        assert!(since_ms("h", 0).is_err());
+    }
+
+    #[test]
+    fn usage_exports_only_the_asked_tenant() {
+        use weir_sidecar::ledger::{UsageRecord, append, open};
+        let path = std::env::temp_dir().join(format!("weir-cli-usage-{}", std::process::id()));
+        let conn = open(&path).unwrap();
+        for (id, tenant) in [("r1", "a/w/p/k"), ("r2", "b/w/p/k")] {
+            let record = UsageRecord {
+                request_id: id.into(),
+                tenant: tenant.into(),
+                model: "m".into(),
+                replica: "r".into(),
+                prompt_tokens: 1,
+                completion_tokens: 2,
+                source: "engine".into(),
+                outcome: "ok".into(),
+                queued_ms: 0,
+                finished_at_ms: u64::MAX / 2,
+            };
+            append(&conn, &record).unwrap();
+        }
+        let rows = weir_sidecar::ledger::query(&conn, Some("a/w/p/k"), 0).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert!(export_usage(&path, Some("a/w/p/k"), "all", Format::Json).is_ok());
+        let _ = std::fs::remove_file(&path);
+    }
 
     #[test]
     fn minted_keys_are_prefixed_random_and_hash_cleanly() {
