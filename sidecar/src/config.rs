@@ -34,6 +34,9 @@ pub struct QueueConfig {
     pub deadline_ms: u64,
     /// A batch request waiting this long goes ahead of interactive work.
     pub batch_aging_ms: u64,
+    /// Past this share of `max_total` queued, free-tier requests are shed (429) before anyone
+    /// else's: the cheapest work goes first when the pool is overloaded.
+    pub shed_free_tier_above: f64,
 }
 
 impl Default for QueueConfig {
@@ -43,6 +46,7 @@ impl Default for QueueConfig {
             max_total: 4096,
             deadline_ms: 30_000,
             batch_aging_ms: 30_000,
+            shed_free_tier_above: 0.5,
         }
     }
 }

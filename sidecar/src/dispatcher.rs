@@ -16,6 +16,7 @@ use crate::pool::{EngineSample, Pool};
 /// A request waiting for a replica.
 pub struct Job {
     pub tenant: String,
+    pub tier: String,
     pub weight: f64,
     pub priority: Priority,
     pub pool: usize,
@@ -49,6 +50,10 @@ pub enum Refusal {
     DeadlinePassed,
     /// No healthy replica could take it.
     NoReplica,
+    /// Overload: free-tier work is shed first.
+    Shed,
+    /// At the current dispatch rate it would wait past its deadline.
+    ProjectedWait,
 }
 
 pub enum Event {
@@ -83,6 +88,10 @@ pub struct Dispatcher {
     tenant_kv: HashMap<String, u64>,
     queue: QueueConfig,
     metrics: Metrics,
+    /// Dispatches per second, smoothed: what projected waits are computed from.
+    rate: f64,
+    dispatched_since_tick: u64,
+    last_tick_ms: u64,
 }
 
 pub fn now_ms() -> u64 {
@@ -106,6 +115,9 @@ impl Dispatcher {
             tenant_kv: HashMap::new(),
             queue,
             metrics,
+            rate: 0.0,
+            dispatched_since_tick: 0,
+            last_tick_ms: now_ms(),
         }
     }
 
@@ -117,7 +129,11 @@ impl Dispatcher {
                     Some(event) => self.apply(event),
                     None => return,
                 },
-                _ = tick.tick() => self.expire(now_ms()),
+                _ = tick.tick() => {
+                    let now = now_ms();
+                    self.measure_rate(now);
+                    self.expire(now);
+                }
             }
             while let Ok(event) = events.try_recv() {
                 self.apply(event);
@@ -212,12 +228,49 @@ impl Dispatcher {
             .set(r.engine.waiting as i64);
     }
 
+    fn measure_rate(&mut self, now: u64) {
+        let elapsed = now.saturating_sub(self.last_tick_ms);
+        if elapsed >= 1_000 {
+            let current = self.dispatched_since_tick as f64 * 1_000.0 / elapsed as f64;
+            self.rate = if self.rate == 0.0 {
+                current
+            } else {
+                0.7 * self.rate + 0.3 * current
+            };
+            self.dispatched_since_tick = 0;
+            self.last_tick_ms = now;
+        }
+    }
+
+    /// Turns a job away at once when it cannot be served in time: bounded queues, free tier
+    /// shed first under overload, and no waiting that would outlast the deadline anyway.
+    fn refusal(&self, job: &Job, now: u64) -> Option<(Refusal, &'static str)> {
+        let queued = self.scheduler.len();
+        if self.scheduler.depth(&job.tenant) >= self.queue.max_per_tenant
+            || queued >= self.queue.max_total
+        {
+            return Some((Refusal::QueueFull, "queue_full"));
+        }
+        if job.tier == "free"
+            && queued as f64 >= self.queue.shed_free_tier_above * self.queue.max_total as f64
+        {
+            return Some((Refusal::Shed, "shed_free_tier"));
+        }
+        // Only once the pool is saturated does a queue mean waiting.
+        let saturated = !self.pools[job.pool].fits(job.kv_need);
+        if saturated && self.rate > 0.0 {
+            let projected_ms = queued as f64 / self.rate * 1_000.0;
+            if now as f64 + projected_ms > job.deadline_ms as f64 {
+                return Some((Refusal::ProjectedWait, "projected_wait"));
+            }
+        }
+        None
+    }
+
     fn enqueue(&mut self, job: Job) {
-        let full = self.scheduler.depth(&job.tenant) >= self.queue.max_per_tenant
-            || self.scheduler.len() >= self.queue.max_total;
-        if full {
-            self.metrics.reject("queue_full");
-            let _ = job.reply.send(Err(Refusal::QueueFull));
+        if let Some((refusal, reason)) = self.refusal(&job, now_ms()) {
+            self.metrics.reject(reason);
+            let _ = job.reply.send(Err(refusal));
             return;
         }
         let (t, weight, priority, arrived) =
@@ -283,6 +336,7 @@ impl Dispatcher {
                 .get_or_create(&tenant(&t))
                 .set(*held as i64);
             self.scheduler.charge(&t, job.input_tokens, 0);
+            self.dispatched_since_tick += 1;
             self.update_depth(&t);
             let queued_ms = now.saturating_sub(job.arrived_ms);
             self.metrics
@@ -305,5 +359,129 @@ impl Dispatcher {
                 });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::PoolConfig;
+
+    fn dispatcher(max_total: usize) -> Dispatcher {
+        let config = PoolConfig {
+            model: "m".into(),
+            replicas: vec!["http://r0".into()],
+            kv_tokens_per_replica: Some(1_000),
+            affinity_load_threshold: 0.85,
+            affinity_prefix_bytes: 64,
+        };
+        let mut pool = Pool::new(&config);
+        pool.replicas[0].healthy = true;
+        let queue = QueueConfig {
+            max_per_tenant: 3,
+            max_total,
+            ..QueueConfig::default()
+        };
+        Dispatcher::new(
+            Policy::Fair,
+            vec![pool],
+            vec![true],
+            queue,
+            Metrics::new().0,
+        )
+    }
+
+    fn job(
+        tenant: &str,
+        tier: &str,
+        kv_need: u64,
+    ) -> (Job, oneshot::Receiver<Result<Assignment, Refusal>>) {
+        let (reply, rx) = oneshot::channel();
+        let job = Job {
+            tenant: tenant.into(),
+            tier: tier.into(),
+            weight: 1.0,
+            priority: Priority::Interactive,
+            pool: 0,
+            input_tokens: kv_need,
+            kv_need,
+            kv_cap: None,
+            affinity: 0,
+            arrived_ms: 0,
+            deadline_ms: u64::MAX,
+            reply,
+        };
+        (job, rx)
+    }
+
+    #[test]
+    fn work_that_fits_is_dispatched_and_the_rest_queues() {
+        let mut d = dispatcher(100);
+        let (a, mut a_rx) = job("t", "standard", 600);
+        let (b, mut b_rx) = job("t", "standard", 600);
+        d.apply(Event::Enqueue(a));
+        d.apply(Event::Enqueue(b));
+        d.dispatch(0);
+        assert!(matches!(a_rx.try_recv(), Ok(Ok(_))));
+        assert!(
+            b_rx.try_recv().is_err(),
+            "600 + 600 > 1000: the second waits"
+        );
+        d.apply(Event::Finished {
+            pool: 0,
+            replica: 0,
+            tenant: "t".into(),
+            kv_need: 600,
+        });
+        d.dispatch(0);
+        assert!(matches!(b_rx.try_recv(), Ok(Ok(_))));
+    }
+
+    #[test]
+    fn bounded_queues_and_free_tier_shedding() {
+        let mut d = dispatcher(8);
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            let (j, rx) = job("busy", "standard", 2_000);
+            d.apply(Event::Enqueue(j));
+            held.push(rx);
+        }
+        assert!(
+            matches!(held[3].try_recv(), Ok(Err(Refusal::QueueFull))),
+            "3 per tenant"
+        );
+        let (j, mut rx) = job("other", "standard", 2_000);
+        d.apply(Event::Enqueue(j));
+        held.push(rx);
+        let (free, mut free_rx) = job("cheap", "free", 10);
+        d.apply(Event::Enqueue(free));
+        assert!(
+            matches!(free_rx.try_recv(), Ok(Err(Refusal::Shed))),
+            "4 of 8 queued: shed free tier"
+        );
+        rx = held.pop().unwrap();
+        assert!(rx.try_recv().is_err(), "standard tier still queues");
+    }
+
+    #[test]
+    fn a_projected_wait_past_the_deadline_is_refused_at_once() {
+        let mut d = dispatcher(100);
+        let (hog, hog_rx) = job("a", "standard", 1_000);
+        d.apply(Event::Enqueue(hog));
+        d.dispatch(0);
+        let mut waiting = vec![hog_rx];
+        for _ in 0..3 {
+            let (j, rx) = job("b", "standard", 500);
+            d.apply(Event::Enqueue(j));
+            waiting.push(rx);
+        }
+        d.rate = 1.0; // one dispatch a second
+        let (mut late, mut late_rx) = job("c", "standard", 500);
+        late.deadline_ms = now_ms() + 1_000;
+        d.apply(Event::Enqueue(late));
+        assert!(matches!(
+            late_rx.try_recv(),
+            Ok(Err(Refusal::ProjectedWait))
+        ));
     }
 }

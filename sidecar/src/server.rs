@@ -171,6 +171,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
     let (reply, assigned) = oneshot::channel();
     let job = Job {
         tenant: who.tenant.clone(),
+        tier: who.tier.clone(),
         weight: who.weight,
         priority: who.priority,
         pool,
@@ -195,6 +196,24 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             return error_response(
                 &ApiError::rate_limited("too many requests queued for this tenant; retry shortly")
                     .with_code("queue_full"),
+            );
+        }
+        Ok(Err(Refusal::Shed)) => {
+            return error_response(
+                &ApiError::rate_limited(
+                    "the pool is overloaded; free-tier requests are shed first",
+                )
+                .with_code("overloaded"),
+            );
+        }
+        Ok(Err(Refusal::ProjectedWait)) => {
+            return error_response(
+                &ApiError::new(
+                    503,
+                    "ServiceUnavailableError",
+                    "the pool is saturated: the projected wait exceeds the request's deadline",
+                )
+                .with_code("projected_wait"),
             );
         }
         Ok(Err(Refusal::DeadlinePassed)) => {
