@@ -164,14 +164,18 @@ impl Drop for Sidecar {
 
 impl Sidecar {
     /// Starts the sidecar with `config` (the listen address and ledger path are filled in).
-    pub fn start(mut config: serde_json::Value) -> Sidecar {
+    pub fn start(config: serde_json::Value) -> Sidecar {
+        Sidecar::start_from(&sidecar_bin(), config)
+    }
+
+    pub fn start_from(bin: &Path, mut config: serde_json::Value) -> Sidecar {
         let dir = tempfile::tempdir().unwrap();
         let ledger = dir.path().join("ledger.sqlite");
         config["listen"] = "127.0.0.1:0".into();
         config["ledger"] = ledger.display().to_string().into();
         let path = dir.path().join("sidecar.json");
         std::fs::write(&path, config.to_string()).unwrap();
-        let mut cmd = Command::new(sidecar_bin());
+        let mut cmd = Command::new(bin);
         cmd.arg("--config")
             .arg(&path)
             .stdout(Stdio::piped())

@@ -1,4 +1,6 @@
-"""`cargo xtask up` as a user runs it: start it, follow the README, press Ctrl-C."""
+"""`cargo xtask up` as a user runs it: start it, follow the README, press Ctrl-C.
+
+The stack: Envoy with the weir filter -> weir-sidecar -> two simulated replicas."""
 
 import os
 import re
@@ -66,8 +68,10 @@ def test_readme_example_streams_through_the_stack(stack):
 def test_ctrl_c_leaves_no_process_behind(stack):
     proc, _, _ = stack
     sid = os.getsid(proc.pid)
-    assert any("weir-sim" in p for p in session_processes(sid))
-    assert any("envoy" in p for p in session_processes(sid))
+    running = session_processes(sid)
+    assert sum("weir-sim" in p for p in running) == 2, running
+    assert any("weir-sidecar" in p for p in running), running
+    assert any("envoy" in p for p in running), running
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=30)
     for _ in range(100):

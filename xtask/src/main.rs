@@ -5,7 +5,7 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use weir_e2e::{Envoy, EnvoyOptions, Sim};
+use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim};
 
 mod bench;
 
@@ -21,8 +21,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Task {
-    /// Build and run the local stack: Envoy with the weir filter and the example tenants, in
-    /// front of a simulated engine. Ctrl-C stops every process.
+    /// Build and run the local stack: Envoy with the weir filter and the example tenants, the
+    /// dispatcher sidecar, and two simulated engine replicas. Ctrl-C stops every process.
     Up {
         /// Simulator preset to serve.
         #[arg(long, default_value = "llama-3.1-8b")]
@@ -117,20 +117,33 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
     python_env()?;
     build_filter()?;
     run(
-        "building weir-sim (release)",
-        cargo().args(["build", "--release", "-p", "weir-sim"]),
+        "building weir-sim and weir-sidecar (release)",
+        cargo().args(["build", "--release", "-p", "weir-sim", "-p", "weir-sidecar"]),
     )?;
     let example = root().join("envoy/weir.example.json");
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&example)?)
         .with_context(|| format!("parsing {}", example.display()))?;
-    let sim = Sim::start_from(
-        &root().join("target/release/weir-sim"),
-        &["--preset", preset, "--time-scale", &time_scale.to_string()],
+    let scale = time_scale.to_string();
+    let replicas: Vec<Sim> = (0..2)
+        .map(|_| {
+            Sim::start_from(
+                &root().join("target/release/weir-sim"),
+                &["--preset", preset, "--time-scale", &scale],
+            )
+        })
+        .collect();
+    let sidecar = Sidecar::start_from(
+        &root().join("target/release/weir-sidecar"),
+        serde_json::json!({
+            "policy": "fair",
+            "cache_salt_secret": "local-demo-secret-change-me",
+            "pools": [{"model": preset, "replicas": replicas.iter().map(|r| r.url.clone()).collect::<Vec<_>>()}],
+        }),
     );
     let envoy = Envoy::launch(EnvoyOptions {
         weir_config: &config,
-        upstream_port: sim.port,
-        alt_port: sim.port,
+        upstream_port: sidecar.port,
+        alt_port: sidecar.port,
         listen_port: port,
         with_filter: true,
     });
@@ -139,7 +152,9 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
         let _ = stop.send(());
     })?;
 
-    println!("\nweir is up: Envoy + weir filter in front of a simulated {preset} engine.\n");
+    println!(
+        "\nweir is up: Envoy + weir filter -> weir-sidecar -> 2 simulated {preset} replicas.\n"
+    );
     println!(
         "  OpenAI endpoint   {}/v1   (shadow-mode route: {}/shadow/v1)",
         envoy.url, envoy.url
@@ -149,7 +164,14 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
         println!("    {key:<20} {who}");
     }
     println!("  Gateway metrics   {}/stats?filter=weir", envoy.admin);
-    println!("  Engine metrics    {}/metrics", sim.url);
+    println!("  Sidecar metrics   {}/metrics", sidecar.url);
+    for r in &replicas {
+        println!("  Engine metrics    {}/metrics", r.url);
+    }
+    println!(
+        "  Usage ledger      {}  (weir usage --ledger <path>)",
+        sidecar.ledger.display()
+    );
     println!("  Access log        {}", envoy.access_log.display());
     println!(
         "\nTry:\n  curl -N {}/v1/chat/completions -H 'authorization: Bearer wk-demo-standard' \\",
@@ -164,7 +186,8 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
     let _ = stopped.recv();
     eprintln!("xtask: stopping");
     drop(envoy);
-    drop(sim);
+    drop(sidecar);
+    drop(replicas);
     Ok(())
 }
 
