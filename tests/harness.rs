@@ -120,6 +120,21 @@ impl Sim {
         }
     }
 
+    /// One series of the simulator's `/metrics`, by name (its only labels are vLLM's).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = reqwest::get(format!("{}/metrics", self.url))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find(|l| l.starts_with(&format!("{name}{{")))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} missing from {}/metrics", self.url))
+    }
+
     /// What the simulator received, newest last (needs `--record-requests`).
     pub async fn received(&self) -> Vec<serde_json::Value> {
         let v: serde_json::Value = reqwest::get(format!("{}/debug/requests", self.url))

@@ -120,20 +120,6 @@ async fn post(key: &str, body: String, request_id: Option<&str>) -> Response {
     req.send().await.unwrap()
 }
 
-async fn sim_metric(sim: &Sim, name: &str) -> f64 {
-    let text = reqwest::get(format!("{}/metrics", sim.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find(|l| l.starts_with(&format!("{name}{{")))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap()
-}
-
 /// Ledger rows, read from the sidecar's SQLite file.
 fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
     let conn = weir_sidecar::ledger::open(&stack().sidecar.ledger).unwrap();
@@ -173,7 +159,7 @@ async fn tenant_prefixes_stick_to_one_replica_and_never_cross_tenants() {
     let _turn = turn().await;
     let s = stack();
     let shared = prompt("a shared system prompt", 600);
-    let hits = |i| sim_metric(&s.sims[i], "vllm:prefix_cache_hits_total");
+    let hits = |i: usize| s.sims[i].metric("vllm:prefix_cache_hits_total");
     let before = [hits(0).await, hits(1).await];
     let mut cached = Vec::new();
     for _ in 0..4 {

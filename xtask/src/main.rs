@@ -198,28 +198,19 @@ fn bench() -> anyhow::Result<()> {
         "building weir-sim (release)",
         cargo().args(["build", "--release", "-p", "weir-sim"]),
     )?;
-    run(
-        "token counting, native",
-        cargo().args([
-            "bench",
-            "-q",
-            "-p",
-            "weir-core",
-            "--bench",
-            "token_counting",
-        ]),
-    )?;
+    let token_counting = [
+        "bench",
+        "-q",
+        "-p",
+        "weir-core",
+        "--bench",
+        "token_counting",
+    ];
+    run("token counting, native", cargo().args(token_counting))?;
     run(
         "token counting, wasm32-wasip1 under V8",
         cargo()
-            .args([
-                "bench",
-                "-q",
-                "-p",
-                "weir-core",
-                "--bench",
-                "token_counting",
-            ])
+            .args(token_counting)
             .args(["--target", "wasm32-wasip1"])
             .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(true)),
     )?;
