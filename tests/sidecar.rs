@@ -199,16 +199,16 @@ async fn tenant_prefixes_stick_to_one_replica_and_never_cross_tenants() {
 #[tokio::test]
 async fn a_retried_request_id_is_billed_once() {
     let _turn = turn().await;
-    for _ in 0..2 {
-        let resp = post(
-            "retry",
-            chat("bill me once", json!({"max_tokens": 3})),
-            Some("retry-42"),
-        )
-        .await;
-        assert_eq!(resp.status(), StatusCode::OK);
-        resp.bytes().await.unwrap();
-    }
+    let body = || chat("bill me once", json!({"max_tokens": 3}));
+    let resp = post("retry", body(), Some("retry-42")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    resp.bytes().await.unwrap();
+    assert_eq!(ledger_rows("retry-42").len(), 1);
+    // A retry of a request that already completed is refused, not served unbilled.
+    let again = post("retry", body(), Some("retry-42")).await;
+    assert_eq!(again.status(), StatusCode::CONFLICT);
+    let err = again.json::<Value>().await.unwrap();
+    assert_eq!(err["error"]["code"], "duplicate_request_id");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rows = ledger_rows("retry-42");
     assert_eq!(rows.len(), 1, "{rows:?}");

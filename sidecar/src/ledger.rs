@@ -67,6 +67,15 @@ pub fn append(conn: &Connection, r: &UsageRecord) -> rusqlite::Result<bool> {
     Ok(inserted == 1)
 }
 
+/// Whether a request id already completed: a replay must not run again unbilled.
+pub fn completed(conn: &Connection, request_id: &str) -> rusqlite::Result<bool> {
+    conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM usage WHERE request_id = ?1 AND outcome = 'ok')",
+        params![request_id],
+        |row| row.get(0),
+    )
+}
+
 /// Records of a tenant (all tenants with `None`) finished at or after `since_ms`.
 pub fn query(
     conn: &Connection,
@@ -147,7 +156,9 @@ mod tests {
     fn a_request_id_is_charged_once() {
         let dir = std::env::temp_dir().join(format!("weir-ledger-{}", std::process::id()));
         let conn = open(&dir).unwrap();
+        assert!(!completed(&conn, "r1").unwrap());
         assert!(append(&conn, &record("r1", "a", 100)).unwrap());
+        assert!(completed(&conn, "r1").unwrap());
         assert!(
             !append(&conn, &record("r1", "a", 200)).unwrap(),
             "retry ignored"

@@ -77,12 +77,14 @@ async fn main() -> anyhow::Result<()> {
             ));
         }
     }
+    let ledger = Ledger::start(&config.ledger)?;
     let app = Arc::new(App {
         events: events.clone(),
+        ledger_reader: std::sync::Mutex::new(weir_sidecar::ledger::open(&config.ledger)?),
         http,
         metrics: metrics.clone(),
         registry,
-        ledger: Ledger::start(&config.ledger)?,
+        ledger,
         pools: config
             .pools
             .iter()

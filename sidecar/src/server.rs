@@ -31,6 +31,8 @@ const EXPECTED_OUTPUT_TOKENS: u64 = 512;
 
 pub struct App {
     pub events: mpsc::UnboundedSender<Event>,
+    /// A read connection to the ledger, for refusing replays of completed request ids.
+    pub ledger_reader: std::sync::Mutex<rusqlite::Connection>,
     pub http: reqwest::Client,
     pub metrics: Metrics,
     pub registry: Registry,
@@ -144,6 +146,22 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             .with_code("untrusted_request"),
         );
     };
+    let replay = app
+        .ledger_reader
+        .lock()
+        .map(|conn| crate::ledger::completed(&conn, &who.request_id).unwrap_or(false))
+        .unwrap_or(false);
+    if replay {
+        app.metrics.reject("duplicate_request_id");
+        return error_response(
+            &ApiError::new(
+                409,
+                "ConflictError",
+                "this request id already completed and was billed; send a new request id",
+            )
+            .with_code("duplicate_request_id"),
+        );
+    }
     let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
         return error_response(&ApiError::bad_request("malformed JSON"));
     };
