@@ -36,6 +36,18 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// A request id for requests Envoy gave none (it normally sets `x-request-id`): random bits
+/// from WASI, so ids never collide across workers.
+pub fn unique_id() -> String {
+    let mut bytes = [0u8; 16];
+    let random = getrandom::fill(&mut bytes).is_ok();
+    if !random {
+        bytes[..8].copy_from_slice(&now_ms().to_le_bytes());
+    }
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("weir-{hex}")
+}
+
 /// A property as UTF-8 (route name, route metadata leaves, ...).
 pub fn property(path: Vec<&str>) -> Option<String> {
     let bytes = hostcalls::get_property(path).ok()??;

@@ -135,8 +135,8 @@ impl Request {
                 host::set_header(Side::Request, &name, None);
             }
         }
-        let request_id = host::header(Side::Request, "x-request-id")
-            .unwrap_or_else(|| format!("weir-{:x}", host::now_ms()));
+        let request_id =
+            host::header(Side::Request, "x-request-id").unwrap_or_else(host::unique_id);
         let mode = self.mode(&request_id);
         if mode == Mode::Off {
             return Action::Continue;
