@@ -17,13 +17,15 @@ use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
 struct Stack {
     sims: Vec<Sim>,
     sidecar: Sidecar,
+    /// The same pool behind a FIFO sidecar, on Envoy's `/alt/` route: the baseline.
+    _fifo: Sidecar,
     envoy: Envoy,
 }
 
 /// One key per test role.
-const TENANTS: [&str; 12] = [
+const TENANTS: [&str; 16] = [
     "aff-a", "aff-b", "retry", "flood", "crash", "bulk", "chat", "heavy", "light", "late", "hog",
-    "calm",
+    "calm", "small-1", "small-2", "small-3", "noisy",
 ];
 
 fn weir_config() -> Value {
@@ -69,16 +71,20 @@ fn stack() -> &'static Stack {
             ),
             Sim::start(&[&tiny[..], &["--served-model-name", "crashy"]].concat()),
         ];
-        let sidecar = Sidecar::start(json!({
-            "policy": "fair",
-            "cache_salt_secret": "e2e-secret-0123456789",
-            "queue": {"max_per_tenant": 32, "deadline_ms": 20000, "batch_aging_ms": 60000},
-            "pools": [
-                {"model": "tiny", "replicas": [sims[0].url, sims[1].url]},
-                {"model": "crashy", "replicas": [sims[2].url, sims[3].url]},
-            ],
-        }));
-        let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+        let sidecar_config = |policy: &str| {
+            json!({
+                "policy": policy,
+                "cache_salt_secret": "e2e-secret-0123456789",
+                "queue": {"max_per_tenant": 32, "deadline_ms": 20000, "batch_aging_ms": 60000},
+                "pools": [
+                    {"model": "tiny", "replicas": [sims[0].url, sims[1].url]},
+                    {"model": "crashy", "replicas": [sims[2].url, sims[3].url]},
+                ],
+            })
+        };
+        let sidecar = Sidecar::start(sidecar_config("fair"));
+        let fifo = Sidecar::start(sidecar_config("fifo"));
+        let envoy = Envoy::start(&weir_config(), sidecar.port, fifo.port);
         // The sidecar admits nothing until its probes have read every replica.
         let addr = sidecar.url.trim_start_matches("http://").to_owned();
         wait_for(Duration::from_secs(10), || {
@@ -89,6 +95,7 @@ fn stack() -> &'static Stack {
         Stack {
             sims,
             sidecar,
+            _fifo: fifo,
             envoy,
         }
     })
@@ -109,8 +116,12 @@ fn chat(content: &str, extra: Value) -> String {
 }
 
 async fn post(key: &str, body: String, request_id: Option<&str>) -> Response {
+    post_to("/v1/chat/completions", key, body, request_id).await
+}
+
+async fn post_to(path: &str, key: &str, body: String, request_id: Option<&str>) -> Response {
     let mut req = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", stack().envoy.url))
+        .post(format!("{}{path}", stack().envoy.url))
         .bearer_auth(format!("key-{key}"))
         .header("content-type", "application/json")
         .body(body);
@@ -366,8 +377,9 @@ async fn weights_divide_service_three_to_one_and_returning_tenants_are_lifted() 
                 json!({"max_tokens": 40, "ignore_eos": true}),
             );
             let resp = post(key, body, None).await;
-            assert_eq!(resp.status(), StatusCode::OK);
-            resp.bytes().await.unwrap();
+            let status = resp.status();
+            let text = resp.text().await.unwrap();
+            assert_eq!(status, StatusCode::OK, "{text}");
             n += 1;
         }
     };
@@ -478,5 +490,90 @@ async fn a_long_context_kv_hog_is_capped_and_others_keep_their_deadlines() {
     assert!(
         waits.iter().all(|&w| w < 1_000),
         "others never wait behind the hog: {waits:?}"
+    );
+}
+
+/// Small tenants' time to first token while (`flood`) or before a noisy tenant floods the pool.
+async fn small_tenant_ttfts(
+    path: &'static str,
+    flood: bool,
+    window: Duration,
+) -> (Vec<f64>, usize) {
+    let start = Instant::now();
+    let small = |key: &'static str| async move {
+        let mut ttfts = Vec::new();
+        while start.elapsed() < window {
+            let body = chat(
+                &prompt(&format!("{key} asks"), 250),
+                json!({"stream": true, "max_tokens": 30, "ignore_eos": true}),
+            );
+            let sent = Instant::now();
+            let mut resp = post_to(path, key, body, None).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            let mut first = None;
+            while let Some(chunk) = resp.chunk().await.unwrap() {
+                if first.is_none() && String::from_utf8_lossy(&chunk).contains("\"content\":\" ") {
+                    first = Some(sent.elapsed().as_secs_f64());
+                }
+            }
+            ttfts.extend(first);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        ttfts
+    };
+    // About three times what the pool serves: 40 clients of 1,500-token prompts and 500-token
+    // answers, against room for 9 of them at once.
+    let noisy = || async move {
+        let mut served = 0;
+        while flood && start.elapsed() < window {
+            let body = chat(
+                &prompt("noisy bulk", 1500),
+                json!({"max_tokens": 500, "ignore_eos": true}),
+            );
+            let resp = post_to(path, "noisy", body, None).await;
+            if resp.status() == StatusCode::OK && resp.bytes().await.is_ok() {
+                served += 1;
+            }
+        }
+        served
+    };
+    let smalls = futures::future::join_all(["small-1", "small-2", "small-3"].map(small));
+    let floods = futures::future::join_all((0..40).map(|_| noisy()));
+    let (ttfts, served) = tokio::join!(smalls, floods);
+    (ttfts.concat(), served.iter().sum())
+}
+
+fn p95(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[(xs.len() - 1) * 95 / 100]
+}
+
+#[tokio::test]
+async fn small_tenants_keep_their_latency_through_a_noisy_flood_under_fair_scheduling() {
+    let _turn = turn().await;
+    let mut ratios = Vec::new();
+    for path in ["/v1/chat/completions", "/alt/v1/chat/completions"] {
+        let (quiet, _) = small_tenant_ttfts(path, false, Duration::from_secs(3)).await;
+        let (flooded, noisy_served) = small_tenant_ttfts(path, true, Duration::from_secs(5)).await;
+        let ratio = p95(flooded.clone()) / p95(quiet.clone());
+        println!(
+            "{path}: small TTFT p95 {:.1} ms -> {:.1} ms under the flood ({ratio:.2}x; {} vs {} samples), noisy served {noisy_served}",
+            p95(quiet.clone()) * 1e3,
+            p95(flooded.clone()) * 1e3,
+            quiet.len(),
+            flooded.len()
+        );
+        assert!(noisy_served > 10, "the noisy tenant is still served");
+        ratios.push(ratio);
+    }
+    assert!(
+        ratios[0] <= 1.5,
+        "fair: small tenants within 1.5x of their baseline: {:.2}",
+        ratios[0]
+    );
+    assert!(
+        ratios[1] > 5.0,
+        "FIFO: small tenants queue behind the flood: {:.2}",
+        ratios[1]
     );
 }

@@ -88,6 +88,19 @@ impl<T> TenantState<T> {
     }
 }
 
+/// What the dispatcher says of a candidate request in [`Scheduler::pop_where`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Dispatch it.
+    Take,
+    /// Its tenant may not go now (over its own cap): it keeps its place, the next tenant is
+    /// considered.
+    Skip,
+    /// It is next but does not fit yet: nobody else goes ahead of it, so the room it needs
+    /// builds up (no starvation of large requests by a stream of small ones).
+    Wait,
+}
+
 /// A request handed out by [`Scheduler::pop`].
 #[derive(Debug, PartialEq)]
 pub struct Dispatch<'a, T> {
@@ -231,58 +244,52 @@ impl<T> Scheduler<T> {
         }
     }
 
-    /// The tenant and class to serve next among heads that `eligible` accepts, if any.
+    /// The tenant and class to serve next, in policy order, as `judge` allows.
     fn choose(
         &self,
         now_ms: u64,
-        eligible: &mut impl FnMut(&str, &T) -> bool,
+        judge: &mut impl FnMut(&str, &T) -> Verdict,
     ) -> Option<(usize, usize)> {
-        let mut ok = |t: usize, class: usize| {
-            let state = &self.tenants[t];
-            state.queues[class]
-                .front()
-                .is_some_and(|head| eligible(&state.name, &head.item))
-        };
-        match self.policy {
-            Policy::Fifo => self
-                .heads
-                .iter()
-                .find(|&&(_, t, class)| ok(t, class))
-                .map(|&(_, t, class)| (t, class)),
-            Policy::Fair => {
-                let aged = self
-                    .batch_heads
-                    .iter()
-                    .take_while(|&&(enqueued, _, _)| {
-                        now_ms.saturating_sub(enqueued) >= self.aging_ms
-                    })
-                    .find(|&&(_, _, t)| ok(t, 1));
-                if let Some(&(_, _, t)) = aged {
-                    return Some((t, 1));
+        let aged = self
+            .batch_heads
+            .iter()
+            .take_while(|&&(enqueued, _, _)| now_ms.saturating_sub(enqueued) >= self.aging_ms)
+            .map(|&(_, _, t)| (t, 1));
+        let order: Box<dyn Iterator<Item = (usize, usize)> + '_> =
+            match self.policy {
+                Policy::Fifo => Box::new(self.heads.iter().map(|&(_, t, class)| (t, class))),
+                Policy::Fair => {
+                    Box::new(aged.chain((0..CLASSES).flat_map(|class| {
+                        self.ready[class].iter().map(move |&(_, _, t)| (t, class))
+                    })))
                 }
-                (0..CLASSES).find_map(|class| {
-                    self.ready[class]
-                        .iter()
-                        .find(|&&(_, _, t)| ok(t, class))
-                        .map(|&(_, _, t)| (t, class))
-                })
+            };
+        for (t, class) in order {
+            let state = &self.tenants[t];
+            let Some(head) = state.queues[class].front() else {
+                continue;
+            };
+            match judge(&state.name, &head.item) {
+                Verdict::Take => return Some((t, class)),
+                Verdict::Skip => continue,
+                Verdict::Wait => return None,
             }
         }
+        None
     }
 
     /// Hands out the next request. Charge what it is served with [`charge`](Self::charge).
     pub fn pop(&mut self, now_ms: u64) -> Option<Dispatch<'_, T>> {
-        self.pop_where(now_ms, |_, _| true)
+        self.pop_where(now_ms, |_, _| Verdict::Take)
     }
 
-    /// Hands out the next request whose tenant and head request `eligible` accepts (the
-    /// tenant is under its KV cap, a replica has room): the others keep their places.
+    /// Hands out the next request in policy order that `judge` takes; see [`Verdict`].
     pub fn pop_where(
         &mut self,
         now_ms: u64,
-        mut eligible: impl FnMut(&str, &T) -> bool,
+        mut judge: impl FnMut(&str, &T) -> Verdict,
     ) -> Option<Dispatch<'_, T>> {
-        let (t, class) = self.choose(now_ms, &mut eligible)?;
+        let (t, class) = self.choose(now_ms, &mut judge)?;
         for c in 0..CLASSES {
             self.unindex_head(t, c);
         }
@@ -488,15 +495,54 @@ mod tests {
     }
 
     #[test]
-    fn ineligible_tenants_keep_their_place() {
+    fn skipped_tenants_keep_their_place_and_waiting_blocks_the_rest() {
         let mut s = fair();
         s.push("hog", 1.0, I, 1, 0);
         s.push("other", 1.0, I, 2, 0);
         s.charge("other", 500, 0);
-        let d = s.pop_where(0, |tenant, _| tenant != "hog").unwrap();
-        assert_eq!(d.item, 2, "the hog is over its cap: skipped, not dropped");
-        assert_eq!(s.pop_where(0, |_, _| false).map(|d| d.item), None);
-        assert_eq!(s.pop(0).unwrap().item, 1);
+        let skip_hog = |t: &str, _: &u32| {
+            if t == "hog" {
+                Verdict::Skip
+            } else {
+                Verdict::Take
+            }
+        };
+        assert_eq!(
+            s.pop_where(0, skip_hog).unwrap().item,
+            2,
+            "over its cap: skipped"
+        );
+        assert_eq!(s.pop(0).unwrap().item, 1, "and still first afterwards");
+
+        s.push("big", 1.0, I, 3, 0);
+        s.push("small", 1.0, I, 4, 0);
+        s.charge("small", 500, 0);
+        let big_waits = |t: &str, _: &u32| {
+            if t == "big" {
+                Verdict::Wait
+            } else {
+                Verdict::Take
+            }
+        };
+        assert!(
+            s.pop_where(0, big_waits).is_none(),
+            "nobody overtakes a head that waits for room"
+        );
+    }
+
+    #[test]
+    fn fifo_blocks_behind_a_head_that_does_not_fit() {
+        let mut s = Scheduler::new(Policy::Fifo, TokenWeights::default(), 60_000);
+        s.push("noisy", 1.0, I, 1, 0);
+        s.push("small", 1.0, I, 2, 0);
+        let fits = |_: &str, item: &u32| {
+            if *item == 1 {
+                Verdict::Wait
+            } else {
+                Verdict::Take
+            }
+        };
+        assert!(s.pop_where(0, fits).is_none());
     }
 
     #[test]

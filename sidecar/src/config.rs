@@ -37,6 +37,11 @@ pub struct QueueConfig {
     /// Past this share of `max_total` queued, free-tier requests are shed (429) before anyone
     /// else's: the cheapest work goes first when the pool is overloaded.
     pub shed_free_tier_above: f64,
+    /// Share of a pool's KV no single tenant may take while other tenants are active, so a
+    /// newcomer's request finds room at once instead of waiting for a flood to drain.
+    pub kv_headroom: f64,
+    /// A tenant counts as active this long after its last request arrived.
+    pub active_window_ms: u64,
 }
 
 impl Default for QueueConfig {
@@ -47,6 +52,8 @@ impl Default for QueueConfig {
             deadline_ms: 30_000,
             batch_aging_ms: 30_000,
             shed_free_tier_above: 0.5,
+            kv_headroom: 0.2,
+            active_window_ms: 10_000,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 use weir_core::config::Priority;
-use weir_core::scheduler::{Policy, Scheduler, TokenWeights};
+use weir_core::scheduler::{Policy, Scheduler, TokenWeights, Verdict};
 
 use crate::config::QueueConfig;
 use crate::metrics::{Metrics, tenant};
@@ -82,10 +82,14 @@ pub enum Event {
 
 pub struct Dispatcher {
     scheduler: Scheduler<Job>,
+    /// The FIFO baseline is plain arrival order: no headroom rule either.
+    fair: bool,
     pools: Vec<Pool>,
     /// Which replicas' KV budgets come from the config (not the engine's report).
     budget_configured: Vec<bool>,
     tenant_kv: HashMap<String, u64>,
+    /// When each tenant's last request arrived, for the KV headroom rule.
+    active: HashMap<String, u64>,
     queue: QueueConfig,
     metrics: Metrics,
     /// Dispatches per second, smoothed: what projected waits are computed from.
@@ -110,9 +114,11 @@ impl Dispatcher {
     ) -> Self {
         Dispatcher {
             scheduler: Scheduler::new(policy, TokenWeights::default(), queue.batch_aging_ms),
+            fair: policy == Policy::Fair,
             pools,
             budget_configured,
             tenant_kv: HashMap::new(),
+            active: HashMap::new(),
             queue,
             metrics,
             rate: 0.0,
@@ -133,6 +139,8 @@ impl Dispatcher {
                     let now = now_ms();
                     self.measure_rate(now);
                     self.expire(now);
+                    let window = self.queue.active_window_ms;
+                    self.active.retain(|_, seen| now.saturating_sub(*seen) < window);
                 }
             }
             while let Ok(event) = events.try_recv() {
@@ -228,9 +236,13 @@ impl Dispatcher {
             .set(r.engine.waiting as i64);
     }
 
+    /// Smooths the dispatch rate over one-second windows. Idle windows (nothing dispatched,
+    /// nothing waiting) say nothing about capacity and leave it as it was.
     fn measure_rate(&mut self, now: u64) {
         let elapsed = now.saturating_sub(self.last_tick_ms);
-        if elapsed >= 1_000 {
+        if elapsed >= 1_000 && self.dispatched_since_tick == 0 && self.scheduler.is_empty() {
+            self.last_tick_ms = now;
+        } else if elapsed >= 1_000 {
             let current = self.dispatched_since_tick as f64 * 1_000.0 / elapsed as f64;
             self.rate = if self.rate == 0.0 {
                 current
@@ -275,6 +287,7 @@ impl Dispatcher {
         }
         let (t, weight, priority, arrived) =
             (job.tenant.clone(), job.weight, job.priority, job.arrived_ms);
+        self.active.insert(t.clone(), arrived);
         self.scheduler.push(&t, weight, priority, job, arrived);
         self.update_depth(&t);
     }
@@ -307,16 +320,32 @@ impl Dispatcher {
                 scheduler,
                 pools,
                 tenant_kv,
+                active,
+                queue,
+                fair,
                 ..
             } = self;
-            let eligible = |t: &str, job: &Job| {
+            // A tenant over its own KV cap, or over its share while others are active, (or a
+            // client gone) is passed over; the next job in fair order that does not fit yet
+            // holds the line until room frees.
+            let judge = |t: &str, job: &Job| {
                 let held = tenant_kv.get(t).copied().unwrap_or(0);
                 let under_cap = job
                     .kv_cap
                     .is_none_or(|cap| held == 0 || held + job.kv_need <= cap);
-                under_cap && !job.reply.is_closed() && pools[job.pool].fits(job.kv_need)
+                let others_active = active.len() > usize::from(active.contains_key(t));
+                let share = (1.0 - queue.kv_headroom) * pools[job.pool].capacity() as f64;
+                let within_share =
+                    !*fair || !others_active || held == 0 || (held + job.kv_need) as f64 <= share;
+                if !under_cap || !within_share || job.reply.is_closed() {
+                    Verdict::Skip
+                } else if pools[job.pool].fits(job.kv_need) {
+                    Verdict::Take
+                } else {
+                    Verdict::Wait
+                }
             };
-            let Some(d) = scheduler.pop_where(now, eligible) else {
+            let Some(d) = scheduler.pop_where(now, judge) else {
                 return;
             };
             let (t, job) = (d.tenant.to_owned(), d.item);
@@ -435,6 +464,39 @@ mod tests {
         });
         d.dispatch(0);
         assert!(matches!(b_rx.try_recv(), Ok(Ok(_))));
+    }
+
+    #[test]
+    fn a_flooding_tenant_leaves_headroom_once_others_are_active() {
+        let mut d = dispatcher(100);
+        let mut rx = Vec::new();
+        for _ in 0..2 {
+            let (j, r) = job("noisy", "standard", 450);
+            d.apply(Event::Enqueue(j));
+            rx.push(r);
+        }
+        d.dispatch(0);
+        assert!(
+            rx.iter_mut().all(|r| matches!(r.try_recv(), Ok(Ok(_)))),
+            "alone, it may fill the pool"
+        );
+
+        d.apply(Event::Finished {
+            pool: 0,
+            replica: 0,
+            tenant: "noisy".into(),
+            kv_need: 450,
+        });
+        let (small, mut small_rx) = job("small", "standard", 100);
+        d.apply(Event::Enqueue(small));
+        let (more, mut more_rx) = job("noisy", "standard", 400);
+        d.apply(Event::Enqueue(more));
+        d.dispatch(0);
+        assert!(matches!(small_rx.try_recv(), Ok(Ok(_))));
+        assert!(
+            more_rx.try_recv().is_err(),
+            "450 + 400 > 80% of 1000 while small is active"
+        );
     }
 
     #[test]

@@ -2,6 +2,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use clap::Parser;
 use tokio::sync::mpsc;
 use tracing_subscriber::EnvFilter;
@@ -101,6 +102,10 @@ async fn main() -> anyhow::Result<()> {
         listener.local_addr()?,
         config.policy
     );
+    // Chunks are small writes: without TCP_NODELAY, Nagle holds them for the peer's delayed ACK.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     tokio::select! {
         result = axum::serve(listener, router(app)) => result?,
         _ = tokio::signal::ctrl_c() => {}

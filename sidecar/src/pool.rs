@@ -116,6 +116,15 @@ impl Pool {
         self.replicas.iter().any(|r| r.fits(kv_need))
     }
 
+    /// KV tokens across healthy replicas.
+    pub fn capacity(&self) -> u64 {
+        self.replicas
+            .iter()
+            .filter(|r| r.healthy)
+            .map(|r| r.kv_budget)
+            .sum()
+    }
+
     /// The replica a tenant's prefix maps to (rendezvous hashing over healthy replicas), so
     /// its prompts keep landing where its prefix cache is warm.
     pub fn affine(&self, affinity: u64) -> Option<usize> {

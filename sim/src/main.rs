@@ -3,6 +3,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, bail};
+use axum::serve::ListenerExt;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
 use weir_sim::driver::EngineHandle;
@@ -177,6 +178,10 @@ async fn main() -> anyhow::Result<()> {
         "weir-sim listening on http://{} ({summary})",
         listener.local_addr()?
     );
+    // Tokens are small writes: without TCP_NODELAY, Nagle holds them for the peer's delayed ACK.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let server = axum::serve(listener, router(Arc::new(app)));
     tokio::select! {
         result = server => result?,
