@@ -1,0 +1,83 @@
+//! Starts the real stack a scenario runs against: simulated replicas, the sidecar, and Envoy
+//! with the weir filter, with one key per scenario tenant.
+
+use serde_json::json;
+use weir_core::keys::hash_key;
+use weir_e2e::{Envoy, Sidecar, Sim, workspace_root};
+
+use crate::scenario::Scenario;
+
+/// The running stack; every process stops when it is dropped.
+pub struct Stack {
+    pub envoy: Envoy,
+    pub model: String,
+    _sidecar: Sidecar,
+    _replicas: Vec<Sim>,
+}
+
+pub fn key_of(tenant: &str) -> String {
+    format!("wk-bench-{tenant}")
+}
+
+/// The sibling binaries of this build: release ones for a release `weir-bench`
+/// (`cargo build --release --workspace`), debug ones in tests.
+fn bin(name: &str) -> std::path::PathBuf {
+    let profile = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    workspace_root().join("target").join(profile).join(name)
+}
+
+impl Stack {
+    pub fn start(s: &Scenario) -> Stack {
+        let spec = &s.stack;
+        let scale = spec.time_scale.to_string();
+        let replicas: Vec<Sim> = (0..spec.replicas.max(1))
+            .map(|_| {
+                Sim::start_from(
+                    &bin("weir-sim"),
+                    &["--preset", &spec.preset, "--time-scale", &scale],
+                )
+            })
+            .collect();
+        let model = spec.preset.clone();
+        let sidecar = Sidecar::start_from(
+            &bin("weir-sidecar"),
+            json!({
+                "policy": spec.policy,
+                "cache_salt_secret": "bench-secret-0123456789",
+                "queue": {"max_per_tenant": 512, "max_total": 8192, "deadline_ms": 60000},
+                "pools": [{"model": model, "replicas": replicas.iter().map(|r| r.url.clone()).collect::<Vec<_>>()}],
+            }),
+        );
+        let keys: Vec<_> = s
+            .tenants
+            .iter()
+            .map(|t| {
+                let mut key = json!({"id": t.name, "sha256": hash_key(&key_of(&t.name)), "policy": {"weight": t.weight}});
+                if t.batch {
+                    key["policy"]["priority"] = json!("batch");
+                }
+                if let (true, Some(budget)) = (spec.budgets, t.budget_tokens_per_minute) {
+                    key["limits"] = json!({"input_tokens_per_minute": budget});
+                }
+                key
+            })
+            .collect();
+        let weir = json!({
+            "orgs": [{"id": "bench", "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": keys}]}]}],
+            "estimator": {"exact_below_bytes": 0},
+        });
+        let envoy = Envoy::start(&weir, sidecar.port, sidecar.port);
+        // Dispatch waits for the sidecar's first probe of every replica.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        Stack {
+            envoy,
+            model,
+            _sidecar: sidecar,
+            _replicas: replicas,
+        }
+    }
+}
