@@ -101,10 +101,23 @@ fn stack() -> &'static Stack {
     })
 }
 
-/// One test at a time on the shared pool.
+/// One test at a time on the shared pool, starting once the previous test's work has drained
+/// from every replica and the sidecar's probes have seen it (so no test routes on stale load).
 async fn turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::const_new(());
-    TURN.lock().await
+    let guard = TURN.lock().await;
+    for sim in &stack().sims[..2] {
+        for _ in 0..200 {
+            let busy = sim.metric("vllm:num_requests_running").await
+                + sim.metric("vllm:num_requests_waiting").await;
+            if busy == 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    guard
 }
 
 fn chat(content: &str, extra: Value) -> String {

@@ -37,6 +37,13 @@ enum Task {
     /// Overhead benchmarks, each against a baseline from the same run: token counting (native
     /// and in wasm, exact vs fast) and Envoy with vs without the weir filter.
     Bench,
+    /// Build the stack in release mode and run a load scenario with weir-bench, e.g.
+    /// `cargo xtask scenario bench/scenarios/noisy-neighbour.yaml --policy fifo --budgets true`.
+    Scenario {
+        /// Scenario file, then any weir-bench options.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        args: Vec<String>,
+    },
     /// Install what the tests need, then run every test: lints, Rust, and the Python SDK suite.
     Test {
         /// Skip `cargo fmt --check` and `cargo clippy -D warnings`.
@@ -55,6 +62,7 @@ fn main() -> ExitCode {
         } => up(&preset, port, time_scale),
         Task::Test { no_lint } => test(!no_lint),
         Task::Bench => bench(),
+        Task::Scenario { args } => scenario(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -215,6 +223,30 @@ fn bench() -> anyhow::Result<()> {
             .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(true)),
     )?;
     bench::filter_overhead(&root().join("target/release/weir-sim"))
+}
+
+fn scenario(args: &[String]) -> anyhow::Result<()> {
+    python_env()?;
+    build_filter()?;
+    run(
+        "building the stack and weir-bench (release)",
+        cargo().args([
+            "build",
+            "--release",
+            "-p",
+            "weir-bench",
+            "-p",
+            "weir-sim",
+            "-p",
+            "weir-sidecar",
+        ]),
+    )?;
+    run(
+        "weir-bench",
+        Command::new(root().join("target/release/weir-bench"))
+            .args(args)
+            .current_dir(root()),
+    )
 }
 
 /// Runs wasm32-wasip1 test and bench binaries under Node's V8. Benchmarks want V8's optimising
