@@ -207,6 +207,10 @@ impl Sidecar {
         }
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Text of the sidecar's `/metrics`.
     pub async fn metrics(&self) -> String {
         reqwest::get(format!("{}/metrics", self.url))

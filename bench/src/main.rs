@@ -31,6 +31,9 @@ struct Cli {
     /// Overrides whether per-tenant token budgets are on.
     #[arg(long)]
     budgets: Option<bool>,
+    /// Overrides whether tenant-scoped prefix affinity is on.
+    #[arg(long)]
+    affinity: Option<bool>,
     /// Overrides the scenario's duration, in seconds.
     #[arg(long)]
     duration: Option<f64>,
@@ -47,6 +50,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(budgets) = cli.budgets {
         scenario.stack.budgets = budgets;
+    }
+    if let Some(affinity) = cli.affinity {
+        scenario.stack.affinity = affinity;
     }
     if let Some(d) = cli.duration {
         scenario.duration_s = d;

@@ -27,6 +27,8 @@ pub struct StackSpec {
     pub policy: String,
     /// Per-tenant input-token budgets (`budget_tokens_per_minute` of each tenant) on or off.
     pub budgets: bool,
+    /// Tenant-scoped prefix affinity; off sends every request to the least-loaded replica.
+    pub affinity: bool,
 }
 
 impl Default for StackSpec {
@@ -37,6 +39,7 @@ impl Default for StackSpec {
             time_scale: 10.0,
             policy: "fair".into(),
             budgets: false,
+            affinity: true,
         }
     }
 }

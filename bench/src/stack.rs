@@ -49,7 +49,11 @@ impl Stack {
                 "policy": spec.policy,
                 "cache_salt_secret": "bench-secret-0123456789",
                 "queue": {"max_per_tenant": 512, "max_total": 8192, "deadline_ms": 60000},
-                "pools": [{"model": model, "replicas": replicas.iter().map(|r| r.url.clone()).collect::<Vec<_>>()}],
+                "pools": [{
+                    "model": model,
+                    "replicas": replicas.iter().map(|r| r.url.clone()).collect::<Vec<_>>(),
+                    "affinity_load_threshold": if spec.affinity { 0.85 } else { 0.0 },
+                }],
             }),
         );
         let keys: Vec<_> = s

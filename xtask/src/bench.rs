@@ -3,8 +3,10 @@
 
 use std::time::{Duration, Instant};
 
+use std::path::Path;
+
 use serde_json::json;
-use weir_e2e::{Envoy, EnvoyOptions, Sim};
+use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim};
 
 /// Requests per side per round, rounds alternating between the two Envoys.
 const LATENCY_ROUNDS: usize = 5;
@@ -136,4 +138,103 @@ fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
         samples.get(i).map_or(0.0, |d| d.as_secs_f64() * 1e6)
     };
     (at(0.50), at(0.99))
+}
+
+/// Peak resident memory of a process so far, in MB (`VmHWM`).
+fn peak_rss_mb(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+            line.split_whitespace().nth(1)?.parse::<f64>().ok()
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+const RELAY_TOKENS: u64 = 100;
+
+/// `n` concurrent streams of `RELAY_TOKENS` tokens; returns tokens received per second.
+async fn streams(url: &str, n: usize, trusted: bool) -> anyhow::Result<f64> {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(n)
+        .build()?;
+    let start = Instant::now();
+    let one = |i: usize| {
+        let client = client.clone();
+        async move {
+            let mut req = client
+                .post(format!("{url}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(
+                    json!({"model": "glm-5.2", "stream": true, "max_tokens": RELAY_TOKENS, "ignore_eos": true,
+                        "messages": [{"role": "user", "content": format!("stream {i}")}]})
+                    .to_string(),
+                );
+            if trusted {
+                req = req
+                    .header("x-weir-tenant", format!("bench/w/p/t{}", i % 100))
+                    .header(
+                        "x-weir-request-id",
+                        format!("relay-{n}-{i}-{}", start.elapsed().as_nanos()),
+                    )
+                    .header("x-weir-input-tokens", "10")
+                    .header("x-weir-reserved-output", RELAY_TOKENS.to_string());
+            }
+            let mut resp = req.send().await?;
+            anyhow::ensure!(resp.status().is_success(), "status {}", resp.status());
+            let mut tokens = 0u64;
+            while let Some(chunk) = resp.chunk().await? {
+                let text = String::from_utf8_lossy(&chunk);
+                tokens += (text.matches("\"content\":\"").count()
+                    - text.matches("\"content\":\"\"").count()) as u64;
+            }
+            Ok::<_, anyhow::Error>(tokens)
+        }
+    };
+    let counts = futures::future::try_join_all((0..n).map(one)).await?;
+    Ok(counts.iter().sum::<u64>() as f64 / start.elapsed().as_secs_f64())
+}
+
+/// The sidecar relaying 1,000 and 5,000 concurrent streams vs the same streams straight from
+/// the engine, with the sidecar's peak RSS.
+pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<()> {
+    let engine_args = [
+        "--preset",
+        "glm-5.2",
+        "--time-scale",
+        "1000",
+        "--max-num-seqs",
+        "8192",
+    ];
+    let direct_sim = Sim::start_from(sim_bin, &engine_args);
+    let relayed_sim = Sim::start_from(sim_bin, &engine_args);
+    let sidecar = Sidecar::start_from(
+        sidecar_bin,
+        json!({
+            "policy": "fair",
+            "cache_salt_secret": "bench-secret-0123456789",
+            "queue": {"max_per_tenant": 10000, "max_total": 20000, "deadline_ms": 600000},
+            "pools": [{"model": "glm-5.2", "replicas": [relayed_sim.url]}],
+        }),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let runtime = tokio::runtime::Runtime::new()?;
+    println!(
+        "\nsidecar relay: concurrent streams of {RELAY_TOKENS} tokens (glm-5.2 preset, time-scaled),"
+    );
+    println!("through the sidecar vs straight from an identical engine, same run");
+    println!(
+        "{:>8} {:>14} {:>14} {:>7} {:>16}",
+        "streams", "direct tok/s", "relayed tok/s", "ratio", "sidecar peak RSS"
+    );
+    for n in [1_000, 5_000] {
+        let direct = runtime.block_on(streams(&direct_sim.url, n, false))?;
+        let relayed = runtime.block_on(streams(&sidecar.url, n, true))?;
+        println!(
+            "{n:>8} {direct:>14.0} {relayed:>14.0} {:>6.2}x {:>13.0} MB",
+            relayed / direct,
+            peak_rss_mb(sidecar.pid())
+        );
+    }
+    Ok(())
 }

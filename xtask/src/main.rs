@@ -35,7 +35,8 @@ enum Task {
         time_scale: f64,
     },
     /// Overhead benchmarks, each against a baseline from the same run: token counting (native
-    /// and in wasm, exact vs fast) and Envoy with vs without the weir filter.
+    /// and in wasm, exact vs fast), scheduler decisions, Envoy with vs without the weir filter,
+    /// and sidecar relay throughput and memory at 1,000 and 5,000 streams.
     Bench,
     /// Build the stack in release mode and run a load scenario with weir-bench, e.g.
     /// `cargo xtask scenario bench/scenarios/noisy-neighbour.yaml --policy fifo --budgets true`.
@@ -203,8 +204,8 @@ fn bench() -> anyhow::Result<()> {
     python_env()?;
     build_filter()?;
     run(
-        "building weir-sim (release)",
-        cargo().args(["build", "--release", "-p", "weir-sim"]),
+        "building weir-sim and weir-sidecar (release)",
+        cargo().args(["build", "--release", "-p", "weir-sim", "-p", "weir-sidecar"]),
     )?;
     let token_counting = [
         "bench",
@@ -222,7 +223,13 @@ fn bench() -> anyhow::Result<()> {
             .args(["--target", "wasm32-wasip1"])
             .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(true)),
     )?;
-    bench::filter_overhead(&root().join("target/release/weir-sim"))
+    run(
+        "scheduler decisions at 10,000 tenants (criterion)",
+        cargo().args(["bench", "-q", "-p", "weir-sidecar", "--bench", "scheduler"]),
+    )?;
+    let release = root().join("target/release");
+    bench::filter_overhead(&release.join("weir-sim"))?;
+    bench::relay_throughput(&release.join("weir-sim"), &release.join("weir-sidecar"))
 }
 
 fn scenario(args: &[String]) -> anyhow::Result<()> {
