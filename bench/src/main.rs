@@ -58,13 +58,18 @@ fn main() -> anyhow::Result<()> {
         scenario.duration_s = d;
     }
     let label = format!(
-        "{}-{}{}",
+        "{}-{}{}{}",
         scenario.name,
         scenario.stack.policy,
         if scenario.stack.budgets {
             "-budgets"
         } else {
             ""
+        },
+        if scenario.stack.affinity {
+            ""
+        } else {
+            "-no-affinity"
         }
     );
     let stack = Stack::start(&scenario);
