@@ -106,13 +106,8 @@ impl Sim {
 
     pub fn start_from(bin: &Path, args: &[&str]) -> Sim {
         let mut cmd = Command::new(bin);
-        cmd.args(["--port", "0"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        let mut child = spawn_owned(cmd);
-        let addr = read_banner(&mut child);
-        let port = addr.rsplit(':').next().unwrap().parse().unwrap();
+        cmd.args(["--port", "0"]).args(args);
+        let (child, addr, port) = spawn_server(cmd);
         Sim {
             url: format!("http://{addr}"),
             port,
@@ -147,18 +142,23 @@ impl Sim {
     }
 }
 
-/// The first `http://ADDR` a child prints on stdout (its listening banner).
-fn read_banner(child: &mut Child) -> String {
+/// Starts a server that prints `... http://ADDR ...` on its first stdout line once it listens;
+/// returns it with that address and port.
+fn spawn_server(mut cmd: Command) -> (Child, String, u16) {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::null());
+    let mut child = spawn_owned(cmd);
     let mut banner = String::new();
     BufReader::new(child.stdout.take().unwrap())
         .read_line(&mut banner)
         .unwrap();
-    banner
+    let addr = banner
         .split("http://")
         .nth(1)
         .and_then(|s| s.split_whitespace().next())
         .unwrap_or_else(|| panic!("no address in {banner:?}"))
-        .to_owned()
+        .to_owned();
+    let port = addr.rsplit(':').next().unwrap().parse().unwrap();
+    (child, addr, port)
 }
 
 /// A running `weir-sidecar` with its config and ledger in a temporary directory.
@@ -191,13 +191,8 @@ impl Sidecar {
         let path = dir.path().join("sidecar.json");
         std::fs::write(&path, config.to_string()).unwrap();
         let mut cmd = Command::new(bin);
-        cmd.arg("--config")
-            .arg(&path)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        let mut child = spawn_owned(cmd);
-        let addr = read_banner(&mut child);
-        let port = addr.rsplit(':').next().unwrap().parse().unwrap();
+        cmd.arg("--config").arg(&path);
+        let (child, addr, port) = spawn_server(cmd);
         Sidecar {
             url: format!("http://{addr}"),
             port,

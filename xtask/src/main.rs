@@ -122,13 +122,21 @@ const DEMO_KEYS: [(&str, &str); 5] = [
     ),
 ];
 
-fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
+/// Envoy (from the venv), the filter, and release builds of the engine simulator, the sidecar
+/// and any `extra` packages: what `up`, `bench` and `scenario` run.
+fn build_release_stack(extra: &[&str]) -> anyhow::Result<()> {
     python_env()?;
     build_filter()?;
-    run(
-        "building weir-sim and weir-sidecar (release)",
-        cargo().args(["build", "--release", "-p", "weir-sim", "-p", "weir-sidecar"]),
-    )?;
+    let mut cmd = cargo();
+    cmd.args(["build", "--release", "-p", "weir-sim", "-p", "weir-sidecar"]);
+    for package in extra {
+        cmd.args(["-p", package]);
+    }
+    run("building the stack (release)", &mut cmd)
+}
+
+fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
+    build_release_stack(&[])?;
     let example = root().join("envoy/weir.example.json");
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&example)?)
         .with_context(|| format!("parsing {}", example.display()))?;
@@ -201,12 +209,7 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
 }
 
 fn bench() -> anyhow::Result<()> {
-    python_env()?;
-    build_filter()?;
-    run(
-        "building weir-sim and weir-sidecar (release)",
-        cargo().args(["build", "--release", "-p", "weir-sim", "-p", "weir-sidecar"]),
-    )?;
+    build_release_stack(&[])?;
     let token_counting = [
         "bench",
         "-q",
@@ -233,21 +236,7 @@ fn bench() -> anyhow::Result<()> {
 }
 
 fn scenario(args: &[String]) -> anyhow::Result<()> {
-    python_env()?;
-    build_filter()?;
-    run(
-        "building the stack and weir-bench (release)",
-        cargo().args([
-            "build",
-            "--release",
-            "-p",
-            "weir-bench",
-            "-p",
-            "weir-sim",
-            "-p",
-            "weir-sidecar",
-        ]),
-    )?;
+    build_release_stack(&["weir-bench"])?;
     run(
         "weir-bench",
         Command::new(root().join("target/release/weir-bench"))
