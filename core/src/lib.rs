@@ -14,5 +14,6 @@ pub mod openai;
 pub mod reply;
 pub mod reservation;
 pub mod scheduler;
+pub mod signature;
 pub mod tokens;
 pub mod trusted;

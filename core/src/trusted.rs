@@ -1,5 +1,6 @@
 //! The headers the filter sets for the upstream, after removing any a caller sent. Only the
-//! filter writes `x-weir-*`; the sidecar trusts them because of that.
+//! filter writes `x-weir-*`, and it signs them ([`crate::signature`]): the sidecar trusts what
+//! verifies, not what is present.
 
 pub const PREFIX: &str = "x-weir-";
 /// `org/workspace/project/key` of the authenticated key.
@@ -8,7 +9,12 @@ pub const TIER: &str = "x-weir-tier";
 pub const WEIGHT: &str = "x-weir-weight";
 /// `interactive` or `batch`.
 pub const PRIORITY: &str = "x-weir-priority";
+/// weir's own id for this attempt (unique, never the caller's `x-request-id`, which is a trace id).
 pub const REQUEST_ID: &str = "x-weir-request-id";
+/// The caller's `Idempotency-Key`, if it sent one: deduplication is scoped to (tenant, key).
+pub const IDEMPOTENCY_KEY: &str = "x-weir-idempotency-key";
+/// `v1:<expires_ms>:<hex HMAC-SHA256>` over every other `x-weir-*` header.
+pub const SIGNATURE: &str = "x-weir-signature";
 /// Prompt tokens as the gateway estimated them.
 pub const INPUT_TOKENS: &str = "x-weir-input-tokens";
 /// Output tokens reserved for the answer.
