@@ -3,6 +3,7 @@
 //! ```text
 //! headers ─► strip x-weir-*, pick route mode, authenticate ─► hold headers for the body
 //! body    ─► admit (parse, limits, estimate) ─► reserve at every level ─► rewrite ─► forward
+//!            (at the end of the body, or at its trailers when the request ends in them)
 //! response─► meter the stream/body as it passes (usage chunk hidden unless asked for)
 //! end     ─► settle: engine usage replaces the reservation   (on_log settles anything left:
 //!                                                             client gone, upstream reset)
@@ -212,9 +213,36 @@ impl Request {
         if !end_of_stream {
             return Action::Pause;
         }
-        let body = host::body(Side::Request, size);
-        let (Some(tenant), Some(endpoint)) = (self.tenant.clone(), self.endpoint) else {
+        self.admit_body(host::body(Side::Request, size))
+    }
+
+    /// The request ended in trailers (HTTP/2 trailers frame, HTTP/1.1 chunked trailer fields):
+    /// no body callback saw the end of the stream, so admission completes here with the body
+    /// Envoy buffered. Headers are still held, so the trusted ones can still be set.
+    fn on_trailers(&mut self) -> Action {
+        if self.stage != Stage::AwaitingBody {
             return Action::Continue;
+        }
+        let body = host::body(Side::Request, usize::MAX);
+        let limit = self.gw.config.max_body_bytes;
+        if body.len() > limit {
+            let error = ApiError::payload_too_large(limit);
+            return self.refuse(Reply::error(&error), "body_too_large", Stage::Passthrough);
+        }
+        self.admit_body(body)
+    }
+
+    /// Admission on the complete body, then the forward step. Fails closed: a request whose
+    /// admission cannot complete is refused, never forwarded.
+    fn admit_body(&mut self, body: Vec<u8>) -> Action {
+        let size = body.len();
+        if body.is_empty() {
+            let error = ApiError::bad_request("a JSON request body is required");
+            return self.refuse(Reply::error(&error), "missing_body", Stage::Passthrough);
+        }
+        let (Some(tenant), Some(endpoint)) = (self.tenant.clone(), self.endpoint) else {
+            let error = ApiError::internal("the request lost its admission state");
+            return self.refuse(Reply::error(&error), "internal", Stage::Passthrough);
         };
         let admitted = match admission::admit(&self.gw.config, &tenant, endpoint, &body) {
             Ok(admitted) => admitted,
@@ -434,6 +462,10 @@ impl HttpContext for Request {
 
     fn on_http_request_body(&mut self, size: usize, end_of_stream: bool) -> Action {
         self.on_body(size, end_of_stream)
+    }
+
+    fn on_http_request_trailers(&mut self, _: usize) -> Action {
+        self.on_trailers()
     }
 
     fn on_http_response_headers(&mut self, _: usize, end_of_stream: bool) -> Action {
