@@ -174,18 +174,29 @@ fn chunked_request(path: &str, key: &str, id: &str, body: &[u8]) -> Answer {
     raw_http1(&wire)
 }
 
-/// Writes raw bytes to Envoy and parses the HTTP/1.1 answer (`Connection: close`).
+/// Writes raw bytes to Envoy and reads one HTTP/1.1 answer, by its framing (Envoy holds a
+/// connection it answered early open for a while, so reading to EOF would wait for that).
 fn raw_http1(wire: &[u8]) -> Answer {
     let mut conn = std::net::TcpStream::connect(addr()).unwrap();
     conn.write_all(wire).unwrap();
     let mut response = Vec::new();
-    conn.read_to_end(&mut response).unwrap();
-    let split = response
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .unwrap_or_else(|| panic!("no head in {:?}", String::from_utf8_lossy(&response)));
+    let mut buf = [0u8; 65536];
+    let mut read_more = |response: &mut Vec<u8>| {
+        let n = conn.read(&mut buf).unwrap();
+        response.extend_from_slice(&buf[..n]);
+        n > 0
+    };
+    let split = loop {
+        if let Some(at) = response.windows(4).position(|w| w == b"\r\n\r\n") {
+            break at;
+        }
+        assert!(
+            read_more(&mut response),
+            "no head in {:?}",
+            String::from_utf8_lossy(&response)
+        );
+    };
     let head = String::from_utf8_lossy(&response[..split]).into_owned();
-    let mut rest = &response[split + 4..];
     let mut lines = head.lines();
     let status = lines
         .next()
@@ -199,23 +210,44 @@ fn raw_http1(wire: &[u8]) -> Answer {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
         .collect();
-    let chunked = headers
-        .iter()
-        .any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
-    let body = if chunked {
+    let value = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    let is_head = wire.starts_with(b"HEAD ");
+    let body = if is_head {
+        Vec::new()
+    } else if value("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
         let mut out = Vec::new();
+        let mut at = split + 4;
         loop {
-            let eol = rest.windows(2).position(|w| w == b"\r\n").unwrap();
-            let size = usize::from_str_radix(std::str::from_utf8(&rest[..eol]).unwrap().trim(), 16)
-                .unwrap();
+            let eol = loop {
+                if let Some(eol) = response[at..].windows(2).position(|w| w == b"\r\n") {
+                    break eol;
+                }
+                assert!(read_more(&mut response), "truncated chunk");
+            };
+            let size = std::str::from_utf8(&response[at..at + eol]).unwrap().trim();
+            let size = usize::from_str_radix(size, 16).unwrap();
             if size == 0 {
                 break out;
             }
-            out.extend_from_slice(&rest[eol + 2..eol + 2 + size]);
-            rest = &rest[eol + 4 + size..];
+            while response.len() < at + eol + 4 + size {
+                assert!(read_more(&mut response), "truncated chunk");
+            }
+            out.extend_from_slice(&response[at + eol + 2..at + eol + 2 + size]);
+            at += eol + 4 + size;
         }
+    } else if let Some(len) = value("content-length").and_then(|v| v.parse::<usize>().ok()) {
+        while response.len() < split + 4 + len {
+            assert!(read_more(&mut response), "truncated body");
+        }
+        response[split + 4..split + 4 + len].to_vec()
     } else {
-        rest.to_vec()
+        while read_more(&mut response) {}
+        response[split + 4..].to_vec()
     };
     Answer {
         status,
@@ -288,4 +320,175 @@ async fn requests_ending_in_trailers_are_admitted_like_any_other() {
             .contains("body is required")
     );
     assert!(arrived(id).await.is_empty());
+}
+
+/// One HTTP/1.1 request with a `Content-Length` body, the path sent byte for byte as given.
+async fn http1(method: &str, path: &str, key: &str, id: &str, body: &[u8]) -> Answer {
+    let mut wire = format!(
+        "{method} {path} HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-{key}\r\n\
+         Content-Type: application/json\r\nX-Request-Id: {id}\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    wire.extend_from_slice(body);
+    tokio::task::spawn_blocking(move || raw_http1(&wire))
+        .await
+        .unwrap()
+}
+
+/// Every request this binary sent that reached the engine carried a completed admission.
+async fn nothing_reached_the_engine_unmetered() {
+    for r in stack().sim.received().await {
+        let h = &r["headers"];
+        assert!(
+            h["x-weir-tenant"].is_string() && h["x-weir-reserved-output"].is_string(),
+            "reached the engine unmetered: {} {h}",
+            r["path"]
+        );
+    }
+}
+
+#[tokio::test]
+async fn every_spelling_of_a_metered_path_is_metered() {
+    // Reads as a chat or a text completion, whichever the path names.
+    let over_cap = chat(
+        "write a novel",
+        json!({"max_tokens": 2000, "prompt": "a novel"}),
+    )
+    .to_string();
+    for (i, path) in [
+        "/v1/chat/completions",
+        "/v1/chat/completions/",
+        "/v1/chat/completions?stream=false",
+        "//v1//chat/completions",
+        "/v1/chat%2Fcompletions",
+        "/v1/chat%2fcompletions",
+        "/v1/%63hat/completions",
+        "/v1/chat/%2e/completions",
+        "/v1/models/../chat/completions",
+        "/v1/models/%2e%2e/chat/completions",
+        "/v1/./chat/completions",
+        "/V1/Chat/Completions",
+        "/v1%5Cchat%5Ccompletions",
+        "/v1/completions/",
+        "//v1/COMPLETIONS?x=1",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("spelling-{i}");
+        let answer = http1("POST", path, "free", &id, over_cap.as_bytes()).await;
+        assert_eq!(
+            answer.status,
+            400,
+            "{path}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        assert_eq!(answer.error()["param"], "max_tokens", "{path}");
+        assert!(arrived(&id).await.is_empty(), "{path} reached the engine");
+    }
+    nothing_reached_the_engine_unmetered().await;
+}
+
+#[tokio::test]
+async fn apis_weir_does_not_meter_and_unknown_paths_are_refused() {
+    let body =
+        json!({"model": "tiny", "input": "hi", "messages": [{"role": "user", "content": "hi"}]})
+            .to_string();
+    for (i, path) in [
+        "/v1/responses",
+        "/v1/embeddings",
+        "/v1/messages",
+        "/invocations",
+        "/v1/audio/transcriptions",
+        "/tokenize",
+        "/pooling",
+        "/score",
+        "/rerank",
+        "/v1/rerank",
+        "/V1/Responses/",
+        "//v1//embeddings",
+        "/v1/x/../messages",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let answer = http1(
+            "POST",
+            path,
+            "free",
+            &format!("unmetered-{i}"),
+            body.as_bytes(),
+        )
+        .await;
+        assert_eq!(answer.status, 404, "{path}");
+        let err = answer.error();
+        assert_eq!(err["code"], "not_metered", "{path}: {err}");
+        assert!(
+            err["message"].as_str().unwrap().contains("not metered"),
+            "{path}"
+        );
+    }
+    for path in [
+        "/v1/unknown",
+        "/",
+        "/metrics",
+        "/debug/requests",
+        "/v1/chat/completions/v1/models",
+    ] {
+        let answer = http1("GET", path, "free", "unknown", b"").await;
+        assert_eq!(answer.status, 404, "{path}");
+        assert_eq!(answer.error()["code"], "unknown_path", "{path}");
+    }
+
+    // The allow-list is served unmetered, with the key still required.
+    let models = http1("GET", "/v1/models", "free", "models", b"").await;
+    assert_eq!(models.status, 200);
+    assert_eq!(
+        http1("HEAD", "/health", "free", "health", b"").await.status,
+        200
+    );
+    assert_eq!(
+        http1("GET", "/v1/models", "nobody", "models-anon", b"")
+            .await
+            .status,
+        401
+    );
+
+    // Methods: metered APIs take POST, allowed paths GET and HEAD.
+    let get = http1("GET", CHAT, "free", "get-chat", b"").await;
+    assert_eq!(get.status, 405);
+    assert_eq!(get.header("allow"), Some("POST"));
+    assert_eq!(get.error()["code"], "method_not_allowed");
+    let put = http1(
+        "PUT",
+        CHAT,
+        "free",
+        "put-chat",
+        chat("hi", json!({})).to_string().as_bytes(),
+    )
+    .await;
+    assert_eq!(put.status, 405);
+    assert_eq!(
+        http1("POST", "/v1/models", "free", "post-models", b"{}")
+            .await
+            .status,
+        405
+    );
+
+    // A shadow route never refuses: it passes the request on and says what enforcement would do.
+    let shadow = http1(
+        "POST",
+        "/shadow/v1/embeddings",
+        "free",
+        "shadow-embeddings",
+        body.as_bytes(),
+    )
+    .await;
+    assert_eq!(
+        shadow.header("x-weir-shadow"),
+        Some("would-reject; reason=not_metered")
+    );
+    nothing_reached_the_engine_unmetered().await;
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use crate::path::AllowedPaths;
 use crate::tokens::Encoding;
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -32,6 +33,9 @@ pub struct Config {
     /// Forward the client's API key upstream (off: the key stops at the gateway).
     #[serde(default)]
     pub forward_api_key: bool,
+    /// Paths served unmetered on enforced routes; any other path that is not metered is refused.
+    #[serde(default)]
+    pub allowed_paths: AllowedPaths,
 }
 
 fn default_max_body_bytes() -> usize {

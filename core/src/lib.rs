@@ -11,6 +11,7 @@ pub mod keys;
 pub mod kv_profile;
 pub mod meter;
 pub mod openai;
+pub mod path;
 pub mod reply;
 pub mod reservation;
 pub mod scheduler;

@@ -7,24 +7,11 @@ use serde_json::{Value, json};
 use crate::tokens::{ChatTurn, Encoding, TokenId, TokenizerUnavailable};
 
 /// Which OpenAI endpoint a body was sent to; it decides whether `messages` or `prompt` is read.
+/// [`crate::path`] says which one a request path names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
     ChatCompletions,
     Completions,
-}
-
-impl Endpoint {
-    /// The endpoint a request path names; the API may be mounted under a prefix.
-    pub fn from_path(path: &str) -> Option<Self> {
-        let path = path.split('?').next().unwrap_or(path);
-        if path.ends_with("/v1/chat/completions") {
-            Some(Endpoint::ChatCompletions)
-        } else if path.ends_with("/v1/completions") {
-            Some(Endpoint::Completions)
-        } else {
-            None
-        }
-    }
 }
 
 /// The fields of a chat or text completion request that serving and metering depend on.
@@ -393,19 +380,6 @@ mod tests {
         let v = ApiError::not_found("nope").to_json();
         assert_eq!(v["error"]["code"], 404);
         assert!(v["error"]["param"].is_null());
-    }
-
-    #[test]
-    fn endpoints_are_found_under_prefixes() {
-        assert_eq!(
-            Endpoint::from_path("/v1/chat/completions?x=1"),
-            Some(Endpoint::ChatCompletions)
-        );
-        assert_eq!(
-            Endpoint::from_path("/team/v1/completions"),
-            Some(Endpoint::Completions)
-        );
-        assert_eq!(Endpoint::from_path("/v1/models"), None);
     }
 
     #[test]

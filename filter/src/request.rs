@@ -19,6 +19,7 @@ use weir_core::config::{Mode, Tenant};
 use weir_core::keys::{hash_key, key_from_headers};
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::openai::{ApiError, Endpoint};
+use weir_core::path::{self, Api};
 use weir_core::reply::Reply;
 use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation};
 use weir_core::trusted;
@@ -179,14 +180,71 @@ impl Request {
             host::set_header(Side::Request, trusted::KV_LIMIT, Some(&cap.to_string()));
         }
         self.tenant = Some(tenant);
+        self.route_to_api(end_of_stream)
+    }
 
-        let path = host::header(Side::Request, ":path").unwrap_or_default();
-        self.endpoint = Endpoint::from_path(&path);
-        if self.endpoint.is_none() {
-            // Not a completion (models, health, ...): authenticated, nothing to meter.
-            self.stage = Stage::Forwarded;
-            return Action::Continue;
+    /// Which API the request is for, by the canonical spelling of its path and by its method.
+    /// A metered API goes on to its body; an allowed path (model list, health) passes
+    /// unmetered; anything else is refused (deny by default).
+    fn route_to_api(&mut self, end_of_stream: bool) -> Action {
+        let raw = host::header(Side::Request, ":path").unwrap_or_default();
+        let canonical = match path::canonical(&raw) {
+            Ok(canonical) => canonical,
+            Err(e) => {
+                let error = ApiError::bad_request(e.to_string()).with_code("invalid_path");
+                return self.refuse(Reply::error(&error), "invalid_path", Stage::Passthrough);
+            }
+        };
+        let api = path::classify(&canonical, self.gw.config.allowed_paths.as_slice());
+        let methods: &[&str] = match api {
+            Api::Metered(_) => &["POST"],
+            Api::Allowed => &["GET", "HEAD"],
+            Api::NotMetered(name) => {
+                let error = ApiError::not_found(format!(
+                    "The {name} API ({canonical}) is not metered by this gateway yet, so it is \
+                     not served here; use /v1/chat/completions or /v1/completions."
+                ))
+                .with_code("not_metered");
+                return self.refuse(Reply::error(&error), "not_metered", Stage::Passthrough);
+            }
+            Api::Unknown => {
+                let error = ApiError::not_found(format!(
+                    "Unknown path {canonical}: this gateway serves /v1/chat/completions and \
+                     /v1/completions, and {} without metering.",
+                    self.gw.config.allowed_paths.as_slice().join(", ")
+                ))
+                .with_code("unknown_path");
+                return self.refuse(Reply::error(&error), "unknown_path", Stage::Passthrough);
+            }
+        };
+        let method = host::header(Side::Request, ":method").unwrap_or_default();
+        if !methods.contains(&method.as_str()) {
+            let allow = methods.join(", ");
+            let error = ApiError::new(
+                405,
+                "MethodNotAllowedError",
+                format!("{method} is not allowed on {canonical}; use {allow}."),
+            )
+            .with_code("method_not_allowed");
+            let mut reply = Reply::error(&error);
+            reply.headers.push(("allow", allow));
+            return self.refuse(reply, "method_not_allowed", Stage::Passthrough);
         }
+        match api {
+            Api::Metered(endpoint) => {
+                self.endpoint = Some(endpoint);
+                self.await_body(end_of_stream)
+            }
+            // Authenticated, nothing to meter.
+            _ => {
+                self.stage = Stage::Forwarded;
+                Action::Continue
+            }
+        }
+    }
+
+    /// Holds the headers until the body is read, unless the body cannot be admitted anyway.
+    fn await_body(&mut self, end_of_stream: bool) -> Action {
         let limit = self.gw.config.max_body_bytes;
         let declared = host::header(Side::Request, "content-length").and_then(|v| v.parse().ok());
         if declared.is_some_and(|len: usize| len > limit) {

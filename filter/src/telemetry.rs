@@ -13,9 +13,13 @@ pub const OUTCOMES: [&str; 5] = [
     "passthrough",
 ];
 
-pub const REJECTIONS: [&str; 15] = [
+pub const REJECTIONS: [&str; 19] = [
     "missing_api_key",
     "invalid_api_key",
+    "invalid_path",
+    "unknown_path",
+    "not_metered",
+    "method_not_allowed",
     "missing_body",
     "body_too_large",
     "malformed_body",
