@@ -18,6 +18,83 @@ struct Stack {
     envoy: Envoy,
 }
 
+/// Usage the compressing upstream reports inside its gzip body.
+const HIDDEN_COMPLETION_TOKENS: u64 = 3;
+
+/// An upstream that ignores `accept-encoding` and answers every request with a gzip-encoded
+/// chat completion; returns its port.
+fn compressing_upstream() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || serve_compressed(conn));
+        }
+    });
+    port
+}
+
+fn serve_compressed(mut conn: std::net::TcpStream) {
+    let mut request = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        let Ok(n) = conn.read(&mut buf) else { return };
+        if n == 0 {
+            return;
+        }
+        request.extend_from_slice(&buf[..n]);
+        let Some(split) = request.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&request[..split]).to_ascii_lowercase();
+        let length: usize = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        if request.len() >= split + 4 + length {
+            break;
+        }
+    }
+    let answer = json!({
+        "id": "cmpl-1", "object": "chat.completion", "model": "tiny",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 10, "completion_tokens": HIDDEN_COMPLETION_TOKENS, "total_tokens": 13},
+    });
+    let body = gzip_stored(answer.to_string().as_bytes());
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
+    );
+    let _ = conn.write_all(head.as_bytes());
+    let _ = conn.write_all(&body);
+}
+
+/// A valid gzip member holding `data` in one stored (uncompressed) deflate block.
+fn gzip_stored(data: &[u8]) -> Vec<u8> {
+    let len = u16::try_from(data.len()).unwrap();
+    let mut out = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff];
+    out.push(1); // final block, stored
+    out.extend(len.to_le_bytes());
+    out.extend((!len).to_le_bytes());
+    out.extend_from_slice(data);
+    let crc = data.iter().fold(!0u32, |mut crc, &b| {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xedb8_8320
+            } else {
+                crc >> 1
+            };
+        }
+        crc
+    });
+    out.extend((!crc).to_le_bytes());
+    out.extend((data.len() as u32).to_le_bytes());
+    out
+}
+
 /// Each test owns a key; `free` is the free tier of the shipped example (1,024 output tokens per
 /// request). The body limit is the shipped default.
 fn weir_config() -> Value {
@@ -44,7 +121,8 @@ fn stack() -> &'static Stack {
             "--record-requests",
             "1000",
         ]);
-        let envoy = Envoy::start(&weir_config(), sim.port, sim.port);
+        let compressing = compressing_upstream();
+        let envoy = Envoy::start(&weir_config(), sim.port, compressing);
         Stack { sim, envoy }
     })
 }
@@ -129,14 +207,13 @@ async fn h2_request(path: &str, key: &str, id: &str, body: Option<&[u8]>) -> Ans
         .body(())
         .unwrap();
     let (response, mut stream) = client.send_request(request, false).unwrap();
+    // Envoy may answer (and reset the stream) before it read everything: sending may then fail.
     if let Some(body) = body {
-        stream
-            .send_data(Bytes::copy_from_slice(body), false)
-            .unwrap();
+        let _ = stream.send_data(Bytes::copy_from_slice(body), false);
     }
     let mut trailers = http::HeaderMap::new();
     trailers.insert("x-checksum", "feedface".parse().unwrap());
-    stream.send_trailers(trailers).unwrap();
+    let _ = stream.send_trailers(trailers);
     let response = response.await.unwrap();
     let status = response.status().as_u16();
     let headers = response
@@ -146,8 +223,7 @@ async fn h2_request(path: &str, key: &str, id: &str, body: Option<&[u8]>) -> Ans
         .collect();
     let mut recv = response.into_body();
     let mut out = Vec::new();
-    while let Some(chunk) = recv.data().await {
-        let chunk = chunk.unwrap();
+    while let Some(Ok(chunk)) = recv.data().await {
         let _ = recv.flow_control().release_capacity(chunk.len());
         out.extend_from_slice(&chunk);
     }
@@ -178,11 +254,14 @@ fn chunked_request(path: &str, key: &str, id: &str, body: &[u8]) -> Answer {
 /// connection it answered early open for a while, so reading to EOF would wait for that).
 fn raw_http1(wire: &[u8]) -> Answer {
     let mut conn = std::net::TcpStream::connect(addr()).unwrap();
-    conn.write_all(wire).unwrap();
+    // Written alongside the read: Envoy may answer before it read everything.
+    let mut writer = conn.try_clone().unwrap();
+    let wire_copy = wire.to_vec();
+    std::thread::spawn(move || writer.write_all(&wire_copy));
     let mut response = Vec::new();
     let mut buf = [0u8; 65536];
     let mut read_more = |response: &mut Vec<u8>| {
-        let n = conn.read(&mut buf).unwrap();
+        let n = conn.read(&mut buf).unwrap_or(0);
         response.extend_from_slice(&buf[..n]);
         n > 0
     };
@@ -491,4 +570,171 @@ async fn apis_weir_does_not_meter_and_unknown_paths_are_refused() {
         Some("would-reject; reason=not_metered")
     );
     nothing_reached_the_engine_unmetered().await;
+}
+
+/// A chat body of about `bytes` bytes.
+fn chat_of_size(bytes: usize) -> Vec<u8> {
+    chat(&"lorem ipsum ".repeat(bytes / 12), json!({"max_tokens": 5}))
+        .to_string()
+        .into_bytes()
+}
+
+#[tokio::test]
+async fn bodies_up_to_the_limit_are_read_and_larger_ones_get_the_openai_shaped_413() {
+    // 2 MiB is under the shipped 4 MiB `max_body_bytes`: weir reads all of it, whatever the
+    // framing, and judges it (far over the model's context).
+    let two_mib = chat_of_size(2 << 20);
+    let five_mib = chat_of_size(5 << 20);
+    for (i, framing) in [
+        None,
+        Some(Framing::ChunkedTrailers),
+        Some(Framing::H2Trailers),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("two-mib-{i}");
+        let answer = match framing {
+            None => http1("POST", CHAT, "free", &id, &two_mib).await,
+            Some(f) => send(f, CHAT, "free", &id, &two_mib).await,
+        };
+        assert_eq!(
+            answer.status,
+            400,
+            "{framing:?}: {}",
+            String::from_utf8_lossy(&answer.body)
+        );
+        assert_eq!(
+            answer.error()["code"],
+            "context_length_exceeded",
+            "{framing:?}"
+        );
+
+        let id = format!("five-mib-{i}");
+        let answer = match framing {
+            None => http1("POST", CHAT, "free", &id, &five_mib).await,
+            Some(f) => send(f, CHAT, "free", &id, &five_mib).await,
+        };
+        assert_eq!(answer.status, 413, "{framing:?}");
+        assert_eq!(answer.header("content-type"), Some("application/json"));
+        let err = answer.error();
+        assert_eq!(err["code"], 413, "{framing:?}");
+        assert!(
+            err["message"]
+                .as_str()
+                .unwrap()
+                .contains("exceeds the limit of 4194304 bytes"),
+            "{framing:?}: {err}"
+        );
+        assert!(arrived(&id).await.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn envoys_own_refusals_are_openai_shaped_too() {
+    // A gateway configured to read more than the listener buffers: Envoy refuses first.
+    let mut config = weir_config();
+    config["max_body_bytes"] = json!(16 << 20);
+    let envoy = Envoy::start(&config, stack().sim.port, stack().sim.port);
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", envoy.url))
+        .bearer_auth("key-free")
+        .header("content-type", "application/json")
+        .body(chat_of_size(9 << 20))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 413);
+    assert_eq!(resp.headers()["content-type"], "application/json");
+    let err = resp.json::<Value>().await.unwrap()["error"].clone();
+    assert_eq!(err["code"], 413, "{err}");
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .contains("Payload Too Large"),
+        "{err}"
+    );
+
+    // Headers over Envoy's limit, on the shared stack.
+    let big = "x".repeat(100 * 1024);
+    let wire = format!(
+        "GET /v1/models HTTP/1.1\r\nHost: weir\r\nX-Big: {big}\r\nConnection: close\r\n\r\n"
+    );
+    let answer = tokio::task::spawn_blocking(move || raw_http1(wire.as_bytes()))
+        .await
+        .unwrap();
+    assert_eq!(answer.status, 431);
+    assert_eq!(answer.error()["code"], 431);
+}
+
+#[tokio::test]
+async fn compressed_request_bodies_are_refused_clearly() {
+    let body = gzip_stored(chat("hi", json!({"max_tokens": 5})).to_string().as_bytes());
+    for encoding in ["gzip", "br", "deflate, gzip"] {
+        let id = format!("compressed-{encoding}");
+        let wire = [
+            format!(
+                "POST {CHAT} HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-free\r\n\
+                 Content-Type: application/json\r\nContent-Encoding: {encoding}\r\n\
+                 X-Request-Id: {id}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )
+            .into_bytes(),
+            body.clone(),
+        ]
+        .concat();
+        let answer = tokio::task::spawn_blocking(move || raw_http1(&wire))
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 415, "{encoding}");
+        assert_eq!(
+            answer.error()["code"],
+            "unsupported_content_encoding",
+            "{encoding}"
+        );
+        assert!(arrived(&id).await.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn metered_responses_are_readable_or_charged_their_reservation() {
+    // The engine is asked for an uncompressed answer, whatever the client accepts.
+    let id = "accepts-gzip";
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", stack().envoy.url))
+        .bearer_auth("key-free")
+        .header("accept-encoding", "gzip, br")
+        .header("x-request-id", id)
+        .json(&chat("hi", json!({"max_tokens": 5})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let seen = arrived(id).await;
+    assert_eq!(seen[0]["headers"]["accept-encoding"], "identity");
+
+    // An upstream that compresses anyway: its usage cannot be read, so the reservation (7
+    // output tokens), not zero, is what the request is charged.
+    let id = "compressed-answer";
+    let resp = reqwest::Client::new()
+        .post(format!("{}/alt{CHAT}", stack().envoy.url))
+        .bearer_auth("key-free")
+        .header("x-request-id", id)
+        .json(&chat("hi", json!({"max_tokens": 7})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.headers()["content-encoding"],
+        "gzip",
+        "passed on untouched"
+    );
+    let log = stack().envoy.access_log_for(id);
+    assert!(
+        log.iter().any(|l| l.contains("tokens_out=7 ")),
+        "charged the reservation: {log:?}"
+    );
+    assert!(stack().envoy.stats().await["weir.meter.unreadable"] >= 1);
 }

@@ -50,6 +50,9 @@ enum Meter {
     None,
     Stream(StreamMeter),
     Body(BodyMeter),
+    /// The upstream encoded the response (`content-encoding`) although asked not to: passed on
+    /// untouched, and the reservation stands as the charge.
+    Unreadable,
 }
 
 pub struct Request {
@@ -245,6 +248,26 @@ impl Request {
 
     /// Holds the headers until the body is read, unless the body cannot be admitted anyway.
     fn await_body(&mut self, end_of_stream: bool) -> Action {
+        if let Some(encoding) =
+            host::header(Side::Request, "content-encoding").filter(|e| !is_identity(e))
+        {
+            let error = ApiError::new(
+                415,
+                "UnsupportedMediaTypeError",
+                format!(
+                    "Compressed request bodies (content-encoding: {encoding}) are not accepted; \
+                     send the JSON body uncompressed."
+                ),
+            )
+            .with_code("unsupported_content_encoding");
+            return self.refuse(
+                Reply::error(&error),
+                "unsupported_encoding",
+                Stage::Passthrough,
+            );
+        }
+        // Usage is read from the response as it passes: the upstream must not compress it.
+        host::set_header(Side::Request, "accept-encoding", Some("identity"));
         let limit = self.gw.config.max_body_bytes;
         let declared = host::header(Side::Request, "content-length").and_then(|v| v.parse().ok());
         if declared.is_some_and(|len: usize| len > limit) {
@@ -374,6 +397,12 @@ impl Request {
         self.upstream_status = host::header(Side::Response, ":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
+        let encoded =
+            host::header(Side::Response, "content-encoding").is_some_and(|e| !is_identity(&e));
+        if encoded && !matches!(self.meter, Meter::None) {
+            self.gw.metrics.add(telemetry::UNREADABLE_RESPONSES, 1);
+            self.meter = Meter::Unreadable;
+        }
         if matches!(self.meter, Meter::Stream(_)) {
             // Hiding the usage chunk changes the length.
             host::set_header(Side::Response, "content-length", None);
@@ -398,7 +427,7 @@ impl Request {
                 }
             }
             Meter::Body(meter) => meter.feed(&chunk),
-            Meter::None => {}
+            Meter::None | Meter::Unreadable => {}
         }
         if end_of_stream {
             self.finish(self.completed_outcome());
@@ -432,8 +461,10 @@ impl Request {
                 BodyUsage::Reported(u) => Some(u),
                 _ => None,
             },
-            Meter::None => None,
+            Meter::None | Meter::Unreadable => None,
         };
+        // Without a report, a response weir could not read is charged what was reserved.
+        let reserved_output = self.admitted.as_ref().map_or(0, |a| a.reserved_output);
         self.usage = match reported {
             Some(u) => {
                 let off = estimate.abs_diff(u.prompt_tokens) * 100;
@@ -452,8 +483,9 @@ impl Request {
                     Meter::Stream(m) => m.content_events(),
                     Meter::Body(m) => match m.finish() {
                         BodyUsage::Estimated { completion_tokens } => completion_tokens,
-                        _ => 0,
+                        _ => reserved_output,
                     },
+                    Meter::Unreadable => reserved_output,
                     Meter::None => 0,
                 },
             },
@@ -497,6 +529,12 @@ impl Request {
             .publish();
         }
     }
+}
+
+/// Whether a `content-encoding` value leaves the body as it is.
+fn is_identity(encoding: &str) -> bool {
+    let encoding = encoding.trim();
+    encoding.is_empty() || encoding.eq_ignore_ascii_case("identity")
 }
 
 fn total(d: Demand) -> i64 {

@@ -13,7 +13,7 @@ pub const OUTCOMES: [&str; 5] = [
     "passthrough",
 ];
 
-pub const REJECTIONS: [&str; 19] = [
+pub const REJECTIONS: [&str; 20] = [
     "missing_api_key",
     "invalid_api_key",
     "invalid_path",
@@ -22,6 +22,7 @@ pub const REJECTIONS: [&str; 19] = [
     "method_not_allowed",
     "missing_body",
     "body_too_large",
+    "unsupported_encoding",
     "malformed_body",
     "invalid_request",
     "model_not_allowed",
@@ -43,6 +44,8 @@ pub const ESTIMATE_ERROR: &str = "weir.estimate.error_pct";
 pub const RESERVED: &str = "weir.reserved_tokens";
 pub const SHADOW_WOULD_REJECT: &str = "weir.shadow.would_reject";
 pub const SETTLE_CONFLICTS: &str = "weir.settle.conflicts";
+/// Metered responses the upstream compressed anyway: charged their reservation.
+pub const UNREADABLE_RESPONSES: &str = "weir.meter.unreadable";
 
 pub fn request_metric(outcome: &str) -> String {
     format!("weir.requests.{outcome}")
@@ -60,7 +63,13 @@ pub fn define() -> Metrics {
     for reason in REJECTIONS {
         m.define(MetricType::Counter, &rejection_metric(reason));
     }
-    for counter in [TOKENS_IN, TOKENS_OUT, SHADOW_WOULD_REJECT, SETTLE_CONFLICTS] {
+    for counter in [
+        TOKENS_IN,
+        TOKENS_OUT,
+        SHADOW_WOULD_REJECT,
+        SETTLE_CONFLICTS,
+        UNREADABLE_RESPONSES,
+    ] {
         m.define(MetricType::Counter, counter);
     }
     m.define(MetricType::Gauge, RESERVED);
