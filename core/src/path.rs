@@ -16,7 +16,7 @@
 
 use serde::Deserialize;
 
-use crate::openai::Endpoint;
+use crate::openai::{ApiError, Endpoint};
 
 /// What a path is to the front door.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -157,6 +157,75 @@ fn segment_starts(path: &str) -> impl Iterator<Item = usize> + '_ {
 
 fn first_segment(path: &str) -> Option<&str> {
     path.strip_prefix('/')?.split('/').next()
+}
+
+/// Where the front door sends a request it lets through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// Admit the body and meter the answer.
+    Metered(Endpoint),
+    /// On the allow-list: forward without metering.
+    Unmetered,
+}
+
+/// A request refused for its path or method, with the metric label of why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Refusal {
+    pub error: ApiError,
+    pub reason: &'static str,
+    /// For 405: the methods the path takes (the `Allow` header).
+    pub allow: Option<&'static str>,
+}
+
+fn refuse(reason: &'static str, error: ApiError) -> Refusal {
+    Refusal {
+        error: error.with_code(reason),
+        reason,
+        allow: None,
+    }
+}
+
+/// Decides on a request's path and method, deny by default: metered APIs take `POST`, allowed
+/// paths `GET` and `HEAD`; inference APIs weir does not meter yet, unknown and undecodable
+/// paths are refused.
+pub fn route(raw_path: &str, method: &str, allowed: &AllowedPaths) -> Result<Route, Refusal> {
+    let path = canonical(raw_path)
+        .map_err(|e| refuse("invalid_path", ApiError::bad_request(e.to_string())))?;
+    let (route, methods) = match classify(&path, allowed.as_slice()) {
+        Api::Metered(endpoint) => (Route::Metered(endpoint), "POST"),
+        Api::Allowed => (Route::Unmetered, "GET, HEAD"),
+        Api::NotMetered(name) => {
+            return Err(refuse(
+                "not_metered",
+                ApiError::not_found(format!(
+                    "The {name} API ({path}) is not metered by this gateway yet, so it is not \
+                     served here; use /v1/chat/completions or /v1/completions."
+                )),
+            ));
+        }
+        Api::Unknown => {
+            return Err(refuse(
+                "unknown_path",
+                ApiError::not_found(format!(
+                    "Unknown path {path}: this gateway serves /v1/chat/completions and \
+                     /v1/completions, and {} without metering.",
+                    allowed.as_slice().join(", ")
+                )),
+            ));
+        }
+    };
+    if !methods.split(", ").any(|m| m == method) {
+        let error = ApiError::new(
+            405,
+            "MethodNotAllowedError",
+            format!("{method} is not allowed on {path}; use {methods}."),
+        );
+        return Err(Refusal {
+            allow: Some(methods),
+            ..refuse("method_not_allowed", error)
+        });
+    }
+    Ok(route)
 }
 
 /// Whether a configured allow-list entry is already canonical (so it can match at all).
@@ -315,5 +384,32 @@ mod tests {
         let err = parse(r#"["/V1/Models/"]"#).err().map(|e| e.to_string());
         assert!(err.is_some_and(|e| e.contains("(as '/v1/models')")));
         assert!(parse(r#"["v1/models"]"#).is_err());
+    }
+
+    #[test]
+    fn routes_take_their_methods_and_refusals_say_why() {
+        let allowed = AllowedPaths::default();
+        let chat = Route::Metered(Endpoint::ChatCompletions);
+        assert_eq!(route("//v1/chat/completions/", "POST", &allowed), Ok(chat));
+        assert_eq!(route("/v1/models", "HEAD", &allowed), Ok(Route::Unmetered));
+
+        let refusal = |path: &str, method: &str| route(path, method, &allowed).err();
+        let get = refusal("/v1/chat/completions", "GET");
+        assert!(get.as_ref().is_some_and(|r| r.error.status == 405
+            && r.reason == "method_not_allowed"
+            && r.allow == Some("POST")));
+        assert_eq!(
+            refusal("/v1/models", "POST").and_then(|r| r.allow),
+            Some("GET, HEAD")
+        );
+        let embeddings = refusal("/v1/embeddings", "POST");
+        assert!(embeddings.is_some_and(|r| r.error.status == 404
+            && r.error.code == Some("not_metered")
+            && r.error.message.contains("Embeddings API")));
+        let unknown = refusal("/v1/nope", "GET");
+        assert!(unknown.is_some_and(|r| r.error.code == Some("unknown_path")
+            && r.error.message.contains("/v1/models, /health")));
+        let invalid = refusal("/v1/%zz", "POST");
+        assert!(invalid.is_some_and(|r| r.error.status == 400 && r.reason == "invalid_path"));
     }
 }

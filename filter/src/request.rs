@@ -19,7 +19,7 @@ use weir_core::config::{Mode, Tenant};
 use weir_core::keys::{hash_key, key_from_headers};
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::openai::{ApiError, Endpoint};
-use weir_core::path::{self, Api};
+use weir_core::path::{self, Route};
 use weir_core::reply::Reply;
 use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation};
 use weir_core::trusted;
@@ -186,62 +186,26 @@ impl Request {
         self.route_to_api(end_of_stream)
     }
 
-    /// Which API the request is for, by the canonical spelling of its path and by its method.
-    /// A metered API goes on to its body; an allowed path (model list, health) passes
-    /// unmetered; anything else is refused (deny by default).
+    /// Which API the request is for, by the canonical spelling of its path and by its method
+    /// (deny by default, see [`path::route`]).
     fn route_to_api(&mut self, end_of_stream: bool) -> Action {
         let raw = host::header(Side::Request, ":path").unwrap_or_default();
-        let canonical = match path::canonical(&raw) {
-            Ok(canonical) => canonical,
-            Err(e) => {
-                let error = ApiError::bad_request(e.to_string()).with_code("invalid_path");
-                return self.refuse(Reply::error(&error), "invalid_path", Stage::Passthrough);
-            }
-        };
-        let api = path::classify(&canonical, self.gw.config.allowed_paths.as_slice());
-        let methods: &[&str] = match api {
-            Api::Metered(_) => &["POST"],
-            Api::Allowed => &["GET", "HEAD"],
-            Api::NotMetered(name) => {
-                let error = ApiError::not_found(format!(
-                    "The {name} API ({canonical}) is not metered by this gateway yet, so it is \
-                     not served here; use /v1/chat/completions or /v1/completions."
-                ))
-                .with_code("not_metered");
-                return self.refuse(Reply::error(&error), "not_metered", Stage::Passthrough);
-            }
-            Api::Unknown => {
-                let error = ApiError::not_found(format!(
-                    "Unknown path {canonical}: this gateway serves /v1/chat/completions and \
-                     /v1/completions, and {} without metering.",
-                    self.gw.config.allowed_paths.as_slice().join(", ")
-                ))
-                .with_code("unknown_path");
-                return self.refuse(Reply::error(&error), "unknown_path", Stage::Passthrough);
-            }
-        };
         let method = host::header(Side::Request, ":method").unwrap_or_default();
-        if !methods.contains(&method.as_str()) {
-            let allow = methods.join(", ");
-            let error = ApiError::new(
-                405,
-                "MethodNotAllowedError",
-                format!("{method} is not allowed on {canonical}; use {allow}."),
-            )
-            .with_code("method_not_allowed");
-            let mut reply = Reply::error(&error);
-            reply.headers.push(("allow", allow));
-            return self.refuse(reply, "method_not_allowed", Stage::Passthrough);
-        }
-        match api {
-            Api::Metered(endpoint) => {
+        match path::route(&raw, &method, &self.gw.config.allowed_paths) {
+            Ok(Route::Metered(endpoint)) => {
                 self.endpoint = Some(endpoint);
                 self.await_body(end_of_stream)
             }
-            // Authenticated, nothing to meter.
-            _ => {
+            Ok(Route::Unmetered) => {
                 self.stage = Stage::Forwarded;
                 Action::Continue
+            }
+            Err(refusal) => {
+                let mut reply = Reply::error(&refusal.error);
+                if let Some(allow) = refusal.allow {
+                    reply.headers.push(("allow", allow.to_owned()));
+                }
+                self.refuse(reply, refusal.reason, Stage::Passthrough)
             }
         }
     }
@@ -579,7 +543,13 @@ impl HttpContext for Request {
 
 #[cfg(test)]
 mod tests {
-    use super::rollout_bucket;
+    use super::{is_identity, rollout_bucket};
+
+    #[test]
+    fn only_identity_leaves_a_body_readable() {
+        assert!(is_identity("identity") && is_identity(" Identity ") && is_identity(""));
+        assert!(!is_identity("gzip") && !is_identity("identity, gzip") && !is_identity("br"));
+    }
 
     #[test]
     fn rollout_buckets_are_stable_and_spread() {
