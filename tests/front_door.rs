@@ -365,7 +365,11 @@ async fn requests_ending_in_trailers_are_admitted_like_any_other() {
 
         // Within it: served, with the estimate and reservation the admission set.
         let id = format!("trailers-ok-{framing:?}");
-        let body = chat("a short one", json!({"max_tokens": 5})).to_string();
+        let body = chat(
+            "a short one",
+            json!({"max_tokens": 5, "cache_salt": "peek"}),
+        )
+        .to_string();
         let answer = send(framing, CHAT, "free", &id, body.as_bytes()).await;
         assert_eq!(
             answer.status,
@@ -386,6 +390,10 @@ async fn requests_ending_in_trailers_are_admitted_like_any_other() {
             "{framing:?}: {headers}"
         );
         assert_eq!(seen[0]["body"]["messages"][0]["content"], "a short one");
+        assert!(
+            seen[0]["body"].get("cache_salt").is_none(),
+            "{framing:?}: the rewritten body went upstream"
+        );
     }
 
     // Headers and trailers with no body at all: nothing to admit, so refused.
