@@ -656,13 +656,15 @@ async fn envoys_own_refusals_are_openai_shaped_too() {
     assert_eq!(resp.headers()["content-type"], "application/json");
     let err = resp.json::<Value>().await.unwrap()["error"].clone();
     assert_eq!(err["code"], 413, "{err}");
+    assert_eq!(err["type"], "BadRequestError", "{err}");
     assert!(
         err["message"]
             .as_str()
             .unwrap()
-            .contains("Payload Too Large"),
+            .contains("exceeds the limit"),
         "{err}"
     );
+    assert!(err["param"].is_null(), "{err}");
 
     // Headers over Envoy's limit, on the shared stack.
     let big = "x".repeat(100 * 1024);
@@ -673,7 +675,15 @@ async fn envoys_own_refusals_are_openai_shaped_too() {
         .await
         .unwrap();
     assert_eq!(answer.status, 431);
-    assert_eq!(answer.error()["code"], 431);
+    let err = answer.error();
+    assert_eq!(err["code"], 431, "{err}");
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .contains("Request Header Fields Too Large"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
