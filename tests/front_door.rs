@@ -455,6 +455,8 @@ async fn every_spelling_of_a_metered_path_is_metered() {
         "/v1/chat/%2e/completions",
         "/v1/models/../chat/completions",
         "/v1/models/%2e%2e/chat/completions",
+        "/v1/models%2F..%2Fchat%2Fcompletions",
+        "/health/../v1/chat/completions",
         "/v1/./chat/completions",
         "/V1/Chat/Completions",
         "/v1%5Cchat%5Ccompletions",
