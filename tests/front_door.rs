@@ -758,3 +758,66 @@ async fn metered_responses_are_readable_or_charged_their_reservation() {
     );
     assert!(stack().envoy.stats().await["weir.meter.unreadable"] >= 1);
 }
+
+#[tokio::test]
+async fn other_framings_and_protocol_tricks_fail_closed() {
+    let body = chat("hi", json!({"max_tokens": 2000})).to_string();
+    let len = body.len();
+    let auth = "Host: weir\r\nAuthorization: Bearer key-free\r\nX-Request-Id: trick";
+    for (what, head, with_body, status, code) in [
+        (
+            "websocket upgrade",
+            format!(
+                "POST {CHAT} HTTP/1.1\r\n{auth}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+                 Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\
+                 Content-Length: {len}\r\n\r\n"
+            ),
+            true,
+            403,
+            json!(403),
+        ),
+        (
+            "h2c upgrade (ignored: an ordinary request)",
+            format!(
+                "POST {CHAT} HTTP/1.1\r\n{auth}\r\nConnection: Upgrade, HTTP2-Settings\r\n\
+                 Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\
+                 Content-Length: {len}\r\n\r\n"
+            ),
+            true,
+            400,
+            json!(400),
+        ),
+        (
+            "CONNECT",
+            format!("CONNECT weir:443 HTTP/1.1\r\n{auth}\r\n\r\n"),
+            false,
+            404,
+            json!("unknown_path"),
+        ),
+        (
+            "HTTP/1.0",
+            format!("POST {CHAT} HTTP/1.0\r\n{auth}\r\nContent-Length: {len}\r\n\r\n"),
+            true,
+            426,
+            json!(426),
+        ),
+        (
+            "transfer-encoding other than chunked",
+            format!("POST {CHAT} HTTP/1.1\r\n{auth}\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"),
+            false,
+            501,
+            json!(501),
+        ),
+    ] {
+        let mut wire = head.into_bytes();
+        if with_body {
+            wire.extend(body.as_bytes());
+        }
+        let answer = tokio::task::spawn_blocking(move || raw_http1(&wire))
+            .await
+            .unwrap();
+        assert_eq!(answer.status, status, "{what}");
+        assert_eq!(answer.error()["code"], code, "{what}");
+    }
+    assert!(arrived("trick").await.is_empty());
+}
