@@ -59,6 +59,24 @@ pub fn envoy_bin() -> PathBuf {
     from_env_or("ENVOY_BIN", workspace_root().join(".weir/venv/bin/envoy"))
 }
 
+/// The environment variable both the filter (through Envoy's `host_env_keys`) and the sidecar
+/// read the signing secret from.
+pub const SIGNING_SECRET_ENV: &str = "WEIR_SIGNING_SECRET";
+
+/// This process's signing secret: random per run (from the OS), so none is ever committed.
+/// Envoy and the sidecar get it through their environment.
+pub fn signing_secret() -> &'static str {
+    static SECRET: OnceLock<String> = OnceLock::new();
+    SECRET.get_or_init(|| {
+        use std::io::Read;
+        let mut bytes = [0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut bytes))
+            .expect("read /dev/urandom");
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    })
+}
+
 type SpawnRequest = (Command, Sender<std::io::Result<Child>>);
 
 /// Spawns a child that is killed when this process exits (the spawning thread never ends).
@@ -178,7 +196,8 @@ impl Drop for Sidecar {
 }
 
 impl Sidecar {
-    /// Starts the sidecar with `config` (the listen address and ledger path are filled in).
+    /// Starts the sidecar with `config` (the listen address and ledger path are filled in, and
+    /// the signing secret from [`signing_secret`] unless the config names its own).
     pub fn start(config: serde_json::Value) -> Sidecar {
         Sidecar::start_from(&sidecar_bin(), config)
     }
@@ -188,10 +207,15 @@ impl Sidecar {
         let ledger = dir.path().join("ledger.sqlite");
         config["listen"] = "127.0.0.1:0".into();
         config["ledger"] = ledger.display().to_string().into();
+        if config.get("signing").is_none() {
+            config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
+        }
         let path = dir.path().join("sidecar.json");
         std::fs::write(&path, config.to_string()).unwrap();
         let mut cmd = Command::new(bin);
-        cmd.arg("--config").arg(&path);
+        cmd.arg("--config")
+            .arg(&path)
+            .env(SIGNING_SECRET_ENV, signing_secret());
         let (child, addr, port) = spawn_server(cmd);
         Sidecar {
             url: format!("http://{addr}"),
@@ -246,7 +270,8 @@ pub struct EnvoyOptions<'a> {
 }
 
 impl Envoy {
-    /// Starts Envoy (`--concurrency 2`) on a free port with `weir_config`.
+    /// Starts Envoy (`--concurrency 2`) on a free port with `weir_config` (signing with
+    /// [`signing_secret`] unless the config says otherwise).
     pub fn start(weir_config: &serde_json::Value, upstream_port: u16, alt_port: u16) -> Envoy {
         Envoy::launch(EnvoyOptions {
             weir_config,
@@ -274,6 +299,10 @@ impl Envoy {
             let start = template.find("# @@FILTER_BEGIN@@").unwrap();
             let end = template.find("# @@FILTER_END@@").unwrap();
             template.replace_range(start..end, "");
+        }
+        let mut weir_config = weir_config.clone();
+        if weir_config.get("signing").is_none() {
+            weir_config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
         }
         let config_json = serde_json::to_string(&weir_config.to_string()).unwrap();
         let rendered = template
@@ -307,6 +336,7 @@ impl Envoy {
             .arg(&admin_path)
             .arg("--log-path")
             .arg(dir.path().join("envoy.log"))
+            .env(SIGNING_SECRET_ENV, signing_secret())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         let child = spawn_owned(cmd);

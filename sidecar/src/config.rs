@@ -21,6 +21,64 @@ pub struct SidecarConfig {
     #[serde(default = "default_ledger")]
     pub ledger: PathBuf,
     pub pools: Vec<PoolConfig>,
+    /// The secrets the filter's signatures are checked with. Required: without them the
+    /// sidecar would serve whatever a workload that reaches its port claims to be.
+    #[serde(default)]
+    pub signing: Option<SigningConfig>,
+}
+
+/// Where the signing secrets are read from: a file and/or an environment variable for the
+/// current secret, and optionally for the previous one (accepted too, during a rotation).
+/// Never inline in the config.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SigningConfig {
+    pub secret_file: Option<PathBuf>,
+    pub secret_env: Option<String>,
+    pub previous_secret_file: Option<PathBuf>,
+    pub previous_secret_env: Option<String>,
+}
+
+impl SigningConfig {
+    /// The accepted secrets, current first. Each is at least
+    /// [`weir_core::signature::MIN_SECRET_BYTES`] long; surrounding whitespace (a file's final
+    /// newline) is not part of it.
+    pub fn secrets(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+        let current = read_secret(
+            "signing.secret",
+            self.secret_file.as_deref(),
+            self.secret_env.as_deref(),
+        )?
+        .context("signing: set secret_file or secret_env")?;
+        let previous = read_secret(
+            "signing.previous_secret",
+            self.previous_secret_file.as_deref(),
+            self.previous_secret_env.as_deref(),
+        )?;
+        Ok([Some(current), previous].into_iter().flatten().collect())
+    }
+}
+
+fn read_secret(
+    field: &str,
+    file: Option<&Path>,
+    env: Option<&str>,
+) -> anyhow::Result<Option<Vec<u8>>> {
+    let text = match (file, env) {
+        (Some(_), Some(_)) => bail!("{field}_file and {field}_env: set one, not both"),
+        (Some(path), None) => std::fs::read_to_string(path)
+            .with_context(|| format!("{field}_file: reading {}", path.display()))?,
+        (None, Some(var)) => {
+            std::env::var(var).with_context(|| format!("{field}_env: ${var} is not set"))?
+        }
+        (None, None) => return Ok(None),
+    };
+    let secret = text.trim().as_bytes().to_vec();
+    let min = weir_core::signature::MIN_SECRET_BYTES;
+    if secret.len() < min {
+        bail!("{field}: the secret must be at least {min} bytes");
+    }
+    Ok(Some(secret))
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -120,6 +178,9 @@ impl SidecarConfig {
         }
         if self.cache_salt_secret.len() < 16 {
             bail!("cache_salt_secret: use at least 16 characters");
+        }
+        if self.signing.is_none() {
+            bail!("signing: required (secret_file or secret_env with the filter's signing secret)");
         }
         Ok(())
     }

@@ -10,3 +10,4 @@ pub mod metrics;
 pub mod pool;
 pub mod relay;
 pub mod server;
+pub mod trust;

@@ -1,5 +1,6 @@
-//! The HTTP side: Envoy sends filtered requests here. Only requests carrying the filter's
-//! trusted headers are served; the sidecar binds to loopback by default (use mTLS between pods).
+//! The HTTP side: Envoy sends filtered requests here. Only requests whose trusted headers the
+//! filter signed are served ([`crate::trust`]); the sidecar binds to loopback by default (use
+//! mTLS between pods as well).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,20 +15,20 @@ use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
-use weir_core::config::Priority;
 use weir_core::openai::{ApiError, Endpoint};
-use weir_core::trusted;
 
 use crate::dispatcher::{Event, Job, Refusal, now_ms};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::affinity_key;
 use crate::relay::{Flight, relay};
+pub use crate::trust::Trusted;
+use crate::trust::{Trust, UNMETERED_OUTPUT_TOKENS};
 
 /// Output tokens assumed for KV admission when the request may produce more: reserving the
 /// whole `max_tokens` would admit a fraction of what fits. The engine preempts if a guess is
 /// too low, and the per-tenant cap bounds the damage.
-const EXPECTED_OUTPUT_TOKENS: u64 = 512;
+const EXPECTED_OUTPUT_TOKENS: u64 = UNMETERED_OUTPUT_TOKENS;
 
 pub struct App {
     pub events: mpsc::UnboundedSender<Event>,
@@ -41,45 +42,8 @@ pub struct App {
     pub pools: Vec<(String, usize)>,
     pub cache_salt_secret: String,
     pub queue_deadline_ms: u64,
-}
-
-/// What the filter established about a request.
-#[derive(Clone, Debug)]
-pub struct Trusted {
-    pub tenant: String,
-    pub request_id: String,
-    pub tier: String,
-    pub weight: f64,
-    pub priority: Priority,
-    pub input_tokens: u64,
-    pub reserved_output: u64,
-    pub kv_cap: Option<u64>,
-    pub deadline_ms: u64,
-}
-
-impl Trusted {
-    fn from_headers(h: &HeaderMap, default_deadline_ms: u64) -> Option<Trusted> {
-        let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
-        let num = |name: &str| get(name).and_then(|v| v.parse::<u64>().ok());
-        Some(Trusted {
-            tenant: get(trusted::TENANT).filter(|t| !t.is_empty())?.to_owned(),
-            request_id: get(trusted::REQUEST_ID)
-                .filter(|t| !t.is_empty())?
-                .to_owned(),
-            tier: get(trusted::TIER).unwrap_or("standard").to_owned(),
-            weight: get(trusted::WEIGHT)
-                .and_then(|w| w.parse().ok())
-                .unwrap_or(1.0),
-            priority: match get(trusted::PRIORITY) {
-                Some("batch") => Priority::Batch,
-                _ => Priority::Interactive,
-            },
-            input_tokens: num(trusted::INPUT_TOKENS).unwrap_or(0),
-            reserved_output: num(trusted::RESERVED_OUTPUT).unwrap_or(EXPECTED_OUTPUT_TOKENS),
-            kv_cap: num(trusted::KV_LIMIT),
-            deadline_ms: now_ms() + default_deadline_ms,
-        })
-    }
+    /// Verifies the filter's signatures.
+    pub trust: Trust,
 }
 
 pub fn router(app: Arc<App>) -> Router {
@@ -135,16 +99,15 @@ fn cache_salt(secret: &str, tenant: &str) -> String {
 
 async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
     let arrived = Instant::now();
-    let Some(who) = Trusted::from_headers(&headers, app.queue_deadline_ms) else {
-        app.metrics.reject("untrusted");
-        return error_response(
-            &ApiError::new(
-                401,
-                "AuthenticationError",
-                "requests must come through the weir filter",
-            )
-            .with_code("untrusted_request"),
-        );
+    let who = match app
+        .trust
+        .check(&headers, body.len(), now_ms(), app.queue_deadline_ms)
+    {
+        Ok(who) => who,
+        Err(refusal) => {
+            app.metrics.reject("untrusted");
+            return error_response(&refusal);
+        }
     };
     let replay = app
         .ledger_reader
@@ -272,24 +235,5 @@ mod tests {
         assert_ne!(a, cache_salt("secret-0123456789", "globex/p/k"));
         assert_ne!(a, cache_salt("other-secret-0123", "acme/p/k"));
         assert_eq!(a.len(), 32);
-    }
-
-    #[test]
-    fn requests_without_the_filters_headers_are_untrusted() {
-        let mut h = HeaderMap::new();
-        assert!(Trusted::from_headers(&h, 1000).is_none());
-        h.insert(trusted::TENANT, HeaderValue::from_static("a/b/c/d"));
-        assert!(
-            Trusted::from_headers(&h, 1000).is_none(),
-            "needs a request id too"
-        );
-        h.insert(trusted::REQUEST_ID, HeaderValue::from_static("r1"));
-        h.insert(trusted::PRIORITY, HeaderValue::from_static("batch"));
-        h.insert(trusted::KV_LIMIT, HeaderValue::from_static("5000"));
-        let t = Trusted::from_headers(&h, 1000).unwrap();
-        assert_eq!(
-            (t.priority, t.kv_cap, t.weight),
-            (Priority::Batch, Some(5000), 1.0)
-        );
     }
 }
