@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+pub use crate::idempotency::IdempotencyConfig;
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SidecarConfig {
@@ -25,6 +27,9 @@ pub struct SidecarConfig {
     /// sidecar would serve whatever a workload that reaches its port claims to be.
     #[serde(default)]
     pub signing: Option<SigningConfig>,
+    /// Deduplication by `Idempotency-Key`: how completed responses are kept for replay.
+    #[serde(default)]
+    pub idempotency: IdempotencyConfig,
 }
 
 /// Where the signing secrets are read from: a file and/or an environment variable for the

@@ -5,6 +5,7 @@
 
 pub mod config;
 pub mod dispatcher;
+pub mod idempotency;
 pub mod ledger;
 pub mod metrics;
 pub mod pool;

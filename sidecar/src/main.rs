@@ -100,6 +100,7 @@ async fn main() -> anyhow::Result<()> {
         cache_salt_secret: config.cache_salt_secret.clone(),
         queue_deadline_ms: config.queue.deadline_ms,
         trust: weir_sidecar::trust::Trust::new(secrets),
+        idempotency: weir_sidecar::idempotency::Idempotency::new(config.idempotency.clone()),
     });
     tokio::spawn(Dispatcher::new(policy, pools, configured, config.queue.clone(), metrics).run(rx));
 

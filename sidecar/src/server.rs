@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot};
 use weir_core::openai::{ApiError, Endpoint};
 
 use crate::dispatcher::{Event, Job, Refusal, now_ms};
+use crate::idempotency::{self, Claimed, Idempotency, StoredResponse};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::affinity_key;
@@ -32,7 +33,7 @@ const EXPECTED_OUTPUT_TOKENS: u64 = UNMETERED_OUTPUT_TOKENS;
 
 pub struct App {
     pub events: mpsc::UnboundedSender<Event>,
-    /// A read connection to the ledger, for refusing replays of completed request ids.
+    /// A read connection to the ledger, for the history of idempotency keys.
     pub ledger_reader: std::sync::Mutex<rusqlite::Connection>,
     pub http: reqwest::Client,
     pub metrics: Metrics,
@@ -44,6 +45,8 @@ pub struct App {
     pub queue_deadline_ms: u64,
     /// Verifies the filter's signatures.
     pub trust: Trust,
+    /// Claims on callers' idempotency keys.
+    pub idempotency: Arc<Idempotency>,
 }
 
 pub fn router(app: Arc<App>) -> Router {
@@ -109,22 +112,6 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             return error_response(&refusal);
         }
     };
-    let replay = app
-        .ledger_reader
-        .lock()
-        .map(|conn| crate::ledger::completed(&conn, &who.request_id).unwrap_or(false))
-        .unwrap_or(false);
-    if replay {
-        app.metrics.reject("duplicate_request_id");
-        return error_response(
-            &ApiError::new(
-                409,
-                "ConflictError",
-                "this request id already completed and was billed; send a new request id",
-            )
-            .with_code("duplicate_request_id"),
-        );
-    }
     let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
         return error_response(&ApiError::bad_request("malformed JSON"));
     };
@@ -145,6 +132,15 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         &who.tenant,
         &prompt.as_bytes()[..prompt.len().min(prefix_bytes)],
     );
+    let claim = match claim(&app, &who, endpoint, &body) {
+        None => None,
+        Some(Claimed::Run(claim)) => Some(claim),
+        Some(Claimed::Replay(stored)) => return replayed(stored),
+        Some(Claimed::Refused(error)) => {
+            app.metrics.reject(error.code.unwrap_or("idempotency"));
+            return error_response(&error);
+        }
+    };
     value["cache_salt"] = json!(cache_salt(&app.cache_salt_secret, &who.tenant));
     let stream = value["stream"].as_bool().unwrap_or(false);
     let kv_need = who.input_tokens + who.reserved_output.min(EXPECTED_OUTPUT_TOKENS);
@@ -215,13 +211,47 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             ));
         }
     };
-    let path = match endpoint {
+    let body = serde_json::to_vec(&value).unwrap_or_default();
+    let flight = Flight::new(app, who, model, assignment, kv_need, arrived, claim);
+    relay(flight, path(endpoint), body, stream).await
+}
+
+fn path(endpoint: Endpoint) -> &'static str {
+    match endpoint {
         Endpoint::ChatCompletions => "/v1/chat/completions",
         Endpoint::Completions => "/v1/completions",
+    }
+}
+
+/// Claims the caller's idempotency key before the request is queued ([`crate::idempotency`]);
+/// `None` when it sent none.
+fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Claimed> {
+    let key = who.idempotency_key.as_deref()?;
+    let history = || {
+        app.ledger_reader
+            .lock()
+            .ok()
+            .and_then(|conn| crate::ledger::history(&conn, &who.tenant, key).ok())
+            .unwrap_or_default()
     };
-    let body = serde_json::to_vec(&value).unwrap_or_default();
-    let flight = Flight::new(app, who, model, assignment, kv_need, arrived);
-    relay(flight, path, body, stream).await
+    let fingerprint = idempotency::fingerprint(path(endpoint), body);
+    Some(
+        app.idempotency
+            .claim(&who.tenant, key, fingerprint, now_ms(), history),
+    )
+}
+
+/// A completed response, sent again for a duplicate of its request.
+fn replayed(stored: StoredResponse) -> Response {
+    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let mut resp = (status, stored.body).into_response();
+    let headers = resp.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(stored.content_type),
+    );
+    headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+    resp
 }
 
 #[cfg(test)]
