@@ -19,7 +19,7 @@ use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
 use weir_sidecar::ledger::UsageRecord;
 
 struct Stack {
-    _engine: Sim,
+    engine: Sim,
     /// Real-time decoding (about 11 ms a token), for streams a client leaves halfway.
     _slow: Sim,
     recorder: Sim,
@@ -97,7 +97,7 @@ fn stack() -> &'static Stack {
         })
         .expect("replica probed");
         Stack {
-            _engine: engine,
+            engine,
             _slow: slow,
             recorder,
             sidecar,
@@ -364,6 +364,11 @@ async fn one_trace_id_on_two_different_calls_is_not_a_conflict() {
     )
     .await;
     assert_eq!(first.status(), StatusCode::OK);
+    assert_eq!(
+        first.headers()["x-request-id"],
+        "trace-from-the-mesh",
+        "returned"
+    );
     first.bytes().await.unwrap();
     let second = post(
         "/",
@@ -384,6 +389,19 @@ async fn one_trace_id_on_two_different_calls_is_not_a_conflict() {
     assert_eq!(other.status(), StatusCode::OK);
     let rows = ledger_of("acme/lab/trust/trace", 2).await;
     assert_eq!(rows.len(), 2, "both calls billed: {rows:?}");
+    assert_ne!(
+        rows[0].request_id, rows[1].request_id,
+        "weir ids each attempt"
+    );
+    // The trace id reaches the engine with each call.
+    let traced = stack()
+        .engine
+        .received()
+        .await
+        .iter()
+        .filter(|r| r["headers"]["x-request-id"] == "trace-from-the-mesh")
+        .count();
+    assert_eq!(traced, 3);
 }
 
 #[tokio::test]

@@ -26,6 +26,7 @@ use crate::server::{App, Trusted, error_response};
 /// Longest silence from a replica before the stream is declared lost.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 const JSON: &str = "application/json";
+pub const TRACE_ID: &str = "x-request-id";
 const EVENT_STREAM: &str = "text/event-stream; charset=utf-8";
 /// Output tokens charged to the scheduler in batches of this many.
 const CHARGE_EVERY: u64 = 16;
@@ -212,16 +213,24 @@ impl Drop for Flight {
 }
 
 /// Sends the request to its replica and relays the answer.
-pub async fn relay(mut flight: Flight, path: &str, body: Vec<u8>, stream: bool) -> Response {
+/// `trace_id` is the caller's `x-request-id`, passed on to the engine for tracing.
+pub async fn relay(
+    mut flight: Flight,
+    path: &str,
+    body: Vec<u8>,
+    stream: bool,
+    trace_id: Option<HeaderValue>,
+) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
-    let sent = flight
+    let mut request = flight
         .app
         .http
         .post(url)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(body)
-        .send()
-        .await;
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(trace_id) = trace_id {
+        request = request.header(TRACE_ID, trace_id);
+    }
+    let sent = request.body(body).send().await;
     let upstream = match sent {
         Ok(resp) => resp,
         Err(e) => {

@@ -22,7 +22,7 @@ use crate::idempotency::{self, Claimed, Idempotency, StoredResponse};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::affinity_key;
-use crate::relay::{Flight, relay};
+use crate::relay::{Flight, TRACE_ID, relay};
 pub use crate::trust::Trusted;
 use crate::trust::{Trust, UNMETERED_OUTPUT_TOKENS};
 
@@ -213,7 +213,13 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
     };
     let body = serde_json::to_vec(&value).unwrap_or_default();
     let flight = Flight::new(app, who, model, assignment, kv_need, arrived, claim);
-    relay(flight, path(endpoint), body, stream).await
+    // The caller's trace id goes to the engine and back to the caller; it identifies nothing.
+    let trace_id = headers.get(TRACE_ID).cloned();
+    let mut resp = relay(flight, path(endpoint), body, stream, trace_id.clone()).await;
+    if let Some(trace_id) = trace_id {
+        resp.headers_mut().insert(TRACE_ID, trace_id);
+    }
+    resp
 }
 
 fn path(endpoint: Endpoint) -> &'static str {
