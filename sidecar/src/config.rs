@@ -190,3 +190,61 @@ impl SidecarConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(signing: &str) -> anyhow::Result<SidecarConfig> {
+        let json = format!(
+            r#"{{"cache_salt_secret": "0123456789abcdef", "pools": [{{"model": "m", "replicas": ["http://r"]}}]{signing}}}"#
+        );
+        let config: SidecarConfig = serde_json::from_str(&json)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    #[test]
+    fn the_sidecar_needs_a_signing_secret_from_a_file_or_the_environment() {
+        let missing = config("").unwrap_err().to_string();
+        assert!(missing.contains("signing: required"), "{missing}");
+        assert!(
+            config(r#", "signing": {"secret": "inline"}"#).is_err(),
+            "never inline"
+        );
+
+        let dir = std::env::temp_dir().join(format!("weir-secret-{}", std::process::id()));
+        std::fs::write(&dir, "0123456789abcdef0123456789abcdef\n").unwrap();
+        let from_file = format!(r#", "signing": {{"secret_file": "{}"}}"#, dir.display());
+        let secrets = config(&from_file)
+            .unwrap()
+            .signing
+            .unwrap()
+            .secrets()
+            .unwrap();
+        assert_eq!(secrets, vec![b"0123456789abcdef0123456789abcdef".to_vec()]);
+
+        let both = format!(
+            r#", "signing": {{"secret_file": "{}", "secret_env": "PATH"}}"#,
+            dir.display()
+        );
+        assert!(config(&both).unwrap().signing.unwrap().secrets().is_err());
+        let unset = r#", "signing": {"secret_env": "WEIR_TEST_SURELY_UNSET_VARIABLE"}"#;
+        assert!(config(unset).unwrap().signing.unwrap().secrets().is_err());
+        let none = r#", "signing": {"previous_secret_env": "PATH"}"#;
+        assert!(
+            config(none).unwrap().signing.unwrap().secrets().is_err(),
+            "current needed"
+        );
+        std::fs::write(&dir, "short").unwrap();
+        assert!(
+            config(&from_file)
+                .unwrap()
+                .signing
+                .unwrap()
+                .secrets()
+                .is_err()
+        );
+        let _ = std::fs::remove_file(&dir);
+    }
+}
