@@ -218,9 +218,11 @@ pub struct Key {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
-    /// Pass through untouched.
+    /// Neither metered nor refused; still signed and scheduled (as the key's tenant when it
+    /// is valid, else as the default tenant).
     Off,
-    /// Decide and record everything, reject nothing.
+    /// Decide and record everything, reject nothing (a missing or unknown key goes on as the
+    /// default tenant).
     Shadow,
     #[default]
     Enforce,
@@ -231,7 +233,8 @@ pub enum Mode {
 pub struct RouteConfig {
     #[serde(default)]
     pub mode: Mode,
-    /// Share of requests (by request-id hash) the mode applies to; the rest pass untouched.
+    /// Share of requests the mode applies to, drawn per request from the id weir generates for
+    /// it (no caller can pick its side); the rest are treated as `off`.
     #[serde(default = "default_rollout")]
     pub rollout_percent: u8,
 }
