@@ -262,6 +262,20 @@ async fn the_sidecar_refuses_unsigned_forged_replayed_and_expired_requests() {
     );
 }
 
+#[test]
+fn a_filter_told_to_sign_without_a_usable_secret_does_not_start() {
+    // The named variable is not passed into the VM (not in host_env_keys): refused.
+    let unset = json!({"signing": {"secret_env": "WEIR_NOT_PASSED_TO_THE_VM"}});
+    let log = Envoy::refusal(&unset, &"s".repeat(64));
+    assert!(
+        log.contains("signing.secret_env: $WEIR_NOT_PASSED_TO_THE_VM is not set"),
+        "{log}"
+    );
+    // Passed, but too short to be a secret: refused.
+    let log = Envoy::refusal(&json!({}), "short");
+    assert!(log.contains("shorter than 32 bytes"), "{log}");
+}
+
 // ---- Rollout modes: a mode that promises not to reject never rejects --------------------
 
 async fn served_as(resp: Response, tenant: &str, before: usize) {
