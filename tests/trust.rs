@@ -35,7 +35,14 @@ const KEYS: [&str; 8] = [
 fn weir_config(routes: Value) -> Value {
     let keys: Vec<Value> = KEYS
         .iter()
-        .map(|id| json!({"id": id, "sha256": hash_key(&format!("key-{id}"))}))
+        .map(|id| {
+            let mut key = json!({"id": id, "sha256": hash_key(&format!("key-{id}"))});
+            if *id == "idem" {
+                // Room for about two answers of 3 tokens a minute.
+                key["limits"] = json!({"output_tokens_per_minute": 8});
+            }
+            key
+        })
         .collect();
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "trust", "keys": keys}]}]}],
@@ -438,6 +445,11 @@ async fn an_idempotency_key_replays_the_outcome_and_refuses_a_different_body() {
     );
     let again: Value = again.json().await.unwrap();
     assert_eq!(again, first);
+    // Replays cost no quota either: nothing ran (the key's budget fits about two answers).
+    for _ in 0..3 {
+        let replay = post("/", Some("idem"), body(), &key).await;
+        assert_eq!(replay.status(), StatusCode::OK, "{:?}", replay.text().await);
+    }
     // The same key with another body is a client error.
     let other = post(
         "/",

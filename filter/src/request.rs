@@ -32,6 +32,9 @@ use crate::telemetry::{self, AccessRecord};
 /// The caller's deduplication header (IETF httpapi `Idempotency-Key`).
 const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
 
+/// Set on a response the sidecar (or a hosted API) answered from completed work.
+const REPLAYED_HEADER: &str = "idempotent-replayed";
+
 /// Non-streamed response bodies larger than this are not parsed for usage.
 const MAX_METERED_BODY: usize = 4 * 1024 * 1024;
 
@@ -74,6 +77,8 @@ pub struct Request {
     /// The `x-weir-*` headers this request carries upstream, written and signed together when
     /// it is forwarded.
     vouched: Vec<(&'static str, String)>,
+    /// The upstream answered from completed work (an idempotency replay): nothing ran.
+    replayed: bool,
 }
 
 impl Request {
@@ -92,6 +97,7 @@ impl Request {
             outcome: "passthrough",
             usage: Demand::default(),
             vouched: Vec::new(),
+            replayed: false,
         }
     }
 
@@ -360,6 +366,7 @@ impl Request {
         self.upstream_status = host::header(Side::Response, ":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
+        self.replayed = host::header(Side::Response, REPLAYED_HEADER).as_deref() == Some("true");
         if matches!(self.meter, Meter::Stream(_)) {
             // Hiding the usage chunk changes the length.
             host::set_header(Side::Response, "content-length", None);
@@ -444,6 +451,10 @@ impl Request {
                 },
             },
         };
+        if self.replayed {
+            // The same completed work is never charged twice, to quota either.
+            self.usage = Demand::default();
+        }
         if let Some(r) = self.reservation.take() {
             let conflicts = reservation::settle(&SharedData, &r, self.usage, host::now_ms());
             self.gw
