@@ -129,9 +129,14 @@ async fn spoofed_identity_and_cache_salt_never_reach_the_upstream() {
     let received = stack().sim.received().await;
     let seen = received
         .iter()
-        .find(|r| r["headers"]["x-weir-request-id"] == id)
+        .find(|r| r["headers"]["x-request-id"] == id)
         .expect("the upstream saw the request");
     let h = &seen["headers"];
+    assert_ne!(h["x-weir-request-id"], id, "weir ids its own attempts");
+    assert!(
+        h["x-weir-signature"].is_string(),
+        "what weir vouches for is signed"
+    );
     assert_eq!(
         h["x-weir-tenant"], "acme/lab/e2e/plain",
         "tenant comes from the key"
@@ -433,7 +438,7 @@ async fn shadow_and_enforce_routes_in_one_envoy_behave_as_configured() {
 }
 
 #[tokio::test]
-async fn a_zero_percent_rollout_route_is_untouched() {
+async fn a_zero_percent_rollout_route_is_not_enforced() {
     let id = "dark-1";
     let body = chat(
         "in the dark",
@@ -462,7 +467,9 @@ async fn a_zero_percent_rollout_route_is_untouched() {
         .unwrap();
     assert_eq!(seen["body"]["cache_salt"], "mine", "body untouched");
     assert_eq!(seen["headers"]["authorization"], "Bearer not-a-weir-key");
-    assert!(seen["headers"].get("x-weir-tenant").is_none());
+    // Still signed and identified, as the default tenant, so a sidecar behind it serves it.
+    assert_eq!(seen["headers"]["x-weir-tenant"], "anonymous");
+    assert!(seen["headers"]["x-weir-signature"].is_string());
 }
 
 #[tokio::test]

@@ -59,6 +59,24 @@ pub fn envoy_bin() -> PathBuf {
     from_env_or("ENVOY_BIN", workspace_root().join(".weir/venv/bin/envoy"))
 }
 
+/// The environment variable both the filter (through Envoy's `host_env_keys`) and the sidecar
+/// read the signing secret from.
+pub const SIGNING_SECRET_ENV: &str = "WEIR_SIGNING_SECRET";
+
+/// This process's signing secret: random per run (from the OS), so none is ever committed.
+/// Envoy and the sidecar get it through their environment.
+pub fn signing_secret() -> &'static str {
+    static SECRET: OnceLock<String> = OnceLock::new();
+    SECRET.get_or_init(|| {
+        use std::io::Read;
+        let mut bytes = [0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut bytes))
+            .expect("read /dev/urandom");
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    })
+}
+
 type SpawnRequest = (Command, Sender<std::io::Result<Child>>);
 
 /// Spawns a child that is killed when this process exits (the spawning thread never ends).
@@ -178,7 +196,8 @@ impl Drop for Sidecar {
 }
 
 impl Sidecar {
-    /// Starts the sidecar with `config` (the listen address and ledger path are filled in).
+    /// Starts the sidecar with `config` (the listen address and ledger path are filled in, and
+    /// the signing secret from [`signing_secret`] unless the config names its own).
     pub fn start(config: serde_json::Value) -> Sidecar {
         Sidecar::start_from(&sidecar_bin(), config)
     }
@@ -188,10 +207,15 @@ impl Sidecar {
         let ledger = dir.path().join("ledger.sqlite");
         config["listen"] = "127.0.0.1:0".into();
         config["ledger"] = ledger.display().to_string().into();
+        if config.get("signing").is_none() {
+            config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
+        }
         let path = dir.path().join("sidecar.json");
         std::fs::write(&path, config.to_string()).unwrap();
         let mut cmd = Command::new(bin);
-        cmd.arg("--config").arg(&path);
+        cmd.arg("--config")
+            .arg(&path)
+            .env(SIGNING_SECRET_ENV, signing_secret());
         let (child, addr, port) = spawn_server(cmd);
         Sidecar {
             url: format!("http://{addr}"),
@@ -246,7 +270,8 @@ pub struct EnvoyOptions<'a> {
 }
 
 impl Envoy {
-    /// Starts Envoy (`--concurrency 2`) on a free port with `weir_config`.
+    /// Starts Envoy (`--concurrency 2`) on a free port with `weir_config` (signing with
+    /// [`signing_secret`] unless the config says otherwise).
     pub fn start(weir_config: &serde_json::Value, upstream_port: u16, alt_port: u16) -> Envoy {
         Envoy::launch(EnvoyOptions {
             weir_config,
@@ -258,34 +283,10 @@ impl Envoy {
     }
 
     pub fn launch(opts: EnvoyOptions<'_>) -> Envoy {
-        let EnvoyOptions {
-            weir_config,
-            upstream_port,
-            alt_port,
-            listen_port,
-            with_filter,
-        } = opts;
         let dir = tempfile::tempdir().unwrap();
         let access_log = dir.path().join("access.log");
         let admin_path = dir.path().join("admin.address");
-        let mut template =
-            std::fs::read_to_string(workspace_root().join("envoy/envoy.yaml.tmpl")).unwrap();
-        if !with_filter {
-            let start = template.find("# @@FILTER_BEGIN@@").unwrap();
-            let end = template.find("# @@FILTER_END@@").unwrap();
-            template.replace_range(start..end, "");
-        }
-        let config_json = serde_json::to_string(&weir_config.to_string()).unwrap();
-        let rendered = template
-            .replace("@@ADMIN_PORT@@", "0")
-            .replace("@@LISTEN_PORT@@", &listen_port.to_string())
-            .replace("@@ACCESS_LOG@@", &access_log.display().to_string())
-            .replace("@@WEIR_CONFIG@@", &config_json)
-            .replace("@@FILTER_WASM@@", &filter_wasm().display().to_string())
-            .replace("@@UPSTREAM_PORT@@", &upstream_port.to_string())
-            .replace("@@ALT_PORT@@", &alt_port.to_string());
-        let config_path = dir.path().join("envoy.yaml");
-        std::fs::write(&config_path, rendered).unwrap();
+        let config_path = render(&opts, dir.path(), &access_log);
         let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")
             .arg(&config_path)
@@ -307,6 +308,7 @@ impl Envoy {
             .arg(&admin_path)
             .arg("--log-path")
             .arg(dir.path().join("envoy.log"))
+            .env(SIGNING_SECRET_ENV, signing_secret())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
         let child = spawn_owned(cmd);
@@ -364,6 +366,74 @@ impl Envoy {
             Some(lines()).filter(|l| !l.is_empty())
         })
         .unwrap_or_default()
+    }
+}
+
+/// Writes `envoy/envoy.yaml.tmpl` filled in for `opts` into `dir`; returns its path.
+fn render(opts: &EnvoyOptions<'_>, dir: &Path, access_log: &Path) -> PathBuf {
+    let mut template =
+        std::fs::read_to_string(workspace_root().join("envoy/envoy.yaml.tmpl")).unwrap();
+    if !opts.with_filter {
+        let start = template.find("# @@FILTER_BEGIN@@").unwrap();
+        let end = template.find("# @@FILTER_END@@").unwrap();
+        template.replace_range(start..end, "");
+    }
+    let mut weir_config = opts.weir_config.clone();
+    if weir_config.get("signing").is_none() {
+        weir_config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
+    }
+    let config_json = serde_json::to_string(&weir_config.to_string()).unwrap();
+    let rendered = template
+        .replace("@@ADMIN_PORT@@", "0")
+        .replace("@@LISTEN_PORT@@", &opts.listen_port.to_string())
+        .replace("@@ACCESS_LOG@@", &access_log.display().to_string())
+        .replace("@@WEIR_CONFIG@@", &config_json)
+        .replace("@@FILTER_WASM@@", &filter_wasm().display().to_string())
+        .replace("@@UPSTREAM_PORT@@", &opts.upstream_port.to_string())
+        .replace("@@ALT_PORT@@", &opts.alt_port.to_string());
+    let config_path = dir.join("envoy.yaml");
+    std::fs::write(&config_path, rendered).unwrap();
+    config_path
+}
+
+impl Envoy {
+    /// Starts Envoy with `weir_config` and `signing_secret` in its environment, expecting it to
+    /// refuse the configuration: returns what it logged before exiting with an error (panics if
+    /// it starts serving instead).
+    pub fn refusal(weir_config: &serde_json::Value, signing_secret: &str) -> String {
+        let dir = tempfile::tempdir().unwrap();
+        let opts = EnvoyOptions {
+            weir_config,
+            upstream_port: 1,
+            alt_port: 1,
+            listen_port: 0,
+            with_filter: true,
+        };
+        let config_path = render(&opts, dir.path(), &dir.path().join("access.log"));
+        let log = dir.path().join("envoy.log");
+        let mut cmd = Command::new(envoy_bin());
+        cmd.arg("-c")
+            .arg(&config_path)
+            .args([
+                "--concurrency",
+                "1",
+                "--disable-hot-restart",
+                "-l",
+                "warning",
+            ])
+            .arg("--log-path")
+            .arg(&log)
+            .env(SIGNING_SECRET_ENV, signing_secret)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let mut child = spawn_owned(cmd);
+        let status = wait_for(Duration::from_secs(60), || child.try_wait().ok().flatten());
+        let _ = child.kill();
+        assert!(
+            status.is_some_and(|s| !s.success()),
+            "Envoy accepted the configuration"
+        );
+        std::fs::read_to_string(&log).unwrap_or_default()
     }
 }
 

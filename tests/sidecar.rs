@@ -139,7 +139,8 @@ async fn post_to(path: &str, key: &str, body: String, request_id: Option<&str>) 
         .header("content-type", "application/json")
         .body(body);
     if let Some(id) = request_id {
-        req = req.header("x-request-id", id);
+        // A trace id, and the idempotency key that deduplicates and names the ledger rows.
+        req = req.header("x-request-id", id).header("idempotency-key", id);
     }
     req.send().await.unwrap()
 }
@@ -150,11 +151,11 @@ fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
     weir_sidecar::ledger::query(&conn, None, 0).unwrap()
 }
 
-fn ledger_rows(request_id: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {
+fn ledger_rows(key: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {
     wait_for(Duration::from_secs(5), || {
         let rows: Vec<_> = ledger()
             .into_iter()
-            .filter(|r| r.request_id == request_id)
+            .filter(|r| r.idempotency_key == key)
             .collect();
         (!rows.is_empty()).then_some(rows)
     })
@@ -221,18 +222,17 @@ async fn tenant_prefixes_stick_to_one_replica_and_never_cross_tenants() {
 }
 
 #[tokio::test]
-async fn a_retried_request_id_is_billed_once() {
+async fn a_retried_idempotency_key_is_billed_once() {
     let _turn = turn().await;
     let body = || chat("bill me once", json!({"max_tokens": 3}));
     let resp = post("retry", body(), Some("retry-42")).await;
     assert_eq!(resp.status(), StatusCode::OK);
     resp.bytes().await.unwrap();
     assert_eq!(ledger_rows("retry-42").len(), 1);
-    // A retry of a request that already completed is refused, not served unbilled.
+    // A retry of a request that already completed gets its outcome again, not run or billed.
     let again = post("retry", body(), Some("retry-42")).await;
-    assert_eq!(again.status(), StatusCode::CONFLICT);
-    let err = again.json::<Value>().await.unwrap();
-    assert_eq!(err["error"]["code"], "duplicate_request_id");
+    assert_eq!(again.status(), StatusCode::OK);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rows = ledger_rows("retry-42");
     assert_eq!(rows.len(), 1, "{rows:?}");

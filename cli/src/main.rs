@@ -21,7 +21,7 @@ enum Command {
         #[command(subcommand)]
         action: KeysAction,
     },
-    /// Export billed usage from the sidecar's ledger (one row per request id).
+    /// Export billed usage from the sidecar's ledger (one row per attempt that used an engine).
     Usage {
         /// The ledger database (the sidecar's `ledger` setting).
         #[arg(long, default_value = "weir-ledger.sqlite")]
@@ -78,13 +78,15 @@ fn export_usage(
         Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
         Format::Csv => {
             println!(
-                "request_id,tenant,model,replica,prompt_tokens,completion_tokens,source,outcome,queued_ms,finished_at_ms"
+                "tenant,idempotency_key,attempt,request_id,model,replica,prompt_tokens,completion_tokens,source,outcome,queued_ms,finished_at_ms"
             );
             for r in rows {
                 println!(
-                    "{},{},{},{},{},{},{},{},{},{}",
-                    r.request_id,
+                    "{},{},{},{},{},{},{},{},{},{},{},{}",
                     r.tenant,
+                    r.idempotency_key,
+                    r.attempt,
+                    r.request_id,
                     r.model,
                     r.replica,
                     r.prompt_tokens,
@@ -171,6 +173,8 @@ mod tests {
         for (id, tenant) in [("r1", "a/w/p/k"), ("r2", "b/w/p/k")] {
             let record = UsageRecord {
                 request_id: id.into(),
+                idempotency_key: id.into(),
+                attempt: 1,
                 tenant: tenant.into(),
                 model: "m".into(),
                 replica: "r".into(),

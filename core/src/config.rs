@@ -12,6 +12,7 @@ use serde::Deserialize;
 
 use crate::path::AllowedPaths;
 use crate::tokens::Encoding;
+use crate::trusted;
 
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -36,6 +37,58 @@ pub struct Config {
     /// Paths served unmetered on enforced routes; any other path that is not metered is refused.
     #[serde(default)]
     pub allowed_paths: AllowedPaths,
+    /// Signing of the trusted headers, so the sidecar serves only what this filter vouched
+    /// for. Needed in front of the sidecar; without it nothing is signed.
+    #[serde(default)]
+    pub signing: Option<SigningConfig>,
+    /// Who a request is scheduled as when its route does not enforce (off, shadow, outside its
+    /// rollout share) and it carries no valid key.
+    #[serde(default)]
+    pub default_tenant: DefaultTenant,
+}
+
+/// Where the signing secret comes from (never inline) and how long a signature stays valid.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SigningConfig {
+    /// Environment variable holding the secret (at least 32 bytes). In Envoy, list it in the
+    /// VM's `vm_config.environment_variables.host_env_keys`.
+    pub secret_env: String,
+    /// Lifetime of a signature: covers the hop to the sidecar plus clock skew between hosts.
+    #[serde(default = "default_signature_ttl_ms")]
+    pub ttl_ms: u64,
+}
+
+fn default_signature_ttl_ms() -> u64 {
+    30_000
+}
+
+/// The tenant of unauthenticated traffic on routes that promise not to reject: scheduled in
+/// its own queue with its own weight, so it cannot take a configured tenant's share or bill it.
+/// The filter's quotas do not apply on such routes (they never reject); the sidecar's queue
+/// bounds and `active_kv_tokens` do.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DefaultTenant {
+    /// Tenant path (one to four ids); its first id must not be a configured org.
+    pub path: String,
+    pub tier: String,
+    pub weight: f64,
+    pub priority: Priority,
+    /// KV tokens its running requests may hold at once in the sidecar.
+    pub active_kv_tokens: Option<u64>,
+}
+
+impl Default for DefaultTenant {
+    fn default() -> Self {
+        DefaultTenant {
+            path: "anonymous".into(),
+            tier: "free".into(),
+            weight: 1.0,
+            priority: Priority::Interactive,
+            active_kv_tokens: None,
+        }
+    }
 }
 
 fn default_max_body_bytes() -> usize {
@@ -169,9 +222,11 @@ pub struct Key {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
-    /// Pass through untouched.
+    /// Neither metered nor refused; still signed and scheduled (as the key's tenant when it
+    /// is valid, else as the default tenant).
     Off,
-    /// Decide and record everything, reject nothing.
+    /// Decide and record everything, reject nothing (a missing or unknown key goes on as the
+    /// default tenant).
     Shadow,
     #[default]
     Enforce,
@@ -182,7 +237,8 @@ pub enum Mode {
 pub struct RouteConfig {
     #[serde(default)]
     pub mode: Mode,
-    /// Share of requests (by request-id hash) the mode applies to; the rest pass untouched.
+    /// Share of requests the mode applies to, drawn per request from the id weir generates for
+    /// it (no caller can pick its side); the rest are treated as `off`.
     #[serde(default = "default_rollout")]
     pub rollout_percent: u8,
 }
@@ -329,6 +385,18 @@ impl Config {
         if self.max_body_bytes == 0 {
             return Err(invalid("max_body_bytes", "must be positive"));
         }
+        if let Some(signing) = &self.signing {
+            if signing.secret_env.is_empty() {
+                return Err(invalid(
+                    "signing.secret_env",
+                    "name an environment variable",
+                ));
+            }
+            if !(1..=300_000).contains(&signing.ttl_ms) {
+                return Err(invalid("signing.ttl_ms", "must be between 1 and 300000"));
+            }
+        }
+        self.validate_default_tenant()?;
         let mut seen_hashes = HashSet::new();
         let mut seen_ids = HashSet::new();
         for (o, org) in self.orgs.iter().enumerate() {
@@ -366,6 +434,56 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    fn validate_default_tenant(&self) -> Result<(), ConfigError> {
+        let d = &self.default_tenant;
+        if !trusted::is_tenant_path(&d.path) {
+            return Err(invalid(
+                "default_tenant.path",
+                "one to four ids (letters, digits, '-', '_', '.') joined by '/'",
+            ));
+        }
+        let first = d.path.split('/').next().unwrap_or_default();
+        if self.orgs.iter().any(|org| org.id == first) {
+            return Err(invalid(
+                "default_tenant.path",
+                format!("'{first}' is a configured org: anonymous traffic would bill it"),
+            ));
+        }
+        if !trusted::is_level_id(&d.tier) {
+            return Err(invalid(
+                "default_tenant.tier",
+                "letters, digits, '-', '_', '.'",
+            ));
+        }
+        if !trusted::WEIGHT_RANGE.contains(&d.weight) {
+            return Err(invalid("default_tenant.weight", weight_message()));
+        }
+        Ok(())
+    }
+
+    /// The default tenant as a [`Tenant`] of one level.
+    pub fn default_tenant(&self) -> Tenant {
+        let d = &self.default_tenant;
+        Tenant {
+            org: d.path.split('/').next().unwrap_or_default().to_owned(),
+            workspace: String::new(),
+            project: String::new(),
+            key: String::new(),
+            levels: vec![Level {
+                path: d.path.clone(),
+                limits: Limits {
+                    active_kv_tokens: d.active_kv_tokens,
+                    ..Limits::default()
+                },
+            }],
+            tier: d.tier.clone(),
+            weight: d.weight,
+            priority: d.priority,
+            models: None,
+            default_max_tokens: None,
+        }
     }
 
     /// Resolves every key into the tenant it authenticates as.
@@ -415,11 +533,7 @@ fn check_level(
     seen: &mut HashSet<String>,
     parent: &str,
 ) -> Result<(), ConfigError> {
-    let id_ok = !id.is_empty()
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if !id_ok {
+    if !trusted::is_level_id(id) {
         return Err(invalid(
             format!("{at}.id"),
             "must be non-empty and use only letters, digits, '-', '_' or '.'",
@@ -436,10 +550,16 @@ fn check_level(
             format!("duplicate id '{path}'"),
         ));
     }
-    if policy.weight.is_some_and(|w| !(w.is_finite() && w > 0.0)) {
+    if policy
+        .weight
+        .is_some_and(|w| !trusted::WEIGHT_RANGE.contains(&w))
+    {
+        return Err(invalid(format!("{at}.policy.weight"), weight_message()));
+    }
+    if let Some(tier) = policy.tier.as_deref().filter(|t| !trusted::is_level_id(t)) {
         return Err(invalid(
-            format!("{at}.policy.weight"),
-            "must be a positive number",
+            format!("{at}.policy.tier"),
+            format!("'{tier}': letters, digits, '-', '_', '.'"),
         ));
     }
     let zero = [
@@ -458,6 +578,11 @@ fn check_level(
         ));
     }
     Ok(())
+}
+
+fn weight_message() -> String {
+    let (lo, hi) = (trusted::WEIGHT_RANGE.start(), trusted::WEIGHT_RANGE.end());
+    format!("must be a number between {lo} and {hi}")
 }
 
 type Chain<'a> = [(&'a String, &'a Limits, &'a Policy); 4];
@@ -626,5 +751,50 @@ mod tests {
         let config = Config::from_json(b"{}").unwrap();
         assert!(config.directory().is_empty());
         assert_eq!(config.max_body_bytes, 4 * 1024 * 1024);
+        assert_eq!(config.signing, None);
+        assert_eq!(config.default_tenant().path(), "anonymous");
+    }
+
+    #[test]
+    fn signing_and_the_default_tenant_are_checked() {
+        let ok = Config::from_json(
+            br#"{"signing": {"secret_env": "S"}, "default_tenant": {"path": "public/anon", "weight": 0.5, "active_kv_tokens": 900}}"#,
+        )
+        .unwrap();
+        assert_eq!(ok.signing.as_ref().map(|s| s.ttl_ms), Some(30_000));
+        let t = ok.default_tenant();
+        assert_eq!(
+            (t.path(), t.weight, t.tier.as_str()),
+            ("public/anon", 0.5, "free")
+        );
+        assert_eq!(t.tightest(|l| l.active_kv_tokens), Some(900));
+
+        for (json, field) in [
+            (r#"{"signing": {"secret_env": ""}}"#, "signing.secret_env"),
+            (
+                r#"{"signing": {"secret_env": "S", "ttl_ms": 0}}"#,
+                "signing.ttl_ms",
+            ),
+            (r#"{"signing": {"secret": "inline"}}"#, "signing"),
+            (
+                r#"{"default_tenant": {"path": "a/../b"}}"#,
+                "default_tenant.path",
+            ),
+            (
+                r#"{"default_tenant": {"weight": 1e300}}"#,
+                "default_tenant.weight",
+            ),
+            (
+                r#"{"default_tenant": {"tier": "a b"}}"#,
+                "default_tenant.tier",
+            ),
+        ] {
+            let field_of = error_of(json).field;
+            assert!(field_of.starts_with(field), "{json}: {field_of}");
+        }
+        let clash = sample().replacen('{', r#"{"default_tenant": {"path": "acme/x"},"#, 1);
+        assert_eq!(error_of(&clash).field, "default_tenant.path");
+        let huge = sample().replace(r#""weight": 3"#, r#""weight": 1e300"#);
+        assert_eq!(error_of(&huge).field, "orgs[0].policy.weight");
     }
 }

@@ -1,6 +1,9 @@
 //! The headers the filter sets for the upstream, after removing any a caller sent. Only the
 //! filter writes `x-weir-*`, and it signs them ([`crate::signature`]): the sidecar trusts what
 //! verifies, not what is present.
+//!
+//! The strict parsers below are shared by both sides: the filter's configuration cannot hold a
+//! value the sidecar would refuse, and the sidecar never replaces a bad value with a default.
 
 pub const PREFIX: &str = "x-weir-";
 /// `org/workspace/project/key` of the authenticated key.
@@ -26,6 +29,52 @@ pub const ESTIMATE: &str = "x-weir-estimate";
 /// On responses of shadow routes: what enforcement would have done.
 pub const SHADOW_DECISION: &str = "x-weir-shadow";
 
+/// Scheduling weights outside this range are refused (in config and on the wire): a weight of
+/// `1e300` or `NaN` would let one tenant starve every other.
+pub const WEIGHT_RANGE: std::ops::RangeInclusive<f64> = 1e-3..=1e3;
+/// Longest id weir accepts for a request or an idempotency key.
+pub const MAX_ID_LEN: usize = 255;
+/// Largest token count a trusted header may carry (far above any context window).
+pub const MAX_TOKENS: u64 = 1 << 32;
+/// Levels of a tenant path (`org/workspace/project/key`).
+pub const MAX_TENANT_LEVELS: usize = 4;
+
+/// A weight: a finite decimal within [`WEIGHT_RANGE`].
+pub fn parse_weight(value: &str) -> Option<f64> {
+    let w: f64 = value.parse().ok()?;
+    (w.is_finite() && WEIGHT_RANGE.contains(&w)).then_some(w)
+}
+
+/// A token count or cap: plain decimal digits, at most [`MAX_TOKENS`].
+pub fn parse_tokens(value: &str) -> Option<u64> {
+    if value.is_empty() || value.len() > 20 || !value.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    value.parse().ok().filter(|&n| n <= MAX_TOKENS)
+}
+
+/// One id of the hierarchy (or a tier name): letters, digits, `-`, `_`, `.`; not `.` or `..`.
+pub fn is_level_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 64
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// A tenant path: one to four level ids joined by `/`.
+pub fn is_tenant_path(path: &str) -> bool {
+    path.split('/').count() <= MAX_TENANT_LEVELS && path.split('/').all(is_level_id)
+}
+
+/// A request id or idempotency key: 1–255 visible ASCII characters (no spaces or controls), so
+/// it is safe in logs, headers and ledger rows.
+pub fn is_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_ID_LEN && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
 /// Whether a header is in weir's namespace (and must not come from a caller).
 pub fn is_reserved(name: &str) -> bool {
     name.len() >= PREFIX.len() && name[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
@@ -39,5 +88,59 @@ mod tests {
         assert!(super::is_reserved("X-Weir-Anything"));
         assert!(!super::is_reserved("x-wei"));
         assert!(!super::is_reserved("authorization"));
+    }
+
+    #[test]
+    fn weights_are_finite_and_bounded() {
+        use super::parse_weight;
+        assert_eq!(parse_weight("2"), Some(2.0));
+        assert_eq!(parse_weight("0.5"), Some(0.5));
+        for bad in [
+            "NaN", "inf", "-inf", "1e300", "0", "-1", "1e-9", "", " 1", "0x10",
+        ] {
+            assert_eq!(parse_weight(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn token_counts_are_plain_bounded_digits() {
+        use super::parse_tokens;
+        assert_eq!(parse_tokens("0"), Some(0));
+        assert_eq!(parse_tokens("4096"), Some(4096));
+        for bad in [
+            "",
+            "-1",
+            "+1",
+            "1.5",
+            "1e3",
+            " 5",
+            "99999999999999999999999",
+            "4294967297",
+        ] {
+            assert_eq!(parse_tokens(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn tenant_paths_and_ids_are_sane() {
+        use super::{is_id, is_tenant_path};
+        assert!(is_tenant_path("acme/lab/e2e/plain"));
+        assert!(is_tenant_path("anonymous"));
+        for bad in [
+            "",
+            "a//b",
+            "a/b/c/d/e",
+            "../x",
+            "a/./b",
+            "a b",
+            "a/b\n",
+            "ü",
+        ] {
+            assert!(!is_tenant_path(bad), "{bad:?}");
+        }
+        assert!(is_id("weir-0123abcd"));
+        assert!(!is_id(""));
+        assert!(!is_id("has space"));
+        assert!(!is_id(&"x".repeat(256)));
     }
 }

@@ -48,6 +48,12 @@ pub fn unique_id() -> String {
     format!("weir-{hex}")
 }
 
+/// A variable of the VM's environment (Envoy passes the host's variables listed in
+/// `vm_config.environment_variables.host_env_keys`; WASI's `environ_get` reads them).
+pub fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
 /// A property as UTF-8 (route name, route metadata leaves, ...).
 pub fn property(path: Vec<&str>) -> Option<String> {
     let bytes = hostcalls::get_property(path).ok()??;

@@ -4,18 +4,21 @@
 
 mod host;
 mod request;
+mod signer;
 mod telemetry;
 
 use std::rc::Rc;
+use std::sync::Arc;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
-use weir_core::config::{Config, Directory};
+use weir_core::config::{Config, Directory, Tenant};
 use weir_core::reservation;
 
 use crate::host::{Metrics, SharedData};
 use crate::request::Request;
+use crate::signer::Signer;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -26,7 +29,23 @@ proxy_wasm::main! {{
 pub struct Gateway {
     pub config: Config,
     pub directory: Directory,
+    /// Who unauthenticated requests on non-enforcing routes are scheduled as.
+    pub default_tenant: Arc<Tenant>,
+    /// Signs the trusted headers of every forwarded request, when configured.
+    pub signer: Option<Signer>,
     pub metrics: Metrics,
+}
+
+impl Gateway {
+    fn new(config: Config, signer: Option<Signer>, metrics: Metrics) -> Gateway {
+        Gateway {
+            directory: config.directory(),
+            default_tenant: Arc::new(config.default_tenant()),
+            config,
+            signer,
+            metrics,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -59,26 +78,34 @@ impl RootContext for Root {
                 return false;
             }
         }
-        let directory = config.directory();
-        reservation::initialize(&SharedData, directory.tenants(), host::now_ms());
-        log::info!("weir: configured with {} keys", directory.len());
-        self.gateway = Some(Rc::new(Gateway {
-            config,
-            directory,
-            metrics: telemetry::define(),
-        }));
+        let signer = match config.signing.as_ref().map(Signer::from_config).transpose() {
+            Ok(signer) => signer,
+            Err(e) => {
+                log::error!("weir: invalid configuration: {e}");
+                return false;
+            }
+        };
+        let gateway = Gateway::new(config, signer, telemetry::define());
+        reservation::initialize(&SharedData, gateway.directory.tenants(), host::now_ms());
+        log::info!(
+            "weir: configured with {} keys; trusted headers {}",
+            gateway.directory.len(),
+            if gateway.signer.is_some() {
+                "signed"
+            } else {
+                "unsigned"
+            }
+        );
+        self.gateway = Some(Rc::new(gateway));
         true
     }
 
     fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
         // Envoy does not start without a valid configuration, so a gateway is always there.
-        let gateway = self.gateway.clone().unwrap_or_else(|| {
-            Rc::new(Gateway {
-                config: Config::default(),
-                directory: Directory::default(),
-                metrics: Metrics::default(),
-            })
-        });
+        let gateway = self
+            .gateway
+            .clone()
+            .unwrap_or_else(|| Rc::new(Gateway::new(Config::default(), None, Metrics::default())));
         Some(Box::new(Request::new(gateway)))
     }
 

@@ -1,9 +1,12 @@
 //! One HTTP exchange through the filter, from request headers to the access log.
 //!
 //! ```text
-//! headers ─► strip x-weir-*, pick route mode, authenticate ─► hold headers for the body
+//! headers ─► strip x-weir-*, new attempt id, pick route mode, authenticate ─► hold headers
 //! body    ─► admit (parse, limits, estimate) ─► reserve at every level ─► rewrite ─► forward
 //!            (at the end of the body, or at its trailers when the request ends in them)
+//! forward ─► write the trusted x-weir-* headers and sign them (every forward, whatever the
+//!            mode: off, shadow and out-of-rollout requests are scheduled too, as their
+//!            tenant when the key is valid, else as the configured default tenant)
 //! response─► meter the stream/body as it passes (usage chunk hidden unless asked for)
 //! end     ─► settle: engine usage replaces the reservation   (on_log settles anything left:
 //!                                                             client gone, upstream reset)
@@ -28,12 +31,19 @@ use crate::Gateway;
 use crate::host::{self, SharedData, Side};
 use crate::telemetry::{self, AccessRecord};
 
+/// The caller's deduplication header (IETF httpapi `Idempotency-Key`).
+const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
+
+/// Set on a response the sidecar (or a hosted API) answered from completed work.
+const REPLAYED_HEADER: &str = "idempotent-replayed";
+
 /// Non-streamed response bodies larger than this are not parsed for usage.
 const MAX_METERED_BODY: usize = 4 * 1024 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
-    /// Not ours: the route is off or outside its rollout, or shadow let it through.
+    /// Not metered: the route is off or outside its rollout, or shadow let it through. Still
+    /// forwarded with signed trusted headers.
     Passthrough,
     /// Authenticated; headers held until the body is read.
     AwaitingBody,
@@ -69,6 +79,11 @@ pub struct Request {
     would_reject: Option<&'static str>,
     outcome: &'static str,
     usage: Demand,
+    /// The `x-weir-*` headers this request carries upstream, written and signed together when
+    /// it is forwarded.
+    vouched: Vec<(&'static str, String)>,
+    /// The upstream answered from completed work (an idempotency replay): nothing ran.
+    replayed: bool,
 }
 
 impl Request {
@@ -86,11 +101,14 @@ impl Request {
             would_reject: None,
             outcome: "passthrough",
             usage: Demand::default(),
+            vouched: Vec::new(),
+            replayed: false,
         }
     }
 
-    /// The route's mode for this request, after its rollout share.
-    fn mode(&self, request_id: &str) -> Mode {
+    /// The route's mode for this request, after its rollout share. The share is drawn from
+    /// `attempt_id`, which weir generates at random, so no caller can steer its bucket.
+    fn mode(&self, attempt_id: &str) -> Mode {
         let route_name = host::property(vec!["xds", "route_name"]);
         let mut route = self.gw.config.route(route_name.as_deref()).clone();
         let meta = |key| {
@@ -108,7 +126,7 @@ impl Request {
         if let Some(pct) = meta("rollout_percent").and_then(|p| p.parse().ok()) {
             route.rollout_percent = pct;
         }
-        if rollout_bucket(request_id) < u32::from(route.rollout_percent) {
+        if rollout_bucket(attempt_id) < u32::from(route.rollout_percent) {
             route.mode
         } else {
             Mode::Off
@@ -125,6 +143,7 @@ impl Request {
             self.stage = shadow_stage;
             if shadow_stage == Stage::Passthrough {
                 self.outcome = "passthrough";
+                return self.forward();
             }
             return Action::Continue;
         }
@@ -134,55 +153,117 @@ impl Request {
         Action::Pause
     }
 
+    /// Adds a trusted header to what this request will carry.
+    fn vouch(&mut self, name: &'static str, value: impl Into<String>) {
+        self.vouched.retain(|(n, _)| *n != name);
+        self.vouched.push((name, value.into()));
+    }
+
+    /// Vouches for the identity the request is scheduled as.
+    fn identify(&mut self, tenant: Arc<Tenant>) {
+        self.vouch(trusted::TENANT, tenant.path());
+        self.vouch(trusted::TIER, tenant.tier.as_str());
+        self.vouch(trusted::WEIGHT, tenant.weight.to_string());
+        self.vouch(trusted::PRIORITY, tenant.priority.as_str());
+        if let Some(cap) = tenant.tightest(|l| l.active_kv_tokens) {
+            self.vouch(trusted::KV_LIMIT, cap.to_string());
+        }
+        self.tenant = Some(tenant);
+    }
+
+    /// Lets the request go upstream: writes every trusted header and, when signing is
+    /// configured, the signature over them. The only way a request leaves the filter; a
+    /// request with no identity yet (a route that does not enforce, no valid key) goes as the
+    /// default tenant.
+    fn forward(&mut self) -> Action {
+        if self.tenant.is_none() {
+            self.identify(self.gw.default_tenant.clone());
+        }
+        for (name, value) in &self.vouched {
+            host::set_header(Side::Request, name, Some(value));
+        }
+        if let Some(signer) = &self.gw.signer {
+            let view: Vec<(&str, &str)> =
+                self.vouched.iter().map(|(n, v)| (*n, v.as_str())).collect();
+            let signature = signer.sign(&view, host::now_ms());
+            host::set_header(Side::Request, trusted::SIGNATURE, signature.as_deref());
+        }
+        Action::Continue
+    }
+
+    /// The tenant of the request's key, if it carries a known one.
+    fn authenticate(&self) -> Result<Arc<Tenant>, (&'static str, &'static str)> {
+        let authorization = host::header(Side::Request, "authorization");
+        let x_api_key = host::header(Side::Request, "x-api-key");
+        let key = key_from_headers(authorization.as_deref(), x_api_key.as_deref());
+        let tenant = key.and_then(|k| self.gw.directory.lookup(&hash_key(k)).cloned());
+        tenant.ok_or(match key {
+            None => (
+                "missing_api_key",
+                "Missing API key: send `Authorization: Bearer <key>`.",
+            ),
+            Some(_) => ("invalid_api_key", "Incorrect API key provided."),
+        })
+    }
+
+    /// The caller's `Idempotency-Key`, carried to the sidecar (which deduplicates per tenant),
+    /// or why it cannot be used.
+    fn idempotency_key(&self) -> Result<Option<String>, ApiError> {
+        match host::header(Side::Request, IDEMPOTENCY_KEY_HEADER) {
+            None => Ok(None),
+            Some(key) if trusted::is_id(&key) => Ok(Some(key)),
+            Some(_) => Err(ApiError::bad_request(
+                "Idempotency-Key must be 1 to 255 visible ASCII characters",
+            )
+            .with_param("Idempotency-Key")
+            .with_code("invalid_idempotency_key")),
+        }
+    }
+
     fn on_headers(&mut self, end_of_stream: bool) -> Action {
         for name in host::header_names(Side::Request) {
             if trusted::is_reserved(&name) {
                 host::set_header(Side::Request, &name, None);
             }
         }
-        let request_id =
-            host::header(Side::Request, "x-request-id").unwrap_or_else(host::unique_id);
-        let mode = self.mode(&request_id);
+        // The caller's x-request-id is a trace id (a mesh propagates it across calls): it is
+        // passed on untouched and never identifies an attempt.
+        let attempt_id = host::unique_id();
+        let mode = self.mode(&attempt_id);
+        self.vouch(trusted::REQUEST_ID, attempt_id);
+        let idempotency_key = self.idempotency_key();
+        if let Ok(Some(key)) = &idempotency_key {
+            self.vouch(trusted::IDEMPOTENCY_KEY, key.clone());
+        }
         if mode == Mode::Off {
-            return Action::Continue;
+            if let Ok(tenant) = self.authenticate() {
+                self.identify(tenant);
+            }
+            return self.forward();
         }
         self.shadow = mode == Mode::Shadow;
         self.outcome = "ok";
 
-        let authorization = host::header(Side::Request, "authorization");
-        let x_api_key = host::header(Side::Request, "x-api-key");
-        let key = key_from_headers(authorization.as_deref(), x_api_key.as_deref());
-        let tenant = key.and_then(|k| self.gw.directory.lookup(&hash_key(k)).cloned());
-        let Some(tenant) = tenant else {
-            let (reason, message) = match key {
-                None => (
-                    "missing_api_key",
-                    "Missing API key: send `Authorization: Bearer <key>`.",
-                ),
-                Some(_) => ("invalid_api_key", "Incorrect API key provided."),
-            };
-            let error =
-                ApiError::new(401, "AuthenticationError", message).with_code("invalid_api_key");
-            return self.refuse(Reply::error(&error), reason, Stage::Passthrough);
+        let tenant = match self.authenticate() {
+            Ok(tenant) => tenant,
+            Err((reason, message)) => {
+                let error =
+                    ApiError::new(401, "AuthenticationError", message).with_code("invalid_api_key");
+                return self.refuse(Reply::error(&error), reason, Stage::Passthrough);
+            }
         };
+        if let Err(error) = idempotency_key {
+            return self.refuse(
+                Reply::error(&error),
+                "invalid_idempotency_key",
+                Stage::Passthrough,
+            );
+        }
         if !self.gw.config.forward_api_key {
             host::set_header(Side::Request, "authorization", None);
             host::set_header(Side::Request, "x-api-key", None);
         }
-        let weight = tenant.weight.to_string();
-        for (name, value) in [
-            (trusted::TENANT, tenant.path()),
-            (trusted::TIER, tenant.tier.as_str()),
-            (trusted::WEIGHT, weight.as_str()),
-            (trusted::PRIORITY, tenant.priority.as_str()),
-            (trusted::REQUEST_ID, request_id.as_str()),
-        ] {
-            host::set_header(Side::Request, name, Some(value));
-        }
-        if let Some(cap) = tenant.tightest(|l| l.active_kv_tokens) {
-            host::set_header(Side::Request, trusted::KV_LIMIT, Some(&cap.to_string()));
-        }
-        self.tenant = Some(tenant);
+        self.identify(tenant);
         self.route_to_api(end_of_stream)
     }
 
@@ -197,8 +278,9 @@ impl Request {
                 self.await_body(end_of_stream)
             }
             Ok(Route::Unmetered) => {
+                // Not a completion (models, health, ...): authenticated, nothing to meter.
                 self.stage = Stage::Forwarded;
-                Action::Continue
+                self.forward()
             }
             Err(refusal) => {
                 let mut reply = Reply::error(&refusal.error);
@@ -331,15 +413,12 @@ impl Request {
                 Some(&new_body.len().to_string()),
             );
         }
-        let input = admitted.prompt_tokens.to_string();
-        let output = admitted.reserved_output.to_string();
-        for (name, value) in [
-            (trusted::INPUT_TOKENS, input.as_str()),
-            (trusted::RESERVED_OUTPUT, output.as_str()),
-            (trusted::ESTIMATE, admitted.method.as_str()),
-        ] {
-            host::set_header(Side::Request, name, Some(value));
-        }
+        self.vouch(trusted::INPUT_TOKENS, admitted.prompt_tokens.to_string());
+        self.vouch(
+            trusted::RESERVED_OUTPUT,
+            admitted.reserved_output.to_string(),
+        );
+        self.vouch(trusted::ESTIMATE, admitted.method.as_str());
         self.meter = if admitted.stream {
             Meter::Stream(StreamMeter::new(!admitted.client_wants_usage))
         } else {
@@ -347,7 +426,7 @@ impl Request {
         };
         self.admitted = Some(admitted);
         self.stage = Stage::Forwarded;
-        Action::Continue
+        self.forward()
     }
 
     fn on_response_headers(&mut self, end_of_stream: bool) -> Action {
@@ -367,6 +446,7 @@ impl Request {
             self.gw.metrics.add(telemetry::UNREADABLE_RESPONSES, 1);
             self.meter = Meter::Unreadable;
         }
+        self.replayed = host::header(Side::Response, REPLAYED_HEADER).as_deref() == Some("true");
         if matches!(self.meter, Meter::Stream(_)) {
             // Hiding the usage chunk changes the length.
             host::set_header(Side::Response, "content-length", None);
@@ -454,6 +534,10 @@ impl Request {
                 },
             },
         };
+        if self.replayed {
+            // The same completed work is never charged twice, to quota either.
+            self.usage = Demand::default();
+        }
         if let Some(r) = self.reservation.take() {
             let conflicts = reservation::settle(&SharedData, &r, self.usage, host::now_ms());
             self.gw

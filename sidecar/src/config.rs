@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+pub use crate::idempotency::IdempotencyConfig;
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SidecarConfig {
@@ -21,6 +23,67 @@ pub struct SidecarConfig {
     #[serde(default = "default_ledger")]
     pub ledger: PathBuf,
     pub pools: Vec<PoolConfig>,
+    /// The secrets the filter's signatures are checked with. Required: without them the
+    /// sidecar would serve whatever a workload that reaches its port claims to be.
+    #[serde(default)]
+    pub signing: Option<SigningConfig>,
+    /// Deduplication by `Idempotency-Key`: how completed responses are kept for replay.
+    #[serde(default)]
+    pub idempotency: IdempotencyConfig,
+}
+
+/// Where the signing secrets are read from: a file and/or an environment variable for the
+/// current secret, and optionally for the previous one (accepted too, during a rotation).
+/// Never inline in the config.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SigningConfig {
+    pub secret_file: Option<PathBuf>,
+    pub secret_env: Option<String>,
+    pub previous_secret_file: Option<PathBuf>,
+    pub previous_secret_env: Option<String>,
+}
+
+impl SigningConfig {
+    /// The accepted secrets, current first. Each is at least
+    /// [`weir_core::signature::MIN_SECRET_BYTES`] long; surrounding whitespace (a file's final
+    /// newline) is not part of it.
+    pub fn secrets(&self) -> anyhow::Result<Vec<Vec<u8>>> {
+        let current = read_secret(
+            "signing.secret",
+            self.secret_file.as_deref(),
+            self.secret_env.as_deref(),
+        )?
+        .context("signing: set secret_file or secret_env")?;
+        let previous = read_secret(
+            "signing.previous_secret",
+            self.previous_secret_file.as_deref(),
+            self.previous_secret_env.as_deref(),
+        )?;
+        Ok([Some(current), previous].into_iter().flatten().collect())
+    }
+}
+
+fn read_secret(
+    field: &str,
+    file: Option<&Path>,
+    env: Option<&str>,
+) -> anyhow::Result<Option<Vec<u8>>> {
+    let text = match (file, env) {
+        (Some(_), Some(_)) => bail!("{field}_file and {field}_env: set one, not both"),
+        (Some(path), None) => std::fs::read_to_string(path)
+            .with_context(|| format!("{field}_file: reading {}", path.display()))?,
+        (None, Some(var)) => {
+            std::env::var(var).with_context(|| format!("{field}_env: ${var} is not set"))?
+        }
+        (None, None) => return Ok(None),
+    };
+    let secret = text.trim().as_bytes().to_vec();
+    let min = weir_core::signature::MIN_SECRET_BYTES;
+    if secret.len() < min {
+        bail!("{field}: the secret must be at least {min} bytes");
+    }
+    Ok(Some(secret))
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -121,6 +184,67 @@ impl SidecarConfig {
         if self.cache_salt_secret.len() < 16 {
             bail!("cache_salt_secret: use at least 16 characters");
         }
+        if self.signing.is_none() {
+            bail!("signing: required (secret_file or secret_env with the filter's signing secret)");
+        }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(signing: &str) -> anyhow::Result<SidecarConfig> {
+        let json = format!(
+            r#"{{"cache_salt_secret": "0123456789abcdef", "pools": [{{"model": "m", "replicas": ["http://r"]}}]{signing}}}"#
+        );
+        let config: SidecarConfig = serde_json::from_str(&json)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    #[test]
+    fn the_sidecar_needs_a_signing_secret_from_a_file_or_the_environment() {
+        let missing = config("").unwrap_err().to_string();
+        assert!(missing.contains("signing: required"), "{missing}");
+        assert!(
+            config(r#", "signing": {"secret": "inline"}"#).is_err(),
+            "never inline"
+        );
+
+        let dir = std::env::temp_dir().join(format!("weir-secret-{}", std::process::id()));
+        std::fs::write(&dir, "0123456789abcdef0123456789abcdef\n").unwrap();
+        let from_file = format!(r#", "signing": {{"secret_file": "{}"}}"#, dir.display());
+        let secrets = config(&from_file)
+            .unwrap()
+            .signing
+            .unwrap()
+            .secrets()
+            .unwrap();
+        assert_eq!(secrets, vec![b"0123456789abcdef0123456789abcdef".to_vec()]);
+
+        let both = format!(
+            r#", "signing": {{"secret_file": "{}", "secret_env": "PATH"}}"#,
+            dir.display()
+        );
+        assert!(config(&both).unwrap().signing.unwrap().secrets().is_err());
+        let unset = r#", "signing": {"secret_env": "WEIR_TEST_SURELY_UNSET_VARIABLE"}"#;
+        assert!(config(unset).unwrap().signing.unwrap().secrets().is_err());
+        let none = r#", "signing": {"previous_secret_env": "PATH"}"#;
+        assert!(
+            config(none).unwrap().signing.unwrap().secrets().is_err(),
+            "current needed"
+        );
+        std::fs::write(&dir, "short").unwrap();
+        assert!(
+            config(&from_file)
+                .unwrap()
+                .signing
+                .unwrap()
+                .secrets()
+                .is_err()
+        );
+        let _ = std::fs::remove_file(&dir);
     }
 }

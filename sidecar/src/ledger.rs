@@ -1,5 +1,12 @@
-//! The usage ledger: one append-only record per request id, in SQLite (WAL). A retried request id
-//! never adds a second charge. Writes happen on a thread of their own, off the async workers.
+//! The usage ledger: append-only records in SQLite (WAL), one per attempt that used an engine,
+//! keyed by (tenant, idempotency key, attempt). Every attempt is billed for what it used — a
+//! cancelled first try and its full retry are two records — and writing the same attempt twice
+//! adds nothing. Writes happen on a thread of their own, off the async workers.
+//!
+//! The idempotency key is the caller's `Idempotency-Key`, or weir's own id of the attempt when
+//! it sent none (then every request is its own key, attempt 1). A ledger written before
+//! attempts were recorded (primary key `request_id`) is migrated in place when opened: each old
+//! row becomes attempt 1 of a key equal to its request id.
 
 use std::path::Path;
 use std::sync::mpsc;
@@ -7,11 +14,16 @@ use std::sync::mpsc;
 use rusqlite::{Connection, params};
 use serde::Serialize;
 
-/// What a request used, as billed. Engine counts when the engine reported them.
+/// What one attempt used, as billed. Engine counts when the engine reported them.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct UsageRecord {
-    pub request_id: String,
     pub tenant: String,
+    /// The caller's `Idempotency-Key`, else `request_id`.
+    pub idempotency_key: String,
+    /// 1 for the first attempt under the key, then 2, 3, … for retries.
+    pub attempt: u32,
+    /// weir's id of this attempt (`x-weir-request-id`).
+    pub request_id: String,
     pub model: String,
     pub replica: String,
     pub prompt_tokens: u64,
@@ -26,8 +38,10 @@ pub struct UsageRecord {
 
 const SCHEMA: &str = "
     CREATE TABLE IF NOT EXISTS usage (
-        request_id        TEXT PRIMARY KEY,
         tenant            TEXT NOT NULL,
+        idempotency_key   TEXT NOT NULL,
+        attempt           INTEGER NOT NULL,
+        request_id        TEXT NOT NULL,
         model             TEXT NOT NULL,
         replica           TEXT NOT NULL,
         prompt_tokens     INTEGER NOT NULL,
@@ -35,25 +49,50 @@ const SCHEMA: &str = "
         source            TEXT NOT NULL,
         outcome           TEXT NOT NULL,
         queued_ms         INTEGER NOT NULL,
-        finished_at_ms    INTEGER NOT NULL
+        finished_at_ms    INTEGER NOT NULL,
+        PRIMARY KEY (tenant, idempotency_key, attempt)
     );
     CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage (tenant, finished_at_ms);";
 
+/// Moves a ledger with one row per request id (no `attempt` column) to the attempt schema.
+const MIGRATE_FROM_REQUEST_IDS: &str = "
+    ALTER TABLE usage RENAME TO usage_by_request_id;
+    DROP INDEX IF EXISTS usage_by_tenant;";
+const COPY_FROM_REQUEST_IDS: &str = "
+    INSERT INTO usage SELECT tenant, request_id, 1, request_id, model, replica, prompt_tokens,
+        completion_tokens, source, outcome, queued_ms, finished_at_ms FROM usage_by_request_id;
+    DROP TABLE usage_by_request_id;";
+
 pub fn open(path: &Path) -> rusqlite::Result<Connection> {
-    let conn = Connection::open(path)?;
+    let mut conn = Connection::open(path)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
-    conn.execute_batch(SCHEMA)?;
+    let tx = conn.transaction()?;
+    let columns: Vec<String> = tx
+        .prepare("SELECT name FROM pragma_table_info('usage')")?
+        .query_map([], |row| row.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    let old = !columns.is_empty() && !columns.iter().any(|c| c == "attempt");
+    if old {
+        tx.execute_batch(MIGRATE_FROM_REQUEST_IDS)?;
+    }
+    tx.execute_batch(SCHEMA)?;
+    if old {
+        tx.execute_batch(COPY_FROM_REQUEST_IDS)?;
+    }
+    tx.commit()?;
     Ok(conn)
 }
 
-/// Appends a record unless its request id is already there; returns whether it was new.
+/// Appends a record unless that attempt is already there; returns whether it was new.
 pub fn append(conn: &Connection, r: &UsageRecord) -> rusqlite::Result<bool> {
     let inserted = conn.execute(
-        "INSERT OR IGNORE INTO usage VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
+        "INSERT OR IGNORE INTO usage VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
         params![
-            r.request_id,
             r.tenant,
+            r.idempotency_key,
+            r.attempt,
+            r.request_id,
             r.model,
             r.replica,
             r.prompt_tokens as i64,
@@ -67,12 +106,25 @@ pub fn append(conn: &Connection, r: &UsageRecord) -> rusqlite::Result<bool> {
     Ok(inserted == 1)
 }
 
-/// Whether a request id already completed: a replay must not run again unbilled.
-pub fn completed(conn: &Connection, request_id: &str) -> rusqlite::Result<bool> {
+/// What the ledger knows of a tenant's idempotency key: the last attempt recorded, and whether
+/// one completed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeyHistory {
+    pub attempts: u32,
+    pub completed: bool,
+}
+
+pub fn history(conn: &Connection, tenant: &str, key: &str) -> rusqlite::Result<KeyHistory> {
     conn.query_row(
-        "SELECT EXISTS (SELECT 1 FROM usage WHERE request_id = ?1 AND outcome = 'ok')",
-        params![request_id],
-        |row| row.get(0),
+        "SELECT COALESCE(MAX(attempt), 0), COALESCE(MAX(outcome = 'ok'), 0)
+         FROM usage WHERE tenant = ?1 AND idempotency_key = ?2",
+        params![tenant, key],
+        |row| {
+            Ok(KeyHistory {
+                attempts: row.get(0)?,
+                completed: row.get(1)?,
+            })
+        },
     )
 }
 
@@ -83,23 +135,25 @@ pub fn query(
     since_ms: u64,
 ) -> rusqlite::Result<Vec<UsageRecord>> {
     let mut stmt = conn.prepare(
-        "SELECT request_id, tenant, model, replica, prompt_tokens, completion_tokens, source,
-                outcome, queued_ms, finished_at_ms
+        "SELECT tenant, idempotency_key, attempt, request_id, model, replica, prompt_tokens,
+                completion_tokens, source, outcome, queued_ms, finished_at_ms
          FROM usage WHERE (?1 IS NULL OR tenant = ?1) AND finished_at_ms >= ?2
          ORDER BY finished_at_ms",
     )?;
     let rows = stmt.query_map(params![tenant, since_ms as i64], |row| {
         Ok(UsageRecord {
-            request_id: row.get(0)?,
-            tenant: row.get(1)?,
-            model: row.get(2)?,
-            replica: row.get(3)?,
-            prompt_tokens: row.get::<_, i64>(4)? as u64,
-            completion_tokens: row.get::<_, i64>(5)? as u64,
-            source: row.get(6)?,
-            outcome: row.get(7)?,
-            queued_ms: row.get::<_, i64>(8)? as u64,
-            finished_at_ms: row.get::<_, i64>(9)? as u64,
+            tenant: row.get(0)?,
+            idempotency_key: row.get(1)?,
+            attempt: row.get(2)?,
+            request_id: row.get(3)?,
+            model: row.get(4)?,
+            replica: row.get(5)?,
+            prompt_tokens: row.get::<_, i64>(6)? as u64,
+            completion_tokens: row.get::<_, i64>(7)? as u64,
+            source: row.get(8)?,
+            outcome: row.get(9)?,
+            queued_ms: row.get::<_, i64>(10)? as u64,
+            finished_at_ms: row.get::<_, i64>(11)? as u64,
         })
     })?;
     rows.collect()
@@ -137,10 +191,12 @@ impl Ledger {
 mod tests {
     use super::*;
 
-    fn record(id: &str, tenant: &str, at: u64) -> UsageRecord {
+    fn record(key: &str, attempt: u32, tenant: &str, at: u64) -> UsageRecord {
         UsageRecord {
-            request_id: id.into(),
             tenant: tenant.into(),
+            idempotency_key: key.into(),
+            attempt,
+            request_id: format!("weir-{key}-{attempt}"),
             model: "m".into(),
             replica: "r".into(),
             prompt_tokens: 10,
@@ -152,22 +208,81 @@ mod tests {
         }
     }
 
+    fn temp(name: &str) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("weir-ledger-{name}-{}", std::process::id()))
+    }
+
     #[test]
-    fn a_request_id_is_charged_once() {
-        let dir = std::env::temp_dir().join(format!("weir-ledger-{}", std::process::id()));
-        let conn = open(&dir).unwrap();
-        assert!(!completed(&conn, "r1").unwrap());
-        assert!(append(&conn, &record("r1", "a", 100)).unwrap());
-        assert!(completed(&conn, "r1").unwrap());
-        assert!(
-            !append(&conn, &record("r1", "a", 200)).unwrap(),
-            "retry ignored"
+    fn every_attempt_is_a_record_and_each_attempt_is_written_once() {
+        let path = temp("attempts");
+        let conn = open(&path).unwrap();
+        assert_eq!(history(&conn, "a", "k").unwrap(), KeyHistory::default());
+        let mut cancelled = record("k", 1, "a", 100);
+        cancelled.outcome = "cancelled".into();
+        assert!(append(&conn, &cancelled).unwrap());
+        assert_eq!(
+            history(&conn, "a", "k").unwrap(),
+            KeyHistory {
+                attempts: 1,
+                completed: false
+            }
         );
-        assert!(append(&conn, &record("r2", "b", 300)).unwrap());
-        assert_eq!(query(&conn, Some("a"), 0).unwrap().len(), 1);
-        assert_eq!(query(&conn, None, 150).unwrap().len(), 1);
-        assert_eq!(query(&conn, None, 0).unwrap()[0].finished_at_ms, 100);
+        assert!(append(&conn, &record("k", 2, "a", 200)).unwrap());
+        assert!(
+            !append(&conn, &record("k", 2, "a", 250)).unwrap(),
+            "same attempt"
+        );
+        assert!(
+            append(&conn, &record("k", 1, "b", 300)).unwrap(),
+            "keys are per tenant"
+        );
+        assert_eq!(
+            history(&conn, "a", "k").unwrap(),
+            KeyHistory {
+                attempts: 2,
+                completed: true
+            }
+        );
+        assert_eq!(query(&conn, Some("a"), 0).unwrap().len(), 2);
+        assert_eq!(query(&conn, None, 150).unwrap().len(), 2);
         drop(conn);
-        let _ = std::fs::remove_file(&dir);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_ledger_keyed_by_request_id_is_migrated_when_opened() {
+        let path = temp("migrate");
+        let _ = std::fs::remove_file(&path);
+        let old = Connection::open(&path).unwrap();
+        old.execute_batch(
+            "CREATE TABLE usage (request_id TEXT PRIMARY KEY, tenant TEXT NOT NULL,
+                model TEXT NOT NULL, replica TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
+                completion_tokens INTEGER NOT NULL, source TEXT NOT NULL, outcome TEXT NOT NULL,
+                queued_ms INTEGER NOT NULL, finished_at_ms INTEGER NOT NULL);
+             CREATE INDEX usage_by_tenant ON usage (tenant, finished_at_ms);
+             INSERT INTO usage VALUES ('r1', 'a', 'm', 'x', 7, 3, 'engine', 'ok', 1, 100);",
+        )
+        .unwrap();
+        drop(old);
+        let conn = open(&path).unwrap();
+        let rows = query(&conn, None, 0).unwrap();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(
+            (
+                rows[0].idempotency_key.as_str(),
+                rows[0].attempt,
+                rows[0].completion_tokens
+            ),
+            ("r1", 1, 3)
+        );
+        drop(conn);
+        let again = open(&path).unwrap();
+        assert_eq!(
+            query(&again, None, 0).unwrap().len(),
+            1,
+            "opening twice is harmless"
+        );
+        drop(again);
+        let _ = std::fs::remove_file(&path);
     }
 }

@@ -5,8 +5,10 @@
 
 pub mod config;
 pub mod dispatcher;
+pub mod idempotency;
 pub mod ledger;
 pub mod metrics;
 pub mod pool;
 pub mod relay;
 pub mod server;
+pub mod trust;

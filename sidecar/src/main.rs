@@ -49,6 +49,12 @@ async fn main() -> anyhow::Result<()> {
     config.policy = cli.policy.unwrap_or(config.policy);
     config.ledger = cli.ledger.unwrap_or(config.ledger);
     config.validate()?;
+    let secrets = config
+        .signing
+        .as_ref()
+        .map(|s| s.secrets())
+        .transpose()?
+        .unwrap_or_default();
 
     let (metrics, registry) = Metrics::new();
     let pools: Vec<Pool> = config.pools.iter().map(Pool::new).collect();
@@ -93,6 +99,8 @@ async fn main() -> anyhow::Result<()> {
             .collect(),
         cache_salt_secret: config.cache_salt_secret.clone(),
         queue_deadline_ms: config.queue.deadline_ms,
+        trust: weir_sidecar::trust::Trust::new(secrets),
+        idempotency: weir_sidecar::idempotency::Idempotency::new(config.idempotency.clone()),
     });
     tokio::spawn(Dispatcher::new(policy, pools, configured, config.queue.clone(), metrics).run(rx));
 

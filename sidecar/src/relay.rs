@@ -4,7 +4,8 @@
 //! the last, so a slow client slows its own upstream read instead of growing a buffer. A client
 //! that leaves drops the stream, which drops the upstream request: the engine aborts and frees
 //! the KV. A replica that dies mid-stream ends the stream with an OpenAI-shaped error event.
-//! Every path ends in [`Flight::finish`]: one ledger record, KV given back.
+//! Every path ends in [`Flight::finish`]: one ledger record for the attempt, KV given back, the
+//! idempotency claim settled (with the response, captured up to a bound, for replays).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,12 +18,16 @@ use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::openai::ApiError;
 
 use crate::dispatcher::{Assignment, Event, now_ms};
+use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
 use crate::metrics::tenant;
 use crate::server::{App, Trusted, error_response};
 
 /// Longest silence from a replica before the stream is declared lost.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+const JSON: &str = "application/json";
+pub const TRACE_ID: &str = "x-request-id";
+const EVENT_STREAM: &str = "text/event-stream; charset=utf-8";
 /// Output tokens charged to the scheduler in batches of this many.
 const CHARGE_EVERY: u64 = 16;
 
@@ -38,6 +43,10 @@ pub struct Flight {
     last_chunk: Option<Instant>,
     charged: u64,
     finished: bool,
+    /// The caller's idempotency key held by this attempt, if it sent one.
+    claim: Option<Claim>,
+    /// The response so far, kept for replays while the claim wants it and it fits.
+    captured: Option<Vec<u8>>,
 }
 
 impl Flight {
@@ -48,6 +57,7 @@ impl Flight {
         assignment: Assignment,
         kv_need: u64,
         arrived: Instant,
+        claim: Option<Claim>,
     ) -> Flight {
         Flight {
             app,
@@ -60,6 +70,20 @@ impl Flight {
             last_chunk: None,
             charged: 0,
             finished: false,
+            captured: claim.as_ref().map(|_| Vec::new()),
+            claim,
+        }
+    }
+
+    /// Keeps a copy of response bytes for replays, up to the bound of what is kept.
+    fn capture(&mut self, bytes: &[u8]) {
+        let limit = self.app.idempotency.max_response_bytes();
+        if let Some(buf) = &mut self.captured {
+            if buf.len() + bytes.len() > limit {
+                self.captured = None;
+            } else {
+                buf.extend_from_slice(bytes);
+            }
         }
     }
 
@@ -82,6 +106,7 @@ impl Flight {
                 .observe((now - prev).as_secs_f64()),
         }
         self.last_chunk = Some(now);
+        self.capture(chunk);
         self.meter.feed(chunk, false);
         let served = self.meter.content_events();
         if served - self.charged >= CHARGE_EVERY {
@@ -99,8 +124,19 @@ impl Flight {
         }
     }
 
-    /// Settles once: gives the KV back, charges what was left, writes the ledger record.
+    /// Settles once: gives the KV back, charges what was left, writes the ledger record,
+    /// settles the idempotency claim. `response` is the status and content type of what the
+    /// client got, for a replay of completed work.
     pub fn finish(&mut self, outcome: &str, body_usage: Option<BodyUsage>) {
+        self.finish_with(outcome, body_usage, None);
+    }
+
+    fn finish_with(
+        &mut self,
+        outcome: &str,
+        body_usage: Option<BodyUsage>,
+        response: Option<(u16, &'static str)>,
+    ) {
         if self.finished {
             return;
         }
@@ -139,7 +175,22 @@ impl Flight {
                 .get_or_create(&vec![("tier", self.who.tier.clone())])
                 .inc_by(prompt + completion);
         }
+        let attempt = self.claim.as_ref().map_or(1, Claim::attempt);
+        if let Some(claim) = &mut self.claim {
+            let completed = (outcome == "ok").then(|| {
+                let (status, content_type) = response.unwrap_or((200, EVENT_STREAM));
+                self.captured.take().map(|body| StoredResponse {
+                    status,
+                    content_type,
+                    body: Bytes::from(body),
+                })
+            });
+            claim.finish(completed, now_ms());
+        }
         self.app.ledger.record(UsageRecord {
+            idempotency_key: (self.who.idempotency_key.clone())
+                .unwrap_or_else(|| self.who.request_id.clone()),
+            attempt,
             request_id: self.who.request_id.clone(),
             tenant: self.who.tenant.clone(),
             model: self.model.clone(),
@@ -162,16 +213,24 @@ impl Drop for Flight {
 }
 
 /// Sends the request to its replica and relays the answer.
-pub async fn relay(mut flight: Flight, path: &str, body: Vec<u8>, stream: bool) -> Response {
+/// `trace_id` is the caller's `x-request-id`, passed on to the engine for tracing.
+pub async fn relay(
+    mut flight: Flight,
+    path: &str,
+    body: Vec<u8>,
+    stream: bool,
+    trace_id: Option<HeaderValue>,
+) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
-    let sent = flight
+    let mut request = flight
         .app
         .http
         .post(url)
-        .header(header::CONTENT_TYPE, "application/json")
-        .body(body)
-        .send()
-        .await;
+        .header(header::CONTENT_TYPE, "application/json");
+    if let Some(trace_id) = trace_id {
+        request = request.header(TRACE_ID, trace_id);
+    }
+    let sent = request.body(body).send().await;
     let upstream = match sent {
         Ok(resp) => resp,
         Err(e) => {
@@ -201,12 +260,12 @@ pub async fn relay(mut flight: Flight, path: &str, body: Vec<u8>, stream: bool) 
             Ok(bytes) => {
                 let mut meter = BodyMeter::new(usize::MAX);
                 meter.feed(&bytes);
-                flight.finish(outcome, Some(meter.finish()));
+                flight.capture(&bytes);
+                let response = (status.as_u16(), JSON);
+                flight.finish_with(outcome, Some(meter.finish()), Some(response));
                 let mut resp = (status, bytes).into_response();
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                );
+                resp.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
                 resp
             }
             Err(_) => {
@@ -225,10 +284,8 @@ pub async fn relay(mut flight: Flight, path: &str, body: Vec<u8>, stream: bool) 
     }
     let body = Body::from_stream(relay_stream(flight, upstream.bytes_stream()));
     let mut resp = Response::new(body);
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream; charset=utf-8"),
-    );
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
     resp
 }
 

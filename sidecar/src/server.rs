@@ -1,5 +1,6 @@
-//! The HTTP side: Envoy sends filtered requests here. Only requests carrying the filter's
-//! trusted headers are served; the sidecar binds to loopback by default (use mTLS between pods).
+//! The HTTP side: Envoy sends filtered requests here. Only requests whose trusted headers the
+//! filter signed are served ([`crate::trust`]); the sidecar binds to loopback by default (use
+//! mTLS between pods as well).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,24 +15,25 @@ use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
-use weir_core::config::Priority;
 use weir_core::openai::{ApiError, Endpoint};
-use weir_core::trusted;
 
 use crate::dispatcher::{Event, Job, Refusal, now_ms};
+use crate::idempotency::{self, Claimed, Idempotency, StoredResponse};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::affinity_key;
-use crate::relay::{Flight, relay};
+use crate::relay::{Flight, TRACE_ID, relay};
+pub use crate::trust::Trusted;
+use crate::trust::{Trust, UNMETERED_OUTPUT_TOKENS};
 
 /// Output tokens assumed for KV admission when the request may produce more: reserving the
 /// whole `max_tokens` would admit a fraction of what fits. The engine preempts if a guess is
 /// too low, and the per-tenant cap bounds the damage.
-const EXPECTED_OUTPUT_TOKENS: u64 = 512;
+const EXPECTED_OUTPUT_TOKENS: u64 = UNMETERED_OUTPUT_TOKENS;
 
 pub struct App {
     pub events: mpsc::UnboundedSender<Event>,
-    /// A read connection to the ledger, for refusing replays of completed request ids.
+    /// A read connection to the ledger, for the history of idempotency keys.
     pub ledger_reader: std::sync::Mutex<rusqlite::Connection>,
     pub http: reqwest::Client,
     pub metrics: Metrics,
@@ -41,45 +43,10 @@ pub struct App {
     pub pools: Vec<(String, usize)>,
     pub cache_salt_secret: String,
     pub queue_deadline_ms: u64,
-}
-
-/// What the filter established about a request.
-#[derive(Clone, Debug)]
-pub struct Trusted {
-    pub tenant: String,
-    pub request_id: String,
-    pub tier: String,
-    pub weight: f64,
-    pub priority: Priority,
-    pub input_tokens: u64,
-    pub reserved_output: u64,
-    pub kv_cap: Option<u64>,
-    pub deadline_ms: u64,
-}
-
-impl Trusted {
-    fn from_headers(h: &HeaderMap, default_deadline_ms: u64) -> Option<Trusted> {
-        let get = |name: &str| h.get(name).and_then(|v| v.to_str().ok());
-        let num = |name: &str| get(name).and_then(|v| v.parse::<u64>().ok());
-        Some(Trusted {
-            tenant: get(trusted::TENANT).filter(|t| !t.is_empty())?.to_owned(),
-            request_id: get(trusted::REQUEST_ID)
-                .filter(|t| !t.is_empty())?
-                .to_owned(),
-            tier: get(trusted::TIER).unwrap_or("standard").to_owned(),
-            weight: get(trusted::WEIGHT)
-                .and_then(|w| w.parse().ok())
-                .unwrap_or(1.0),
-            priority: match get(trusted::PRIORITY) {
-                Some("batch") => Priority::Batch,
-                _ => Priority::Interactive,
-            },
-            input_tokens: num(trusted::INPUT_TOKENS).unwrap_or(0),
-            reserved_output: num(trusted::RESERVED_OUTPUT).unwrap_or(EXPECTED_OUTPUT_TOKENS),
-            kv_cap: num(trusted::KV_LIMIT),
-            deadline_ms: now_ms() + default_deadline_ms,
-        })
-    }
+    /// Verifies the filter's signatures.
+    pub trust: Trust,
+    /// Claims on callers' idempotency keys.
+    pub idempotency: Arc<Idempotency>,
 }
 
 pub fn router(app: Arc<App>) -> Router {
@@ -135,33 +102,16 @@ fn cache_salt(secret: &str, tenant: &str) -> String {
 
 async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
     let arrived = Instant::now();
-    let Some(who) = Trusted::from_headers(&headers, app.queue_deadline_ms) else {
-        app.metrics.reject("untrusted");
-        return error_response(
-            &ApiError::new(
-                401,
-                "AuthenticationError",
-                "requests must come through the weir filter",
-            )
-            .with_code("untrusted_request"),
-        );
+    let who = match app
+        .trust
+        .check(&headers, body.len(), now_ms(), app.queue_deadline_ms)
+    {
+        Ok(who) => who,
+        Err(refusal) => {
+            app.metrics.reject("untrusted");
+            return error_response(&refusal);
+        }
     };
-    let replay = app
-        .ledger_reader
-        .lock()
-        .map(|conn| crate::ledger::completed(&conn, &who.request_id).unwrap_or(false))
-        .unwrap_or(false);
-    if replay {
-        app.metrics.reject("duplicate_request_id");
-        return error_response(
-            &ApiError::new(
-                409,
-                "ConflictError",
-                "this request id already completed and was billed; send a new request id",
-            )
-            .with_code("duplicate_request_id"),
-        );
-    }
     let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
         return error_response(&ApiError::bad_request("malformed JSON"));
     };
@@ -182,6 +132,15 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         &who.tenant,
         &prompt.as_bytes()[..prompt.len().min(prefix_bytes)],
     );
+    let claim = match claim(&app, &who, endpoint, &body) {
+        None => None,
+        Some(Claimed::Run(claim)) => Some(claim),
+        Some(Claimed::Replay(stored)) => return replayed(stored),
+        Some(Claimed::Refused(error)) => {
+            app.metrics.reject(error.code.unwrap_or("idempotency"));
+            return error_response(&error);
+        }
+    };
     value["cache_salt"] = json!(cache_salt(&app.cache_salt_secret, &who.tenant));
     let stream = value["stream"].as_bool().unwrap_or(false);
     let kv_need = who.input_tokens + who.reserved_output.min(EXPECTED_OUTPUT_TOKENS);
@@ -252,13 +211,53 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             ));
         }
     };
-    let path = match endpoint {
+    let body = serde_json::to_vec(&value).unwrap_or_default();
+    let flight = Flight::new(app, who, model, assignment, kv_need, arrived, claim);
+    // The caller's trace id goes to the engine and back to the caller; it identifies nothing.
+    let trace_id = headers.get(TRACE_ID).cloned();
+    let mut resp = relay(flight, path(endpoint), body, stream, trace_id.clone()).await;
+    if let Some(trace_id) = trace_id {
+        resp.headers_mut().insert(TRACE_ID, trace_id);
+    }
+    resp
+}
+
+fn path(endpoint: Endpoint) -> &'static str {
+    match endpoint {
         Endpoint::ChatCompletions => "/v1/chat/completions",
         Endpoint::Completions => "/v1/completions",
+    }
+}
+
+/// Claims the caller's idempotency key before the request is queued ([`crate::idempotency`]);
+/// `None` when it sent none.
+fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Claimed> {
+    let key = who.idempotency_key.as_deref()?;
+    let history = || {
+        app.ledger_reader
+            .lock()
+            .ok()
+            .and_then(|conn| crate::ledger::history(&conn, &who.tenant, key).ok())
+            .unwrap_or_default()
     };
-    let body = serde_json::to_vec(&value).unwrap_or_default();
-    let flight = Flight::new(app, who, model, assignment, kv_need, arrived);
-    relay(flight, path, body, stream).await
+    let fingerprint = idempotency::fingerprint(path(endpoint), body);
+    Some(
+        app.idempotency
+            .claim(&who.tenant, key, fingerprint, now_ms(), history),
+    )
+}
+
+/// A completed response, sent again for a duplicate of its request.
+fn replayed(stored: StoredResponse) -> Response {
+    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    let mut resp = (status, stored.body).into_response();
+    let headers = resp.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(stored.content_type),
+    );
+    headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+    resp
 }
 
 #[cfg(test)]
@@ -272,24 +271,5 @@ mod tests {
         assert_ne!(a, cache_salt("secret-0123456789", "globex/p/k"));
         assert_ne!(a, cache_salt("other-secret-0123", "acme/p/k"));
         assert_eq!(a.len(), 32);
-    }
-
-    #[test]
-    fn requests_without_the_filters_headers_are_untrusted() {
-        let mut h = HeaderMap::new();
-        assert!(Trusted::from_headers(&h, 1000).is_none());
-        h.insert(trusted::TENANT, HeaderValue::from_static("a/b/c/d"));
-        assert!(
-            Trusted::from_headers(&h, 1000).is_none(),
-            "needs a request id too"
-        );
-        h.insert(trusted::REQUEST_ID, HeaderValue::from_static("r1"));
-        h.insert(trusted::PRIORITY, HeaderValue::from_static("batch"));
-        h.insert(trusted::KV_LIMIT, HeaderValue::from_static("5000"));
-        let t = Trusted::from_headers(&h, 1000).unwrap();
-        assert_eq!(
-            (t.priority, t.kv_cap, t.weight),
-            (Priority::Batch, Some(5000), 1.0)
-        );
     }
 }

@@ -153,6 +153,40 @@ fn peak_rss_mb(pid: u32) -> f64 {
 
 const RELAY_TOKENS: u64 = 100;
 
+/// Adds the trusted headers the filter would set, signed with the harness's secret (the
+/// sidecar started by the harness verifies with it).
+fn signed(
+    req: reqwest::RequestBuilder,
+    n: usize,
+    i: usize,
+    start: Instant,
+) -> reqwest::RequestBuilder {
+    let fields = [
+        ("x-weir-tenant", format!("bench/w/p/t{}", i % 100)),
+        ("x-weir-tier", "standard".to_owned()),
+        ("x-weir-weight", "1".to_owned()),
+        ("x-weir-priority", "interactive".to_owned()),
+        (
+            "x-weir-request-id",
+            format!("relay-{n}-{i}-{}", start.elapsed().as_nanos()),
+        ),
+        ("x-weir-input-tokens", "10".to_owned()),
+        ("x-weir-reserved-output", RELAY_TOKENS.to_string()),
+    ];
+    let view: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let expires_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+        + 600_000;
+    let signature =
+        weir_core::signature::sign(weir_e2e::signing_secret().as_bytes(), &view, expires_ms)
+            .unwrap_or_default();
+    fields
+        .into_iter()
+        .fold(req, |req, (k, v)| req.header(k, v))
+        .header("x-weir-signature", signature)
+}
+
 /// `n` concurrent streams of `RELAY_TOKENS` tokens; returns tokens received per second.
 async fn streams(url: &str, n: usize, trusted: bool) -> anyhow::Result<f64> {
     let client = reqwest::Client::builder()
@@ -171,14 +205,7 @@ async fn streams(url: &str, n: usize, trusted: bool) -> anyhow::Result<f64> {
                     .to_string(),
                 );
             if trusted {
-                req = req
-                    .header("x-weir-tenant", format!("bench/w/p/t{}", i % 100))
-                    .header(
-                        "x-weir-request-id",
-                        format!("relay-{n}-{i}-{}", start.elapsed().as_nanos()),
-                    )
-                    .header("x-weir-input-tokens", "10")
-                    .header("x-weir-reserved-output", RELAY_TOKENS.to_string());
+                req = signed(req, n, i, start);
             }
             let mut resp = req.send().await?;
             anyhow::ensure!(resp.status().is_success(), "status {}", resp.status());

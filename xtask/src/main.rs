@@ -149,6 +149,8 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
             )
         })
         .collect();
+    // The filter signs with, and the sidecar checks, a secret the harness draws at random for
+    // this run and passes to both through `WEIR_SIGNING_SECRET` (never a committed value).
     let sidecar = Sidecar::start_from(
         &root().join("target/release/weir-sidecar"),
         serde_json::json!({
