@@ -9,8 +9,13 @@ use serde::Deserialize;
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SidecarConfig {
+    /// Where Envoy sends filtered requests: the inference API and nothing else.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// Metrics (`/metrics`) and the probes' health check (`/health`): every tenant's figures,
+    /// so on an address the gateway never routes to (loopback by default; scrape it from the pod).
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: SocketAddr,
     /// `fair` (virtual token counter) or `fifo` (the benchmark baseline).
     #[serde(default = "default_policy")]
     pub policy: String,
@@ -72,10 +77,19 @@ pub struct PoolConfig {
     /// Leading prompt bytes hashed (with the tenant) to pick the affine replica.
     #[serde(default = "default_affinity_prefix")]
     pub affinity_prefix_bytes: usize,
+    /// Requests each replica runs at once when its KV capacity is unknown (no
+    /// `kv_tokens_per_replica` and no `vllm:cache_config_info` from the engine): admission then
+    /// counts requests instead of KV tokens.
+    #[serde(default = "default_max_in_flight_without_kv")]
+    pub max_in_flight_without_kv: u64,
 }
 
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9100))
+}
+
+fn default_admin_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9101))
 }
 
 fn default_policy() -> String {
@@ -92,6 +106,10 @@ fn default_affinity_threshold() -> f64 {
 
 fn default_affinity_prefix() -> usize {
     1024
+}
+
+fn default_max_in_flight_without_kv() -> u64 {
+    16
 }
 
 impl SidecarConfig {
@@ -116,6 +134,9 @@ impl SidecarConfig {
         for (i, pool) in self.pools.iter().enumerate() {
             if pool.replicas.is_empty() {
                 bail!("pools[{i}].replicas: at least one replica is needed");
+            }
+            if pool.max_in_flight_without_kv == 0 {
+                bail!("pools[{i}].max_in_flight_without_kv: at least 1");
             }
         }
         if self.cache_salt_secret.len() < 16 {

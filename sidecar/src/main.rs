@@ -12,11 +12,12 @@ use weir_sidecar::dispatcher::{Dispatcher, Event};
 use weir_sidecar::ledger::Ledger;
 use weir_sidecar::metrics::Metrics;
 use weir_sidecar::pool::{EngineSample, Pool};
-use weir_sidecar::server::{App, router};
+use weir_sidecar::server::{App, admin_router, router};
 
 /// weir's dispatcher sidecar: fair queues in front of engine pools.
 ///
-/// Prints `weir-sidecar listening on http://ADDR` on stdout once it accepts connections.
+/// Prints `weir-sidecar listening on http://ADDR (policy P), admin on http://ADMIN` on stdout
+/// once it accepts connections.
 #[derive(Parser)]
 #[command(name = "weir-sidecar", version)]
 struct Cli {
@@ -26,6 +27,9 @@ struct Cli {
     /// Overrides the config's listen address (port 0 picks a free port).
     #[arg(long)]
     listen: Option<std::net::SocketAddr>,
+    /// Overrides the config's admin (metrics, health) address (port 0 picks a free port).
+    #[arg(long)]
+    admin_listen: Option<std::net::SocketAddr>,
     /// Overrides the config's policy: `fair` or `fifo`.
     #[arg(long)]
     policy: Option<String>,
@@ -46,6 +50,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let mut config = SidecarConfig::from_file(&cli.config)?;
     config.listen = cli.listen.unwrap_or(config.listen);
+    config.admin_listen = cli.admin_listen.unwrap_or(config.admin_listen);
     config.policy = cli.policy.unwrap_or(config.policy);
     config.ledger = cli.ledger.unwrap_or(config.ledger);
     config.validate()?;
@@ -94,20 +99,31 @@ async fn main() -> anyhow::Result<()> {
         cache_salt_secret: config.cache_salt_secret.clone(),
         queue_deadline_ms: config.queue.deadline_ms,
     });
-    tokio::spawn(Dispatcher::new(policy, pools, configured, config.queue.clone(), metrics).run(rx));
+    let dispatcher = Dispatcher::new(
+        policy,
+        pools,
+        configured,
+        config.queue.clone(),
+        metrics,
+        &events,
+    );
+    tokio::spawn(dispatcher.run(rx));
 
     let listener = tokio::net::TcpListener::bind(config.listen).await?;
+    let admin = tokio::net::TcpListener::bind(config.admin_listen).await?;
     println!(
-        "weir-sidecar listening on http://{} (policy {})",
+        "weir-sidecar listening on http://{} (policy {}), admin on http://{}",
         listener.local_addr()?,
-        config.policy
+        config.policy,
+        admin.local_addr()?
     );
     // Chunks are small writes: without TCP_NODELAY, Nagle holds them for the peer's delayed ACK.
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
     tokio::select! {
-        result = axum::serve(listener, router(app)) => result?,
+        result = axum::serve(listener, router(app.clone())) => result?,
+        result = axum::serve(admin, admin_router(app)) => result?,
         _ = tokio::signal::ctrl_c() => {}
     }
     Ok(())

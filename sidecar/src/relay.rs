@@ -4,7 +4,8 @@
 //! the last, so a slow client slows its own upstream read instead of growing a buffer. A client
 //! that leaves drops the stream, which drops the upstream request: the engine aborts and frees
 //! the KV. A replica that dies mid-stream ends the stream with an OpenAI-shaped error event.
-//! Every path ends in [`Flight::finish`]: one ledger record, KV given back.
+//! Every path ends in [`Flight::finish`]: one ledger record, KV given back (the assignment is
+//! the hold on the replica, released when the flight finishes or is dropped).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -32,7 +33,6 @@ pub struct Flight {
     who: Trusted,
     model: String,
     assignment: Assignment,
-    kv_need: u64,
     arrived: Instant,
     meter: StreamMeter,
     last_chunk: Option<Instant>,
@@ -46,7 +46,6 @@ impl Flight {
         who: Trusted,
         model: String,
         assignment: Assignment,
-        kv_need: u64,
         arrived: Instant,
     ) -> Flight {
         Flight {
@@ -54,7 +53,6 @@ impl Flight {
             who,
             model,
             assignment,
-            kv_need,
             arrived,
             meter: StreamMeter::new(false),
             last_chunk: None,
@@ -92,6 +90,7 @@ impl Flight {
     fn charge(&mut self, served: u64) {
         if served > self.charged {
             let _ = self.app.events.send(Event::Served {
+                pool: self.assignment.pool,
                 tenant: self.who.tenant.clone(),
                 output_tokens: served - self.charged,
             });
@@ -119,12 +118,7 @@ impl Flight {
             None => (self.who.input_tokens, counted, "counted"),
         };
         self.charge(completion);
-        let _ = self.app.events.send(Event::Finished {
-            pool: self.assignment.pool,
-            replica: self.assignment.replica,
-            tenant: self.who.tenant.clone(),
-            kv_need: self.kv_need,
-        });
+        self.assignment.release();
         let m = &self.app.metrics;
         let labels = |dir: &str| {
             vec![

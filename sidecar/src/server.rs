@@ -82,10 +82,20 @@ impl Trusted {
     }
 }
 
+/// The serving port, where Envoy routes: the inference API only. Whatever a tenant sends
+/// through the gateway lands here, so nothing on it may show another tenant's figures.
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .fallback(|| async { error_response(&ApiError::not_found("no such route")) })
+        .with_state(app)
+}
+
+/// The admin port (`admin_listen`), never routed to by the gateway: metrics of every tenant,
+/// and the health check for probes.
+pub fn admin_router(app: Arc<App>) -> Router {
+    Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .fallback(|| async { error_response(&ApiError::not_found("no such route")) })
@@ -257,7 +267,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         Endpoint::Completions => "/v1/completions",
     };
     let body = serde_json::to_vec(&value).unwrap_or_default();
-    let flight = Flight::new(app, who, model, assignment, kv_need, arrived);
+    let flight = Flight::new(app, who, model, assignment, arrived);
     relay(flight, path, body, stream).await
 }
 

@@ -1,0 +1,165 @@
+//! The sidecar's resources end to end: what it exposes through the gateway, what it holds for a
+//! request (KV, a slot on a replica) and gives back on every path, how fairly it shares pools, and
+//! what it keeps when stopped. Real Envoy with the filter → the sidecar → simulator replicas.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use reqwest::{Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, MutexGuard};
+use weir_core::keys::hash_key;
+use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+
+struct Stack {
+    sims: Vec<Sim>,
+    sidecar: Sidecar,
+    envoy: Envoy,
+}
+
+/// One key per test role.
+const TENANTS: [&str; 8] = [
+    "peek", "solo", "joiner", "narrow", "wide", "liar", "slow", "term",
+];
+
+fn weir_config() -> Value {
+    let keys: Vec<Value> = TENANTS
+        .iter()
+        .map(|id| json!({"id": id, "sha256": hash_key(&format!("key-{id}"))}))
+        .collect();
+    json!({
+        "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "res", "keys": keys}]}]}],
+        "models": {"tiny": {"max_context_tokens": 8192}, "narrow": {"max_context_tokens": 8192}},
+        "routes": {"by_name": {"shadowed": {"mode": "shadow"}}},
+    })
+}
+
+fn tiny(extra: &[&str]) -> Sim {
+    let args = [
+        &["--preset", "tiny", "--time-scale", "10", "--output-len", "fixed:20"][..],
+        extra,
+    ]
+    .concat();
+    Sim::start(&args)
+}
+
+fn sidecar_config(sims: &[Sim]) -> Value {
+    json!({
+        "policy": "fair",
+        "cache_salt_secret": "e2e-secret-0123456789",
+        "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
+        "pools": [
+            {"model": "tiny", "replicas": [sims[0].url, sims[1].url]},
+            // One replica with room for one long prompt at a time: easy to fill.
+            {"model": "narrow", "replicas": [sims[2].url], "kv_tokens_per_replica": 3000},
+        ],
+    })
+}
+
+/// Starts the sidecar (and an Envoy in front of it) once its probes have read every replica.
+fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
+    let sidecar = Sidecar::start(config);
+    let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+    let addr = sidecar.admin.trim_start_matches("http://").to_owned();
+    wait_for(Duration::from_secs(10), || {
+        let text = http_get(&addr, "/metrics")?;
+        (text.matches("weir_replica_healthy{").count() >= sims.len()).then_some(())
+    })
+    .expect("replicas probed");
+    (sidecar, envoy)
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let sims = vec![
+            tiny(&[]),
+            tiny(&[]),
+            tiny(&["--served-model-name", "narrow"]),
+        ];
+        let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims));
+        Stack {
+            sims,
+            sidecar,
+            envoy,
+        }
+    })
+}
+
+/// One test at a time on the shared pools, starting once the previous test's work has drained.
+async fn turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::const_new(());
+    let guard = TURN.lock().await;
+    for sim in &stack().sims {
+        for _ in 0..200 {
+            let busy = sim.metric("vllm:num_requests_running").await
+                + sim.metric("vllm:num_requests_waiting").await;
+            if busy == 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    guard
+}
+
+fn chat(model: &str, content: &str, extra: Value) -> String {
+    let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body.to_string()
+}
+
+async fn post(envoy: &Envoy, key: &str, body: String) -> Response {
+    reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", envoy.url))
+        .bearer_auth(format!("key-{key}"))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn no_gateway_route_serves_the_sidecars_metrics() {
+    let _turn = turn().await;
+    let s = stack();
+    // Some traffic first, so the sidecar has per-tenant figures to leak.
+    let resp = post(&s.envoy, "peek", chat("tiny", "hello", json!({"max_tokens": 2}))).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    resp.bytes().await.unwrap();
+    let own = s.sidecar.metrics().await;
+    assert!(
+        own.contains("weir_tokens_total{tenant=\"acme/lab/res/peek\""),
+        "the admin address serves the metrics: {own}"
+    );
+
+    let client = reqwest::Client::new();
+    for prefix in ["", "/dark", "/shadow", "/alt"] {
+        for path in ["/metrics", "/health", "/metrics?x=1"] {
+            for key in [None, Some("key-peek")] {
+                let mut req = client.get(format!("{}{prefix}{path}", s.envoy.url));
+                if let Some(key) = key {
+                    req = req.bearer_auth(key);
+                }
+                let resp = req.send().await.unwrap();
+                let status = resp.status();
+                let body = resp.text().await.unwrap();
+                assert!(
+                    !body.contains("weir_") && !body.contains("acme/lab"),
+                    "{prefix}{path} with key {key:?} ({status}) leaked: {body}"
+                );
+            }
+        }
+    }
+    // And straight to the serving port (what any workload that reaches it sees).
+    let direct = reqwest::get(format!("{}/metrics", s.sidecar.url))
+        .await
+        .unwrap();
+    assert_eq!(direct.status(), StatusCode::NOT_FOUND);
+}
