@@ -20,8 +20,8 @@ struct Stack {
 }
 
 /// One key per test role.
-const TENANTS: [&str; 8] = [
-    "peek", "solo", "joiner", "narrow", "wide", "liar", "slow", "term",
+const TENANTS: [&str; 9] = [
+    "peek", "solo", "joiner", "narrow", "quitter", "liar", "slow", "term", "filler",
 ];
 
 fn weir_config() -> Value {
@@ -162,4 +162,110 @@ async fn no_gateway_route_serves_the_sidecars_metrics() {
         .await
         .unwrap();
     assert_eq!(direct.status(), StatusCode::NOT_FOUND);
+}
+
+/// A prompt of about `tokens` tokens, distinct per `tag`.
+fn prompt(tag: &str, tokens: usize) -> String {
+    format!("{tag}: {}", "pack the cache ".repeat(tokens / 3))
+}
+
+/// A gauge of the sidecar's metrics (0 when the series does not exist yet).
+async fn gauge(series: &str) -> f64 {
+    stack()
+        .sidecar
+        .metrics()
+        .await
+        .lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_request_waiting_for_room_in_one_pool_does_not_hold_up_another_pool() {
+    let _turn = turn().await;
+    let s = stack();
+    // Fills the narrow pool for about three seconds.
+    let long = chat(
+        "narrow",
+        &prompt("long", 1500),
+        json!({"max_tokens": 2400, "ignore_eos": true}),
+    );
+    let started = std::time::Instant::now();
+    let first = tokio::spawn(post(&s.envoy, "narrow", long.clone()));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The same tenant's next request there has to wait for that room...
+    let second = tokio::spawn(post(&s.envoy, "narrow", long));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...which must not stop its request to the other pool.
+    let sent = std::time::Instant::now();
+    let resp = post(&s.envoy, "narrow", chat("tiny", "elsewhere", json!({"max_tokens": 5}))).await;
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{text}");
+    let waited = sent.elapsed();
+    let first = first.await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    first.bytes().await.unwrap();
+    let blocked_for = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(1) && waited * 3 < blocked_for,
+        "the tiny pool's request took {waited:?} while the narrow pool was full for {blocked_for:?}"
+    );
+    let second = second.await.unwrap();
+    assert_eq!(second.status(), StatusCode::OK);
+    second.bytes().await.unwrap();
+}
+
+#[tokio::test]
+async fn requests_abandoned_at_any_stage_give_their_kv_back() {
+    let _turn = turn().await;
+    let s = stack();
+    // The narrow pool is busy, so the abandoned requests are caught queued, at dispatch,
+    // connecting upstream and mid-stream.
+    let filler = tokio::spawn(post(
+        &s.envoy,
+        "filler",
+        chat(
+            "narrow",
+            &prompt("filler", 1500),
+            json!({"max_tokens": 1500, "ignore_eos": true}),
+        ),
+    ));
+    let quitters = (0..40u64).map(|i| async move {
+        let body = chat(
+            "narrow",
+            &prompt(&format!("quit {i}"), 600),
+            json!({"max_tokens": 300, "ignore_eos": true, "stream": true}),
+        );
+        let patience = Duration::from_millis(150 + i * 53 % 2500);
+        let _ = tokio::time::timeout(patience, async {
+            let mut resp = post(&stack().envoy, "quitter", body).await;
+            while let Ok(Some(_)) = resp.chunk().await {}
+        })
+        .await;
+    });
+    futures::future::join_all(quitters).await;
+    filler.await.unwrap().bytes().await.unwrap();
+    let narrow = &s.sims[2].url;
+    let held = || async {
+        (
+            gauge("weir_active_kv_tokens{tenant=\"acme/lab/res/quitter\"}").await,
+            gauge(&format!("weir_replica_reserved_kv_tokens{{replica=\"{narrow}\"}}")).await,
+            gauge(&format!("weir_replica_in_flight{{replica=\"{narrow}\"}}")).await,
+        )
+    };
+    let mut now = held().await;
+    for _ in 0..100 {
+        if now == (0.0, 0.0, 0.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        now = held().await;
+    }
+    assert_eq!(
+        now,
+        (0.0, 0.0, 0.0),
+        "KV (tenant, replica) and slots still held after every request ended"
+    );
 }
