@@ -269,3 +269,69 @@ async fn requests_abandoned_at_any_stage_give_their_kv_back() {
         "KV (tenant, replica) and slots still held after every request ended"
     );
 }
+
+/// Ledger rows, read from the sidecar's SQLite file.
+fn ledger(sidecar: &Sidecar) -> Vec<weir_sidecar::ledger::UsageRecord> {
+    let conn = weir_sidecar::ledger::open(&sidecar.ledger).unwrap();
+    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
+}
+
+#[tokio::test]
+async fn a_tenant_that_ran_alone_is_not_starved_when_another_arrives() {
+    let _turn = turn().await;
+    let s = stack();
+    // solo has the pool to itself for a while: its counter runs up while nobody else queues.
+    let alone = std::time::Instant::now();
+    let solo_alone = (0..8).map(|c| async move {
+        let mut n = 0;
+        while alone.elapsed() < Duration::from_secs(3) {
+            let tag = format!("solo alone {c} {n}");
+            let body = chat("tiny", &prompt(&tag, 3000), json!({"max_tokens": 1}));
+            let resp = post(&stack().envoy, "solo", body).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            resp.bytes().await.unwrap();
+            n += 1;
+        }
+    });
+    futures::future::join_all(solo_alone).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Then joiner floods the pool (arriving to an empty queue), and solo comes back to it.
+    let start = std::time::Instant::now();
+    let window = Duration::from_secs(4);
+    let client = |key: &'static str, delay: Duration| async move {
+        tokio::time::sleep(delay).await;
+        let mut n = 0;
+        while start.elapsed() < window {
+            let body = chat(
+                "tiny",
+                &prompt(&format!("{key} busy {n}"), 1500),
+                json!({"max_tokens": 40, "ignore_eos": true}),
+            );
+            let resp = post(&stack().envoy, key, body).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            resp.bytes().await.unwrap();
+            n += 1;
+        }
+    };
+    let joined = Duration::from_millis(300);
+    let solo_back_ms = weir_sidecar::dispatcher::now_ms() + joined.as_millis() as u64;
+    let clients = (0..24).flat_map(|_| [client("joiner", Duration::ZERO), client("solo", joined)]);
+    futures::future::join_all(clients).await;
+
+    // From solo's return on, both are backlogged: they share the pool evenly.
+    let contended = (solo_back_ms + 300)..(solo_back_ms + 3_000);
+    let served = |tenant: &str| -> u64 {
+        ledger(&s.sidecar)
+            .iter()
+            .filter(|r| r.tenant == tenant && contended.contains(&r.finished_at_ms))
+            .map(|r| r.prompt_tokens + r.completion_tokens)
+            .sum()
+    };
+    let (solo, joiner) = (served("acme/lab/res/solo"), served("acme/lab/res/joiner"));
+    let ratio = solo as f64 / joiner.max(1) as f64;
+    println!("after solo's return, solo:joiner = {ratio:.2} ({solo} vs {joiner} tokens)");
+    assert!(
+        (0.6..=1.6).contains(&ratio),
+        "solo:joiner = {ratio:.2} ({solo} vs {joiner} tokens): one of them monopolised the pool"
+    );
+}
