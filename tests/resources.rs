@@ -33,6 +33,8 @@ fn weir_config() -> Value {
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "res", "keys": keys}]}]}],
         "models": {"tiny": {"max_context_tokens": 8192}, "narrow": {"max_context_tokens": 8192}},
         "routes": {"by_name": {"shadowed": {"mode": "shadow"}}},
+        // The fast estimate above 1 kB, so a prompt can be built that it underestimates.
+        "estimator": {"exact_below_bytes": 1000},
     })
 }
 
@@ -334,4 +336,77 @@ async fn a_tenant_that_ran_alone_is_not_starved_when_another_arrives() {
         (0.6..=1.6).contains(&ratio),
         "solo:joiner = {ratio:.2} ({solo} vs {joiner} tokens): one of them monopolised the pool"
     );
+}
+
+/// The tenant's virtual token counter in the tiny pool.
+async fn vtc(tenant: &str) -> f64 {
+    gauge(&format!(
+        "weir_vtc_counter{{tenant=\"acme/lab/res/{tenant}\",pool=\"tiny\"}}"
+    ))
+    .await
+}
+
+/// Letters without spaces or repeats: one "word" to the fast estimate, many tokens to BPE.
+fn gibberish(len: usize) -> String {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b'a' + (x % 26) as u8)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn the_engines_prompt_count_replaces_the_estimate_in_the_fair_share() {
+    let _turn = turn().await;
+    let send = |content: String, stream: bool| async move {
+        let mut extra = json!({"max_tokens": 5, "stream": stream});
+        if stream {
+            extra["stream_options"] = json!({"include_usage": true});
+        }
+        let resp = post(&stack().envoy, "liar", chat("tiny", &content, extra)).await;
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let body = if stream {
+            text.split("\n\n")
+                .filter_map(|e| e.strip_prefix("data: "))
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .find(|e| !e["usage"].is_null())
+                .unwrap()
+        } else {
+            serde_json::from_str::<Value>(&text).unwrap()
+        };
+        let usage = &body["usage"];
+        (
+            usage["prompt_tokens"].as_u64().unwrap(),
+            usage["completion_tokens"].as_u64().unwrap(),
+        )
+    };
+    // The first request lifts the tenant's counter to the others'; measure from there.
+    send("hello".into(), false).await;
+    for stream in [false, true] {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let before = vtc("liar").await;
+        let (prompt, completion) = send(gibberish(2400), stream).await;
+        let mut after = vtc("liar").await;
+        for _ in 0..20 {
+            if after != before {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            after = vtc("liar").await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        after = vtc("liar").await;
+        println!("stream {stream}: engine counted {prompt} prompt tokens");
+        assert_eq!(
+            after - before,
+            (prompt + 2 * completion) as f64,
+            "stream {stream}: the counter grows by the engine's {prompt} prompt and {completion} completion tokens"
+        );
+    }
 }

@@ -342,6 +342,22 @@ impl<T> Scheduler<T> {
         }
     }
 
+    /// Replaces an input charge made from an estimate with the engine's count: an
+    /// underestimate is charged in full, an overestimate refunded.
+    pub fn correct_input(&mut self, tenant: &str, estimated: u64, reported: u64) {
+        let Some(&t) = self.by_name.get(tenant) else {
+            return;
+        };
+        for class in 0..CLASSES {
+            self.unindex_head(t, class);
+        }
+        let state = &mut self.tenants[t];
+        state.counter += self.weights.input * (reported as f64 - estimated as f64) / state.weight;
+        for class in 0..CLASSES {
+            self.index_head(t, class);
+        }
+    }
+
     /// Removes and returns every queued request matching `drop` (deadline passed, client gone).
     pub fn remove_where(&mut self, mut drop: impl FnMut(&T) -> bool) -> Vec<T> {
         let mut removed = Vec::new();
@@ -603,6 +619,18 @@ mod tests {
             }
         };
         assert!(s.pop_where(0, fits).is_none());
+    }
+
+    #[test]
+    fn an_estimate_is_replaced_by_the_engines_count() {
+        let mut s = Scheduler::new(Policy::Fair, TokenWeights::default(), 60_000);
+        s.push("x", 2.0, I, 1, 0);
+        s.pop(0);
+        s.charge("x", 10, 0);
+        s.correct_input("x", 10, 3_000);
+        assert_eq!(s.counter("x"), 1_500.0, "charged in full, by weight");
+        s.correct_input("x", 3_000, 1_000);
+        assert_eq!(s.counter("x"), 500.0, "an overestimate is refunded");
     }
 
     #[test]

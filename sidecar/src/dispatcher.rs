@@ -54,6 +54,21 @@ impl Assignment {
         self.kv_held
     }
 
+    /// Corrects the KV held (once the engine's prompt count replaces the estimate).
+    pub fn resize(&mut self, kv: u64) {
+        if self.released || kv == self.kv_held {
+            return;
+        }
+        let _ = self.events.send(Event::Resized {
+            pool: self.pool,
+            replica: self.replica,
+            tenant: self.tenant.clone(),
+            from: self.kv_held,
+            to: kv,
+        });
+        self.kv_held = kv;
+    }
+
     /// Gives the KV and the slot back now; dropping it later does nothing more.
     pub fn release(&mut self) {
         if std::mem::replace(&mut self.released, true) {
@@ -96,6 +111,22 @@ pub enum Event {
         pool: usize,
         tenant: String,
         output_tokens: u64,
+    },
+    /// The engine counted a prompt of `reported` tokens that was charged at dispatch as
+    /// `estimated`: the tenant's counter in that pool is corrected.
+    Reconciled {
+        pool: usize,
+        tenant: String,
+        estimated: u64,
+        reported: u64,
+    },
+    /// Sent by [`Assignment::resize`]: a running request's KV hold, corrected.
+    Resized {
+        pool: usize,
+        replica: usize,
+        tenant: String,
+        from: u64,
+        to: u64,
     },
     /// Sent by [`Assignment`] only, so it comes exactly once per dispatch.
     Finished {
@@ -208,6 +239,27 @@ impl Dispatcher {
                 }
                 self.update_counter(pool, &t);
             }
+            Event::Reconciled {
+                pool,
+                tenant: t,
+                estimated,
+                reported,
+            } => {
+                if let Some(s) = self.schedulers.get_mut(pool) {
+                    s.correct_input(&t, estimated, reported);
+                }
+                self.update_counter(pool, &t);
+            }
+            Event::Resized {
+                pool,
+                replica,
+                tenant: t,
+                from,
+                to,
+            } => {
+                self.adjust_hold(pool, replica, &t, 0, from);
+                self.adjust_hold(pool, replica, &t, to, 0);
+            }
             Event::Finished {
                 pool,
                 replica,
@@ -215,16 +267,9 @@ impl Dispatcher {
                 kv_need,
             } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
-                    r.reserved = r.reserved.saturating_sub(kv_need);
                     r.in_flight = r.in_flight.saturating_sub(1);
                 }
-                self.update_replica_hold(pool, replica);
-                let held = self.tenant_kv.entry(t.clone()).or_default();
-                *held = held.saturating_sub(kv_need);
-                self.metrics
-                    .active_kv_tokens
-                    .get_or_create(&tenant(&t))
-                    .set(*held as i64);
+                self.adjust_hold(pool, replica, &t, 0, kv_need);
             }
             Event::ReplicaFailed { pool, replica } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
@@ -237,6 +282,20 @@ impl Dispatcher {
                 sample,
             } => self.observe(pool, replica, sample),
         }
+    }
+
+    /// Adds `add` and removes `remove` KV tokens held by a tenant on a replica.
+    fn adjust_hold(&mut self, pool: usize, replica: usize, t: &str, add: u64, remove: u64) {
+        if let Some(r) = self.replica_mut(pool, replica) {
+            r.reserved = (r.reserved + add).saturating_sub(remove);
+        }
+        self.update_replica_hold(pool, replica);
+        let held = self.tenant_kv.entry(t.to_owned()).or_default();
+        *held = (*held + add).saturating_sub(remove);
+        self.metrics
+            .active_kv_tokens
+            .get_or_create(&tenant(t))
+            .set(*held as i64);
     }
 
     fn replica_mut(&mut self, pool: usize, replica: usize) -> Option<&mut Replica> {
@@ -462,16 +521,9 @@ impl Dispatcher {
             return true;
         };
         let r = &mut self.pools[pool].replicas[replica];
-        r.reserved += job.kv_need;
         r.in_flight += 1;
         let url = r.url.clone();
-        self.update_replica_hold(pool, replica);
-        let held = self.tenant_kv.entry(t.clone()).or_default();
-        *held += job.kv_need;
-        self.metrics
-            .active_kv_tokens
-            .get_or_create(&tenant(&t))
-            .set(*held as i64);
+        self.adjust_hold(pool, replica, &t, job.kv_need, 0);
         self.schedulers[pool].charge(&t, job.input_tokens, 0);
         self.update_counter(pool, &t);
         self.dispatched_since_tick += 1;
@@ -652,6 +704,24 @@ mod tests {
             (200, 2),
             "only its own hold came down"
         );
+    }
+
+    #[test]
+    fn a_corrected_hold_is_what_comes_back() {
+        let (mut d, mut events) = dispatcher(100);
+        let (a, mut a_rx) = job("t", "standard", 100);
+        d.apply(Event::Enqueue(a));
+        d.dispatch(0);
+        let mut a = assigned(&mut a_rx);
+        // The engine counted 700 prompt tokens where 100 were estimated.
+        a.resize(700);
+        settle(&mut d, &mut events);
+        assert_eq!(d.pools[0].replicas[0].reserved, 700);
+        assert_eq!(d.tenant_kv["t"], 700);
+        drop(a);
+        settle(&mut d, &mut events);
+        assert_eq!(d.pools[0].replicas[0].reserved, 0);
+        assert_eq!(d.tenant_kv["t"], 0);
     }
 
     #[test]

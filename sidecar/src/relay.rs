@@ -37,6 +37,8 @@ pub struct Flight {
     meter: StreamMeter,
     last_chunk: Option<Instant>,
     charged: u64,
+    /// Whether the engine's prompt count has replaced the filter's estimate yet.
+    reconciled: bool,
     finished: bool,
 }
 
@@ -57,6 +59,7 @@ impl Flight {
             meter: StreamMeter::new(false),
             last_chunk: None,
             charged: 0,
+            reconciled: false,
             finished: false,
         }
     }
@@ -81,6 +84,9 @@ impl Flight {
         }
         self.last_chunk = Some(now);
         self.meter.feed(chunk, false);
+        if let Some(usage) = self.meter.usage() {
+            self.reconcile(usage.prompt_tokens);
+        }
         let served = self.meter.content_events();
         if served - self.charged >= CHARGE_EVERY {
             self.charge(served);
@@ -96,6 +102,26 @@ impl Flight {
             });
             self.charged = served;
         }
+    }
+
+    /// Replaces the filter's prompt estimate with the engine's count, once: in the tenant's
+    /// counter (an underestimate is charged in full) and in the KV held on the replica.
+    fn reconcile(&mut self, prompt_tokens: u64) {
+        if std::mem::replace(&mut self.reconciled, true) {
+            return;
+        }
+        let estimated = self.who.input_tokens;
+        if prompt_tokens == estimated {
+            return;
+        }
+        let _ = self.app.events.send(Event::Reconciled {
+            pool: self.assignment.pool,
+            tenant: self.who.tenant.clone(),
+            estimated,
+            reported: prompt_tokens,
+        });
+        let output_part = self.assignment.kv_held().saturating_sub(estimated);
+        self.assignment.resize(prompt_tokens + output_part);
     }
 
     /// Settles once: gives the KV back, charges what was left, writes the ledger record.
@@ -117,6 +143,9 @@ impl Flight {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),
             None => (self.who.input_tokens, counted, "counted"),
         };
+        if source == "engine" {
+            self.reconcile(prompt);
+        }
         self.charge(completion);
         self.assignment.release();
         let m = &self.app.metrics;
