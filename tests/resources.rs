@@ -52,6 +52,8 @@ fn sidecar_config(sims: &[Sim]) -> Value {
         "policy": "fair",
         "cache_salt_secret": "e2e-secret-0123456789",
         "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
+        // Short enough for a test to outlast; streams here take under a second otherwise.
+        "relay": {"max_stream_ms": 1500},
         "pools": [
             {"model": "tiny", "replicas": [sims[0].url, sims[1].url]},
             // One replica with room for one long prompt at a time: easy to fill.
@@ -409,4 +411,87 @@ async fn the_engines_prompt_count_replaces_the_estimate_in_the_fair_share() {
             "stream {stream}: the counter grows by the engine's {prompt} prompt and {completion} completion tokens"
         );
     }
+}
+
+/// The body of a chunked HTTP/1.1 response, as far as it was read.
+fn dechunk(raw: &[u8]) -> String {
+    let text = String::from_utf8_lossy(raw);
+    let Some((_, mut rest)) = text.split_once("\r\n\r\n") else {
+        return String::new();
+    };
+    let mut out = String::new();
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        let Some(chunk) = tail.get(..size) else {
+            break;
+        };
+        out.push_str(chunk);
+        rest = tail.get(size + 2..).unwrap_or_default();
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_slow_reader_does_not_hold_the_engine_past_the_streams_deadline() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _turn = turn().await;
+    let s = stack();
+    let body = chat(
+        "tiny",
+        "write at length",
+        json!({"stream": true, "max_tokens": 3500, "ignore_eos": true}),
+    );
+    let addr: std::net::SocketAddr = s.envoy.url.trim_start_matches("http://").parse().unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut conn = socket.connect(addr).await.unwrap();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\nauthorization: Bearer key-slow\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await.unwrap();
+    // A few bytes every 100 ms: the answer (about 4 s of generation) would take minutes to read.
+    let started = std::time::Instant::now();
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 64];
+    while started.elapsed() < Duration::from_millis(2800) {
+        let n = conn.read(&mut buf).await.unwrap();
+        raw.extend_from_slice(&buf[..n]);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Still connected and reading, but the engine's work and the reservation are gone.
+    let running = s.sims[0].metric("vllm:num_requests_running").await
+        + s.sims[1].metric("vllm:num_requests_running").await;
+    assert_eq!(running, 0.0, "the engine stopped generating for the slow reader");
+    assert_eq!(
+        gauge("weir_active_kv_tokens{tenant=\"acme/lab/res/slow\"}").await,
+        0.0,
+        "its KV reservation was released"
+    );
+    let records: Vec<_> = ledger(&s.sidecar)
+        .into_iter()
+        .filter(|r| r.tenant == "acme/lab/res/slow")
+        .collect();
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].outcome, "stream_deadline");
+    assert!(records[0].completion_tokens > 0, "what streamed is billed");
+    // The rest, read at once, ends with an OpenAI-shaped error event and [DONE].
+    while !dechunk(&raw).ends_with("data: [DONE]\n\n") {
+        let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut buf))
+            .await
+            .expect("the stream ends")
+            .unwrap();
+        assert!(n > 0, "closed before [DONE]: {}", dechunk(&raw));
+        raw.extend_from_slice(&buf[..n]);
+    }
+    let text = dechunk(&raw);
+    let error = text
+        .split("\n\n")
+        .find(|e| e.contains("\"error\""))
+        .unwrap_or_else(|| panic!("no error event in {text}"));
+    let event: Value = serde_json::from_str(error.trim_start_matches("data: ")).unwrap();
+    assert_eq!(event["error"]["code"], "stream_deadline");
 }

@@ -21,6 +21,8 @@ pub struct SidecarConfig {
     pub policy: String,
     #[serde(default)]
     pub queue: QueueConfig,
+    #[serde(default)]
+    pub relay: RelayConfig,
     /// Secret mixed into each tenant's `cache_salt`, so salts cannot be guessed across tenants.
     pub cache_salt_secret: String,
     #[serde(default = "default_ledger")]
@@ -59,6 +61,26 @@ impl Default for QueueConfig {
             shed_free_tier_above: 0.5,
             kv_headroom: 0.2,
             active_window_ms: 10_000,
+        }
+    }
+}
+
+/// How long a stream may hold a replica for a client: a client that stops reading (or reads a
+/// byte every few minutes) must not pin the engine's KV forever.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RelayConfig {
+    /// Longest a streamed chunk may wait for the client to take it; then the stream is ended.
+    pub client_stall_ms: u64,
+    /// Longest a stream may last from dispatch, however fast it is read.
+    pub max_stream_ms: u64,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            client_stall_ms: 30_000,
+            max_stream_ms: 30 * 60_000,
         }
     }
 }
@@ -138,6 +160,9 @@ impl SidecarConfig {
             if pool.max_in_flight_without_kv == 0 {
                 bail!("pools[{i}].max_in_flight_without_kv: at least 1");
             }
+        }
+        if self.relay.client_stall_ms == 0 || self.relay.max_stream_ms == 0 {
+            bail!("relay: client_stall_ms and max_stream_ms must be above 0");
         }
         if self.cache_salt_secret.len() < 16 {
             bail!("cache_salt_secret: use at least 16 characters");

@@ -98,6 +98,7 @@ async fn main() -> anyhow::Result<()> {
             .collect(),
         cache_salt_secret: config.cache_salt_secret.clone(),
         queue_deadline_ms: config.queue.deadline_ms,
+        relay: config.relay.clone(),
     });
     let dispatcher = Dispatcher::new(
         policy,

@@ -1,9 +1,13 @@
 //! Streaming a dispatched request to its replica and the answer back.
 //!
-//! Chunks are passed on as they arrive; hyper pulls the next one only when the client has taken
-//! the last, so a slow client slows its own upstream read instead of growing a buffer. A client
-//! that leaves drops the stream, which drops the upstream request: the engine aborts and frees
-//! the KV. A replica that dies mid-stream ends the stream with an OpenAI-shaped error event.
+//! A pump task reads the replica and hands chunks to the response body through a one-chunk
+//! channel; hyper pulls the next one only when the client has taken the last, so a slow client
+//! slows its own upstream read instead of growing a buffer. The pump owns the request's hold on
+//! the replica and watches the client: a client that leaves, one that lets a chunk wait longer
+//! than `relay.client_stall_ms`, and any stream older than `relay.max_stream_ms` end the upstream
+//! request (the engine aborts and frees the KV) and the hold at once, not when hyper next polls
+//! the body; the client then gets an OpenAI-shaped error event and `[DONE]`. A replica that dies
+//! mid-stream ends the stream the same way.
 //! Every path ends in [`Flight::finish`]: one ledger record, KV given back (the assignment is
 //! the hold on the replica, released when the flight finishes or is dropped).
 
@@ -14,6 +18,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures::{Stream, StreamExt};
+use tokio::sync::mpsc;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::openai::ApiError;
 
@@ -255,40 +260,139 @@ pub async fn relay(mut flight: Flight, path: &str, body: Vec<u8>, stream: bool) 
     resp
 }
 
-/// The final event of a stream whose replica died: OpenAI's error shape, then `[DONE]`.
+/// What the pump hands the response body.
+enum Piece {
+    Chunk(Bytes),
+    /// The stream is complete; without it, a closed channel means the pump gave up on the client.
+    End,
+}
+
+/// How a chunk's hand-over to the client went.
+enum Delivery {
+    Taken,
+    ClientGone,
+    ClientStalled,
+}
+
+/// A stream's last event when weir ends it: OpenAI's error shape, then `[DONE]`.
+fn closing_event(status: u16, kind: &'static str, code: &'static str, message: &str) -> Bytes {
+    let err = ApiError::new(status, kind, message).with_code(code).to_json();
+    Bytes::from(format!("data: {err}\n\ndata: [DONE]\n\n"))
+}
+
 fn lost_replica_event() -> Bytes {
-    let err = ApiError::new(
+    closing_event(
         503,
         "ServiceUnavailableError",
+        "replica_lost",
         "the engine replica failed mid-stream; the partial answer was billed as streamed",
     )
-    .to_json();
-    Bytes::from(format!("data: {err}\n\ndata: [DONE]\n\n"))
+}
+
+fn deadline_event() -> Bytes {
+    closing_event(
+        408,
+        "TimeoutError",
+        "stream_deadline",
+        "the stream reached the gateway's longest stream duration and was ended; the partial answer was billed as streamed",
+    )
+}
+
+fn slow_client_event() -> Bytes {
+    closing_event(
+        408,
+        "TimeoutError",
+        "slow_client",
+        "the stream was read too slowly and was ended to free the engine; the partial answer was billed as streamed",
+    )
 }
 
 fn relay_stream(
     flight: Flight,
     upstream: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
-    futures::stream::unfold(Some((flight, upstream)), |state| async move {
-        let (mut flight, mut upstream) = state?;
-        match tokio::time::timeout(IDLE_TIMEOUT, upstream.next()).await {
+    let (tx, rx) = mpsc::channel(1);
+    tokio::spawn(pump(flight, upstream, tx));
+    futures::stream::unfold(Some(rx), |rx| async move {
+        let mut rx: mpsc::Receiver<Piece> = rx?;
+        match rx.recv().await {
+            Some(Piece::Chunk(chunk)) => Some((Ok(chunk), Some(rx))),
+            Some(Piece::End) => None,
+            // The pump gave up on this client: say so if it is still there to read it.
+            None => Some((Ok(slow_client_event()), None)),
+        }
+    })
+}
+
+/// Relays the replica's stream to the body channel until it ends, the client leaves or stalls,
+/// or the stream's time is up; settles the flight on every path.
+async fn pump(
+    mut flight: Flight,
+    mut upstream: impl Stream<Item = reqwest::Result<Bytes>> + Unpin,
+    tx: mpsc::Sender<Piece>,
+) {
+    let limits = flight.app.relay.clone();
+    let stall = Duration::from_millis(limits.client_stall_ms);
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.max_stream_ms);
+    let deliver = |piece: Piece| {
+        let tx = tx.clone();
+        async move {
+            match tokio::time::timeout(stall, tx.send(piece)).await {
+                Ok(Ok(())) => Delivery::Taken,
+                Ok(Err(_)) => Delivery::ClientGone,
+                Err(_) => Delivery::ClientStalled,
+            }
+        }
+    };
+    loop {
+        let next = tokio::select! {
+            next = tokio::time::timeout(IDLE_TIMEOUT, upstream.next()) => next,
+            () = tx.closed() => {
+                flight.finish("cancelled", None);
+                return;
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                drop(upstream);
+                flight.finish("stream_deadline", None);
+                if let Delivery::Taken = deliver(Piece::Chunk(deadline_event())).await {
+                    deliver(Piece::End).await;
+                }
+                return;
+            }
+        };
+        match next {
             Ok(Some(Ok(chunk))) => {
                 flight.observe(&chunk);
-                Some((Ok(chunk), Some((flight, upstream))))
+                match deliver(Piece::Chunk(chunk)).await {
+                    Delivery::Taken => {}
+                    Delivery::ClientGone => {
+                        flight.finish("cancelled", None);
+                        return;
+                    }
+                    Delivery::ClientStalled => {
+                        drop(upstream);
+                        flight.finish("slow_client", None);
+                        return;
+                    }
+                }
             }
             Ok(None) => {
                 flight.finish("ok", None);
-                None
+                deliver(Piece::End).await;
+                return;
             }
             Ok(Some(Err(_))) | Err(_) => {
                 let _ = flight.app.events.send(Event::ReplicaFailed {
                     pool: flight.assignment.pool,
                     replica: flight.assignment.replica,
                 });
+                drop(upstream);
                 flight.finish("failed", None);
-                Some((Ok(lost_replica_event()), None))
+                if let Delivery::Taken = deliver(Piece::Chunk(lost_replica_event())).await {
+                    deliver(Piece::End).await;
+                }
+                return;
             }
         }
-    })
+    }
 }

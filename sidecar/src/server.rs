@@ -41,6 +41,7 @@ pub struct App {
     pub pools: Vec<(String, usize)>,
     pub cache_salt_secret: String,
     pub queue_deadline_ms: u64,
+    pub relay: crate::config::RelayConfig,
 }
 
 /// What the filter established about a request.
