@@ -215,6 +215,15 @@ impl Sidecar {
         self.child.id()
     }
 
+    /// Sends SIGTERM, as Kubernetes does, and waits up to `within` for the sidecar to exit.
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        wait_for(within, || self.child.try_wait().ok().flatten())
+    }
+
     /// Text of the sidecar's `/metrics` (on its admin address).
     pub async fn metrics(&self) -> String {
         reqwest::get(format!("{}/metrics", self.admin))

@@ -495,3 +495,85 @@ async fn a_slow_reader_does_not_hold_the_engine_past_the_streams_deadline() {
     let event: Value = serde_json::from_str(error.trim_start_matches("data: ")).unwrap();
     assert_eq!(event["error"]["code"], "stream_deadline");
 }
+
+#[tokio::test]
+async fn sigterm_under_load_leaves_one_record_for_every_answered_request() {
+    let _turn = turn().await;
+    let s = stack();
+    let mut config = sidecar_config(&s.sims);
+    config["shutdown_grace_ms"] = json!(1500);
+    let (mut sidecar, envoy) = start_sidecar(&s.sims, config);
+    let envoy = &envoy;
+    let start = std::time::Instant::now();
+    // Short answers that finish within the grace period and long ones that do not, streamed
+    // and not, arriving until and after the signal.
+    let client = |c: usize| async move {
+        let mut answered = 0;
+        let mut i = 0;
+        while start.elapsed() < Duration::from_secs(3) {
+            let (max_tokens, stream) = match (c + i) % 4 {
+                0 => (3000, true),
+                1 => (3000, false),
+                2 => (100, true),
+                _ => (100, false),
+            };
+            i += 1;
+            let body = chat(
+                "tiny",
+                &format!("client {c} request {i}"),
+                json!({"max_tokens": max_tokens, "ignore_eos": true, "stream": stream}),
+            );
+            let Ok(resp) = tokio::time::timeout(Duration::from_secs(10), post(envoy, "term", body)).await
+            else {
+                continue;
+            };
+            let ok = resp.status() == StatusCode::OK;
+            let text = resp.text().await.unwrap_or_default();
+            // An answer from the engine, or the sidecar's word that it was cut at the deadline.
+            if ok || text.contains("shutting_down") {
+                answered += 1;
+            }
+        }
+        answered
+    };
+    let signal = async {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        tokio::task::spawn_blocking(move || {
+            let sent = std::time::Instant::now();
+            let status = sidecar.terminate(Duration::from_secs(10));
+            (sidecar, status, sent.elapsed())
+        })
+        .await
+        .unwrap()
+    };
+    let (answered, (sidecar, status, took)) =
+        tokio::join!(futures::future::join_all((0..12).map(client)), signal);
+    let answered: usize = answered.iter().sum();
+    let status = status.expect("the sidecar exits after SIGTERM");
+    let records: Vec<_> = ledger(&sidecar)
+        .into_iter()
+        .filter(|r| r.tenant == "acme/lab/res/term")
+        .collect();
+    let ids: std::collections::HashSet<_> = records.iter().map(|r| &r.request_id).collect();
+    assert_eq!(ids.len(), records.len(), "one record per request");
+    println!(
+        "{answered} answered, {} records, {} cut at the grace deadline",
+        records.len(),
+        records.iter().filter(|r| r.outcome == "shutdown").count()
+    );
+    assert!(answered > 12, "under load: {answered}");
+    assert_eq!(
+        records.len(),
+        answered,
+        "every request that got an answer has its record"
+    );
+    assert!(
+        records.iter().any(|r| r.outcome == "shutdown"),
+        "long requests were still running at the deadline"
+    );
+    assert!(status.success(), "a clean exit: {status:?}");
+    assert!(
+        took < Duration::from_millis(1500 + 4000),
+        "within the grace period and a flush: {took:?}"
+    );
+}

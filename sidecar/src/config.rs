@@ -23,6 +23,10 @@ pub struct SidecarConfig {
     pub queue: QueueConfig,
     #[serde(default)]
     pub relay: RelayConfig,
+    /// On SIGTERM or SIGINT: how long in-flight requests may run on (no new connections are
+    /// accepted) before the rest are ended, each with its ledger record.
+    #[serde(default = "default_shutdown_grace_ms")]
+    pub shutdown_grace_ms: u64,
     /// Secret mixed into each tenant's `cache_salt`, so salts cannot be guessed across tenants.
     pub cache_salt_secret: String,
     #[serde(default = "default_ledger")]
@@ -112,6 +116,11 @@ fn default_listen() -> SocketAddr {
 
 fn default_admin_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9101))
+}
+
+fn default_shutdown_grace_ms() -> u64 {
+    // Inside Kubernetes' default 30 s termination grace period, with time to flush the ledger.
+    25_000
 }
 
 fn default_policy() -> String {

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use clap::Parser;
-use tokio::sync::mpsc;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{mpsc, watch};
 use tracing_subscriber::EnvFilter;
 use weir_core::scheduler::Policy;
 use weir_sidecar::config::SidecarConfig;
@@ -40,6 +41,10 @@ struct Cli {
 
 /// How often each replica's `/metrics` is read (it doubles as the health probe).
 const PROBE_EVERY: Duration = Duration::from_millis(100);
+/// After the grace period, how long the ended requests get to hand back their records.
+const CUT_WAIT: Duration = Duration::from_secs(2);
+/// How long the ledger may take to write what it was sent before the process exits.
+const LEDGER_FLUSH_WAIT: Duration = Duration::from_secs(5);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -84,6 +89,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let ledger = Ledger::start(&config.ledger)?;
+    let (cut, cut_rx) = watch::channel(false);
     let app = Arc::new(App {
         events: events.clone(),
         ledger_reader: std::sync::Mutex::new(weir_sidecar::ledger::open(&config.ledger)?),
@@ -99,6 +105,7 @@ async fn main() -> anyhow::Result<()> {
         cache_salt_secret: config.cache_salt_secret.clone(),
         queue_deadline_ms: config.queue.deadline_ms,
         relay: config.relay.clone(),
+        cut: cut_rx,
     });
     let dispatcher = Dispatcher::new(
         policy,
@@ -122,12 +129,73 @@ async fn main() -> anyhow::Result<()> {
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
+    let (stop, stopping) = watch::channel(false);
+    let mut api = tokio::spawn(
+        axum::serve(listener, router(app.clone()))
+            .with_graceful_shutdown(raised(stopping.clone()))
+            .into_future(),
+    );
+    let admin = tokio::spawn(
+        axum::serve(admin, admin_router(app.clone()))
+            .with_graceful_shutdown(raised(stopping))
+            .into_future(),
+    );
     tokio::select! {
-        result = axum::serve(listener, router(app.clone())) => result?,
-        result = axum::serve(admin, admin_router(app)) => result?,
+        result = &mut api => {
+            result??;
+            return Ok(());
+        }
+        () = termination() => {}
+    }
+    drain(app, stop, cut, api, admin, Duration::from_millis(config.shutdown_grace_ms)).await;
+    Ok(())
+}
+
+/// Resolves on SIGTERM (what Kubernetes sends) or SIGINT (Ctrl-C).
+async fn termination() {
+    let terminate = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = terminate => {}
         _ = tokio::signal::ctrl_c() => {}
     }
-    Ok(())
+}
+
+/// Resolves once `flag` turns true.
+async fn raised(mut flag: watch::Receiver<bool>) {
+    let _ = flag.wait_for(|&f| f).await;
+}
+
+/// Stops accepting connections, lets in-flight requests finish for up to `grace`, ends the rest
+/// (each with its record), and flushes the ledger, so no usage record is lost on the way out.
+async fn drain(
+    app: Arc<App>,
+    stop: watch::Sender<bool>,
+    cut: watch::Sender<bool>,
+    mut api: tokio::task::JoinHandle<std::io::Result<()>>,
+    admin: tokio::task::JoinHandle<std::io::Result<()>>,
+    grace: Duration,
+) {
+    tracing::info!("stopping: no new connections; in-flight requests have {grace:?} to finish");
+    let _ = stop.send(true);
+    if tokio::time::timeout(grace, &mut api).await.is_err() {
+        tracing::warn!("grace period over: ending the requests still running");
+        let _ = cut.send(true);
+        if tokio::time::timeout(CUT_WAIT, &mut api).await.is_err() {
+            api.abort();
+        }
+    }
+    admin.abort();
+    let flushed = tokio::task::spawn_blocking(move || app.ledger.flush(LEDGER_FLUSH_WAIT)).await;
+    if !matches!(flushed, Ok(true)) {
+        tracing::error!("the ledger did not flush within {LEDGER_FLUSH_WAIT:?}: records may be lost");
+    }
 }
 
 /// Reads a replica's metrics forever; an unreadable replica is reported unhealthy and ejected

@@ -7,7 +7,7 @@
 //! than `relay.client_stall_ms`, and any stream older than `relay.max_stream_ms` end the upstream
 //! request (the engine aborts and frees the KV) and the hold at once, not when hyper next polls
 //! the body; the client then gets an OpenAI-shaped error event and `[DONE]`. A replica that dies
-//! mid-stream ends the stream the same way.
+//! mid-stream, and the end of the shutdown grace period, end the stream the same way.
 //! Every path ends in [`Flight::finish`]: one ledger record, KV given back (the assignment is
 //! the hold on the replica, released when the flight finishes or is dropped).
 
@@ -192,14 +192,20 @@ impl Drop for Flight {
 /// Sends the request to its replica and relays the answer.
 pub async fn relay(mut flight: Flight, path: &str, body: Vec<u8>, stream: bool) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
-    let sent = flight
-        .app
+    let app = flight.app.clone();
+    if *app.cut.borrow() {
+        return cut_short(flight);
+    }
+    let request = app
         .http
         .post(url)
         .header(header::CONTENT_TYPE, "application/json")
         .body(body)
-        .send()
-        .await;
+        .send();
+    let sent = tokio::select! {
+        sent = request => sent,
+        () = cut(&app) => return cut_short(flight),
+    };
     let upstream = match sent {
         Ok(resp) => resp,
         Err(e) => {
@@ -219,7 +225,10 @@ pub async fn relay(mut flight: Flight, path: &str, body: Vec<u8>, stream: bool) 
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     if !status.is_success() || !stream {
-        let bytes = upstream.bytes().await;
+        let bytes = tokio::select! {
+            bytes = upstream.bytes() => bytes,
+            () = cut(&app) => return cut_short(flight),
+        };
         let outcome = if status.is_success() {
             "ok"
         } else {
@@ -260,6 +269,27 @@ pub async fn relay(mut flight: Flight, path: &str, body: Vec<u8>, stream: bool) 
     resp
 }
 
+/// Resolves when the sidecar's shutdown grace period is over (never, if it never stops).
+async fn cut(app: &App) {
+    let mut cut = app.cut.clone();
+    if cut.wait_for(|&c| c).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// A request still running when the shutdown grace period ends: recorded, then refused.
+fn cut_short(mut flight: Flight) -> Response {
+    flight.finish("shutdown", None);
+    error_response(
+        &ApiError::new(
+            503,
+            "ServiceUnavailableError",
+            "the gateway's scheduler is restarting; retry",
+        )
+        .with_code("shutting_down"),
+    )
+}
+
 /// What the pump hands the response body.
 enum Piece {
     Chunk(Bytes),
@@ -298,6 +328,15 @@ fn deadline_event() -> Bytes {
     )
 }
 
+fn shutdown_event() -> Bytes {
+    closing_event(
+        503,
+        "ServiceUnavailableError",
+        "shutting_down",
+        "the gateway's scheduler restarted mid-stream; the partial answer was billed as streamed",
+    )
+}
+
 fn slow_client_event() -> Bytes {
     closing_event(
         408,
@@ -331,7 +370,8 @@ async fn pump(
     mut upstream: impl Stream<Item = reqwest::Result<Bytes>> + Unpin,
     tx: mpsc::Sender<Piece>,
 ) {
-    let limits = flight.app.relay.clone();
+    let app = flight.app.clone();
+    let limits = app.relay.clone();
     let stall = Duration::from_millis(limits.client_stall_ms);
     let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.max_stream_ms);
     let deliver = |piece: Piece| {
@@ -355,6 +395,14 @@ async fn pump(
                 drop(upstream);
                 flight.finish("stream_deadline", None);
                 if let Delivery::Taken = deliver(Piece::Chunk(deadline_event())).await {
+                    deliver(Piece::End).await;
+                }
+                return;
+            }
+            () = cut(&app) => {
+                drop(upstream);
+                flight.finish("shutdown", None);
+                if let Delivery::Taken = deliver(Piece::Chunk(shutdown_event())).await {
                     deliver(Piece::End).await;
                 }
                 return;

@@ -42,6 +42,9 @@ pub struct App {
     pub cache_salt_secret: String,
     pub queue_deadline_ms: u64,
     pub relay: crate::config::RelayConfig,
+    /// Turns true when the shutdown grace period ends: every request still running is ended
+    /// and recorded.
+    pub cut: tokio::sync::watch::Receiver<bool>,
 }
 
 /// What the filter established about a request.
