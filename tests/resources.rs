@@ -40,7 +40,14 @@ fn weir_config() -> Value {
 
 fn tiny(extra: &[&str]) -> Sim {
     let args = [
-        &["--preset", "tiny", "--time-scale", "10", "--output-len", "fixed:20"][..],
+        &[
+            "--preset",
+            "tiny",
+            "--time-scale",
+            "10",
+            "--output-len",
+            "fixed:20",
+        ][..],
         extra,
     ]
     .concat();
@@ -134,7 +141,12 @@ async fn no_gateway_route_serves_the_sidecars_metrics() {
     let _turn = turn().await;
     let s = stack();
     // Some traffic first, so the sidecar has per-tenant figures to leak.
-    let resp = post(&s.envoy, "peek", chat("tiny", "hello", json!({"max_tokens": 2}))).await;
+    let resp = post(
+        &s.envoy,
+        "peek",
+        chat("tiny", "hello", json!({"max_tokens": 2})),
+    )
+    .await;
     assert_eq!(resp.status(), StatusCode::OK);
     resp.bytes().await.unwrap();
     let own = s.sidecar.metrics().await;
@@ -203,7 +215,12 @@ async fn a_request_waiting_for_room_in_one_pool_does_not_hold_up_another_pool() 
     tokio::time::sleep(Duration::from_millis(300)).await;
     // ...which must not stop its request to the other pool.
     let sent = std::time::Instant::now();
-    let resp = post(&s.envoy, "narrow", chat("tiny", "elsewhere", json!({"max_tokens": 5}))).await;
+    let resp = post(
+        &s.envoy,
+        "narrow",
+        chat("tiny", "elsewhere", json!({"max_tokens": 5})),
+    )
+    .await;
     let status = resp.status();
     let text = resp.text().await.unwrap();
     assert_eq!(status, StatusCode::OK, "{text}");
@@ -255,7 +272,10 @@ async fn requests_abandoned_at_any_stage_give_their_kv_back() {
     let held = || async {
         (
             gauge("weir_active_kv_tokens{tenant=\"acme/lab/res/quitter\"}").await,
-            gauge(&format!("weir_replica_reserved_kv_tokens{{replica=\"{narrow}\"}}")).await,
+            gauge(&format!(
+                "weir_replica_reserved_kv_tokens{{replica=\"{narrow}\"}}"
+            ))
+            .await,
             gauge(&format!("weir_replica_in_flight{{replica=\"{narrow}\"}}")).await,
         )
     };
@@ -465,7 +485,10 @@ async fn a_slow_reader_does_not_hold_the_engine_past_the_streams_deadline() {
     // Still connected and reading, but the engine's work and the reservation are gone.
     let running = s.sims[0].metric("vllm:num_requests_running").await
         + s.sims[1].metric("vllm:num_requests_running").await;
-    assert_eq!(running, 0.0, "the engine stopped generating for the slow reader");
+    assert_eq!(
+        running, 0.0,
+        "the engine stopped generating for the slow reader"
+    );
     assert_eq!(
         gauge("weir_active_kv_tokens{tenant=\"acme/lab/res/slow\"}").await,
         0.0,
@@ -523,7 +546,8 @@ async fn sigterm_under_load_leaves_one_record_for_every_answered_request() {
                 &format!("client {c} request {i}"),
                 json!({"max_tokens": max_tokens, "ignore_eos": true, "stream": stream}),
             );
-            let Ok(resp) = tokio::time::timeout(Duration::from_secs(10), post(envoy, "term", body)).await
+            let Ok(resp) =
+                tokio::time::timeout(Duration::from_secs(10), post(envoy, "term", body)).await
             else {
                 continue;
             };

@@ -396,8 +396,7 @@ impl Dispatcher {
     /// shed first under overload, and no waiting that would outlast the deadline anyway.
     fn refusal(&self, job: &Job, now: u64) -> Option<(Refusal, &'static str)> {
         let queued = self.queued();
-        if self.depth(&job.tenant) >= self.queue.max_per_tenant || queued >= self.queue.max_total
-        {
+        if self.depth(&job.tenant) >= self.queue.max_per_tenant || queued >= self.queue.max_total {
             return Some((Refusal::QueueFull, "queue_full"));
         }
         if job.tier == "free"
@@ -407,7 +406,10 @@ impl Dispatcher {
         }
         // Only once the pool is saturated does a queue mean waiting.
         let pool_queued = self.schedulers.get(job.pool).map_or(0, Scheduler::len);
-        let saturated = self.pools.get(job.pool).is_none_or(|p| !p.fits(job.kv_need));
+        let saturated = self
+            .pools
+            .get(job.pool)
+            .is_none_or(|p| !p.fits(job.kv_need));
         if saturated && self.rate > 0.0 {
             let projected_ms = pool_queued as f64 / self.rate * 1_000.0;
             if now as f64 + projected_ms > job.deadline_ms as f64 {
@@ -726,8 +728,10 @@ mod tests {
 
     #[test]
     fn a_pool_waiting_for_room_does_not_hold_up_another() {
-        let (mut d, _events) =
-            dispatcher_of(&[pool_config("a", Some(1_000)), pool_config("b", Some(1_000))], 100);
+        let (mut d, _events) = dispatcher_of(
+            &[pool_config("a", Some(1_000)), pool_config("b", Some(1_000))],
+            100,
+        );
         let (fill, mut fill_rx) = job_in(0, "t", "standard", 900);
         d.apply(Event::Enqueue(fill));
         d.dispatch(0);

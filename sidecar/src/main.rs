@@ -147,7 +147,15 @@ async fn main() -> anyhow::Result<()> {
         }
         () = termination() => {}
     }
-    drain(app, stop, cut, api, admin, Duration::from_millis(config.shutdown_grace_ms)).await;
+    drain(
+        app,
+        stop,
+        cut,
+        api,
+        admin,
+        Duration::from_millis(config.shutdown_grace_ms),
+    )
+    .await;
     Ok(())
 }
 
@@ -194,7 +202,9 @@ async fn drain(
     admin.abort();
     let flushed = tokio::task::spawn_blocking(move || app.ledger.flush(LEDGER_FLUSH_WAIT)).await;
     if !matches!(flushed, Ok(true)) {
-        tracing::error!("the ledger did not flush within {LEDGER_FLUSH_WAIT:?}: records may be lost");
+        tracing::error!(
+            "the ledger did not flush within {LEDGER_FLUSH_WAIT:?}: records may be lost"
+        );
     }
 }
 

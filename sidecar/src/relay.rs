@@ -306,7 +306,9 @@ enum Delivery {
 
 /// A stream's last event when weir ends it: OpenAI's error shape, then `[DONE]`.
 fn closing_event(status: u16, kind: &'static str, code: &'static str, message: &str) -> Bytes {
-    let err = ApiError::new(status, kind, message).with_code(code).to_json();
+    let err = ApiError::new(status, kind, message)
+        .with_code(code)
+        .to_json();
     Bytes::from(format!("data: {err}\n\ndata: [DONE]\n\n"))
 }
 
