@@ -15,8 +15,65 @@ use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
 
 struct Stack {
     sims: Vec<Sim>,
+    /// An engine that reports no KV figures at all (as SGLang or llama.cpp may not).
+    bare: String,
     sidecar: Sidecar,
     envoy: Envoy,
+}
+
+/// A minimal OpenAI-compatible engine whose `/metrics` is empty: no `vllm:cache_config_info`,
+/// nothing about KV. Answers every chat completion with one token. Serves until the test
+/// binary exits.
+fn bare_engine() -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut conn = conn;
+                loop {
+                    let mut head = String::new();
+                    let mut length = 0;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        head.push_str(&line);
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let answer = if head.starts_with("POST") {
+                        json!({"id": "chatcmpl-bare", "object": "chat.completion", "created": 0,
+                            "model": "bare", "choices": [{"index": 0, "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": "hi"}}],
+                            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+                        .to_string()
+                    } else {
+                        String::new()
+                    };
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if conn.write_all(response.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
 }
 
 /// One key per test role.
@@ -31,7 +88,11 @@ fn weir_config() -> Value {
         .collect();
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "res", "keys": keys}]}]}],
-        "models": {"tiny": {"max_context_tokens": 8192}, "narrow": {"max_context_tokens": 8192}},
+        "models": {
+            "tiny": {"max_context_tokens": 8192},
+            "narrow": {"max_context_tokens": 8192},
+            "bare": {"max_context_tokens": 8192},
+        },
         "routes": {"by_name": {"shadowed": {"mode": "shadow"}}},
         // The fast estimate above 1 kB, so a prompt can be built that it underestimates.
         "estimator": {"exact_below_bytes": 1000},
@@ -54,7 +115,7 @@ fn tiny(extra: &[&str]) -> Sim {
     Sim::start(&args)
 }
 
-fn sidecar_config(sims: &[Sim]) -> Value {
+fn sidecar_config(sims: &[Sim], bare: &str) -> Value {
     json!({
         "policy": "fair",
         "cache_salt_secret": "e2e-secret-0123456789",
@@ -65,6 +126,8 @@ fn sidecar_config(sims: &[Sim]) -> Value {
             {"model": "tiny", "replicas": [sims[0].url, sims[1].url]},
             // One replica with room for one long prompt at a time: easy to fill.
             {"model": "narrow", "replicas": [sims[2].url], "kv_tokens_per_replica": 3000},
+            // Neither the engine nor the config gives a KV capacity.
+            {"model": "bare", "replicas": [bare]},
         ],
     })
 }
@@ -90,9 +153,11 @@ fn stack() -> &'static Stack {
             tiny(&[]),
             tiny(&["--served-model-name", "narrow"]),
         ];
-        let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims));
+        let bare = bare_engine();
+        let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims, &bare));
         Stack {
             sims,
+            bare,
             sidecar,
             envoy,
         }
@@ -523,7 +588,7 @@ async fn a_slow_reader_does_not_hold_the_engine_past_the_streams_deadline() {
 async fn sigterm_under_load_leaves_one_record_for_every_answered_request() {
     let _turn = turn().await;
     let s = stack();
-    let mut config = sidecar_config(&s.sims);
+    let mut config = sidecar_config(&s.sims, &s.bare);
     config["shutdown_grace_ms"] = json!(1500);
     let (mut sidecar, envoy) = start_sidecar(&s.sims, config);
     let envoy = &envoy;
@@ -600,4 +665,24 @@ async fn sigterm_under_load_leaves_one_record_for_every_answered_request() {
         took < Duration::from_millis(1500 + 4000),
         "within the grace period and a flush: {took:?}"
     );
+}
+
+#[tokio::test]
+async fn a_pool_whose_engines_report_no_kv_figures_is_still_served() {
+    let _turn = turn().await;
+    let s = stack();
+    let requests = (0..4).map(|i| async move {
+        let body = chat("bare", &format!("hello {i}"), json!({"max_tokens": 1}));
+        tokio::time::timeout(Duration::from_secs(5), post(&s.envoy, "peek", body)).await
+    });
+    for resp in futures::future::join_all(requests).await {
+        let resp = resp.expect("dispatched at once, not left waiting for a KV budget");
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{text}");
+        assert_eq!(
+            serde_json::from_str::<Value>(&text).unwrap()["choices"][0]["message"]["content"],
+            "hi"
+        );
+    }
 }
