@@ -293,6 +293,8 @@ fn cut_short(mut flight: Flight) -> Response {
 /// What the pump hands the response body.
 enum Piece {
     Chunk(Bytes),
+    /// weir's closing event (an error and `[DONE]`): nothing follows it.
+    Last(Bytes),
     /// The stream is complete; without it, a closed channel means the pump gave up on the client.
     End,
 }
@@ -358,6 +360,7 @@ fn relay_stream(
         let mut rx: mpsc::Receiver<Piece> = rx?;
         match rx.recv().await {
             Some(Piece::Chunk(chunk)) => Some((Ok(chunk), Some(rx))),
+            Some(Piece::Last(event)) => Some((Ok(event), None)),
             Some(Piece::End) => None,
             // The pump gave up on this client: say so if it is still there to read it.
             None => Some((Ok(slow_client_event()), None)),
@@ -396,17 +399,13 @@ async fn pump(
             () = tokio::time::sleep_until(deadline) => {
                 drop(upstream);
                 flight.finish("stream_deadline", None);
-                if let Delivery::Taken = deliver(Piece::Chunk(deadline_event())).await {
-                    deliver(Piece::End).await;
-                }
+                deliver(Piece::Last(deadline_event())).await;
                 return;
             }
             () = cut(&app) => {
                 drop(upstream);
                 flight.finish("shutdown", None);
-                if let Delivery::Taken = deliver(Piece::Chunk(shutdown_event())).await {
-                    deliver(Piece::End).await;
-                }
+                deliver(Piece::Last(shutdown_event())).await;
                 return;
             }
         };
@@ -438,9 +437,7 @@ async fn pump(
                 });
                 drop(upstream);
                 flight.finish("failed", None);
-                if let Delivery::Taken = deliver(Piece::Chunk(lost_replica_event())).await {
-                    deliver(Piece::End).await;
-                }
+                deliver(Piece::Last(lost_replica_event())).await;
                 return;
             }
         }
