@@ -156,9 +156,12 @@ pub struct Dispatcher {
     pools: Vec<Pool>,
     /// Which replicas' KV budgets come from the config (not the engine's report).
     budget_configured: Vec<bool>,
+    /// KV each tenant holds across pools, against its `active_kv_tokens` cap.
     tenant_kv: HashMap<String, u64>,
-    /// When each tenant's last request arrived, for the KV headroom rule.
-    active: HashMap<String, u64>,
+    /// Per pool, KV each tenant holds there and when its last request for it arrived: the
+    /// headroom rule applies within a pool, so one pool's load never limits another's.
+    pool_kv: Vec<HashMap<String, u64>>,
+    active: Vec<HashMap<String, u64>>,
     queue: QueueConfig,
     metrics: Metrics,
     /// Dispatches per second, smoothed: what projected waits are computed from.
@@ -184,7 +187,10 @@ impl Dispatcher {
         metrics: Metrics,
         events: &mpsc::UnboundedSender<Event>,
     ) -> Self {
+        let per_pool = || pools.iter().map(|_| HashMap::new()).collect();
         Dispatcher {
+            pool_kv: per_pool(),
+            active: per_pool(),
             schedulers: pools
                 .iter()
                 .map(|_| Scheduler::new(policy, TokenWeights::default(), queue.batch_aging_ms))
@@ -193,7 +199,6 @@ impl Dispatcher {
             pools,
             budget_configured,
             tenant_kv: HashMap::new(),
-            active: HashMap::new(),
             queue,
             metrics,
             rate: 0.0,
@@ -216,7 +221,9 @@ impl Dispatcher {
                     self.measure_rate(now);
                     self.expire(now);
                     let window = self.queue.active_window_ms;
-                    self.active.retain(|_, seen| now.saturating_sub(*seen) < window);
+                    for active in &mut self.active {
+                        active.retain(|_, seen| now.saturating_sub(*seen) < window);
+                    }
                 }
             }
             while let Ok(event) = events.try_recv() {
@@ -290,6 +297,10 @@ impl Dispatcher {
             r.reserved = (r.reserved + add).saturating_sub(remove);
         }
         self.update_replica_hold(pool, replica);
+        if let Some(in_pool) = self.pool_kv.get_mut(pool) {
+            let held = in_pool.entry(t.to_owned()).or_default();
+            *held = (*held + add).saturating_sub(remove);
+        }
         let held = self.tenant_kv.entry(t.to_owned()).or_default();
         *held = (*held + add).saturating_sub(remove);
         self.metrics
@@ -436,7 +447,7 @@ impl Dispatcher {
             job.priority,
             job.arrived_ms,
         );
-        self.active.insert(t.clone(), arrived);
+        self.active[pool].insert(t.clone(), arrived);
         self.schedulers[pool].push(&t, weight, priority, job, arrived);
         self.update_counter(pool, &t);
         self.update_depth(&t);
@@ -481,12 +492,18 @@ impl Dispatcher {
             schedulers,
             pools,
             tenant_kv,
+            pool_kv,
             active,
             queue,
             fair,
             ..
         } = self;
-        let (Some(scheduler), Some(p)) = (schedulers.get_mut(pool), pools.get(pool)) else {
+        let (Some(scheduler), Some(p), Some(in_pool), Some(active)) = (
+            schedulers.get_mut(pool),
+            pools.get(pool),
+            pool_kv.get(pool),
+            active.get(pool),
+        ) else {
             return false;
         };
         // A tenant over its own KV cap, or over its share while others are active, (or a
@@ -499,13 +516,14 @@ impl Dispatcher {
                 .kv_cap
                 .is_none_or(|cap| held == 0 || held + job.kv_need <= cap);
             let others_active = active.len() > usize::from(active.contains_key(t));
+            let held_here = in_pool.get(t).copied().unwrap_or(0);
             // A pool without KV figures admits by concurrency alone: no share to keep.
             let share = (1.0 - queue.kv_headroom) * capacity as f64;
             let within_share = !*fair
                 || !others_active
-                || held == 0
+                || held_here == 0
                 || capacity == 0
-                || (held + job.kv_need) as f64 <= share;
+                || (held_here + job.kv_need) as f64 <= share;
             if !under_cap || !within_share || job.reply.is_closed() {
                 Verdict::Skip
             } else if p.fits(job.kv_need) {
@@ -745,6 +763,32 @@ mod tests {
         assert!(wait_rx.try_recv().is_err());
         // ...while pool b, which has room, is served.
         assigned(&mut other_rx);
+    }
+
+    #[test]
+    fn the_headroom_rule_holds_within_a_pool_not_across_pools() {
+        let (mut d, _events) = dispatcher_of(
+            &[pool_config("a", Some(1_000)), pool_config("b", Some(1_000))],
+            100,
+        );
+        let mut held = Vec::new();
+        for pool in [0, 1] {
+            let (j, mut rx) = job_in(pool, "big", "standard", 700);
+            d.apply(Event::Enqueue(j));
+            d.dispatch(0);
+            held.push(assigned(&mut rx));
+        }
+        // Another tenant active in pool a only: big's share of a is capped, not of b.
+        let (other, _other_rx) = job_in(0, "other", "standard", 100);
+        d.apply(Event::Enqueue(other));
+        d.dispatch(0);
+        let (in_a, mut in_a_rx) = job_in(0, "big", "standard", 200);
+        let (in_b, mut in_b_rx) = job_in(1, "big", "standard", 200);
+        d.apply(Event::Enqueue(in_a));
+        d.apply(Event::Enqueue(in_b));
+        d.dispatch(0);
+        assert!(in_a_rx.try_recv().is_err(), "700 + 200 > 80% of a");
+        assigned(&mut in_b_rx);
     }
 
     #[test]
