@@ -368,6 +368,15 @@ fn relay_stream(
     })
 }
 
+/// Hands a piece to the response body, waiting at most `stall` for the client to take the last.
+async fn deliver(tx: &mpsc::Sender<Piece>, piece: Piece, stall: Duration) -> Delivery {
+    match tokio::time::timeout(stall, tx.send(piece)).await {
+        Ok(Ok(())) => Delivery::Taken,
+        Ok(Err(_)) => Delivery::ClientGone,
+        Err(_) => Delivery::ClientStalled,
+    }
+}
+
 /// Relays the replica's stream to the body channel until it ends, the client leaves or stalls,
 /// or the stream's time is up; settles the flight on every path.
 async fn pump(
@@ -379,16 +388,7 @@ async fn pump(
     let limits = app.relay.clone();
     let stall = Duration::from_millis(limits.client_stall_ms);
     let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.max_stream_ms);
-    let deliver = |piece: Piece| {
-        let tx = tx.clone();
-        async move {
-            match tokio::time::timeout(stall, tx.send(piece)).await {
-                Ok(Ok(())) => Delivery::Taken,
-                Ok(Err(_)) => Delivery::ClientGone,
-                Err(_) => Delivery::ClientStalled,
-            }
-        }
-    };
+    let deliver = |piece: Piece| deliver(&tx, piece, stall);
     loop {
         let next = tokio::select! {
             next = tokio::time::timeout(IDLE_TIMEOUT, upstream.next()) => next,
@@ -441,5 +441,39 @@ async fn pump(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_client_that_does_not_take_a_chunk_in_time_is_stalled_and_one_that_left_is_gone() {
+        let stall = Duration::from_millis(50);
+        let (tx, mut rx) = mpsc::channel(1);
+        let chunk = || Piece::Chunk(Bytes::from_static(b"data: {}\n\n"));
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::Taken
+        ));
+        // The client has not taken that one: the next waits, then gives up.
+        let started = std::time::Instant::now();
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::ClientStalled
+        ));
+        assert!(started.elapsed() >= stall);
+        // A client reading in time is never stalled.
+        assert!(rx.recv().await.is_some());
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::Taken
+        ));
+        drop(rx);
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::ClientGone
+        ));
     }
 }
