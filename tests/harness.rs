@@ -125,7 +125,7 @@ impl Sim {
     pub fn start_from(bin: &Path, args: &[&str]) -> Sim {
         let mut cmd = Command::new(bin);
         cmd.args(["--port", "0"]).args(args);
-        let (child, addr, port) = spawn_server(cmd);
+        let (child, addr, port, _) = spawn_server(cmd);
         Sim {
             url: format!("http://{addr}"),
             port,
@@ -161,8 +161,8 @@ impl Sim {
 }
 
 /// Starts a server that prints `... http://ADDR ...` on its first stdout line once it listens;
-/// returns it with that address and port.
-fn spawn_server(mut cmd: Command) -> (Child, String, u16) {
+/// returns it with that address and port, and the whole line.
+fn spawn_server(mut cmd: Command) -> (Child, String, u16, String) {
     cmd.stdout(Stdio::piped()).stderr(Stdio::null());
     let mut child = spawn_owned(cmd);
     let mut banner = String::new();
@@ -176,13 +176,15 @@ fn spawn_server(mut cmd: Command) -> (Child, String, u16) {
         .unwrap_or_else(|| panic!("no address in {banner:?}"))
         .to_owned();
     let port = addr.rsplit(':').next().unwrap().parse().unwrap();
-    (child, addr, port)
+    (child, addr, port, banner)
 }
 
 /// A running `weir-sidecar` with its config and ledger in a temporary directory.
 pub struct Sidecar {
     pub url: String,
     pub port: u16,
+    /// The admin address (metrics, health), which the gateway never routes to.
+    pub admin: String,
     pub ledger: PathBuf,
     child: Child,
     _dir: tempfile::TempDir,
@@ -196,7 +198,7 @@ impl Drop for Sidecar {
 }
 
 impl Sidecar {
-    /// Starts the sidecar with `config` (the listen address and ledger path are filled in, and
+    /// Starts the sidecar with `config` (the listen addresses and ledger path are filled in, and
     /// the signing secret from [`signing_secret`] unless the config names its own).
     pub fn start(config: serde_json::Value) -> Sidecar {
         Sidecar::start_from(&sidecar_bin(), config)
@@ -206,6 +208,7 @@ impl Sidecar {
         let dir = tempfile::tempdir().unwrap();
         let ledger = dir.path().join("ledger.sqlite");
         config["listen"] = "127.0.0.1:0".into();
+        config["admin_listen"] = "127.0.0.1:0".into();
         config["ledger"] = ledger.display().to_string().into();
         if config.get("signing").is_none() {
             config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
@@ -216,10 +219,16 @@ impl Sidecar {
         cmd.arg("--config")
             .arg(&path)
             .env(SIGNING_SECRET_ENV, signing_secret());
-        let (child, addr, port) = spawn_server(cmd);
+        let (child, addr, port, banner) = spawn_server(cmd);
+        let admin = banner
+            .split("admin on http://")
+            .nth(1)
+            .and_then(|s| s.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no admin address in {banner:?}"));
         Sidecar {
             url: format!("http://{addr}"),
             port,
+            admin: format!("http://{admin}"),
             ledger,
             child,
             _dir: dir,
@@ -230,9 +239,18 @@ impl Sidecar {
         self.child.id()
     }
 
-    /// Text of the sidecar's `/metrics`.
+    /// Sends SIGTERM, as Kubernetes does, and waits up to `within` for the sidecar to exit.
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        wait_for(within, || self.child.try_wait().ok().flatten())
+    }
+
+    /// Text of the sidecar's `/metrics` (on its admin address).
     pub async fn metrics(&self) -> String {
-        reqwest::get(format!("{}/metrics", self.url))
+        reqwest::get(format!("{}/metrics", self.admin))
             .await
             .unwrap()
             .text()

@@ -86,7 +86,7 @@ fn stack() -> &'static Stack {
         let fifo = Sidecar::start(sidecar_config("fifo"));
         let envoy = Envoy::start(&weir_config(), sidecar.port, fifo.port);
         // The sidecar admits nothing until its probes have read every replica.
-        let addr = sidecar.url.trim_start_matches("http://").to_owned();
+        let addr = sidecar.admin.trim_start_matches("http://").to_owned();
         wait_for(Duration::from_secs(10), || {
             let text = http_get(&addr, "/metrics")?;
             (text.matches("weir_replica_healthy{").count() >= 4).then_some(())
@@ -449,7 +449,7 @@ async fn vtc_counters() -> HashMap<String, f64> {
         .lines()
         .filter_map(|l| {
             let rest = l.strip_prefix("weir_vtc_counter{tenant=\"")?;
-            let (tenant, value) = rest.split_once("\"} ")?;
+            let (tenant, value) = rest.split_once("\",pool=\"tiny\"} ")?;
             Some((tenant.to_owned(), value.parse().ok()?))
         })
         .collect()

@@ -3,7 +3,7 @@
 
 use serde_json::json;
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, workspace_root};
+use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for, workspace_root};
 
 use crate::scenario::Scenario;
 
@@ -75,8 +75,12 @@ impl Stack {
             "estimator": {"exact_below_bytes": 0},
         });
         let envoy = Envoy::start(&weir, sidecar.port, sidecar.port);
-        // Dispatch waits for the sidecar's first probe of every replica.
-        std::thread::sleep(std::time::Duration::from_millis(500));
+        // Dispatch waits for the sidecar's first probe of every replica (read on its admin port).
+        let admin = sidecar.admin.trim_start_matches("http://").to_owned();
+        wait_for(std::time::Duration::from_secs(10), || {
+            let text = http_get(&admin, "/metrics")?;
+            (text.matches("weir_replica_healthy{").count() >= replicas.len()).then_some(())
+        });
         Stack {
             envoy,
             model,

@@ -3,8 +3,11 @@
 //! Every tenant has a counter that grows by the tokens it is served, weighted
 //! (`(w_in · input + w_out · output) / weight`). The next request comes from the backlogged
 //! tenant with the smallest counter, so a tenant that floods the queue waits behind its own
-//! requests. A tenant returning from idle is lifted to the smallest backlogged counter: it cannot
-//! bank credit while away. Priority classes are strict at the same decision point (interactive
+//! requests. A tenant returning from idle cannot bank credit while away (the paper's
+//! Algorithm 2): it is lifted to the smallest backlogged counter, or, when nobody is backlogged,
+//! to the counter of the last tenant whose queue emptied. Without the second rule counters
+//! drift apart while the pool is unsaturated, and a tenant that ran alone for an hour would be
+//! starved by one that stayed quiet once contention starts. Priority classes are strict at the same decision point (interactive
 //! before batch), but a batch request that has waited longer than the aging bound goes next, so
 //! batch never starves. Each decision is O(log n) in the number of backlogged tenants.
 //! A FIFO policy exists as the baseline for benchmarks.
@@ -125,6 +128,9 @@ pub struct Scheduler<T> {
     next_seq: u64,
     decisions: u64,
     len: usize,
+    /// The tenant whose queue emptied last: an arrival to an empty scheduler is lifted to its
+    /// counter.
+    last_left: Option<usize>,
 }
 
 impl<T> Scheduler<T> {
@@ -142,6 +148,7 @@ impl<T> Scheduler<T> {
             next_seq: 0,
             decisions: 0,
             len: 0,
+            last_left: None,
         }
     }
 
@@ -202,7 +209,10 @@ impl<T> Scheduler<T> {
         let t = self.intern(tenant, weight);
         if !self.tenants[t].backlogged() {
             // Returning from idle: no credit for the time away.
-            if let Some(floor) = self.min_backlogged() {
+            let floor = self
+                .min_backlogged()
+                .or_else(|| self.last_left.map(|l| self.tenants[l].counter));
+            if let Some(floor) = floor {
                 let state = &mut self.tenants[t];
                 state.counter = state.counter.max(floor);
             }
@@ -301,6 +311,7 @@ impl<T> Scheduler<T> {
         }
         let entry = entry?;
         self.len -= 1;
+        self.note_departure(t);
         let state = &self.tenants[t];
         Some(Dispatch {
             tenant: &state.name,
@@ -331,6 +342,22 @@ impl<T> Scheduler<T> {
         }
     }
 
+    /// Replaces an input charge made from an estimate with the engine's count: an
+    /// underestimate is charged in full, an overestimate refunded.
+    pub fn correct_input(&mut self, tenant: &str, estimated: u64, reported: u64) {
+        let Some(&t) = self.by_name.get(tenant) else {
+            return;
+        };
+        for class in 0..CLASSES {
+            self.unindex_head(t, class);
+        }
+        let state = &mut self.tenants[t];
+        state.counter += self.weights.input * (reported as f64 - estimated as f64) / state.weight;
+        for class in 0..CLASSES {
+            self.index_head(t, class);
+        }
+    }
+
     /// Removes and returns every queued request matching `drop` (deadline passed, client gone).
     pub fn remove_where(&mut self, mut drop: impl FnMut(&T) -> bool) -> Vec<T> {
         let mut removed = Vec::new();
@@ -347,9 +374,17 @@ impl<T> Scheduler<T> {
                 removed.extend(gone.into_iter().map(|e| e.item));
                 self.tenants[t].queues[class] = kept;
                 self.index_head(t, class);
+                self.note_departure(t);
             }
         }
         removed
+    }
+
+    /// Remembers a tenant whose queue just emptied, for lifting the next arrival.
+    fn note_departure(&mut self, t: usize) {
+        if !self.tenants[t].backlogged() {
+            self.last_left = Some(t);
+        }
     }
 
     /// Arrival time of the oldest queued request of a class, for projecting waits.
@@ -450,6 +485,47 @@ mod tests {
     }
 
     #[test]
+    fn an_arrival_to_an_empty_queue_is_lifted_to_the_last_tenant_that_left() {
+        let mut s = fair();
+        // a runs alone, unsaturated: its queue empties after every request.
+        for i in 0..10 {
+            s.push("a", 1.0, I, i, 0);
+            let d = s.pop(0).unwrap();
+            assert_eq!(d.tenant, "a");
+            s.charge("a", 1_000, 0);
+        }
+        assert!(s.is_empty());
+        // b shows up to an empty queue: no credit for the hour a ran alone...
+        s.push("b", 1.0, I, 100, 0);
+        assert_eq!(s.counter("b"), 10_000.0);
+        // ...so when contention starts they alternate instead of b monopolising.
+        s.push("a", 1.0, I, 11, 0);
+        let mut order = Vec::new();
+        for _ in 0..6 {
+            let d = s.pop(0).unwrap();
+            let t = d.tenant.to_owned();
+            s.charge(&t, 1_000, 0);
+            s.push(&t, 1.0, I, 0, 0);
+            order.push(t);
+        }
+        let b_turns = order.iter().filter(|t| *t == "b").count();
+        assert_eq!(b_turns, 3, "{order:?}");
+        // A counter never goes down by lifting.
+        let mut s = fair();
+        s.push("x", 1.0, I, 1, 0);
+        s.pop(0);
+        s.push("y", 1.0, I, 2, 0);
+        s.pop(0);
+        s.charge("y", 5_000, 0);
+        s.push("x", 1.0, I, 3, 0);
+        assert_eq!(s.counter("x"), 5_000.0);
+        s.pop(0);
+        s.charge("y", 1_000, 0);
+        s.push("y", 1.0, I, 4, 0);
+        assert_eq!(s.counter("y"), 6_000.0, "lifting never lowers a counter");
+    }
+
+    #[test]
     fn interactive_goes_before_batch_and_batch_ages() {
         let mut s = Scheduler::new(Policy::Fair, TokenWeights::default(), 5_000);
         s.push("bulk", 1.0, B, 1, 0);
@@ -543,6 +619,18 @@ mod tests {
             }
         };
         assert!(s.pop_where(0, fits).is_none());
+    }
+
+    #[test]
+    fn an_estimate_is_replaced_by_the_engines_count() {
+        let mut s = Scheduler::new(Policy::Fair, TokenWeights::default(), 60_000);
+        s.push("x", 2.0, I, 1, 0);
+        s.pop(0);
+        s.charge("x", 10, 0);
+        s.correct_input("x", 10, 3_000);
+        assert_eq!(s.counter("x"), 1_500.0, "charged in full, by weight");
+        s.correct_input("x", 3_000, 1_000);
+        assert_eq!(s.counter("x"), 500.0, "an overestimate is refunded");
     }
 
     #[test]

@@ -11,13 +11,24 @@ pub use crate::idempotency::IdempotencyConfig;
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SidecarConfig {
+    /// Where Envoy sends filtered requests: the inference API and nothing else.
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// Metrics (`/metrics`) and the probes' health check (`/health`): every tenant's figures,
+    /// so on an address the gateway never routes to (loopback by default; scrape it from the pod).
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: SocketAddr,
     /// `fair` (virtual token counter) or `fifo` (the benchmark baseline).
     #[serde(default = "default_policy")]
     pub policy: String,
     #[serde(default)]
     pub queue: QueueConfig,
+    #[serde(default)]
+    pub relay: RelayConfig,
+    /// On SIGTERM or SIGINT: how long in-flight requests may run on (no new connections are
+    /// accepted) before the rest are ended, each with its ledger record.
+    #[serde(default = "default_shutdown_grace_ms")]
+    pub shutdown_grace_ms: u64,
     /// Secret mixed into each tenant's `cache_salt`, so salts cannot be guessed across tenants.
     pub cache_salt_secret: String,
     #[serde(default = "default_ledger")]
@@ -121,6 +132,26 @@ impl Default for QueueConfig {
     }
 }
 
+/// How long a stream may hold a replica for a client: a client that stops reading (or reads a
+/// byte every few minutes) must not pin the engine's KV forever.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RelayConfig {
+    /// Longest a streamed chunk may wait for the client to take it; then the stream is ended.
+    pub client_stall_ms: u64,
+    /// Longest a stream may last from dispatch, however fast it is read.
+    pub max_stream_ms: u64,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            client_stall_ms: 30_000,
+            max_stream_ms: 30 * 60_000,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
@@ -135,10 +166,24 @@ pub struct PoolConfig {
     /// Leading prompt bytes hashed (with the tenant) to pick the affine replica.
     #[serde(default = "default_affinity_prefix")]
     pub affinity_prefix_bytes: usize,
+    /// Requests each replica runs at once when its KV capacity is unknown (no
+    /// `kv_tokens_per_replica` and no `vllm:cache_config_info` from the engine): admission then
+    /// counts requests instead of KV tokens.
+    #[serde(default = "default_max_in_flight_without_kv")]
+    pub max_in_flight_without_kv: u64,
 }
 
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9100))
+}
+
+fn default_admin_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9101))
+}
+
+fn default_shutdown_grace_ms() -> u64 {
+    // Inside Kubernetes' default 30 s termination grace period, with time to flush the ledger.
+    25_000
 }
 
 fn default_policy() -> String {
@@ -155,6 +200,10 @@ fn default_affinity_threshold() -> f64 {
 
 fn default_affinity_prefix() -> usize {
     1024
+}
+
+fn default_max_in_flight_without_kv() -> u64 {
+    16
 }
 
 impl SidecarConfig {
@@ -180,6 +229,12 @@ impl SidecarConfig {
             if pool.replicas.is_empty() {
                 bail!("pools[{i}].replicas: at least one replica is needed");
             }
+            if pool.max_in_flight_without_kv == 0 {
+                bail!("pools[{i}].max_in_flight_without_kv: at least 1");
+            }
+        }
+        if self.relay.client_stall_ms == 0 || self.relay.max_stream_ms == 0 {
+            bail!("relay: client_stall_ms and max_stream_ms must be above 0");
         }
         if self.cache_salt_secret.len() < 16 {
             bail!("cache_salt_secret: use at least 16 characters");

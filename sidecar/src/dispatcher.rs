@@ -11,7 +11,7 @@ use weir_core::scheduler::{Policy, Scheduler, TokenWeights, Verdict};
 
 use crate::config::QueueConfig;
 use crate::metrics::{Metrics, tenant};
-use crate::pool::{EngineSample, Pool};
+use crate::pool::{EngineSample, Pool, Replica};
 
 /// A request waiting for a replica.
 pub struct Job {
@@ -32,13 +32,61 @@ pub struct Job {
     pub reply: oneshot::Sender<Result<Assignment, Refusal>>,
 }
 
-/// Where a job runs.
+/// Where a job runs, and its hold on that replica (KV tokens and an in-flight slot). The hold is
+/// given back exactly once, when the assignment is dropped or [released](Self::release):
+/// whichever way the request ends — done, failed, or the client gone while the assignment was
+/// on its way, while connecting upstream or mid-stream — the replica's accounting comes down.
 #[derive(Debug)]
 pub struct Assignment {
     pub pool: usize,
     pub replica: usize,
     pub url: String,
     pub queued_ms: u64,
+    tenant: String,
+    kv_held: u64,
+    released: bool,
+    events: mpsc::UnboundedSender<Event>,
+}
+
+impl Assignment {
+    /// KV tokens held on the replica for this request.
+    pub fn kv_held(&self) -> u64 {
+        self.kv_held
+    }
+
+    /// Corrects the KV held (once the engine's prompt count replaces the estimate).
+    pub fn resize(&mut self, kv: u64) {
+        if self.released || kv == self.kv_held {
+            return;
+        }
+        let _ = self.events.send(Event::Resized {
+            pool: self.pool,
+            replica: self.replica,
+            tenant: self.tenant.clone(),
+            from: self.kv_held,
+            to: kv,
+        });
+        self.kv_held = kv;
+    }
+
+    /// Gives the KV and the slot back now; dropping it later does nothing more.
+    pub fn release(&mut self) {
+        if std::mem::replace(&mut self.released, true) {
+            return;
+        }
+        let _ = self.events.send(Event::Finished {
+            pool: self.pool,
+            replica: self.replica,
+            tenant: std::mem::take(&mut self.tenant),
+            kv_need: self.kv_held,
+        });
+    }
+}
+
+impl Drop for Assignment {
+    fn drop(&mut self) {
+        self.release();
+    }
 }
 
 /// Why a job was not dispatched.
@@ -58,11 +106,29 @@ pub enum Refusal {
 
 pub enum Event {
     Enqueue(Job),
-    /// Output tokens streamed to a tenant: charged to its virtual token counter.
+    /// Output tokens streamed to a tenant: charged to its virtual token counter in that pool.
     Served {
+        pool: usize,
         tenant: String,
         output_tokens: u64,
     },
+    /// The engine counted a prompt of `reported` tokens that was charged at dispatch as
+    /// `estimated`: the tenant's counter in that pool is corrected.
+    Reconciled {
+        pool: usize,
+        tenant: String,
+        estimated: u64,
+        reported: u64,
+    },
+    /// Sent by [`Assignment::resize`]: a running request's KV hold, corrected.
+    Resized {
+        pool: usize,
+        replica: usize,
+        tenant: String,
+        from: u64,
+        to: u64,
+    },
+    /// Sent by [`Assignment`] only, so it comes exactly once per dispatch.
     Finished {
         pool: usize,
         replica: usize,
@@ -81,21 +147,29 @@ pub enum Event {
 }
 
 pub struct Dispatcher {
-    scheduler: Scheduler<Job>,
+    /// One scheduler per pool: decisions are made per pool, so a request waiting for room in
+    /// one pool never holds up another pool's work. Counters are per pool too (each pool is a
+    /// resource shared on its own).
+    schedulers: Vec<Scheduler<Job>>,
     /// The FIFO baseline is plain arrival order: no headroom rule either.
     fair: bool,
     pools: Vec<Pool>,
     /// Which replicas' KV budgets come from the config (not the engine's report).
     budget_configured: Vec<bool>,
+    /// KV each tenant holds across pools, against its `active_kv_tokens` cap.
     tenant_kv: HashMap<String, u64>,
-    /// When each tenant's last request arrived, for the KV headroom rule.
-    active: HashMap<String, u64>,
+    /// Per pool, KV each tenant holds there and when its last request for it arrived: the
+    /// headroom rule applies within a pool, so one pool's load never limits another's.
+    pool_kv: Vec<HashMap<String, u64>>,
+    active: Vec<HashMap<String, u64>>,
     queue: QueueConfig,
     metrics: Metrics,
     /// Dispatches per second, smoothed: what projected waits are computed from.
     rate: f64,
     dispatched_since_tick: u64,
     last_tick_ms: u64,
+    /// For the assignments' releases; weak, so the loop still ends when every handler is gone.
+    events: mpsc::WeakUnboundedSender<Event>,
 }
 
 pub fn now_ms() -> u64 {
@@ -111,19 +185,26 @@ impl Dispatcher {
         budget_configured: Vec<bool>,
         queue: QueueConfig,
         metrics: Metrics,
+        events: &mpsc::UnboundedSender<Event>,
     ) -> Self {
+        let per_pool = || pools.iter().map(|_| HashMap::new()).collect();
         Dispatcher {
-            scheduler: Scheduler::new(policy, TokenWeights::default(), queue.batch_aging_ms),
+            pool_kv: per_pool(),
+            active: per_pool(),
+            schedulers: pools
+                .iter()
+                .map(|_| Scheduler::new(policy, TokenWeights::default(), queue.batch_aging_ms))
+                .collect(),
             fair: policy == Policy::Fair,
             pools,
             budget_configured,
             tenant_kv: HashMap::new(),
-            active: HashMap::new(),
             queue,
             metrics,
             rate: 0.0,
             dispatched_since_tick: 0,
             last_tick_ms: now_ms(),
+            events: events.downgrade(),
         }
     }
 
@@ -140,7 +221,9 @@ impl Dispatcher {
                     self.measure_rate(now);
                     self.expire(now);
                     let window = self.queue.active_window_ms;
-                    self.active.retain(|_, seen| now.saturating_sub(*seen) < window);
+                    for active in &mut self.active {
+                        active.retain(|_, seen| now.saturating_sub(*seen) < window);
+                    }
                 }
             }
             while let Ok(event) = events.try_recv() {
@@ -154,14 +237,35 @@ impl Dispatcher {
         match event {
             Event::Enqueue(job) => self.enqueue(job),
             Event::Served {
+                pool,
                 tenant: t,
                 output_tokens,
             } => {
-                self.scheduler.charge(&t, 0, output_tokens);
-                self.metrics
-                    .vtc_counter
-                    .get_or_create(&tenant(&t))
-                    .set(self.scheduler.counter(&t));
+                if let Some(s) = self.schedulers.get_mut(pool) {
+                    s.charge(&t, 0, output_tokens);
+                }
+                self.update_counter(pool, &t);
+            }
+            Event::Reconciled {
+                pool,
+                tenant: t,
+                estimated,
+                reported,
+            } => {
+                if let Some(s) = self.schedulers.get_mut(pool) {
+                    s.correct_input(&t, estimated, reported);
+                }
+                self.update_counter(pool, &t);
+            }
+            Event::Resized {
+                pool,
+                replica,
+                tenant: t,
+                from,
+                to,
+            } => {
+                self.adjust_hold(pool, replica, &t, 0, from);
+                self.adjust_hold(pool, replica, &t, to, 0);
             }
             Event::Finished {
                 pool,
@@ -169,27 +273,13 @@ impl Dispatcher {
                 tenant: t,
                 kv_need,
             } => {
-                if let Some(r) = self
-                    .pools
-                    .get_mut(pool)
-                    .and_then(|p| p.replicas.get_mut(replica))
-                {
-                    r.reserved = r.reserved.saturating_sub(kv_need);
+                if let Some(r) = self.replica_mut(pool, replica) {
                     r.in_flight = r.in_flight.saturating_sub(1);
                 }
-                let held = self.tenant_kv.entry(t.clone()).or_default();
-                *held = held.saturating_sub(kv_need);
-                self.metrics
-                    .active_kv_tokens
-                    .get_or_create(&tenant(&t))
-                    .set(*held as i64);
+                self.adjust_hold(pool, replica, &t, 0, kv_need);
             }
             Event::ReplicaFailed { pool, replica } => {
-                if let Some(r) = self
-                    .pools
-                    .get_mut(pool)
-                    .and_then(|p| p.replicas.get_mut(replica))
-                {
+                if let Some(r) = self.replica_mut(pool, replica) {
                     r.healthy = false;
                 }
             }
@@ -199,6 +289,55 @@ impl Dispatcher {
                 sample,
             } => self.observe(pool, replica, sample),
         }
+    }
+
+    /// Adds `add` and removes `remove` KV tokens held by a tenant on a replica.
+    fn adjust_hold(&mut self, pool: usize, replica: usize, t: &str, add: u64, remove: u64) {
+        if let Some(r) = self.replica_mut(pool, replica) {
+            r.reserved = (r.reserved + add).saturating_sub(remove);
+        }
+        self.update_replica_hold(pool, replica);
+        if let Some(in_pool) = self.pool_kv.get_mut(pool) {
+            let held = in_pool.entry(t.to_owned()).or_default();
+            *held = (*held + add).saturating_sub(remove);
+        }
+        let held = self.tenant_kv.entry(t.to_owned()).or_default();
+        *held = (*held + add).saturating_sub(remove);
+        self.metrics
+            .active_kv_tokens
+            .get_or_create(&tenant(t))
+            .set(*held as i64);
+    }
+
+    fn replica_mut(&mut self, pool: usize, replica: usize) -> Option<&mut Replica> {
+        self.pools
+            .get_mut(pool)
+            .and_then(|p| p.replicas.get_mut(replica))
+    }
+
+    fn update_counter(&self, pool: usize, t: &str) {
+        let (Some(s), Some(p)) = (self.schedulers.get(pool), self.pools.get(pool)) else {
+            return;
+        };
+        self.metrics
+            .vtc_counter
+            .get_or_create(&vec![("tenant", t.to_owned()), ("pool", p.model.clone())])
+            .set(s.counter(t));
+    }
+
+    fn update_replica_hold(&self, pool: usize, replica: usize) {
+        let Some(r) = self.pools.get(pool).and_then(|p| p.replicas.get(replica)) else {
+            return;
+        };
+        let labels = vec![("replica", r.url.clone())];
+        self.metrics
+            .replica_reserved_kv
+            .get_or_create(&labels)
+            .set(r.reserved as i64);
+        self.metrics
+            .replica_in_flight
+            .get_or_create(&labels)
+            .set(r.in_flight as i64);
     }
 
     fn observe(&mut self, pool: usize, replica: usize, sample: Option<EngineSample>) {
@@ -236,11 +375,21 @@ impl Dispatcher {
             .set(r.engine.waiting as i64);
     }
 
+    /// Requests waiting, in every pool.
+    fn queued(&self) -> usize {
+        self.schedulers.iter().map(Scheduler::len).sum()
+    }
+
+    /// Requests a tenant has waiting, in every pool.
+    fn depth(&self, t: &str) -> usize {
+        self.schedulers.iter().map(|s| s.depth(t)).sum()
+    }
+
     /// Smooths the dispatch rate over one-second windows. Idle windows (nothing dispatched,
     /// nothing waiting) say nothing about capacity and leave it as it was.
     fn measure_rate(&mut self, now: u64) {
         let elapsed = now.saturating_sub(self.last_tick_ms);
-        if elapsed >= 1_000 && self.dispatched_since_tick == 0 && self.scheduler.is_empty() {
+        if elapsed >= 1_000 && self.dispatched_since_tick == 0 && self.queued() == 0 {
             self.last_tick_ms = now;
         } else if elapsed >= 1_000 {
             let current = self.dispatched_since_tick as f64 * 1_000.0 / elapsed as f64;
@@ -257,10 +406,8 @@ impl Dispatcher {
     /// Turns a job away at once when it cannot be served in time: bounded queues, free tier
     /// shed first under overload, and no waiting that would outlast the deadline anyway.
     fn refusal(&self, job: &Job, now: u64) -> Option<(Refusal, &'static str)> {
-        let queued = self.scheduler.len();
-        if self.scheduler.depth(&job.tenant) >= self.queue.max_per_tenant
-            || queued >= self.queue.max_total
-        {
+        let queued = self.queued();
+        if self.depth(&job.tenant) >= self.queue.max_per_tenant || queued >= self.queue.max_total {
             return Some((Refusal::QueueFull, "queue_full"));
         }
         if job.tier == "free"
@@ -269,9 +416,13 @@ impl Dispatcher {
             return Some((Refusal::Shed, "shed_free_tier"));
         }
         // Only once the pool is saturated does a queue mean waiting.
-        let saturated = !self.pools[job.pool].fits(job.kv_need);
+        let pool_queued = self.schedulers.get(job.pool).map_or(0, Scheduler::len);
+        let saturated = self
+            .pools
+            .get(job.pool)
+            .is_none_or(|p| !p.fits(job.kv_need));
         if saturated && self.rate > 0.0 {
-            let projected_ms = queued as f64 / self.rate * 1_000.0;
+            let projected_ms = pool_queued as f64 / self.rate * 1_000.0;
             if now as f64 + projected_ms > job.deadline_ms as f64 {
                 return Some((Refusal::ProjectedWait, "projected_wait"));
             }
@@ -280,15 +431,25 @@ impl Dispatcher {
     }
 
     fn enqueue(&mut self, job: Job) {
+        if job.pool >= self.pools.len() {
+            let _ = job.reply.send(Err(Refusal::NoReplica));
+            return;
+        }
         if let Some((refusal, reason)) = self.refusal(&job, now_ms()) {
             self.metrics.reject(reason);
             let _ = job.reply.send(Err(refusal));
             return;
         }
-        let (t, weight, priority, arrived) =
-            (job.tenant.clone(), job.weight, job.priority, job.arrived_ms);
-        self.active.insert(t.clone(), arrived);
-        self.scheduler.push(&t, weight, priority, job, arrived);
+        let (t, pool, weight, priority, arrived) = (
+            job.tenant.clone(),
+            job.pool,
+            job.weight,
+            job.priority,
+            job.arrived_ms,
+        );
+        self.active[pool].insert(t.clone(), arrived);
+        self.schedulers[pool].push(&t, weight, priority, job, arrived);
+        self.update_counter(pool, &t);
         self.update_depth(&t);
     }
 
@@ -296,14 +457,16 @@ impl Dispatcher {
         self.metrics
             .queue_depth
             .get_or_create(&tenant(t))
-            .set(self.scheduler.depth(t) as i64);
+            .set(self.depth(t) as i64);
     }
 
     /// Drops jobs whose deadline passed (they get a retryable refusal) or whose client left.
     fn expire(&mut self, now: u64) {
-        let gone = self
-            .scheduler
-            .remove_where(|job| job.deadline_ms <= now || job.reply.is_closed());
+        let gone: Vec<Job> = self
+            .schedulers
+            .iter_mut()
+            .flat_map(|s| s.remove_where(|job| job.deadline_ms <= now || job.reply.is_closed()))
+            .collect();
         for job in gone {
             self.update_depth(&job.tenant);
             if !job.reply.is_closed() {
@@ -313,81 +476,96 @@ impl Dispatcher {
         }
     }
 
-    /// Hands out work while something fits: the fairest eligible job first.
+    /// Hands out work while something fits, pool by pool: the fairest eligible job first.
     fn dispatch(&mut self, now: u64) {
-        loop {
-            let Dispatcher {
-                scheduler,
-                pools,
-                tenant_kv,
-                active,
-                queue,
-                fair,
-                ..
-            } = self;
-            // A tenant over its own KV cap, or over its share while others are active, (or a
-            // client gone) is passed over; the next job in fair order that does not fit yet
-            // holds the line until room frees.
-            let judge = |t: &str, job: &Job| {
-                let held = tenant_kv.get(t).copied().unwrap_or(0);
-                let under_cap = job
-                    .kv_cap
-                    .is_none_or(|cap| held == 0 || held + job.kv_need <= cap);
-                let others_active = active.len() > usize::from(active.contains_key(t));
-                let share = (1.0 - queue.kv_headroom) * pools[job.pool].capacity() as f64;
-                let within_share =
-                    !*fair || !others_active || held == 0 || (held + job.kv_need) as f64 <= share;
-                if !under_cap || !within_share || job.reply.is_closed() {
-                    Verdict::Skip
-                } else if pools[job.pool].fits(job.kv_need) {
-                    Verdict::Take
-                } else {
-                    Verdict::Wait
-                }
-            };
-            let Some(d) = scheduler.pop_where(now, judge) else {
-                return;
-            };
-            let (t, job) = (d.tenant.to_owned(), d.item);
-            let pool = &mut self.pools[job.pool];
-            let Some(replica) = pool.route(job.affinity, job.kv_need) else {
-                let _ = job.reply.send(Err(Refusal::NoReplica));
-                continue;
-            };
-            let r = &mut pool.replicas[replica];
-            r.reserved += job.kv_need;
-            r.in_flight += 1;
-            let url = r.url.clone();
-            let held = self.tenant_kv.entry(t.clone()).or_default();
-            *held += job.kv_need;
-            self.metrics
-                .active_kv_tokens
-                .get_or_create(&tenant(&t))
-                .set(*held as i64);
-            self.scheduler.charge(&t, job.input_tokens, 0);
-            self.dispatched_since_tick += 1;
-            self.update_depth(&t);
-            let queued_ms = now.saturating_sub(job.arrived_ms);
-            self.metrics
-                .queue_wait
-                .get_or_create(&tenant(&t))
-                .observe(queued_ms as f64 / 1e3);
-            let assignment = Assignment {
-                pool: job.pool,
-                replica,
-                url,
-                queued_ms,
-            };
-            if job.reply.send(Ok(assignment)).is_err() {
-                // The client left between the check and now: give the room back.
-                self.apply(Event::Finished {
-                    pool: job.pool,
-                    replica,
-                    tenant: t,
-                    kv_need: job.kv_need,
-                });
-            }
+        for pool in 0..self.pools.len() {
+            while self.dispatch_one(pool, now) {}
         }
+    }
+
+    /// Dispatches the next job of a pool if one may go; false when the pool has to wait.
+    fn dispatch_one(&mut self, pool: usize, now: u64) -> bool {
+        let Some(events) = self.events.upgrade() else {
+            return false;
+        };
+        let Dispatcher {
+            schedulers,
+            pools,
+            tenant_kv,
+            pool_kv,
+            active,
+            queue,
+            fair,
+            ..
+        } = self;
+        let (Some(scheduler), Some(p), Some(in_pool), Some(active)) = (
+            schedulers.get_mut(pool),
+            pools.get(pool),
+            pool_kv.get(pool),
+            active.get(pool),
+        ) else {
+            return false;
+        };
+        // A tenant over its own KV cap, or over its share while others are active, (or a
+        // client gone) is passed over; the next job in fair order that does not fit yet
+        // holds the line until room frees.
+        let capacity = p.capacity();
+        let judge = |t: &str, job: &Job| {
+            let held = tenant_kv.get(t).copied().unwrap_or(0);
+            let under_cap = job
+                .kv_cap
+                .is_none_or(|cap| held == 0 || held + job.kv_need <= cap);
+            let others_active = active.len() > usize::from(active.contains_key(t));
+            let held_here = in_pool.get(t).copied().unwrap_or(0);
+            // A pool without KV figures admits by concurrency alone: no share to keep.
+            let share = (1.0 - queue.kv_headroom) * capacity as f64;
+            let within_share = !*fair
+                || !others_active
+                || held_here == 0
+                || capacity == 0
+                || (held_here + job.kv_need) as f64 <= share;
+            if !under_cap || !within_share || job.reply.is_closed() {
+                Verdict::Skip
+            } else if p.fits(job.kv_need) {
+                Verdict::Take
+            } else {
+                Verdict::Wait
+            }
+        };
+        let Some(d) = scheduler.pop_where(now, judge) else {
+            return false;
+        };
+        let (t, job) = (d.tenant.to_owned(), d.item);
+        let Some(replica) = self.pools[pool].route(job.affinity, job.kv_need) else {
+            let _ = job.reply.send(Err(Refusal::NoReplica));
+            return true;
+        };
+        let r = &mut self.pools[pool].replicas[replica];
+        r.in_flight += 1;
+        let url = r.url.clone();
+        self.adjust_hold(pool, replica, &t, job.kv_need, 0);
+        self.schedulers[pool].charge(&t, job.input_tokens, 0);
+        self.update_counter(pool, &t);
+        self.dispatched_since_tick += 1;
+        self.update_depth(&t);
+        let queued_ms = now.saturating_sub(job.arrived_ms);
+        self.metrics
+            .queue_wait
+            .get_or_create(&tenant(&t))
+            .observe(queued_ms as f64 / 1e3);
+        // If the client left between the check and now, the assignment comes back and is
+        // dropped here, which gives the room back.
+        let _ = job.reply.send(Ok(Assignment {
+            pool,
+            replica,
+            url,
+            queued_ms,
+            tenant: t,
+            kv_held: job.kv_need,
+            released: false,
+            events,
+        }));
+        true
     }
 }
 
@@ -396,42 +574,79 @@ mod tests {
     use super::*;
     use crate::config::PoolConfig;
 
-    fn dispatcher(max_total: usize) -> Dispatcher {
-        let config = PoolConfig {
-            model: "m".into(),
-            replicas: vec!["http://r0".into()],
-            kv_tokens_per_replica: Some(1_000),
+    type Reply = oneshot::Receiver<Result<Assignment, Refusal>>;
+
+    fn pool_config(model: &str, kv: Option<u64>) -> PoolConfig {
+        PoolConfig {
+            model: model.into(),
+            replicas: vec![format!("http://{model}")],
+            kv_tokens_per_replica: kv,
             affinity_load_threshold: 0.85,
             affinity_prefix_bytes: 64,
-        };
-        let mut pool = Pool::new(&config);
-        pool.replicas[0].healthy = true;
+            max_in_flight_without_kv: 2,
+        }
+    }
+
+    /// The handlers' side of the event channel (the dispatcher holds the sender only weakly).
+    type Events = (mpsc::UnboundedSender<Event>, mpsc::UnboundedReceiver<Event>);
+
+    /// A dispatcher over healthy pools, with the channel of the events it is sent.
+    fn dispatcher_of(configs: &[PoolConfig], max_total: usize) -> (Dispatcher, Events) {
+        let pools = configs
+            .iter()
+            .map(|c| {
+                let mut pool = Pool::new(c);
+                for r in &mut pool.replicas {
+                    r.healthy = true;
+                }
+                pool
+            })
+            .collect();
         let queue = QueueConfig {
             max_per_tenant: 3,
             max_total,
             ..QueueConfig::default()
         };
-        Dispatcher::new(
+        let (tx, rx) = mpsc::unbounded_channel();
+        let configured = configs
+            .iter()
+            .map(|c| c.kv_tokens_per_replica.is_some())
+            .collect();
+        let d = Dispatcher::new(
             Policy::Fair,
-            vec![pool],
-            vec![true],
+            pools,
+            configured,
             queue,
             Metrics::new().0,
-        )
+            &tx,
+        );
+        (d, (tx, rx))
     }
 
-    fn job(
-        tenant: &str,
-        tier: &str,
-        kv_need: u64,
-    ) -> (Job, oneshot::Receiver<Result<Assignment, Refusal>>) {
+    fn dispatcher(max_total: usize) -> (Dispatcher, Events) {
+        dispatcher_of(&[pool_config("m", Some(1_000))], max_total)
+    }
+
+    /// Applies what was sent to the dispatcher (releases of dropped assignments), then dispatches.
+    fn settle(d: &mut Dispatcher, events: &mut Events) {
+        while let Ok(event) = events.1.try_recv() {
+            d.apply(event);
+        }
+        d.dispatch(0);
+    }
+
+    fn job(tenant: &str, tier: &str, kv_need: u64) -> (Job, Reply) {
+        job_in(0, tenant, tier, kv_need)
+    }
+
+    fn job_in(pool: usize, tenant: &str, tier: &str, kv_need: u64) -> (Job, Reply) {
         let (reply, rx) = oneshot::channel();
         let job = Job {
             tenant: tenant.into(),
             tier: tier.into(),
             weight: 1.0,
             priority: Priority::Interactive,
-            pool: 0,
+            pool,
             input_tokens: kv_need,
             kv_need,
             kv_cap: None,
@@ -443,32 +658,161 @@ mod tests {
         (job, rx)
     }
 
+    fn assigned(rx: &mut Reply) -> Assignment {
+        match rx.try_recv() {
+            Ok(Ok(a)) => a,
+            other => panic!("not assigned: {other:?}"),
+        }
+    }
+
     #[test]
     fn work_that_fits_is_dispatched_and_the_rest_queues() {
-        let mut d = dispatcher(100);
+        let (mut d, mut events) = dispatcher(100);
         let (a, mut a_rx) = job("t", "standard", 600);
         let (b, mut b_rx) = job("t", "standard", 600);
         d.apply(Event::Enqueue(a));
         d.apply(Event::Enqueue(b));
         d.dispatch(0);
-        assert!(matches!(a_rx.try_recv(), Ok(Ok(_))));
+        let first = assigned(&mut a_rx);
         assert!(
             b_rx.try_recv().is_err(),
             "600 + 600 > 1000: the second waits"
         );
-        d.apply(Event::Finished {
-            pool: 0,
-            replica: 0,
-            tenant: "t".into(),
-            kv_need: 600,
-        });
+        drop(first);
+        settle(&mut d, &mut events);
+        assigned(&mut b_rx);
+    }
+
+    #[test]
+    fn an_assignment_nobody_received_gives_its_room_back() {
+        let (mut d, mut events) = dispatcher(100);
+        let (a, a_rx) = job("t", "standard", 600);
+        d.apply(Event::Enqueue(a));
         d.dispatch(0);
-        assert!(matches!(b_rx.try_recv(), Ok(Ok(_))));
+        assert_eq!(d.pools[0].replicas[0].reserved, 600);
+        // The handler went away after the dispatcher sent the assignment, before reading it.
+        drop(a_rx);
+        settle(&mut d, &mut events);
+        let r = &d.pools[0].replicas[0];
+        assert_eq!((r.reserved, r.in_flight), (0, 0));
+        assert_eq!(d.tenant_kv["t"], 0);
+    }
+
+    #[test]
+    fn a_release_happens_once() {
+        let (mut d, mut events) = dispatcher(100);
+        // Two others hold theirs (unread, still in their channels) throughout.
+        let _others: Vec<Reply> = (0..2)
+            .map(|_| {
+                let (j, rx) = job("other", "standard", 100);
+                d.apply(Event::Enqueue(j));
+                d.dispatch(0);
+                rx
+            })
+            .collect();
+        let (a, mut a_rx) = job("t", "standard", 300);
+        d.apply(Event::Enqueue(a));
+        d.dispatch(0);
+        let mut a = assigned(&mut a_rx);
+        a.release();
+        a.release();
+        drop(a);
+        settle(&mut d, &mut events);
+        let r = &d.pools[0].replicas[0];
+        assert_eq!(
+            (r.reserved, r.in_flight),
+            (200, 2),
+            "only its own hold came down"
+        );
+    }
+
+    #[test]
+    fn a_corrected_hold_is_what_comes_back() {
+        let (mut d, mut events) = dispatcher(100);
+        let (a, mut a_rx) = job("t", "standard", 100);
+        d.apply(Event::Enqueue(a));
+        d.dispatch(0);
+        let mut a = assigned(&mut a_rx);
+        // The engine counted 700 prompt tokens where 100 were estimated.
+        a.resize(700);
+        settle(&mut d, &mut events);
+        assert_eq!(d.pools[0].replicas[0].reserved, 700);
+        assert_eq!(d.tenant_kv["t"], 700);
+        drop(a);
+        settle(&mut d, &mut events);
+        assert_eq!(d.pools[0].replicas[0].reserved, 0);
+        assert_eq!(d.tenant_kv["t"], 0);
+    }
+
+    #[test]
+    fn a_pool_waiting_for_room_does_not_hold_up_another() {
+        let (mut d, _events) = dispatcher_of(
+            &[pool_config("a", Some(1_000)), pool_config("b", Some(1_000))],
+            100,
+        );
+        let (fill, mut fill_rx) = job_in(0, "t", "standard", 900);
+        d.apply(Event::Enqueue(fill));
+        d.dispatch(0);
+        let _held = assigned(&mut fill_rx);
+        // The same tenant, fairest first: its next request in pool a waits for room...
+        let (wait, mut wait_rx) = job_in(0, "t", "standard", 900);
+        d.apply(Event::Enqueue(wait));
+        let (other, mut other_rx) = job_in(1, "t", "standard", 900);
+        d.apply(Event::Enqueue(other));
+        d.dispatch(0);
+        assert!(wait_rx.try_recv().is_err());
+        // ...while pool b, which has room, is served.
+        assigned(&mut other_rx);
+    }
+
+    #[test]
+    fn the_headroom_rule_holds_within_a_pool_not_across_pools() {
+        let (mut d, _events) = dispatcher_of(
+            &[pool_config("a", Some(1_000)), pool_config("b", Some(1_000))],
+            100,
+        );
+        let mut held = Vec::new();
+        for pool in [0, 1] {
+            let (j, mut rx) = job_in(pool, "big", "standard", 700);
+            d.apply(Event::Enqueue(j));
+            d.dispatch(0);
+            held.push(assigned(&mut rx));
+        }
+        // Another tenant active in pool a only: big's share of a is capped, not of b.
+        let (other, _other_rx) = job_in(0, "other", "standard", 100);
+        d.apply(Event::Enqueue(other));
+        d.dispatch(0);
+        let (in_a, mut in_a_rx) = job_in(0, "big", "standard", 200);
+        let (in_b, mut in_b_rx) = job_in(1, "big", "standard", 200);
+        d.apply(Event::Enqueue(in_a));
+        d.apply(Event::Enqueue(in_b));
+        d.dispatch(0);
+        assert!(in_a_rx.try_recv().is_err(), "700 + 200 > 80% of a");
+        assigned(&mut in_b_rx);
+    }
+
+    #[test]
+    fn a_pool_without_kv_figures_admits_by_concurrency() {
+        let (mut d, mut events) = dispatcher_of(&[pool_config("unknown", None)], 100);
+        let mut rx: Vec<_> = (0..3)
+            .map(|_| {
+                let (j, r) = job("t", "standard", 5_000);
+                d.apply(Event::Enqueue(j));
+                r
+            })
+            .collect();
+        d.dispatch(0);
+        let first = assigned(&mut rx[0]);
+        assigned(&mut rx[1]);
+        assert!(rx[2].try_recv().is_err(), "two at once per replica");
+        drop(first);
+        settle(&mut d, &mut events);
+        assigned(&mut rx[2]);
     }
 
     #[test]
     fn a_flooding_tenant_leaves_headroom_once_others_are_active() {
-        let mut d = dispatcher(100);
+        let (mut d, mut events) = dispatcher(100);
         let mut rx = Vec::new();
         for _ in 0..2 {
             let (j, r) = job("noisy", "standard", 450);
@@ -476,23 +820,16 @@ mod tests {
             rx.push(r);
         }
         d.dispatch(0);
-        assert!(
-            rx.iter_mut().all(|r| matches!(r.try_recv(), Ok(Ok(_)))),
-            "alone, it may fill the pool"
-        );
-
-        d.apply(Event::Finished {
-            pool: 0,
-            replica: 0,
-            tenant: "noisy".into(),
-            kv_need: 450,
-        });
+        let mut held: Vec<Assignment> = rx.iter_mut().map(assigned).collect();
+        // "alone, it may fill the pool"
+        drop(held.pop());
+        settle(&mut d, &mut events);
         let (small, mut small_rx) = job("small", "standard", 100);
         d.apply(Event::Enqueue(small));
         let (more, mut more_rx) = job("noisy", "standard", 400);
         d.apply(Event::Enqueue(more));
         d.dispatch(0);
-        assert!(matches!(small_rx.try_recv(), Ok(Ok(_))));
+        assigned(&mut small_rx);
         assert!(
             more_rx.try_recv().is_err(),
             "450 + 400 > 80% of 1000 while small is active"
@@ -501,7 +838,7 @@ mod tests {
 
     #[test]
     fn bounded_queues_and_free_tier_shedding() {
-        let mut d = dispatcher(8);
+        let (mut d, _events) = dispatcher(8);
         let mut held = Vec::new();
         for _ in 0..4 {
             let (j, rx) = job("busy", "standard", 2_000);
@@ -527,11 +864,12 @@ mod tests {
 
     #[test]
     fn a_projected_wait_past_the_deadline_is_refused_at_once() {
-        let mut d = dispatcher(100);
-        let (hog, hog_rx) = job("a", "standard", 1_000);
+        let (mut d, _events) = dispatcher(100);
+        let (hog, mut hog_rx) = job("a", "standard", 1_000);
         d.apply(Event::Enqueue(hog));
         d.dispatch(0);
-        let mut waiting = vec![hog_rx];
+        let _hog = assigned(&mut hog_rx);
+        let mut waiting = Vec::new();
         for _ in 0..3 {
             let (j, rx) = job("b", "standard", 500);
             d.apply(Event::Enqueue(j));

@@ -159,23 +159,37 @@ pub fn query(
     rows.collect()
 }
 
+/// What the writer thread is sent: records, in order, and flush requests behind them.
+enum Entry {
+    Record(UsageRecord),
+    /// Answered once every record sent before it is written.
+    Flush(mpsc::Sender<()>),
+}
+
 /// A handle to the writer thread.
 #[derive(Clone)]
 pub struct Ledger {
-    tx: mpsc::Sender<UsageRecord>,
+    tx: mpsc::Sender<Entry>,
 }
 
 impl Ledger {
     /// Opens the database and starts its writer thread.
     pub fn start(path: &Path) -> anyhow::Result<Ledger> {
         let conn = open(path)?;
-        let (tx, rx) = mpsc::channel::<UsageRecord>();
+        let (tx, rx) = mpsc::channel::<Entry>();
         std::thread::Builder::new()
             .name("ledger".into())
             .spawn(move || {
-                for record in rx {
-                    if let Err(e) = append(&conn, &record) {
-                        tracing::error!(request = %record.request_id, "ledger write failed: {e}");
+                for entry in rx {
+                    match entry {
+                        Entry::Record(record) => {
+                            if let Err(e) = append(&conn, &record) {
+                                tracing::error!(request = %record.request_id, "ledger write failed: {e}");
+                            }
+                        }
+                        Entry::Flush(done) => {
+                            let _ = done.send(());
+                        }
                     }
                 }
             })?;
@@ -183,7 +197,14 @@ impl Ledger {
     }
 
     pub fn record(&self, record: UsageRecord) {
-        let _ = self.tx.send(record);
+        let _ = self.tx.send(Entry::Record(record));
+    }
+
+    /// Waits (blocking, up to `within`) until every record sent so far is written; false if
+    /// that took longer. For shutdown: nothing recorded before it is lost when the process ends.
+    pub fn flush(&self, within: std::time::Duration) -> bool {
+        let (done, written) = mpsc::channel();
+        self.tx.send(Entry::Flush(done)).is_ok() && written.recv_timeout(within).is_ok()
     }
 }
 
@@ -283,6 +304,20 @@ mod tests {
             "opening twice is harmless"
         );
         drop(again);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_flush_returns_once_everything_sent_before_it_is_written() {
+        let path = std::env::temp_dir().join(format!("weir-ledger-flush-{}", std::process::id()));
+        let ledger = Ledger::start(&path).unwrap();
+        for i in 0..200 {
+            ledger.record(record(&format!("r{i}"), 1, "a", i));
+        }
+        assert!(ledger.flush(std::time::Duration::from_secs(10)));
+        let conn = open(&path).unwrap();
+        assert_eq!(query(&conn, None, 0).unwrap().len(), 200);
+        drop(conn);
         let _ = std::fs::remove_file(&path);
     }
 }

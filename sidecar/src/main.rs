@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use clap::Parser;
-use tokio::sync::mpsc;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::{mpsc, watch};
 use tracing_subscriber::EnvFilter;
 use weir_core::scheduler::Policy;
 use weir_sidecar::config::SidecarConfig;
@@ -12,11 +13,12 @@ use weir_sidecar::dispatcher::{Dispatcher, Event};
 use weir_sidecar::ledger::Ledger;
 use weir_sidecar::metrics::Metrics;
 use weir_sidecar::pool::{EngineSample, Pool};
-use weir_sidecar::server::{App, router};
+use weir_sidecar::server::{App, admin_router, router};
 
 /// weir's dispatcher sidecar: fair queues in front of engine pools.
 ///
-/// Prints `weir-sidecar listening on http://ADDR` on stdout once it accepts connections.
+/// Prints `weir-sidecar listening on http://ADDR (policy P), admin on http://ADMIN` on stdout
+/// once it accepts connections.
 #[derive(Parser)]
 #[command(name = "weir-sidecar", version)]
 struct Cli {
@@ -26,6 +28,9 @@ struct Cli {
     /// Overrides the config's listen address (port 0 picks a free port).
     #[arg(long)]
     listen: Option<std::net::SocketAddr>,
+    /// Overrides the config's admin (metrics, health) address (port 0 picks a free port).
+    #[arg(long)]
+    admin_listen: Option<std::net::SocketAddr>,
     /// Overrides the config's policy: `fair` or `fifo`.
     #[arg(long)]
     policy: Option<String>,
@@ -36,6 +41,10 @@ struct Cli {
 
 /// How often each replica's `/metrics` is read (it doubles as the health probe).
 const PROBE_EVERY: Duration = Duration::from_millis(100);
+/// After the grace period, how long the ended requests get to hand back their records.
+const CUT_WAIT: Duration = Duration::from_secs(2);
+/// How long the ledger may take to write what it was sent before the process exits.
+const LEDGER_FLUSH_WAIT: Duration = Duration::from_secs(5);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -46,6 +55,7 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let mut config = SidecarConfig::from_file(&cli.config)?;
     config.listen = cli.listen.unwrap_or(config.listen);
+    config.admin_listen = cli.admin_listen.unwrap_or(config.admin_listen);
     config.policy = cli.policy.unwrap_or(config.policy);
     config.ledger = cli.ledger.unwrap_or(config.ledger);
     config.validate()?;
@@ -85,6 +95,7 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     let ledger = Ledger::start(&config.ledger)?;
+    let (cut, cut_rx) = watch::channel(false);
     let app = Arc::new(App {
         events: events.clone(),
         ledger_reader: std::sync::Mutex::new(weir_sidecar::ledger::open(&config.ledger)?),
@@ -101,24 +112,108 @@ async fn main() -> anyhow::Result<()> {
         queue_deadline_ms: config.queue.deadline_ms,
         trust: weir_sidecar::trust::Trust::new(secrets),
         idempotency: weir_sidecar::idempotency::Idempotency::new(config.idempotency.clone()),
+        relay: config.relay.clone(),
+        cut: cut_rx,
     });
-    tokio::spawn(Dispatcher::new(policy, pools, configured, config.queue.clone(), metrics).run(rx));
+    let dispatcher = Dispatcher::new(
+        policy,
+        pools,
+        configured,
+        config.queue.clone(),
+        metrics,
+        &events,
+    );
+    tokio::spawn(dispatcher.run(rx));
 
     let listener = tokio::net::TcpListener::bind(config.listen).await?;
+    let admin = tokio::net::TcpListener::bind(config.admin_listen).await?;
     println!(
-        "weir-sidecar listening on http://{} (policy {})",
+        "weir-sidecar listening on http://{} (policy {}), admin on http://{}",
         listener.local_addr()?,
-        config.policy
+        config.policy,
+        admin.local_addr()?
     );
     // Chunks are small writes: without TCP_NODELAY, Nagle holds them for the peer's delayed ACK.
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
+    let (stop, stopping) = watch::channel(false);
+    let mut api = tokio::spawn(
+        axum::serve(listener, router(app.clone()))
+            .with_graceful_shutdown(raised(stopping.clone()))
+            .into_future(),
+    );
+    let admin = tokio::spawn(
+        axum::serve(admin, admin_router(app.clone()))
+            .with_graceful_shutdown(raised(stopping))
+            .into_future(),
+    );
     tokio::select! {
-        result = axum::serve(listener, router(app)) => result?,
+        result = &mut api => {
+            result??;
+            return Ok(());
+        }
+        () = termination() => {}
+    }
+    drain(
+        app,
+        stop,
+        cut,
+        api,
+        admin,
+        Duration::from_millis(config.shutdown_grace_ms),
+    )
+    .await;
+    Ok(())
+}
+
+/// Resolves on SIGTERM (what Kubernetes sends) or SIGINT (Ctrl-C).
+async fn termination() {
+    let terminate = async {
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = terminate => {}
         _ = tokio::signal::ctrl_c() => {}
     }
-    Ok(())
+}
+
+/// Resolves once `flag` turns true.
+async fn raised(mut flag: watch::Receiver<bool>) {
+    let _ = flag.wait_for(|&f| f).await;
+}
+
+/// Stops accepting connections, lets in-flight requests finish for up to `grace`, ends the rest
+/// (each with its record), and flushes the ledger, so no usage record is lost on the way out.
+async fn drain(
+    app: Arc<App>,
+    stop: watch::Sender<bool>,
+    cut: watch::Sender<bool>,
+    mut api: tokio::task::JoinHandle<std::io::Result<()>>,
+    admin: tokio::task::JoinHandle<std::io::Result<()>>,
+    grace: Duration,
+) {
+    tracing::info!("stopping: no new connections; in-flight requests have {grace:?} to finish");
+    let _ = stop.send(true);
+    if tokio::time::timeout(grace, &mut api).await.is_err() {
+        tracing::warn!("grace period over: ending the requests still running");
+        let _ = cut.send(true);
+        if tokio::time::timeout(CUT_WAIT, &mut api).await.is_err() {
+            api.abort();
+        }
+    }
+    admin.abort();
+    let flushed = tokio::task::spawn_blocking(move || app.ledger.flush(LEDGER_FLUSH_WAIT)).await;
+    if !matches!(flushed, Ok(true)) {
+        tracing::error!(
+            "the ledger did not flush within {LEDGER_FLUSH_WAIT:?}: records may be lost"
+        );
+    }
 }
 
 /// Reads a replica's metrics forever; an unreadable replica is reported unhealthy and ejected

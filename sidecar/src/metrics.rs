@@ -32,6 +32,8 @@ pub struct Metrics {
     pub replica_running: Family<Labels, Gauge>,
     pub replica_waiting: Family<Labels, Gauge>,
     pub replica_healthy: Family<Labels, Gauge>,
+    pub replica_reserved_kv: Family<Labels, Gauge>,
+    pub replica_in_flight: Family<Labels, Gauge>,
 }
 
 pub fn tenant(t: &str) -> Labels {
@@ -54,6 +56,8 @@ impl Metrics {
             replica_running: Family::default(),
             replica_waiting: Family::default(),
             replica_healthy: Family::default(),
+            replica_reserved_kv: Family::default(),
+            replica_in_flight: Family::default(),
         };
         let mut r = Registry::with_prefix("weir");
         r.register(
@@ -68,7 +72,7 @@ impl Metrics {
         );
         r.register(
             "vtc_counter",
-            "Virtual token counter per tenant (fairness debt)",
+            "Virtual token counter per tenant and pool (fairness debt)",
             m.vtc_counter.clone(),
         );
         r.register(
@@ -116,6 +120,16 @@ impl Metrics {
             "replica_healthy",
             "1 while the replica answers its probes",
             m.replica_healthy.clone(),
+        );
+        r.register(
+            "replica_reserved_kv_tokens",
+            "KV tokens weir holds on the replica for requests it dispatched there",
+            m.replica_reserved_kv.clone(),
+        );
+        r.register(
+            "replica_in_flight",
+            "Requests weir dispatched to the replica and not finished",
+            m.replica_in_flight.clone(),
         );
         (m, r)
     }

@@ -5,6 +5,11 @@
 //! Scraped engine metrics (`vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`) add what the
 //! engine itself reports: a replica with requests waiting inside the engine gets no more, so
 //! queueing happens here, in fair order, and not in the engine's arrival order.
+//!
+//! An engine that reports no KV capacity (no `vllm:cache_config_info`, as SGLang or llama.cpp)
+//! and has no `kv_tokens_per_replica` in the config is admitted by concurrency alone:
+//! `max_in_flight_without_kv` requests per replica at once, so such a pool is never stuck
+//! behind a KV budget of zero.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
@@ -59,6 +64,8 @@ pub struct Replica {
     /// KV tokens reserved by requests dispatched here and not finished.
     pub reserved: u64,
     pub in_flight: u64,
+    /// Requests at once while the KV budget is unknown (0).
+    pub max_in_flight_without_kv: u64,
     pub healthy: bool,
     pub engine: EngineSample,
 }
@@ -67,7 +74,7 @@ impl Replica {
     /// Fraction of the replica in use, by weir's reservations or the engine's own count.
     pub fn load(&self) -> f64 {
         let reserved = if self.kv_budget == 0 {
-            1.0
+            self.in_flight as f64 / self.max_in_flight_without_kv.max(1) as f64
         } else {
             self.reserved as f64 / self.kv_budget as f64
         };
@@ -75,10 +82,12 @@ impl Replica {
     }
 
     pub fn fits(&self, kv_need: u64) -> bool {
-        self.healthy
-            && self.kv_budget > 0
-            && self.engine.waiting == 0
-            && (self.reserved + kv_need <= self.kv_budget || self.in_flight == 0)
+        let room = if self.kv_budget == 0 {
+            self.in_flight < self.max_in_flight_without_kv
+        } else {
+            self.reserved + kv_need <= self.kv_budget || self.in_flight == 0
+        };
+        self.healthy && self.engine.waiting == 0 && room
     }
 }
 
@@ -102,6 +111,7 @@ impl Pool {
                     kv_budget: config.kv_tokens_per_replica.unwrap_or(0),
                     reserved: 0,
                     in_flight: 0,
+                    max_in_flight_without_kv: config.max_in_flight_without_kv,
                     // Unknown until the first probe answers.
                     healthy: false,
                     engine: EngineSample::default(),
@@ -177,6 +187,7 @@ mod tests {
             kv_tokens_per_replica: Some(1000),
             affinity_load_threshold: 0.8,
             affinity_prefix_bytes: 64,
+            max_in_flight_without_kv: 2,
         });
         for r in &mut p.replicas {
             r.healthy = true;
@@ -234,5 +245,18 @@ mod tests {
         p.replicas[0].engine.waiting = 0;
         p.replicas[0].healthy = false;
         assert!(!p.fits(10));
+    }
+
+    #[test]
+    fn a_replica_without_kv_figures_is_admitted_by_concurrency() {
+        let mut p = pool(1);
+        p.replicas[0].kv_budget = 0;
+        assert!(p.fits(100_000), "no KV budget of 0 that blocks forever");
+        p.replicas[0].in_flight = 1;
+        assert!(p.fits(100_000));
+        assert!(p.replicas[0].load() < 1.0);
+        p.replicas[0].in_flight = 2;
+        assert!(!p.fits(1), "but no more than its concurrency at once");
+        assert_eq!(p.replicas[0].load(), 1.0);
     }
 }

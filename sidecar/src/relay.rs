@@ -1,10 +1,15 @@
 //! Streaming a dispatched request to its replica and the answer back.
 //!
-//! Chunks are passed on as they arrive; hyper pulls the next one only when the client has taken
-//! the last, so a slow client slows its own upstream read instead of growing a buffer. A client
-//! that leaves drops the stream, which drops the upstream request: the engine aborts and frees
-//! the KV. A replica that dies mid-stream ends the stream with an OpenAI-shaped error event.
-//! Every path ends in [`Flight::finish`]: one ledger record for the attempt, KV given back, the
+//! A pump task reads the replica and hands chunks to the response body through a one-chunk
+//! channel; hyper pulls the next one only when the client has taken the last, so a slow client
+//! slows its own upstream read instead of growing a buffer. The pump owns the request's hold on
+//! the replica and watches the client: a client that leaves, one that lets a chunk wait longer
+//! than `relay.client_stall_ms`, and any stream older than `relay.max_stream_ms` end the upstream
+//! request (the engine aborts and frees the KV) and the hold at once, not when hyper next polls
+//! the body; the client then gets an OpenAI-shaped error event and `[DONE]`. A replica that dies
+//! mid-stream, and the end of the shutdown grace period, end the stream the same way.
+//! Every path ends in [`Flight::finish`]: one ledger record for the attempt, KV given back (the
+//! assignment is the hold on the replica, released when the flight finishes or is dropped), the
 //! idempotency claim settled (with the response, captured up to a bound, for replays).
 
 use std::sync::Arc;
@@ -14,6 +19,7 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures::{Stream, StreamExt};
+use tokio::sync::mpsc;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::openai::ApiError;
 
@@ -25,11 +31,11 @@ use crate::server::{App, Trusted, error_response};
 
 /// Longest silence from a replica before the stream is declared lost.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Output tokens charged to the scheduler in batches of this many.
+const CHARGE_EVERY: u64 = 16;
 const JSON: &str = "application/json";
 pub const TRACE_ID: &str = "x-request-id";
 const EVENT_STREAM: &str = "text/event-stream; charset=utf-8";
-/// Output tokens charged to the scheduler in batches of this many.
-const CHARGE_EVERY: u64 = 16;
 
 /// A request from dispatch to settlement.
 pub struct Flight {
@@ -37,11 +43,12 @@ pub struct Flight {
     who: Trusted,
     model: String,
     assignment: Assignment,
-    kv_need: u64,
     arrived: Instant,
     meter: StreamMeter,
     last_chunk: Option<Instant>,
     charged: u64,
+    /// Whether the engine's prompt count has replaced the filter's estimate yet.
+    reconciled: bool,
     finished: bool,
     /// The caller's idempotency key held by this attempt, if it sent one.
     claim: Option<Claim>,
@@ -55,7 +62,6 @@ impl Flight {
         who: Trusted,
         model: String,
         assignment: Assignment,
-        kv_need: u64,
         arrived: Instant,
         claim: Option<Claim>,
     ) -> Flight {
@@ -64,11 +70,11 @@ impl Flight {
             who,
             model,
             assignment,
-            kv_need,
             arrived,
             meter: StreamMeter::new(false),
             last_chunk: None,
             charged: 0,
+            reconciled: false,
             finished: false,
             captured: claim.as_ref().map(|_| Vec::new()),
             claim,
@@ -108,6 +114,9 @@ impl Flight {
         self.last_chunk = Some(now);
         self.capture(chunk);
         self.meter.feed(chunk, false);
+        if let Some(usage) = self.meter.usage() {
+            self.reconcile(usage.prompt_tokens);
+        }
         let served = self.meter.content_events();
         if served - self.charged >= CHARGE_EVERY {
             self.charge(served);
@@ -117,6 +126,7 @@ impl Flight {
     fn charge(&mut self, served: u64) {
         if served > self.charged {
             let _ = self.app.events.send(Event::Served {
+                pool: self.assignment.pool,
                 tenant: self.who.tenant.clone(),
                 output_tokens: served - self.charged,
             });
@@ -124,13 +134,34 @@ impl Flight {
         }
     }
 
+    /// Replaces the filter's prompt estimate with the engine's count, once: in the tenant's
+    /// counter (an underestimate is charged in full) and in the KV held on the replica.
+    fn reconcile(&mut self, prompt_tokens: u64) {
+        if std::mem::replace(&mut self.reconciled, true) {
+            return;
+        }
+        let estimated = self.who.input_tokens;
+        if prompt_tokens == estimated {
+            return;
+        }
+        let _ = self.app.events.send(Event::Reconciled {
+            pool: self.assignment.pool,
+            tenant: self.who.tenant.clone(),
+            estimated,
+            reported: prompt_tokens,
+        });
+        let output_part = self.assignment.kv_held().saturating_sub(estimated);
+        self.assignment.resize(prompt_tokens + output_part);
+    }
+
     /// Settles once: gives the KV back, charges what was left, writes the ledger record,
-    /// settles the idempotency claim. `response` is the status and content type of what the
-    /// client got, for a replay of completed work.
+    /// settles the idempotency claim.
     pub fn finish(&mut self, outcome: &str, body_usage: Option<BodyUsage>) {
         self.finish_with(outcome, body_usage, None);
     }
 
+    /// [`finish`](Self::finish), with the status and content type of what the client got, for
+    /// a replay of completed work.
     fn finish_with(
         &mut self,
         outcome: &str,
@@ -154,13 +185,11 @@ impl Flight {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),
             None => (self.who.input_tokens, counted, "counted"),
         };
+        if source == "engine" {
+            self.reconcile(prompt);
+        }
         self.charge(completion);
-        let _ = self.app.events.send(Event::Finished {
-            pool: self.assignment.pool,
-            replica: self.assignment.replica,
-            tenant: self.who.tenant.clone(),
-            kv_need: self.kv_need,
-        });
+        self.assignment.release();
         let m = &self.app.metrics;
         let labels = |dir: &str| {
             vec![
@@ -212,8 +241,8 @@ impl Drop for Flight {
     }
 }
 
-/// Sends the request to its replica and relays the answer.
-/// `trace_id` is the caller's `x-request-id`, passed on to the engine for tracing.
+/// Sends the request to its replica and relays the answer. `trace_id` is the caller's
+/// `x-request-id`, passed on to the engine for tracing.
 pub async fn relay(
     mut flight: Flight,
     path: &str,
@@ -222,15 +251,19 @@ pub async fn relay(
     trace_id: Option<HeaderValue>,
 ) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
-    let mut request = flight
-        .app
-        .http
-        .post(url)
-        .header(header::CONTENT_TYPE, "application/json");
+    let app = flight.app.clone();
+    if *app.cut.borrow() {
+        return cut_short(flight);
+    }
+    let mut request = app.http.post(url).header(header::CONTENT_TYPE, JSON);
     if let Some(trace_id) = trace_id {
         request = request.header(TRACE_ID, trace_id);
     }
-    let sent = request.body(body).send().await;
+    let request = request.body(body).send();
+    let sent = tokio::select! {
+        sent = request => sent,
+        () = cut(&app) => return cut_short(flight),
+    };
     let upstream = match sent {
         Ok(resp) => resp,
         Err(e) => {
@@ -250,7 +283,10 @@ pub async fn relay(
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     if !status.is_success() || !stream {
-        let bytes = upstream.bytes().await;
+        let bytes = tokio::select! {
+            bytes = upstream.bytes() => bytes,
+            () = cut(&app) => return cut_short(flight),
+        };
         let outcome = if status.is_success() {
             "ok"
         } else {
@@ -289,40 +325,211 @@ pub async fn relay(
     resp
 }
 
-/// The final event of a stream whose replica died: OpenAI's error shape, then `[DONE]`.
+/// Resolves when the sidecar's shutdown grace period is over (never, if it never stops).
+async fn cut(app: &App) {
+    let mut cut = app.cut.clone();
+    if cut.wait_for(|&c| c).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// A request still running when the shutdown grace period ends: recorded, then refused.
+fn cut_short(mut flight: Flight) -> Response {
+    flight.finish("shutdown", None);
+    error_response(
+        &ApiError::new(
+            503,
+            "ServiceUnavailableError",
+            "the gateway's scheduler is restarting; retry",
+        )
+        .with_code("shutting_down"),
+    )
+}
+
+/// What the pump hands the response body.
+enum Piece {
+    Chunk(Bytes),
+    /// weir's closing event (an error and `[DONE]`): nothing follows it.
+    Last(Bytes),
+    /// The stream is complete; without it, a closed channel means the pump gave up on the client.
+    End,
+}
+
+/// How a chunk's hand-over to the client went.
+enum Delivery {
+    Taken,
+    ClientGone,
+    ClientStalled,
+}
+
+/// A stream's last event when weir ends it: OpenAI's error shape, then `[DONE]`.
+fn closing_event(status: u16, kind: &'static str, code: &'static str, message: &str) -> Bytes {
+    let err = ApiError::new(status, kind, message)
+        .with_code(code)
+        .to_json();
+    Bytes::from(format!("data: {err}\n\ndata: [DONE]\n\n"))
+}
+
 fn lost_replica_event() -> Bytes {
-    let err = ApiError::new(
+    closing_event(
         503,
         "ServiceUnavailableError",
+        "replica_lost",
         "the engine replica failed mid-stream; the partial answer was billed as streamed",
     )
-    .to_json();
-    Bytes::from(format!("data: {err}\n\ndata: [DONE]\n\n"))
+}
+
+fn deadline_event() -> Bytes {
+    closing_event(
+        408,
+        "TimeoutError",
+        "stream_deadline",
+        "the stream reached the gateway's longest stream duration and was ended; the partial answer was billed as streamed",
+    )
+}
+
+fn shutdown_event() -> Bytes {
+    closing_event(
+        503,
+        "ServiceUnavailableError",
+        "shutting_down",
+        "the gateway's scheduler restarted mid-stream; the partial answer was billed as streamed",
+    )
+}
+
+fn slow_client_event() -> Bytes {
+    closing_event(
+        408,
+        "TimeoutError",
+        "slow_client",
+        "the stream was read too slowly and was ended to free the engine; the partial answer was billed as streamed",
+    )
 }
 
 fn relay_stream(
     flight: Flight,
     upstream: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
-    futures::stream::unfold(Some((flight, upstream)), |state| async move {
-        let (mut flight, mut upstream) = state?;
-        match tokio::time::timeout(IDLE_TIMEOUT, upstream.next()).await {
+    let (tx, rx) = mpsc::channel(1);
+    tokio::spawn(pump(flight, upstream, tx));
+    futures::stream::unfold(Some(rx), |rx| async move {
+        let mut rx: mpsc::Receiver<Piece> = rx?;
+        match rx.recv().await {
+            Some(Piece::Chunk(chunk)) => Some((Ok(chunk), Some(rx))),
+            Some(Piece::Last(event)) => Some((Ok(event), None)),
+            Some(Piece::End) => None,
+            // The pump gave up on this client: say so if it is still there to read it.
+            None => Some((Ok(slow_client_event()), None)),
+        }
+    })
+}
+
+/// Hands a piece to the response body, waiting at most `stall` for the client to take the last.
+async fn deliver(tx: &mpsc::Sender<Piece>, piece: Piece, stall: Duration) -> Delivery {
+    match tokio::time::timeout(stall, tx.send(piece)).await {
+        Ok(Ok(())) => Delivery::Taken,
+        Ok(Err(_)) => Delivery::ClientGone,
+        Err(_) => Delivery::ClientStalled,
+    }
+}
+
+/// Relays the replica's stream to the body channel until it ends, the client leaves or stalls,
+/// or the stream's time is up; settles the flight on every path.
+async fn pump(
+    mut flight: Flight,
+    mut upstream: impl Stream<Item = reqwest::Result<Bytes>> + Unpin,
+    tx: mpsc::Sender<Piece>,
+) {
+    let app = flight.app.clone();
+    let limits = app.relay.clone();
+    let stall = Duration::from_millis(limits.client_stall_ms);
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.max_stream_ms);
+    let deliver = |piece: Piece| deliver(&tx, piece, stall);
+    loop {
+        let next = tokio::select! {
+            next = tokio::time::timeout(IDLE_TIMEOUT, upstream.next()) => next,
+            () = tx.closed() => {
+                flight.finish("cancelled", None);
+                return;
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                drop(upstream);
+                flight.finish("stream_deadline", None);
+                deliver(Piece::Last(deadline_event())).await;
+                return;
+            }
+            () = cut(&app) => {
+                drop(upstream);
+                flight.finish("shutdown", None);
+                deliver(Piece::Last(shutdown_event())).await;
+                return;
+            }
+        };
+        match next {
             Ok(Some(Ok(chunk))) => {
                 flight.observe(&chunk);
-                Some((Ok(chunk), Some((flight, upstream))))
+                match deliver(Piece::Chunk(chunk)).await {
+                    Delivery::Taken => {}
+                    Delivery::ClientGone => {
+                        flight.finish("cancelled", None);
+                        return;
+                    }
+                    Delivery::ClientStalled => {
+                        drop(upstream);
+                        flight.finish("slow_client", None);
+                        return;
+                    }
+                }
             }
             Ok(None) => {
                 flight.finish("ok", None);
-                None
+                deliver(Piece::End).await;
+                return;
             }
             Ok(Some(Err(_))) | Err(_) => {
                 let _ = flight.app.events.send(Event::ReplicaFailed {
                     pool: flight.assignment.pool,
                     replica: flight.assignment.replica,
                 });
+                drop(upstream);
                 flight.finish("failed", None);
-                Some((Ok(lost_replica_event()), None))
+                deliver(Piece::Last(lost_replica_event())).await;
+                return;
             }
         }
-    })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_client_that_does_not_take_a_chunk_in_time_is_stalled_and_one_that_left_is_gone() {
+        let stall = Duration::from_millis(50);
+        let (tx, mut rx) = mpsc::channel(1);
+        let chunk = || Piece::Chunk(Bytes::from_static(b"data: {}\n\n"));
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::Taken
+        ));
+        // The client has not taken that one: the next waits, then gives up.
+        let started = std::time::Instant::now();
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::ClientStalled
+        ));
+        assert!(started.elapsed() >= stall);
+        // A client reading in time is never stalled.
+        assert!(rx.recv().await.is_some());
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::Taken
+        ));
+        drop(rx);
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::ClientGone
+        ));
+    }
 }

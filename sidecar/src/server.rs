@@ -47,12 +47,26 @@ pub struct App {
     pub trust: Trust,
     /// Claims on callers' idempotency keys.
     pub idempotency: Arc<Idempotency>,
+    pub relay: crate::config::RelayConfig,
+    /// Turns true when the shutdown grace period ends: every request still running is ended
+    /// and recorded.
+    pub cut: tokio::sync::watch::Receiver<bool>,
 }
 
+/// The serving port, where Envoy routes: the inference API only. Whatever a tenant sends
+/// through the gateway lands here, so nothing on it may show another tenant's figures.
 pub fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .fallback(|| async { error_response(&ApiError::not_found("no such route")) })
+        .with_state(app)
+}
+
+/// The admin port (`admin_listen`), never routed to by the gateway: metrics of every tenant,
+/// and the health check for probes.
+pub fn admin_router(app: Arc<App>) -> Router {
+    Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
         .fallback(|| async { error_response(&ApiError::not_found("no such route")) })
@@ -212,7 +226,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         }
     };
     let body = serde_json::to_vec(&value).unwrap_or_default();
-    let flight = Flight::new(app, who, model, assignment, kv_need, arrived, claim);
+    let flight = Flight::new(app, who, model, assignment, arrived, claim);
     // The caller's trace id goes to the engine and back to the caller; it identifies nothing.
     let trace_id = headers.get(TRACE_ID).cloned();
     let mut resp = relay(flight, path(endpoint), body, stream, trace_id.clone()).await;

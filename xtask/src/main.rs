@@ -183,7 +183,7 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
         println!("    {key:<20} {who}");
     }
     println!("  Gateway metrics   {}/stats?filter=weir", envoy.admin);
-    println!("  Sidecar metrics   {}/metrics", sidecar.url);
+    println!("  Sidecar metrics   {}/metrics", sidecar.admin);
     for r in &replicas {
         println!("  Engine metrics    {}/metrics", r.url);
     }
