@@ -97,7 +97,7 @@ fn stack() -> &'static Stack {
             sidecar.port,
             sidecar.port,
         );
-        let addr = sidecar.url.trim_start_matches("http://").to_owned();
+        let addr = sidecar.admin.trim_start_matches("http://").to_owned();
         wait_for(Duration::from_secs(10), || {
             let text = http_get(&addr, "/metrics")?;
             (text.matches("weir_replica_healthy{").count() >= 2).then_some(())
