@@ -77,7 +77,10 @@ pub fn is_id(id: &str) -> bool {
 
 /// Whether a header is in weir's namespace (and must not come from a caller).
 pub fn is_reserved(name: &str) -> bool {
-    name.len() >= PREFIX.len() && name[..PREFIX.len()].eq_ignore_ascii_case(PREFIX)
+    // Byte-wise: a name with a multi-byte character where the prefix ends must not panic.
+    name.as_bytes()
+        .get(..PREFIX.len())
+        .is_some_and(|head| head.eq_ignore_ascii_case(PREFIX.as_bytes()))
 }
 
 #[cfg(test)]
@@ -88,6 +91,8 @@ mod tests {
         assert!(super::is_reserved("X-Weir-Anything"));
         assert!(!super::is_reserved("x-wei"));
         assert!(!super::is_reserved("authorization"));
+        assert!(!super::is_reserved("x-weiré-tenant"), "no panic mid-character");
+        assert!(!super::is_reserved("x-wei\u{e9}"));
     }
 
     #[test]
