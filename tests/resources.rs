@@ -118,7 +118,6 @@ fn tiny(extra: &[&str]) -> Sim {
 fn sidecar_config(sims: &[Sim], bare: &str) -> Value {
     json!({
         "policy": "fair",
-        "cache_salt_secret": "e2e-secret-0123456789",
         "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
         // Short enough for a test to outlast; streams here take under a second otherwise.
         "relay": {"max_stream_ms": 1500},

@@ -74,7 +74,6 @@ fn stack() -> &'static Stack {
         let sidecar_config = |policy: &str| {
             json!({
                 "policy": policy,
-                "cache_salt_secret": "e2e-secret-0123456789",
                 "queue": {"max_per_tenant": 32, "deadline_ms": 20000, "batch_aging_ms": 60000},
                 "pools": [
                     {"model": "tiny", "replicas": [sims[0].url, sims[1].url]},

@@ -78,7 +78,6 @@ fn stack() -> &'static Stack {
             "100",
         ]);
         let sidecar = Sidecar::start(json!({
-            "cache_salt_secret": "trust-e2e-salt-0123456789",
             "pools": [
                 {"model": "tiny", "replicas": [engine.url]},
                 {"model": "slow", "replicas": [slow.url]},

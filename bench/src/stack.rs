@@ -47,7 +47,6 @@ impl Stack {
             &bin("weir-sidecar"),
             json!({
                 "policy": spec.policy,
-                "cache_salt_secret": "bench-secret-0123456789",
                 "queue": {"max_per_tenant": 512, "max_total": 8192, "deadline_ms": 60000},
                 "pools": [{
                     "model": model,

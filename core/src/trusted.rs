@@ -91,7 +91,10 @@ mod tests {
         assert!(super::is_reserved("X-Weir-Anything"));
         assert!(!super::is_reserved("x-wei"));
         assert!(!super::is_reserved("authorization"));
-        assert!(!super::is_reserved("x-weiré-tenant"), "no panic mid-character");
+        assert!(
+            !super::is_reserved("x-weiré-tenant"),
+            "no panic mid-character"
+        );
         assert!(!super::is_reserved("x-wei\u{e9}"));
     }
 

@@ -29,8 +29,6 @@ pub struct SidecarConfig {
     /// accepted) before the rest are ended, each with its ledger record.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
-    /// Secret mixed into each tenant's `cache_salt`, so salts cannot be guessed across tenants.
-    pub cache_salt_secret: String,
     #[serde(default = "default_ledger")]
     pub ledger: PathBuf,
     pub pools: Vec<PoolConfig>,
@@ -236,9 +234,6 @@ impl SidecarConfig {
         if self.relay.client_stall_ms == 0 || self.relay.max_stream_ms == 0 {
             bail!("relay: client_stall_ms and max_stream_ms must be above 0");
         }
-        if self.cache_salt_secret.len() < 16 {
-            bail!("cache_salt_secret: use at least 16 characters");
-        }
         if self.signing.is_none() {
             bail!("signing: required (secret_file or secret_env with the filter's signing secret)");
         }
@@ -251,9 +246,7 @@ mod tests {
     use super::*;
 
     fn config(signing: &str) -> anyhow::Result<SidecarConfig> {
-        let json = format!(
-            r#"{{"cache_salt_secret": "0123456789abcdef", "pools": [{{"model": "m", "replicas": ["http://r"]}}]{signing}}}"#
-        );
+        let json = format!(r#"{{"pools": [{{"model": "m", "replicas": ["http://r"]}}]{signing}}}"#);
         let config: SidecarConfig = serde_json::from_str(&json)?;
         config.validate()?;
         Ok(config)

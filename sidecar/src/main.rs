@@ -108,7 +108,9 @@ async fn main() -> anyhow::Result<()> {
             .iter()
             .map(|p| (p.model.clone(), p.affinity_prefix_bytes))
             .collect(),
-        cache_salt_secret: config.cache_salt_secret.clone(),
+        // Salts are keyed with the signing secret: one secret fewer to manage, and a rotation
+        // only costs one cold prefix cache.
+        cache_salt_key: secrets.first().cloned().unwrap_or_default(),
         queue_deadline_ms: config.queue.deadline_ms,
         trust: weir_sidecar::trust::Trust::new(secrets),
         idempotency: weir_sidecar::idempotency::Idempotency::new(config.idempotency.clone()),

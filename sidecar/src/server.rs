@@ -41,7 +41,8 @@ pub struct App {
     pub ledger: Ledger,
     /// Model name → pool index, with each pool's affinity prefix length.
     pub pools: Vec<(String, usize)>,
-    pub cache_salt_secret: String,
+    /// Keys each tenant's `cache_salt` (the current signing secret).
+    pub cache_salt_key: Vec<u8>,
     pub queue_deadline_ms: u64,
     /// Verifies the filter's signatures.
     pub trust: Trust,
@@ -105,9 +106,10 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Byte
 }
 
 /// The tenant's prefix-cache scope: a salt only weir can derive, so no tenant can name another's.
-fn cache_salt(secret: &str, tenant: &str) -> String {
+fn cache_salt(key: &[u8], tenant: &str) -> String {
     let digest = Sha256::new()
-        .chain_update(secret.as_bytes())
+        .chain_update(b"weir cache salt\0")
+        .chain_update(key)
         .chain_update([0u8])
         .chain_update(tenant.as_bytes())
         .finalize();
@@ -155,7 +157,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             return error_response(&error);
         }
     };
-    value["cache_salt"] = json!(cache_salt(&app.cache_salt_secret, &who.tenant));
+    value["cache_salt"] = json!(cache_salt(&app.cache_salt_key, &who.tenant));
     let stream = value["stream"].as_bool().unwrap_or(false);
     let kv_need = who.input_tokens + who.reserved_output.min(EXPECTED_OUTPUT_TOKENS);
 
@@ -280,10 +282,10 @@ mod tests {
 
     #[test]
     fn salts_differ_per_tenant_and_secret() {
-        let a = cache_salt("secret-0123456789", "acme/p/k");
-        assert_eq!(a, cache_salt("secret-0123456789", "acme/p/k"));
-        assert_ne!(a, cache_salt("secret-0123456789", "globex/p/k"));
-        assert_ne!(a, cache_salt("other-secret-0123", "acme/p/k"));
+        let a = cache_salt(b"secret-0123456789", "acme/p/k");
+        assert_eq!(a, cache_salt(b"secret-0123456789", "acme/p/k"));
+        assert_ne!(a, cache_salt(b"secret-0123456789", "globex/p/k"));
+        assert_ne!(a, cache_salt(b"other-secret-0123", "acme/p/k"));
         assert_eq!(a.len(), 32);
     }
 }

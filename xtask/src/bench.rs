@@ -239,7 +239,6 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<()
         sidecar_bin,
         json!({
             "policy": "fair",
-            "cache_salt_secret": "bench-secret-0123456789",
             "queue": {"max_per_tenant": 10000, "max_total": 20000, "deadline_ms": 600000},
             "pools": [{"model": "glm-5.2", "replicas": [relayed_sim.url]}],
         }),

@@ -155,7 +155,6 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
         &root().join("target/release/weir-sidecar"),
         serde_json::json!({
             "policy": "fair",
-            "cache_salt_secret": "local-demo-secret-change-me",
             "pools": [{"model": preset, "replicas": replicas.iter().map(|r| r.url.clone()).collect::<Vec<_>>()}],
         }),
     );
