@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use crate::config::{Config, Tenant};
 use crate::estimate::{self, Method};
+use crate::json;
 use crate::openai::{ApiError, CompletionRequest, Endpoint};
 
 /// Output tokens reserved when neither the request, the tenant nor the model bounds the answer.
@@ -55,7 +56,7 @@ pub fn admit(
             ApiError::payload_too_large(config.max_body_bytes),
         ));
     }
-    let mut value: Value = serde_json::from_slice(body).map_err(|e| {
+    let mut value = json::parse_unique_keys(body).map_err(|e| {
         reject(
             "malformed_body",
             ApiError::bad_request(format!("malformed JSON: {e}")),
@@ -226,6 +227,13 @@ mod tests {
         let rej = run(&uncapped, small).unwrap_err();
         assert_eq!(rej.error.code, Some("context_length_exceeded"));
         assert!(run(&uncapped, &small.replace("95", "50")).is_ok());
+    }
+
+    #[test]
+    fn repeated_keys_are_malformed() {
+        let c = config("{}", "{}");
+        let body = format!("{HELLO},\"max_tokens\":20,\"max_tokens\":5}}");
+        assert_eq!(reason(run(&c, &body)), ("malformed_body", 400));
     }
 
     #[test]

@@ -1,0 +1,101 @@
+//! Attacks on the front door found by red-teaming it, each kept as a regression test: real
+//! Envoy (shipped template) with the built filter, in front of the simulator, on loopback.
+//! Each test checks what reached the engine (the simulator records it), not only the answer.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+
+use std::sync::OnceLock;
+
+use serde_json::{Value, json};
+use weir_core::keys::hash_key;
+use weir_e2e::{Envoy, Sim};
+
+struct Stack {
+    sim: Sim,
+    envoy: Envoy,
+}
+
+/// One key on the free tier, capped at 1,024 output tokens per request.
+fn weir_config() -> Value {
+    json!({
+        "orgs": [{"id": "initech", "policy": {"tier": "free"}, "workspaces": [{"id": "default", "projects": [{"id": "trial", "keys": [
+            {"id": "free", "sha256": hash_key("key-free"), "limits": {"max_output_tokens": 1024}},
+        ]}]}]}],
+        "models": {"tiny": {"max_context_tokens": 4096}},
+    })
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let sim = Sim::start(&[
+            "--preset",
+            "tiny",
+            "--time-scale",
+            "5",
+            "--output-len",
+            "fixed:5",
+            "--record-requests",
+            "1000",
+        ]);
+        let envoy = Envoy::start(&weir_config(), sim.port, sim.port);
+        Stack { sim, envoy }
+    })
+}
+
+const CHAT: &str = "/v1/chat/completions";
+
+/// Posts `body` byte for byte as a chat completion; returns the status and the JSON answer.
+async fn post(id: &str, body: &str) -> (u16, Value) {
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", stack().envoy.url))
+        .bearer_auth("key-free")
+        .header("content-type", "application/json")
+        .header("x-request-id", id)
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    let value = serde_json::from_str(&text).unwrap_or_else(|_| json!(text));
+    (status, value)
+}
+
+/// What the engine received with this `x-request-id`.
+async fn arrived(id: &str) -> Vec<Value> {
+    stack()
+        .sim
+        .received()
+        .await
+        .into_iter()
+        .filter(|r| r["headers"]["x-request-id"] == id)
+        .collect()
+}
+
+const MESSAGES: &str = r#""messages":[{"role":"user","content":"hi"}]"#;
+
+#[tokio::test]
+async fn bodies_with_duplicate_keys_are_refused_at_the_door() {
+    // weir's parser keeps the last `max_tokens` (5, within the key's cap); an engine or hosted
+    // API that keeps the first (gjson, simdjson) generates 2,000.
+    for (i, body) in [
+        format!(r#"{{"model":"tiny",{MESSAGES},"max_tokens":2000,"max_tokens":5}}"#),
+        format!(r#"{{"model":"tiny","model":"tiny",{MESSAGES}}}"#),
+        r#"{"model":"tiny","messages":[{"role":"user","content":"a novel","content":"hi"}]}"#
+            .to_owned(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("duplicate-keys-{i}");
+        let (status, answer) = post(&id, &body).await;
+        assert!(
+            arrived(&id).await.is_empty(),
+            "{body} reached the engine, admitted on one reading of its duplicate keys"
+        );
+        assert_eq!(status, 400, "{body}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("duplicate key"), "{body}: {answer}");
+    }
+}
