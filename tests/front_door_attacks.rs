@@ -99,3 +99,44 @@ async fn bodies_with_duplicate_keys_are_refused_at_the_door() {
         assert!(message.contains("duplicate key"), "{body}: {answer}");
     }
 }
+
+#[tokio::test]
+async fn every_output_limit_an_engine_may_read_is_within_the_keys_cap() {
+    // vLLM reads `max_completion_tokens` first; engines that predate it (and TGI) read
+    // `max_tokens`; llama.cpp reads `n_predict` before `max_tokens`, on its OpenAI endpoints too.
+    for (i, (extra, param)) in [
+        (
+            json!({"max_completion_tokens": 5, "max_tokens": 2000}),
+            "max_tokens",
+        ),
+        (json!({"max_tokens": 5, "n_predict": 3000}), "n_predict"),
+        (json!({"n_predict": 3000}), "n_predict"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let id = format!("output-limits-{i}");
+        let (status, answer) = post(&id, &body.to_string()).await;
+        let seen = arrived(&id).await;
+        assert!(
+            seen.is_empty(),
+            "{extra} reached the engine with x-weir-reserved-output {}",
+            seen[0]["headers"]["x-weir-reserved-output"]
+        );
+        assert_eq!(status, 400, "{extra}: {answer}");
+        assert_eq!(answer["error"]["param"], param, "{extra}: {answer}");
+    }
+
+    // Within the cap, the reservation covers the largest of them.
+    let id = "output-limits-within";
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 5, "max_tokens": 40, "n_predict": 30});
+    let (status, answer) = post(id, &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let seen = arrived(id).await;
+    assert_eq!(seen[0]["headers"]["x-weir-reserved-output"], "40");
+}

@@ -85,27 +85,16 @@ pub fn admit(
     }
 
     let output_cap = tenant.tightest(|l| l.max_output_tokens);
-    let requested = req.max_output_tokens().map(u64::from);
-    if let (Some(asked), Some(cap)) = (requested, output_cap)
-        && asked > cap
-    {
-        let param = if req.max_completion_tokens.is_some() {
-            "max_completion_tokens"
-        } else {
-            "max_tokens"
-        };
-        return Err(reject(
-            "max_tokens_over_limit",
-            ApiError::bad_request(format!(
-                "{param} {asked} exceeds this key's limit of {cap} output tokens per request"
-            ))
-            .with_param(param),
-        ));
+    if let Some(cap) = output_cap {
+        check_output_limits(&req, cap)?;
     }
-    let filled_in = match requested {
+    // weir fills in `max_tokens` only when the request sets no OpenAI output limit; a request
+    // with only llama.cpp's `n_predict` still gets it, for engines that ignore `n_predict`.
+    let filled_in = match req.max_output_tokens() {
         Some(_) => None,
         None => tenant.default_max_tokens.or(output_cap),
     };
+    let requested = req.largest_output_limit().map(u64::from);
 
     let (encoding, model_context) = config.model(&req.model);
     let (prompt_tokens, method) =
@@ -116,7 +105,7 @@ pub fn admit(
         .into_iter()
         .flatten()
         .min();
-    let output = requested.or(filled_in);
+    let output = requested.max(filled_in);
     if let Some(cap) = context_cap
         && prompt_tokens + output.unwrap_or(1) > cap
     {
@@ -141,6 +130,21 @@ pub fn admit(
         client_wants_usage,
         rewritten_body,
     })
+}
+
+/// Refuses a request when any output limit it sets, whichever an engine reads, is over the
+/// key's per-request cap.
+fn check_output_limits(req: &CompletionRequest, cap: u64) -> Result<(), Rejection> {
+    match req.output_limits().find(|&(_, l)| u64::from(l) > cap) {
+        Some((param, asked)) => Err(reject(
+            "max_tokens_over_limit",
+            ApiError::bad_request(format!(
+                "{param} {asked} exceeds this key's limit of {cap} output tokens per request"
+            ))
+            .with_param(param),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Strips `cache_salt` (the sidecar sets a per-tenant one), asks the engine for stream usage,
@@ -227,6 +231,25 @@ mod tests {
         let rej = run(&uncapped, small).unwrap_err();
         assert_eq!(rej.error.code, Some("context_length_exceeded"));
         assert!(run(&uncapped, &small.replace("95", "50")).is_ok());
+    }
+
+    #[test]
+    fn every_output_limit_is_capped_and_the_largest_reserved() {
+        let c = config(r#"{"max_output_tokens":50}"#, "{}");
+        let over = format!("{HELLO},\"max_completion_tokens\":5,\"max_tokens\":51}}");
+        let rej = run(&c, &over).unwrap_err();
+        assert_eq!(rej.error.param.as_deref(), Some("max_tokens"));
+        let over = format!("{HELLO},\"max_tokens\":5,\"n_predict\":51}}");
+        let rej = run(&c, &over).unwrap_err();
+        assert_eq!(rej.error.param.as_deref(), Some("n_predict"));
+
+        let within = format!("{HELLO},\"max_completion_tokens\":5,\"max_tokens\":9}}");
+        assert_eq!(run(&c, &within).unwrap().reserved_output, 9);
+        // Only llama.cpp's limit: `max_tokens` is still filled in for the engines ignoring it.
+        let a = run(&c, &format!("{HELLO},\"n_predict\":30}}")).unwrap();
+        assert_eq!(a.reserved_output, 50);
+        let body: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
+        assert_eq!(body["max_tokens"], 50);
     }
 
     #[test]
