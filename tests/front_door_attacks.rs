@@ -140,3 +140,26 @@ async fn every_output_limit_an_engine_may_read_is_within_the_keys_cap() {
     let seen = arrived(id).await;
     assert_eq!(seen[0]["headers"]["x-weir-reserved-output"], "40");
 }
+
+#[tokio::test]
+async fn fields_that_steer_the_engine_across_tenants_never_reach_it() {
+    // vLLM's `priority` reorders its own queue (queueing belongs to weir), `kv_transfer_params`
+    // names KV blocks to pull from a prefill instance (another tenant's, if guessed) and
+    // `request_id` names the engine's request (collisions mix or abort another tenant's).
+    let id = "steering-fields";
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5, "priority": -100, "request_id": "chatcmpl-victim",
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [1, 2, 3]}});
+    let (status, answer) = post(id, &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let seen = arrived(id).await;
+    assert_eq!(seen.len(), 1);
+    let sent = &seen[0]["body"];
+    for field in ["priority", "request_id", "kv_transfer_params"] {
+        assert!(
+            sent.get(field).is_none(),
+            "`{field}` reached the engine: {sent}"
+        );
+    }
+    assert_eq!(sent["messages"][0]["content"], "hi");
+}

@@ -147,11 +147,23 @@ fn check_output_limits(req: &CompletionRequest, cap: u64) -> Result<(), Rejectio
     }
 }
 
-/// Strips `cache_salt` (the sidecar sets a per-tenant one), asks the engine for stream usage,
-/// and fills in `max_tokens`; returns the new body if anything changed.
+/// Body fields by which a request steers the engine itself, across the tenant boundary, and
+/// that only weir may set: vLLM's `cache_salt` (prefix-cache scope; the sidecar sets a
+/// per-tenant one), `priority` (reorders the engine's own queue: queueing belongs to weir),
+/// `kv_transfer_params` (KV blocks to pull from a prefill instance, another tenant's if
+/// guessed) and `request_id` (the engine's id for the request; a collision mixes or aborts
+/// another tenant's).
+pub const ENGINE_CONTROL_FIELDS: [&str; 4] =
+    ["cache_salt", "priority", "kv_transfer_params", "request_id"];
+
+/// Strips the [`ENGINE_CONTROL_FIELDS`], asks the engine for stream usage, and fills in
+/// `max_tokens`; returns the new body if anything changed.
 fn rewrite(value: &mut Value, ask_usage: bool, max_tokens: Option<u64>) -> Option<Vec<u8>> {
     let obj = value.as_object_mut()?;
-    let mut changed = obj.remove("cache_salt").is_some();
+    let mut changed = false;
+    for field in ENGINE_CONTROL_FIELDS {
+        changed |= obj.remove(field).is_some();
+    }
     if ask_usage {
         let options = obj
             .entry("stream_options")
@@ -250,6 +262,18 @@ mod tests {
         assert_eq!(a.reserved_output, 50);
         let body: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
         assert_eq!(body["max_tokens"], 50);
+    }
+
+    #[test]
+    fn engine_control_fields_are_stripped() {
+        let c = config("{}", "{}");
+        let body =
+            format!("{HELLO},\"priority\":-9,\"request_id\":\"x\",\"kv_transfer_params\":{{}}}}");
+        let sent: Value =
+            serde_json::from_slice(&run(&c, &body).unwrap().rewritten_body.unwrap()).unwrap();
+        for field in ENGINE_CONTROL_FIELDS {
+            assert!(sent.get(field).is_none(), "{field}");
+        }
     }
 
     #[test]
