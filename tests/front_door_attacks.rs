@@ -163,3 +163,40 @@ async fn fields_that_steer_the_engine_across_tenants_never_reach_it() {
     }
     assert_eq!(sent["messages"][0]["content"], "hi");
 }
+
+/// Resident memory of a process, in MiB (Linux).
+fn resident_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib / 1024
+}
+
+#[tokio::test]
+async fn a_body_under_the_limit_cannot_grow_the_vm_by_many_times_its_size() {
+    // 3.9 MB of small objects: a tree of it (`serde_json::Value`) takes ~150 MB, and a VM's
+    // linear memory never shrinks, so each worker would keep that much for good.
+    let head = format!(r#"{{"model":"tiny",{MESSAGES},"max_tokens":2000,"x":["#);
+    let body = format!("{head}{}{{}}]}}", r#"{"a":0},"#.repeat(3_900_000 / 8));
+    // Warm both workers up (first requests, vocabularies) before measuring.
+    for i in 0..4 {
+        post(&format!("warm-{i}"), &format!("{head}]}}")).await;
+    }
+    let pid = stack().envoy.pid();
+    let before = resident_mib(pid);
+    for i in 0..6 {
+        let id = format!("object-flood-{i}");
+        let (status, answer) = post(&id, &body).await;
+        assert_eq!(status, 400, "{answer}");
+        assert_eq!(answer["error"]["param"], "max_tokens", "{answer}");
+    }
+    let grown = resident_mib(pid).saturating_sub(before);
+    assert!(
+        grown < 64,
+        "six {} MB bodies grew Envoy by {grown} MiB",
+        body.len() / 1_000_000
+    );
+}

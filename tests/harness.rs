@@ -331,6 +331,11 @@ impl Envoy {
         }
     }
 
+    /// The Envoy process id (to read its memory use).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// `wasmcustom.weir.*` stats, summed over workers, without the prefix.
     pub async fn stats(&self) -> HashMap<String, u64> {
         let text = reqwest::get(format!("{}/stats?filter=^wasmcustom.weir", self.admin))

@@ -5,12 +5,9 @@
 //! The only value weir fills in is `max_tokens` when the request sets none and the tenant's
 //! config states a cap (`default_max_tokens`, else the `max_output_tokens` limit).
 
-use serde::Deserialize;
-use serde_json::{Map, Value};
-
 use crate::config::{Config, Tenant};
 use crate::estimate::{self, Method};
-use crate::json;
+use crate::json::{self, TopLevel};
 use crate::openai::{ApiError, CompletionRequest, Endpoint};
 
 /// Output tokens reserved when neither the request, the tenant nor the model bounds the answer.
@@ -56,13 +53,20 @@ pub fn admit(
             ApiError::payload_too_large(config.max_body_bytes),
         ));
     }
-    let mut value = json::parse_unique_keys(body).map_err(|e| {
+    let malformed = |e: serde_json::Error| {
         reject(
             "malformed_body",
             ApiError::bad_request(format!("malformed JSON: {e}")),
         )
+    };
+    json::check_unique_keys(body).map_err(malformed)?;
+    let fields = TopLevel::parse(body).map_err(|e| {
+        reject(
+            "malformed_body",
+            ApiError::bad_request(format!("the request body must be a JSON object: {e}")),
+        )
     })?;
-    let req = CompletionRequest::deserialize(&value).map_err(|e| {
+    let req: CompletionRequest = serde_json::from_slice(body).map_err(|e| {
         reject(
             "malformed_body",
             ApiError::bad_request(format!("invalid request: {e}")),
@@ -120,7 +124,8 @@ pub fn admit(
 
     let stream = req.is_streaming();
     let client_wants_usage = req.wants_stream_usage();
-    let rewritten_body = rewrite(&mut value, stream && !client_wants_usage, filled_in);
+    let rewritten_body = rewrite(fields, stream && !client_wants_usage, filled_in)
+        .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
     Ok(Admitted {
         model: req.model,
         prompt_tokens,
@@ -158,31 +163,35 @@ pub const ENGINE_CONTROL_FIELDS: [&str; 4] =
 
 /// Strips the [`ENGINE_CONTROL_FIELDS`], asks the engine for stream usage, and fills in
 /// `max_tokens`; returns the new body if anything changed.
-fn rewrite(value: &mut Value, ask_usage: bool, max_tokens: Option<u64>) -> Option<Vec<u8>> {
-    let obj = value.as_object_mut()?;
+fn rewrite(
+    mut fields: TopLevel,
+    ask_usage: bool,
+    max_tokens: Option<u64>,
+) -> Result<Option<Vec<u8>>, serde_json::Error> {
     let mut changed = false;
     for field in ENGINE_CONTROL_FIELDS {
-        changed |= obj.remove(field).is_some();
+        changed |= fields.remove(field);
     }
     if ask_usage {
-        let options = obj
-            .entry("stream_options")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if let Some(options) = options.as_object_mut() {
-            options.insert("include_usage".into(), Value::Bool(true));
-            changed = true;
-        }
-    }
-    if let Some(n) = max_tokens {
-        obj.insert("max_tokens".into(), Value::from(n));
+        let mut options = fields
+            .get("stream_options")
+            .and_then(|o| TopLevel::parse(o.get().as_bytes()).ok())
+            .unwrap_or_default();
+        options.set("include_usage", true)?;
+        fields.set_raw("stream_options", options.to_raw()?);
         changed = true;
     }
-    changed.then(|| serde_json::to_vec(value).unwrap_or_default())
+    if let Some(n) = max_tokens {
+        fields.set("max_tokens", n)?;
+        changed = true;
+    }
+    changed.then(|| fields.to_vec()).transpose()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn config(key_limits: &str, policy: &str) -> Config {
         let json = format!(
