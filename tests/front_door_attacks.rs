@@ -4,11 +4,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
+use std::io::{Read, Write};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sim};
+use weir_e2e::{Envoy, EnvoyOptions, Sim};
 
 struct Stack {
     sim: Sim,
@@ -199,4 +201,51 @@ async fn a_body_under_the_limit_cannot_grow_the_vm_by_many_times_its_size() {
         "six {} MB bodies grew Envoy by {grown} MiB",
         body.len() / 1_000_000
     );
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_body_cannot_pin_the_buffer() {
+    // weir buffers a metered body until it is complete; the shipped config bounds how long a
+    // request may take to arrive (60 s; shortened here, the rest of the template as shipped).
+    let shipped = "request_timeout: 60s";
+    let envoy = Envoy::launch_edited(
+        EnvoyOptions {
+            weir_config: &weir_config(),
+            upstream_port: stack().sim.port,
+            alt_port: stack().sim.port,
+            listen_port: 0,
+            with_filter: true,
+        },
+        |template| template.replace(shipped, "request_timeout: 2s"),
+    );
+    let addr = envoy.url.trim_start_matches("http://").to_owned();
+    let answer = tokio::task::spawn_blocking(move || {
+        let mut conn = std::net::TcpStream::connect(addr).unwrap();
+        // Two of the three megabytes it announces, then nothing more.
+        let head = format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-free\r\n\
+             X-Request-Id: never-finished\r\nContent-Length: 3000000\r\n\r\n"
+        );
+        conn.write_all(head.as_bytes()).unwrap();
+        conn.write_all(&vec![b' '; 2_000_000]).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let started = Instant::now();
+        let mut answer = vec![0u8; 4096];
+        let n = conn.read(&mut answer).unwrap_or(0);
+        answer.truncate(n);
+        (
+            String::from_utf8_lossy(&answer).into_owned(),
+            started.elapsed(),
+        )
+    })
+    .await
+    .unwrap();
+    let (answer, waited) = answer;
+    assert!(
+        answer.starts_with("HTTP/1.1 408"),
+        "a 2 MB partial body was still held after {waited:?}: {answer:?}"
+    );
+    assert!(answer.contains(r#""code":408"#), "OpenAI-shaped: {answer}");
+    assert!(arrived("never-finished").await.is_empty());
 }

@@ -258,6 +258,12 @@ impl Envoy {
     }
 
     pub fn launch(opts: EnvoyOptions<'_>) -> Envoy {
+        Envoy::launch_edited(opts, |template| template)
+    }
+
+    /// [`Envoy::launch`] with the shipped template changed by `edit` first (a shorter timeout,
+    /// say), for tests of what the template sets.
+    pub fn launch_edited(opts: EnvoyOptions<'_>, edit: impl FnOnce(String) -> String) -> Envoy {
         let EnvoyOptions {
             weir_config,
             upstream_port,
@@ -269,7 +275,7 @@ impl Envoy {
         let access_log = dir.path().join("access.log");
         let admin_path = dir.path().join("admin.address");
         let mut template =
-            std::fs::read_to_string(workspace_root().join("envoy/envoy.yaml.tmpl")).unwrap();
+            edit(std::fs::read_to_string(workspace_root().join("envoy/envoy.yaml.tmpl")).unwrap());
         if !with_filter {
             let start = template.find("# @@FILTER_BEGIN@@").unwrap();
             let end = template.find("# @@FILTER_END@@").unwrap();
