@@ -249,3 +249,29 @@ async fn a_client_that_never_finishes_its_body_cannot_pin_the_buffer() {
     assert!(answer.contains(r#""code":408"#), "OpenAI-shaped: {answer}");
     assert!(arrived("never-finished").await.is_empty());
 }
+
+#[tokio::test]
+async fn trusted_header_names_spelt_with_underscores_never_reach_the_upstream() {
+    // weir strips `x-weir-*`; servers behind CGI/WSGI-style gateways (and nginx with
+    // `underscores_in_headers`) read `x_weir_tenant` as the same header as `x-weir-tenant`.
+    let id = "underscored-identity";
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", stack().envoy.url))
+        .bearer_auth("key-free")
+        .header("x-request-id", id)
+        .header("x_weir_tenant", "acme/prod/assistant/ci")
+        .header("X_Weir_Tier", "enterprise")
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let seen = arrived(id).await;
+    let headers = seen[0]["headers"].as_object().unwrap();
+    let underscored: Vec<&String> = headers.keys().filter(|k| k.contains('_')).collect();
+    assert!(
+        underscored.is_empty(),
+        "reached the upstream: {underscored:?}"
+    );
+    assert_eq!(headers["x-weir-tenant"], "initech/default/trial/free");
+}
