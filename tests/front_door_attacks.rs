@@ -275,3 +275,19 @@ async fn trusted_header_names_spelt_with_underscores_never_reach_the_upstream() 
     );
     assert_eq!(headers["x-weir-tenant"], "initech/default/trial/free");
 }
+
+#[tokio::test]
+async fn a_request_cannot_bring_the_template_its_prompt_is_rendered_with() {
+    // vLLM renders the prompt with a request's own `chat_template`: a few bytes of Jinja loop
+    // into a prompt of any size, while weir counted two words of `messages`.
+    let id = "request-template";
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5, "chat_template": "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}"});
+    let (status, answer) = post(id, &body.to_string()).await;
+    assert!(
+        arrived(id).await.is_empty(),
+        "a request-supplied chat_template reached the engine"
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(answer["error"]["param"], "chat_template", "{answer}");
+}

@@ -74,6 +74,7 @@ pub fn admit(
     })?;
     req.validate(endpoint)
         .map_err(|e| reject("invalid_request", e))?;
+    refuse_request_templates(&fields)?;
 
     if !tenant.may_use(&req.model) {
         return Err(reject(
@@ -135,6 +136,29 @@ pub fn admit(
         client_wants_usage,
         rewritten_body,
     })
+}
+
+/// Body fields that make the engine render the prompt from a template the request brings
+/// (vLLM's `chat_template`; a few bytes of Jinja can loop into any number of tokens), so the
+/// prompt weir counted is not the one the engine runs.
+pub const REQUEST_TEMPLATE_FIELDS: [&str; 1] = ["chat_template"];
+
+/// Refuses a request that brings its own prompt template (see [`REQUEST_TEMPLATE_FIELDS`]).
+fn refuse_request_templates(fields: &TopLevel) -> Result<(), Rejection> {
+    let brought = REQUEST_TEMPLATE_FIELDS
+        .into_iter()
+        .find(|f| fields.get(f).is_some_and(|v| v.get() != "null"));
+    match brought {
+        Some(field) => Err(reject(
+            "invalid_request",
+            ApiError::bad_request(format!(
+                "{field} is not accepted: the prompt is rendered with the model's own template, \
+                 so that what is admitted is what the engine runs"
+            ))
+            .with_param(field),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Refuses a request when any output limit it sets, whichever an engine reads, is over the
@@ -283,6 +307,15 @@ mod tests {
         for field in ENGINE_CONTROL_FIELDS {
             assert!(sent.get(field).is_none(), "{field}");
         }
+    }
+
+    #[test]
+    fn request_templates_are_refused() {
+        let c = config("{}", "{}");
+        let body = format!("{HELLO},\"chat_template\":\"{{{{ 'x' * 99999 }}}}\"}}");
+        let rej = run(&c, &body).unwrap_err();
+        assert_eq!(rej.error.param.as_deref(), Some("chat_template"));
+        assert!(run(&c, &format!("{HELLO},\"chat_template\":null}}")).is_ok());
     }
 
     #[test]
