@@ -291,3 +291,28 @@ async fn a_request_cannot_bring_the_template_its_prompt_is_rendered_with() {
     assert_eq!(status, 400, "{answer}");
     assert_eq!(answer["error"]["param"], "chat_template", "{answer}");
 }
+
+#[tokio::test]
+async fn a_body_that_is_not_a_json_object_never_reaches_the_engine() {
+    // serde's derived structs read a JSON array positionally (so do serde-based engines: the
+    // simulator, TGI). weir rewrote only objects, so an array carried its `cache_salt` (position
+    // 11) past the strip, and a stream past the usage request.
+    let id = "positional-body";
+    let body = json!(["tiny", [{"role": "user", "content": "hi"}], null, true, null, 5,
+        null, null, null, null, null, "another-tenants-salt"]);
+    let (status, answer) = post(id, &body.to_string()).await;
+    let seen = arrived(id).await;
+    assert!(
+        seen.is_empty(),
+        "a positional body reached the engine: {}",
+        seen[0]["body"]
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("must be a JSON object"),
+        "{answer}"
+    );
+}
