@@ -301,10 +301,16 @@ impl Envoy {
     }
 
     pub fn launch(opts: EnvoyOptions<'_>) -> Envoy {
+        Envoy::launch_edited(opts, |template| template)
+    }
+
+    /// [`Envoy::launch`] with the shipped template changed by `edit` first (a shorter timeout,
+    /// say), for tests of what the template sets.
+    pub fn launch_edited(opts: EnvoyOptions<'_>, edit: impl FnOnce(String) -> String) -> Envoy {
         let dir = tempfile::tempdir().unwrap();
         let access_log = dir.path().join("access.log");
         let admin_path = dir.path().join("admin.address");
-        let config_path = render(&opts, dir.path(), &access_log);
+        let config_path = render(&opts, dir.path(), &access_log, edit);
         let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")
             .arg(&config_path)
@@ -351,6 +357,11 @@ impl Envoy {
         }
     }
 
+    /// The Envoy process id (to read its memory use).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// `wasmcustom.weir.*` stats, summed over workers, without the prefix.
     pub async fn stats(&self) -> HashMap<String, u64> {
         let text = reqwest::get(format!("{}/stats?filter=^wasmcustom.weir", self.admin))
@@ -388,9 +399,15 @@ impl Envoy {
 }
 
 /// Writes `envoy/envoy.yaml.tmpl` filled in for `opts` into `dir`; returns its path.
-fn render(opts: &EnvoyOptions<'_>, dir: &Path, access_log: &Path) -> PathBuf {
+/// The shipped template, changed by `edit`, filled in for `opts`; returns the config's path.
+fn render(
+    opts: &EnvoyOptions<'_>,
+    dir: &Path,
+    access_log: &Path,
+    edit: impl FnOnce(String) -> String,
+) -> PathBuf {
     let mut template =
-        std::fs::read_to_string(workspace_root().join("envoy/envoy.yaml.tmpl")).unwrap();
+        edit(std::fs::read_to_string(workspace_root().join("envoy/envoy.yaml.tmpl")).unwrap());
     if !opts.with_filter {
         let start = template.find("# @@FILTER_BEGIN@@").unwrap();
         let end = template.find("# @@FILTER_END@@").unwrap();
@@ -427,7 +444,7 @@ impl Envoy {
             listen_port: 0,
             with_filter: true,
         };
-        let config_path = render(&opts, dir.path(), &dir.path().join("access.log"));
+        let config_path = render(&opts, dir.path(), &dir.path().join("access.log"), |t| t);
         let log = dir.path().join("envoy.log");
         let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")

@@ -5,11 +5,9 @@
 //! The only value weir fills in is `max_tokens` when the request sets none and the tenant's
 //! config states a cap (`default_max_tokens`, else the `max_output_tokens` limit).
 
-use serde::Deserialize;
-use serde_json::{Map, Value};
-
 use crate::config::{Config, Tenant};
 use crate::estimate::{self, Method};
+use crate::json::{self, TopLevel};
 use crate::openai::{ApiError, CompletionRequest, Endpoint};
 
 /// Output tokens reserved when neither the request, the tenant nor the model bounds the answer.
@@ -55,13 +53,20 @@ pub fn admit(
             ApiError::payload_too_large(config.max_body_bytes),
         ));
     }
-    let mut value: Value = serde_json::from_slice(body).map_err(|e| {
+    let malformed = |e: serde_json::Error| {
         reject(
             "malformed_body",
             ApiError::bad_request(format!("malformed JSON: {e}")),
         )
+    };
+    json::check_unique_keys(body).map_err(malformed)?;
+    let fields = TopLevel::parse(body).map_err(|e| {
+        reject(
+            "malformed_body",
+            ApiError::bad_request(format!("the request body must be a JSON object: {e}")),
+        )
     })?;
-    let req = CompletionRequest::deserialize(&value).map_err(|e| {
+    let req: CompletionRequest = serde_json::from_slice(body).map_err(|e| {
         reject(
             "malformed_body",
             ApiError::bad_request(format!("invalid request: {e}")),
@@ -69,6 +74,7 @@ pub fn admit(
     })?;
     req.validate(endpoint)
         .map_err(|e| reject("invalid_request", e))?;
+    refuse_request_templates(&fields)?;
 
     if !tenant.may_use(&req.model) {
         return Err(reject(
@@ -84,27 +90,16 @@ pub fn admit(
     }
 
     let output_cap = tenant.tightest(|l| l.max_output_tokens);
-    let requested = req.max_output_tokens().map(u64::from);
-    if let (Some(asked), Some(cap)) = (requested, output_cap)
-        && asked > cap
-    {
-        let param = if req.max_completion_tokens.is_some() {
-            "max_completion_tokens"
-        } else {
-            "max_tokens"
-        };
-        return Err(reject(
-            "max_tokens_over_limit",
-            ApiError::bad_request(format!(
-                "{param} {asked} exceeds this key's limit of {cap} output tokens per request"
-            ))
-            .with_param(param),
-        ));
+    if let Some(cap) = output_cap {
+        check_output_limits(&req, cap)?;
     }
-    let filled_in = match requested {
+    // weir fills in `max_tokens` only when the request sets no OpenAI output limit; a request
+    // with only llama.cpp's `n_predict` still gets it, for engines that ignore `n_predict`.
+    let filled_in = match req.max_output_tokens() {
         Some(_) => None,
         None => tenant.default_max_tokens.or(output_cap),
     };
+    let requested = req.largest_output_limit().map(u64::from);
 
     let (encoding, model_context) = config.model(&req.model);
     let (prompt_tokens, method) =
@@ -115,7 +110,7 @@ pub fn admit(
         .into_iter()
         .flatten()
         .min();
-    let output = requested.or(filled_in);
+    let output = requested.max(filled_in);
     if let Some(cap) = context_cap
         && prompt_tokens + output.unwrap_or(1) > cap
     {
@@ -130,7 +125,8 @@ pub fn admit(
 
     let stream = req.is_streaming();
     let client_wants_usage = req.wants_stream_usage();
-    let rewritten_body = rewrite(&mut value, stream && !client_wants_usage, filled_in);
+    let rewritten_body = rewrite(fields, stream && !client_wants_usage, filled_in)
+        .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
     Ok(Admitted {
         model: req.model,
         prompt_tokens,
@@ -142,30 +138,84 @@ pub fn admit(
     })
 }
 
-/// Strips `cache_salt` (the sidecar sets a per-tenant one), asks the engine for stream usage,
-/// and fills in `max_tokens`; returns the new body if anything changed.
-fn rewrite(value: &mut Value, ask_usage: bool, max_tokens: Option<u64>) -> Option<Vec<u8>> {
-    let obj = value.as_object_mut()?;
-    let mut changed = obj.remove("cache_salt").is_some();
-    if ask_usage {
-        let options = obj
-            .entry("stream_options")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if let Some(options) = options.as_object_mut() {
-            options.insert("include_usage".into(), Value::Bool(true));
-            changed = true;
-        }
+/// Body fields that make the engine render the prompt from a template the request brings
+/// (vLLM's `chat_template`; a few bytes of Jinja can loop into any number of tokens), so the
+/// prompt weir counted is not the one the engine runs.
+pub const REQUEST_TEMPLATE_FIELDS: [&str; 1] = ["chat_template"];
+
+/// Refuses a request that brings its own prompt template (see [`REQUEST_TEMPLATE_FIELDS`]).
+fn refuse_request_templates(fields: &TopLevel) -> Result<(), Rejection> {
+    let brought = REQUEST_TEMPLATE_FIELDS
+        .into_iter()
+        .find(|f| fields.get(f).is_some_and(|v| v.get() != "null"));
+    match brought {
+        Some(field) => Err(reject(
+            "invalid_request",
+            ApiError::bad_request(format!(
+                "{field} is not accepted: the prompt is rendered with the model's own template, \
+                 so that what is admitted is what the engine runs"
+            ))
+            .with_param(field),
+        )),
+        None => Ok(()),
     }
-    if let Some(n) = max_tokens {
-        obj.insert("max_tokens".into(), Value::from(n));
+}
+
+/// Refuses a request when any output limit it sets, whichever an engine reads, is over the
+/// key's per-request cap.
+fn check_output_limits(req: &CompletionRequest, cap: u64) -> Result<(), Rejection> {
+    match req.output_limits().find(|&(_, l)| u64::from(l) > cap) {
+        Some((param, asked)) => Err(reject(
+            "max_tokens_over_limit",
+            ApiError::bad_request(format!(
+                "{param} {asked} exceeds this key's limit of {cap} output tokens per request"
+            ))
+            .with_param(param),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Body fields by which a request steers the engine itself, across the tenant boundary, and
+/// that only weir may set: vLLM's `cache_salt` (prefix-cache scope; the sidecar sets a
+/// per-tenant one), `priority` (reorders the engine's own queue: queueing belongs to weir),
+/// `kv_transfer_params` (KV blocks to pull from a prefill instance, another tenant's if
+/// guessed) and `request_id` (the engine's id for the request; a collision mixes or aborts
+/// another tenant's).
+pub const ENGINE_CONTROL_FIELDS: [&str; 4] =
+    ["cache_salt", "priority", "kv_transfer_params", "request_id"];
+
+/// Strips the [`ENGINE_CONTROL_FIELDS`], asks the engine for stream usage, and fills in
+/// `max_tokens`; returns the new body if anything changed.
+fn rewrite(
+    mut fields: TopLevel,
+    ask_usage: bool,
+    max_tokens: Option<u64>,
+) -> Result<Option<Vec<u8>>, serde_json::Error> {
+    let mut changed = false;
+    for field in ENGINE_CONTROL_FIELDS {
+        changed |= fields.remove(field);
+    }
+    if ask_usage {
+        let mut options = fields
+            .get("stream_options")
+            .and_then(|o| TopLevel::parse(o.get().as_bytes()).ok())
+            .unwrap_or_default();
+        options.set("include_usage", true)?;
+        fields.set_raw("stream_options", options.to_raw()?);
         changed = true;
     }
-    changed.then(|| serde_json::to_vec(value).unwrap_or_default())
+    if let Some(n) = max_tokens {
+        fields.set("max_tokens", n)?;
+        changed = true;
+    }
+    changed.then(|| fields.to_vec()).transpose()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn config(key_limits: &str, policy: &str) -> Config {
         let json = format!(
@@ -226,6 +276,53 @@ mod tests {
         let rej = run(&uncapped, small).unwrap_err();
         assert_eq!(rej.error.code, Some("context_length_exceeded"));
         assert!(run(&uncapped, &small.replace("95", "50")).is_ok());
+    }
+
+    #[test]
+    fn every_output_limit_is_capped_and_the_largest_reserved() {
+        let c = config(r#"{"max_output_tokens":50}"#, "{}");
+        let over = format!("{HELLO},\"max_completion_tokens\":5,\"max_tokens\":51}}");
+        let rej = run(&c, &over).unwrap_err();
+        assert_eq!(rej.error.param.as_deref(), Some("max_tokens"));
+        let over = format!("{HELLO},\"max_tokens\":5,\"n_predict\":51}}");
+        let rej = run(&c, &over).unwrap_err();
+        assert_eq!(rej.error.param.as_deref(), Some("n_predict"));
+
+        let within = format!("{HELLO},\"max_completion_tokens\":5,\"max_tokens\":9}}");
+        assert_eq!(run(&c, &within).unwrap().reserved_output, 9);
+        // Only llama.cpp's limit: `max_tokens` is still filled in for the engines ignoring it.
+        let a = run(&c, &format!("{HELLO},\"n_predict\":30}}")).unwrap();
+        assert_eq!(a.reserved_output, 50);
+        let body: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
+        assert_eq!(body["max_tokens"], 50);
+    }
+
+    #[test]
+    fn engine_control_fields_are_stripped() {
+        let c = config("{}", "{}");
+        let body =
+            format!("{HELLO},\"priority\":-9,\"request_id\":\"x\",\"kv_transfer_params\":{{}}}}");
+        let sent: Value =
+            serde_json::from_slice(&run(&c, &body).unwrap().rewritten_body.unwrap()).unwrap();
+        for field in ENGINE_CONTROL_FIELDS {
+            assert!(sent.get(field).is_none(), "{field}");
+        }
+    }
+
+    #[test]
+    fn request_templates_are_refused() {
+        let c = config("{}", "{}");
+        let body = format!("{HELLO},\"chat_template\":\"{{{{ 'x' * 99999 }}}}\"}}");
+        let rej = run(&c, &body).unwrap_err();
+        assert_eq!(rej.error.param.as_deref(), Some("chat_template"));
+        assert!(run(&c, &format!("{HELLO},\"chat_template\":null}}")).is_ok());
+    }
+
+    #[test]
+    fn repeated_keys_are_malformed() {
+        let c = config("{}", "{}");
+        let body = format!("{HELLO},\"max_tokens\":20,\"max_tokens\":5}}");
+        assert_eq!(reason(run(&c, &body)), ("malformed_body", 400));
     }
 
     #[test]

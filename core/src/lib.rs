@@ -7,6 +7,7 @@ pub mod admission;
 pub mod bucket;
 pub mod config;
 pub mod estimate;
+pub mod json;
 pub mod keys;
 pub mod kv_profile;
 pub mod meter;

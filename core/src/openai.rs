@@ -31,6 +31,9 @@ pub struct CompletionRequest {
     pub max_tokens: Option<u32>,
     #[serde(default)]
     pub max_completion_tokens: Option<u32>,
+    /// llama.cpp extension: its output limit, read before `max_tokens` on every endpoint.
+    #[serde(default)]
+    pub n_predict: Option<u32>,
     #[serde(default)]
     pub n: Option<u32>,
     #[serde(default)]
@@ -114,6 +117,24 @@ impl CompletionRequest {
         self.max_completion_tokens.or(self.max_tokens)
     }
 
+    /// Every output limit the request sets, by parameter name. Engines read different ones
+    /// (vLLM `max_completion_tokens` then `max_tokens`, older engines and TGI `max_tokens`,
+    /// llama.cpp `n_predict` then `max_tokens`), so the front door bounds all of them.
+    pub fn output_limits(&self) -> impl Iterator<Item = (&'static str, u32)> {
+        [
+            ("max_completion_tokens", self.max_completion_tokens),
+            ("max_tokens", self.max_tokens),
+            ("n_predict", self.n_predict),
+        ]
+        .into_iter()
+        .filter_map(|(param, limit)| limit.map(|l| (param, l)))
+    }
+
+    /// The most output any engine may generate for this request, if it bounds it at all.
+    pub fn largest_output_limit(&self) -> Option<u32> {
+        self.output_limits().map(|(_, l)| l).max()
+    }
+
     /// Checks the parameters every engine rejects, independent of the model.
     pub fn validate(&self, endpoint: Endpoint) -> Result<(), ApiError> {
         if let Some(n) = self.n.filter(|&n| n != 1) {
@@ -122,12 +143,7 @@ impl CompletionRequest {
             ))
             .with_param("n"));
         }
-        if self.max_output_tokens() == Some(0) {
-            let param = if self.max_completion_tokens.is_some() {
-                "max_completion_tokens"
-            } else {
-                "max_tokens"
-            };
+        if let Some((param, _)) = self.output_limits().find(|&(_, l)| l == 0) {
             return Err(
                 ApiError::bad_request(format!("{param} must be at least 1")).with_param(param)
             );

@@ -1,0 +1,318 @@
+//! Attacks on the front door found by red-teaming it, each kept as a regression test: real
+//! Envoy (shipped template) with the built filter, in front of the simulator, on loopback.
+//! Each test checks what reached the engine (the simulator records it), not only the answer.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+
+use std::io::{Read, Write};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use weir_core::keys::hash_key;
+use weir_e2e::{Envoy, EnvoyOptions, Sim};
+
+struct Stack {
+    sim: Sim,
+    envoy: Envoy,
+}
+
+/// One key on the free tier, capped at 1,024 output tokens per request.
+fn weir_config() -> Value {
+    json!({
+        "orgs": [{"id": "initech", "policy": {"tier": "free"}, "workspaces": [{"id": "default", "projects": [{"id": "trial", "keys": [
+            {"id": "free", "sha256": hash_key("key-free"), "limits": {"max_output_tokens": 1024}},
+        ]}]}]}],
+        "models": {"tiny": {"max_context_tokens": 4096}},
+    })
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let sim = Sim::start(&[
+            "--preset",
+            "tiny",
+            "--time-scale",
+            "5",
+            "--output-len",
+            "fixed:5",
+            "--record-requests",
+            "1000",
+        ]);
+        let envoy = Envoy::start(&weir_config(), sim.port, sim.port);
+        Stack { sim, envoy }
+    })
+}
+
+const CHAT: &str = "/v1/chat/completions";
+
+/// Posts `body` byte for byte as a chat completion; returns the status and the JSON answer.
+async fn post(id: &str, body: &str) -> (u16, Value) {
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", stack().envoy.url))
+        .bearer_auth("key-free")
+        .header("content-type", "application/json")
+        .header("x-request-id", id)
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    let value = serde_json::from_str(&text).unwrap_or_else(|_| json!(text));
+    (status, value)
+}
+
+/// What the engine received with this `x-request-id`.
+async fn arrived(id: &str) -> Vec<Value> {
+    stack()
+        .sim
+        .received()
+        .await
+        .into_iter()
+        .filter(|r| r["headers"]["x-request-id"] == id)
+        .collect()
+}
+
+const MESSAGES: &str = r#""messages":[{"role":"user","content":"hi"}]"#;
+
+#[tokio::test]
+async fn bodies_with_duplicate_keys_are_refused_at_the_door() {
+    // weir's parser keeps the last `max_tokens` (5, within the key's cap); an engine or hosted
+    // API that keeps the first (gjson, simdjson) generates 2,000.
+    for (i, body) in [
+        format!(r#"{{"model":"tiny",{MESSAGES},"max_tokens":2000,"max_tokens":5}}"#),
+        format!(r#"{{"model":"tiny","model":"tiny",{MESSAGES}}}"#),
+        r#"{"model":"tiny","messages":[{"role":"user","content":"a novel","content":"hi"}]}"#
+            .to_owned(),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("duplicate-keys-{i}");
+        let (status, answer) = post(&id, &body).await;
+        assert!(
+            arrived(&id).await.is_empty(),
+            "{body} reached the engine, admitted on one reading of its duplicate keys"
+        );
+        assert_eq!(status, 400, "{body}: {answer}");
+        let message = answer["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("duplicate key"), "{body}: {answer}");
+    }
+}
+
+#[tokio::test]
+async fn every_output_limit_an_engine_may_read_is_within_the_keys_cap() {
+    // vLLM reads `max_completion_tokens` first; engines that predate it (and TGI) read
+    // `max_tokens`; llama.cpp reads `n_predict` before `max_tokens`, on its OpenAI endpoints too.
+    for (i, (extra, param)) in [
+        (
+            json!({"max_completion_tokens": 5, "max_tokens": 2000}),
+            "max_tokens",
+        ),
+        (json!({"max_tokens": 5, "n_predict": 3000}), "n_predict"),
+        (json!({"n_predict": 3000}), "n_predict"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let id = format!("output-limits-{i}");
+        let (status, answer) = post(&id, &body.to_string()).await;
+        let seen = arrived(&id).await;
+        assert!(
+            seen.is_empty(),
+            "{extra} reached the engine with x-weir-reserved-output {}",
+            seen[0]["headers"]["x-weir-reserved-output"]
+        );
+        assert_eq!(status, 400, "{extra}: {answer}");
+        assert_eq!(answer["error"]["param"], param, "{extra}: {answer}");
+    }
+
+    // Within the cap, the reservation covers the largest of them.
+    let id = "output-limits-within";
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 5, "max_tokens": 40, "n_predict": 30});
+    let (status, answer) = post(id, &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let seen = arrived(id).await;
+    assert_eq!(seen[0]["headers"]["x-weir-reserved-output"], "40");
+}
+
+#[tokio::test]
+async fn fields_that_steer_the_engine_across_tenants_never_reach_it() {
+    // vLLM's `priority` reorders its own queue (queueing belongs to weir), `kv_transfer_params`
+    // names KV blocks to pull from a prefill instance (another tenant's, if guessed) and
+    // `request_id` names the engine's request (collisions mix or abort another tenant's).
+    let id = "steering-fields";
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5, "priority": -100, "request_id": "chatcmpl-victim",
+        "kv_transfer_params": {"do_remote_prefill": true, "remote_block_ids": [1, 2, 3]}});
+    let (status, answer) = post(id, &body.to_string()).await;
+    assert_eq!(status, 200, "{answer}");
+    let seen = arrived(id).await;
+    assert_eq!(seen.len(), 1);
+    let sent = &seen[0]["body"];
+    for field in ["priority", "request_id", "kv_transfer_params"] {
+        assert!(
+            sent.get(field).is_none(),
+            "`{field}` reached the engine: {sent}"
+        );
+    }
+    assert_eq!(sent["messages"][0]["content"], "hi");
+}
+
+/// Resident memory of a process, in MiB (Linux).
+fn resident_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib / 1024
+}
+
+#[tokio::test]
+async fn a_body_under_the_limit_cannot_grow_the_vm_by_many_times_its_size() {
+    // 3.9 MB of small objects: a tree of it (`serde_json::Value`) takes ~150 MB, and a VM's
+    // linear memory never shrinks, so each worker would keep that much for good.
+    let head = format!(r#"{{"model":"tiny",{MESSAGES},"max_tokens":2000,"x":["#);
+    let body = format!("{head}{}{{}}]}}", r#"{"a":0},"#.repeat(3_900_000 / 8));
+    // Warm both workers up (first requests, vocabularies) before measuring.
+    for i in 0..4 {
+        post(&format!("warm-{i}"), &format!("{head}]}}")).await;
+    }
+    let pid = stack().envoy.pid();
+    let before = resident_mib(pid);
+    for i in 0..6 {
+        let id = format!("object-flood-{i}");
+        let (status, answer) = post(&id, &body).await;
+        assert_eq!(status, 400, "{answer}");
+        assert_eq!(answer["error"]["param"], "max_tokens", "{answer}");
+    }
+    let grown = resident_mib(pid).saturating_sub(before);
+    assert!(
+        grown < 64,
+        "six {} MB bodies grew Envoy by {grown} MiB",
+        body.len() / 1_000_000
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_body_cannot_pin_the_buffer() {
+    // weir buffers a metered body until it is complete; the shipped config bounds how long a
+    // request may take to arrive (60 s; shortened here, the rest of the template as shipped).
+    let shipped = "request_timeout: 60s";
+    let envoy = Envoy::launch_edited(
+        EnvoyOptions {
+            weir_config: &weir_config(),
+            upstream_port: stack().sim.port,
+            alt_port: stack().sim.port,
+            listen_port: 0,
+            with_filter: true,
+        },
+        |template| template.replace(shipped, "request_timeout: 2s"),
+    );
+    let addr = envoy.url.trim_start_matches("http://").to_owned();
+    let answer = tokio::task::spawn_blocking(move || {
+        let mut conn = std::net::TcpStream::connect(addr).unwrap();
+        // Two of the three megabytes it announces, then nothing more.
+        let head = format!(
+            "POST {CHAT} HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-free\r\n\
+             X-Request-Id: never-finished\r\nContent-Length: 3000000\r\n\r\n"
+        );
+        conn.write_all(head.as_bytes()).unwrap();
+        conn.write_all(&vec![b' '; 2_000_000]).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let started = Instant::now();
+        let mut answer = vec![0u8; 4096];
+        let n = conn.read(&mut answer).unwrap_or(0);
+        answer.truncate(n);
+        (
+            String::from_utf8_lossy(&answer).into_owned(),
+            started.elapsed(),
+        )
+    })
+    .await
+    .unwrap();
+    let (answer, waited) = answer;
+    assert!(
+        answer.starts_with("HTTP/1.1 408"),
+        "a 2 MB partial body was still held after {waited:?}: {answer:?}"
+    );
+    assert!(answer.contains(r#""code":408"#), "OpenAI-shaped: {answer}");
+    assert!(arrived("never-finished").await.is_empty());
+}
+
+#[tokio::test]
+async fn trusted_header_names_spelt_with_underscores_never_reach_the_upstream() {
+    // weir strips `x-weir-*`; servers behind CGI/WSGI-style gateways (and nginx with
+    // `underscores_in_headers`) read `x_weir_tenant` as the same header as `x-weir-tenant`.
+    let id = "underscored-identity";
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", stack().envoy.url))
+        .bearer_auth("key-free")
+        .header("x-request-id", id)
+        .header("x_weir_tenant", "acme/prod/assistant/ci")
+        .header("X_Weir_Tier", "enterprise")
+        .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let seen = arrived(id).await;
+    let headers = seen[0]["headers"].as_object().unwrap();
+    let underscored: Vec<&String> = headers.keys().filter(|k| k.contains('_')).collect();
+    assert!(
+        underscored.is_empty(),
+        "reached the upstream: {underscored:?}"
+    );
+    assert_eq!(headers["x-weir-tenant"], "initech/default/trial/free");
+}
+
+#[tokio::test]
+async fn a_request_cannot_bring_the_template_its_prompt_is_rendered_with() {
+    // vLLM renders the prompt with a request's own `chat_template`: a few bytes of Jinja loop
+    // into a prompt of any size, while weir counted two words of `messages`.
+    let id = "request-template";
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5, "chat_template": "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}"});
+    let (status, answer) = post(id, &body.to_string()).await;
+    assert!(
+        arrived(id).await.is_empty(),
+        "a request-supplied chat_template reached the engine"
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(answer["error"]["param"], "chat_template", "{answer}");
+}
+
+#[tokio::test]
+async fn a_body_that_is_not_a_json_object_never_reaches_the_engine() {
+    // serde's derived structs read a JSON array positionally (so do serde-based engines: the
+    // simulator, TGI). weir rewrote only objects, so an array carried its `cache_salt` (position
+    // 11) past the strip, and a stream past the usage request.
+    let id = "positional-body";
+    let body = json!(["tiny", [{"role": "user", "content": "hi"}], null, true, null, 5,
+        null, null, null, null, null, "another-tenants-salt"]);
+    let (status, answer) = post(id, &body.to_string()).await;
+    let seen = arrived(id).await;
+    assert!(
+        seen.is_empty(),
+        "a positional body reached the engine: {}",
+        seen[0]["body"]
+    );
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("must be a JSON object"),
+        "{answer}"
+    );
+}
