@@ -142,19 +142,23 @@ pub fn admit(
     })
 }
 
-/// Strips `cache_salt` (the sidecar sets a per-tenant one), asks the engine for stream usage,
-/// and fills in `max_tokens`; returns the new body if anything changed.
+/// Strips `cache_salt` (the sidecar sets a per-tenant one), makes the engine report stream
+/// usage, and fills in `max_tokens`; returns the new body if anything changed.
 fn rewrite(value: &mut Value, ask_usage: bool, max_tokens: Option<u64>) -> Option<Vec<u8>> {
     let obj = value.as_object_mut()?;
     let mut changed = obj.remove("cache_salt").is_some();
     if ask_usage {
-        let options = obj
-            .entry("stream_options")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if let Some(options) = options.as_object_mut() {
-            options.insert("include_usage".into(), Value::Bool(true));
-            changed = true;
+        // Whatever the client sent (absent, `null`, `include_usage: false`), the engine reports.
+        match obj.get_mut("stream_options") {
+            Some(Value::Object(options)) => {
+                options.insert("include_usage".into(), Value::Bool(true));
+            }
+            _ => {
+                let options = Map::from_iter([("include_usage".into(), Value::Bool(true))]);
+                obj.insert("stream_options".into(), Value::Object(options));
+            }
         }
+        changed = true;
     }
     if let Some(n) = max_tokens {
         obj.insert("max_tokens".into(), Value::from(n));
@@ -266,6 +270,19 @@ mod tests {
             a.prompt_tokens, 8,
             "'hello' + 3 framing + 'user' + 3 priming"
         );
+
+        for options in [
+            "null",
+            r#"{"include_usage":false}"#,
+            r#"{"include_usage":null}"#,
+            "{}",
+        ] {
+            let body = format!("{HELLO},\"stream\":true,\"stream_options\":{options}}}");
+            let a = run(&c, &body).unwrap();
+            assert!(!a.client_wants_usage, "{options}");
+            let sent: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
+            assert_eq!(sent["stream_options"]["include_usage"], true, "{options}");
+        }
 
         let asked =
             format!("{HELLO},\"stream\":true,\"stream_options\":{{\"include_usage\":true}}}}");

@@ -363,7 +363,7 @@ impl Request {
             None => Demand {
                 input_tokens: estimate,
                 output_tokens: match &self.meter {
-                    Meter::Stream(m) => m.content_events(),
+                    Meter::Stream(m) => m.generated_tokens(),
                     Meter::Body(m) => match m.finish() {
                         BodyUsage::Estimated { completion_tokens } => completion_tokens,
                         _ => 0,
