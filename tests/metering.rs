@@ -27,6 +27,7 @@ fn weir_config() -> Value {
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "meter", "keys": [
             key("plain", json!({})),
+            key("tooled", json!({"input_tokens_per_minute": 3000})),
         ]}]}]}],
         "models": {"tiny": {"max_context_tokens": 4096}},
         "max_body_bytes": 2 << 20,
@@ -158,4 +159,92 @@ async fn without_engine_usage_every_generated_token_is_counted() {
             "{id}: counted {counted} of {ANSWER_TOKENS} generated tokens"
         );
     }
+}
+
+/// `n` tool definitions of about 110 tokens each, as an agent framework would send them.
+fn tools(n: usize) -> Value {
+    let description = "the quick brown fox jumps over the lazy dog ".repeat(10);
+    (0..n)
+        .map(|i| {
+            json!({"type": "function", "function": {
+                "name": format!("tool_{i}"),
+                "description": description,
+                "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+            }})
+        })
+        .collect()
+}
+
+/// One short message with about 100k tokens beside it, wherever an engine (or a chat template)
+/// would put them into the prompt: each is over the 4,096-token context, as the engine would
+/// find, and refused before it gets there.
+#[tokio::test]
+async fn prompts_hidden_beside_the_messages_are_counted_against_the_context() {
+    let bulk = tools(900);
+    let text = bulk.to_string();
+    let carriers = [
+        ("tools", json!({"tools": bulk})),
+        (
+            "functions",
+            json!({"functions": bulk.as_array().unwrap().iter().map(|t| t["function"].clone()).collect::<Vec<_>>()}),
+        ),
+        (
+            "response_format",
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"enum": bulk}}}}),
+        ),
+        ("guided_json", json!({"guided_json": {"enum": bulk}})),
+        ("guided_regex", json!({"guided_regex": text})),
+        (
+            "an invented field",
+            json!({"context_for_my_template": text}),
+        ),
+        (
+            "assistant tool calls",
+            json!({"messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "lookup", "arguments": text}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"},
+            ]}),
+        ),
+    ];
+    for (what, extra) in carriers {
+        let mut body = chat("hi", json!({"max_tokens": 1}));
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let resp = post(CHAT, "plain", &body, &format!("hidden-{what}")).await;
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{what}");
+        let err = resp.json::<Value>().await.unwrap()["error"].clone();
+        assert_eq!(err["code"], "context_length_exceeded", "{what}: {err}");
+    }
+}
+
+/// Tools that fit are charged: the estimate counts them as the engine does, so a 3,000 input
+/// tokens/min budget admits one 2,000-token request, not a hundred.
+#[tokio::test]
+async fn tool_definitions_that_fit_are_charged() {
+    let body = chat("which tool?", json!({"max_tokens": 1, "tools": tools(18)}));
+    let first = post(CHAT, "tooled", &body, "tools-charged-1").await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let engine = first.json::<Value>().await.unwrap()["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(engine > 1_900, "the engine renders the tools: {engine}");
+    let estimate = logged("tools-charged-1", "estimate");
+    // Over 8 KiB of text, so the fast estimator's count: within its error on JSON.
+    assert!(
+        estimate.abs_diff(engine) * 5 <= engine,
+        "estimate {estimate} vs engine {engine}"
+    );
+    let second = post(CHAT, "tooled", &body, "tools-charged-2").await;
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    let err = second.json::<Value>().await.unwrap()["error"].clone();
+    assert!(
+        err["message"]
+            .as_str()
+            .unwrap()
+            .contains("input_tokens_per_minute"),
+        "{err}"
+    );
 }

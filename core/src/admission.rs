@@ -108,8 +108,7 @@ pub fn admit(
 
     let (encoding, model_context) = config.model(&req.model);
     let (prompt_tokens, method) =
-        estimate::prompt_tokens(&req, endpoint, encoding, config.estimator.exact_below_bytes)
-            .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
+        estimate::prompt_tokens(&req, endpoint, encoding, config.estimator.exact_below_bytes);
 
     let context_cap = [model_context, tenant.tightest(|l| l.max_context_tokens)]
         .into_iter()

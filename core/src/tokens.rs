@@ -4,6 +4,7 @@
 //! role and content plus three framing tokens, and the reply is primed with three more. The
 //! framing is materialised as real token ids so prefix caches can hash the rendered prompt.
 
+use std::borrow::Cow;
 use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
@@ -57,35 +58,35 @@ impl Encoding {
         self,
         messages: impl IntoIterator<Item = ChatTurn<'a>>,
     ) -> Result<Vec<TokenId>, TokenizerUnavailable> {
-        let bpe = self.bpe()?;
         let mut ids = Vec::new();
         for turn in messages {
             ids.push(IM_START);
-            ids.extend(bpe.encode_ordinary(turn.role));
+            ids.extend(self.encode(turn.role)?);
             if let Some(name) = turn.name {
                 // The cookbook charges one extra token for a name beside its own tokens.
                 ids.push(IM_SEP);
-                ids.extend(bpe.encode_ordinary(name));
+                ids.extend(self.encode(name)?);
             }
             ids.push(IM_SEP);
-            for part in turn.content {
-                ids.extend(bpe.encode_ordinary(part));
+            for part in &turn.content {
+                ids.extend(self.encode(part)?);
             }
             ids.push(IM_END);
         }
         ids.push(IM_START);
-        ids.extend(bpe.encode_ordinary("assistant"));
+        ids.extend(self.encode("assistant")?);
         ids.push(IM_SEP);
         Ok(ids)
     }
 }
 
-/// One chat message as the tokenizer sees it: role, optional name, and text parts.
+/// One chat message as the tokenizer sees it: role, optional name, and text parts (its content
+/// and anything else the engine renders with it, such as tool calls).
 #[derive(Clone, Debug)]
 pub struct ChatTurn<'a> {
     pub role: &'a str,
     pub name: Option<&'a str>,
-    pub content: Vec<&'a str>,
+    pub content: Vec<Cow<'a, str>>,
 }
 
 #[cfg(test)]
@@ -96,7 +97,7 @@ mod tests {
         ChatTurn {
             role,
             name: None,
-            content: vec![content],
+            content: vec![content.into()],
         }
     }
 
