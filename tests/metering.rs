@@ -67,8 +67,13 @@ fn chat(content: &str, extra: Value) -> Value {
 }
 
 async fn post(path: &str, key: &str, body: &Value, request_id: &str) -> Response {
+    post_to(&stack().envoy, path, key, body, request_id).await
+}
+
+/// A request on a connection of its own.
+async fn post_to(envoy: &Envoy, path: &str, key: &str, body: &Value, request_id: &str) -> Response {
     reqwest::Client::new()
-        .post(format!("{}{path}", stack().envoy.url))
+        .post(format!("{}{path}", envoy.url))
         .header("content-type", "application/json")
         .header("x-request-id", request_id)
         .bearer_auth(format!("key-{key}"))
@@ -247,4 +252,112 @@ async fn tool_definitions_that_fit_are_charged() {
             .contains("input_tokens_per_minute"),
         "{err}"
     );
+}
+
+/// An Envoy of its own for the test that traps its VMs, so no other test's requests are in
+/// flight on them: exact token counts up to 2 MiB, and slot leases of two seconds.
+fn trap_stack() -> &'static (Sim, Envoy) {
+    static STACK: OnceLock<(Sim, Envoy)> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let sim = Sim::start(&["--preset", "tiny", "--time-scale", "5"]);
+        let key = |id: &str, limits: Value| json!({"id": id, "sha256": hash_key(&format!("key-{id}")), "limits": limits});
+        let config = json!({
+            "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "trap", "keys": [
+                key("plain", json!({})),
+                key("leaky", json!({"concurrent_requests": 1})),
+                key("long", json!({"concurrent_requests": 1})),
+            ]}]}]}],
+            "estimator": {"exact_below_bytes": 2 << 20},
+            "max_body_bytes": 2 << 20,
+            "slot_lease_ms": 2000,
+        });
+        let envoy = Envoy::start(&config, sim.port, sim.port);
+        (sim, envoy)
+    })
+}
+
+/// The trap stack's tests take turns: a trapped VM would take the other test's requests along.
+static TRAP_STACK_TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Whether a one-token request of `key` gets through (a slot is free) within ten seconds.
+async fn slot_comes_back(envoy: &Envoy, key: &str) -> bool {
+    let body = chat("ping", json!({"max_tokens": 1}));
+    for i in 0..100 {
+        let resp = post_to(envoy, CHAT, key, &body, &format!("ping-{key}-{i}")).await;
+        if resp.status() == StatusCode::OK {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    false
+}
+
+/// A VM that traps takes its requests' contexts with it: no `on_log`, no settle. Whatever kills
+/// it (here, a prompt the exact tokenizer could not handle, which made tiktoken panic), the
+/// slots those requests held must come back rather than stay taken until Envoy restarts.
+#[tokio::test]
+async fn a_slot_whose_holder_died_with_its_vm_comes_back() {
+    let _alone = TRAP_STACK_TURN.lock().await;
+    let (_, envoy) = trap_stack();
+    let body = chat(
+        "go on",
+        json!({"stream": true, "max_tokens": 1000, "ignore_eos": true}),
+    );
+    let mut held = post_to(envoy, CHAT, "leaky", &body, "held-1").await;
+    assert_eq!(held.status(), StatusCode::OK);
+    let mut seen = String::new();
+    for _ in 0..2 {
+        seen.push_str(&String::from_utf8_lossy(
+            &held.chunk().await.unwrap().unwrap(),
+        ));
+    }
+    // A million spaces before a word, on fresh connections so both workers get some.
+    let poison = chat(
+        &format!("{}x", " ".repeat(1_000_000)),
+        json!({"max_tokens": 1}),
+    );
+    for i in 0..12 {
+        let _ = post_to(envoy, CHAT, "plain", &poison, &format!("poison-{i}")).await;
+    }
+    while let Ok(Some(chunk)) = held.chunk().await {
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    eprintln!(
+        "the held stream: {} bytes, usage chunk shown: {}, [DONE]: {}",
+        seen.len(),
+        seen.contains("\"usage\""),
+        seen.contains("[DONE]")
+    );
+    assert!(
+        slot_comes_back(envoy, "leaky").await,
+        "the single slot is free again once its stream is over"
+    );
+}
+
+/// A stream that outlives many lease times keeps its slot: its VM renews the lease while the
+/// request lives, and gives it back when the stream ends.
+#[tokio::test]
+async fn a_long_stream_keeps_its_slot_past_the_lease_time() {
+    let _alone = TRAP_STACK_TURN.lock().await;
+    let (_, envoy) = trap_stack();
+    let body = chat(
+        "go on",
+        json!({"stream": true, "max_tokens": 3000, "ignore_eos": true}),
+    );
+    let mut held = post_to(envoy, CHAT, "long", &body, "long-1").await;
+    assert_eq!(held.status(), StatusCode::OK);
+    let start = std::time::Instant::now();
+    // Three lease times (2 s each) of streaming.
+    while start.elapsed() < std::time::Duration::from_secs(6) {
+        assert!(held.chunk().await.unwrap().is_some(), "still streaming");
+    }
+    let ping = chat("ping", json!({"max_tokens": 1}));
+    let busy = post_to(envoy, CHAT, "long", &ping, "long-2").await;
+    assert_eq!(
+        busy.status(),
+        StatusCode::TOO_MANY_REQUESTS,
+        "the slot is still the stream's"
+    );
+    drop(held);
+    assert!(slot_comes_back(envoy, "long").await);
 }

@@ -32,10 +32,18 @@ pub struct Config {
     /// Forward the client's API key upstream (off: the key stops at the gateway).
     #[serde(default)]
     pub forward_api_key: bool,
+    /// How long a concurrency slot outlives a request that stopped renewing it (its VM died):
+    /// the longest a leaked slot stays taken. Live requests renew every third of it.
+    #[serde(default = "default_slot_lease_ms")]
+    pub slot_lease_ms: u64,
 }
 
 fn default_max_body_bytes() -> usize {
     4 * 1024 * 1024
+}
+
+fn default_slot_lease_ms() -> u64 {
+    30_000
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -324,6 +332,9 @@ impl Config {
         }
         if self.max_body_bytes == 0 {
             return Err(invalid("max_body_bytes", "must be positive"));
+        }
+        if self.slot_lease_ms < 1_000 {
+            return Err(invalid("slot_lease_ms", "must be at least 1000"));
         }
         let mut seen_hashes = HashSet::new();
         let mut seen_ids = HashSet::new();

@@ -9,6 +9,7 @@ pub mod config;
 pub mod estimate;
 pub mod keys;
 pub mod kv_profile;
+pub mod lease;
 pub mod meter;
 pub mod openai;
 pub mod reply;

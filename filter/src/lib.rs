@@ -6,13 +6,16 @@ mod host;
 mod request;
 mod telemetry;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
+use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use weir_core::config::{Config, Directory};
-use weir_core::reservation;
+use weir_core::reservation::{self, Reservation};
 
 use crate::host::{Metrics, SharedData};
 use crate::request::Request;
@@ -27,6 +30,9 @@ pub struct Gateway {
     pub config: Config,
     pub directory: Directory,
     pub metrics: Metrics,
+    /// Reservations this VM's live requests hold, by slot lease id: the root context renews
+    /// their slot leases on every tick, so a slot lapses only when its VM is gone.
+    pub in_flight: RefCell<HashMap<u64, Reservation>>,
 }
 
 #[derive(Default)]
@@ -62,12 +68,32 @@ impl RootContext for Root {
         let directory = config.directory();
         reservation::initialize(&SharedData, directory.tenants(), host::now_ms());
         log::info!("weir: configured with {} keys", directory.len());
+        // Renew three times per lease: a late tick or two never costs a live request its slot.
+        self.set_tick_period(Duration::from_millis(config.slot_lease_ms / 3));
         self.gateway = Some(Rc::new(Gateway {
             config,
             directory,
             metrics: telemetry::define(),
+            in_flight: RefCell::default(),
         }));
         true
+    }
+
+    /// Renews the slot leases of every request in flight on this VM: one CAS update per
+    /// concurrency limit on its path, so the cost is bounded by the requests this worker holds.
+    fn on_tick(&mut self) {
+        let Some(gw) = &self.gateway else {
+            return;
+        };
+        let now = host::now_ms();
+        let conflicts: usize = gw
+            .in_flight
+            .borrow()
+            .values()
+            .map(|r| reservation::renew(&SharedData, r, now))
+            .sum();
+        gw.metrics
+            .add(telemetry::SETTLE_CONFLICTS, conflicts as i64);
     }
 
     fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
@@ -77,6 +103,7 @@ impl RootContext for Root {
                 config: Config::default(),
                 directory: Directory::default(),
                 metrics: Metrics::default(),
+                in_flight: RefCell::default(),
             })
         });
         Some(Box::new(Request::new(gateway)))

@@ -19,7 +19,7 @@ use weir_core::keys::{hash_key, key_from_headers};
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::openai::{ApiError, Endpoint};
 use weir_core::reply::Reply;
-use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation};
+use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation, SlotLease};
 use weir_core::trusted;
 
 use crate::Gateway;
@@ -232,9 +232,14 @@ impl Request {
         } else {
             Ledger::Enforce
         };
-        match reservation::reserve(&SharedData, &tenant, demand, ledger, host::now_ms()) {
+        let slot = SlotLease {
+            id: host::random_u64(),
+            ttl_ms: self.gw.config.slot_lease_ms,
+        };
+        match reservation::reserve(&SharedData, &tenant, demand, ledger, slot, host::now_ms()) {
             Ok(r) => {
                 self.gw.metrics.add(telemetry::RESERVED, total(demand));
+                self.gw.in_flight.borrow_mut().insert(slot.id, r.clone());
                 self.reservation = Some(r);
             }
             Err(denial) => {
@@ -373,6 +378,7 @@ impl Request {
             },
         };
         if let Some(r) = self.reservation.take() {
+            self.gw.in_flight.borrow_mut().remove(&r.slot.id);
             let conflicts = reservation::settle(&SharedData, &r, self.usage, host::now_ms());
             self.gw
                 .metrics
