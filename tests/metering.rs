@@ -267,6 +267,7 @@ fn trap_stack() -> &'static (Sim, Envoy) {
                 key("leaky", json!({"concurrent_requests": 1})),
                 key("long", json!({"concurrent_requests": 1})),
             ]}]}]}],
+            "models": {"tiny": {"max_context_tokens": 4096}},
             "estimator": {"exact_below_bytes": 2 << 20},
             "max_body_bytes": 2 << 20,
             "slot_lease_ms": 2000,
@@ -274,6 +275,45 @@ fn trap_stack() -> &'static (Sim, Envoy) {
         let envoy = Envoy::start(&config, sim.port, sim.port);
         (sim, envoy)
     })
+}
+
+/// A million spaces before a word: tiktoken's pre-tokenizer regex gives up on it (sent on a
+/// fresh connection each time, so both workers get some).
+fn poison() -> Value {
+    chat(
+        &format!("{}x", " ".repeat(1_000_000)),
+        json!({"max_tokens": 1}),
+    )
+}
+
+/// A prompt the exact tokenizer cannot handle is estimated instead: it is answered by weir like
+/// any other (here, over the context), and the streams in flight beside it run to the end.
+#[tokio::test]
+async fn a_prompt_the_tokenizer_cannot_handle_disturbs_nothing() {
+    let _alone = TRAP_STACK_TURN.lock().await;
+    let (_, envoy) = trap_stack();
+    let body = chat(
+        "go on",
+        json!({"stream": true, "max_tokens": 300, "ignore_eos": true}),
+    );
+    let mut held = post_to(envoy, CHAT, "plain", &body, "beside-1").await;
+    assert_eq!(held.status(), StatusCode::OK);
+    held.chunk().await.unwrap().unwrap();
+    for i in 0..12 {
+        let resp = post_to(envoy, CHAT, "plain", &poison(), &format!("estimated-{i}")).await;
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "poison {i}");
+        let err = resp.json::<Value>().await.unwrap()["error"].clone();
+        assert_eq!(err["code"], "context_length_exceeded", "{err}");
+    }
+    let mut seen = String::new();
+    while let Ok(Some(chunk)) = held.chunk().await {
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(
+        seen.ends_with("data: [DONE]\n\n"),
+        "the stream beside ran to its end"
+    );
+    assert!(!seen.contains("\"usage\""), "and stayed metered");
 }
 
 /// The trap stack's tests take turns: a trapped VM would take the other test's requests along.
@@ -293,8 +333,9 @@ async fn slot_comes_back(envoy: &Envoy, key: &str) -> bool {
 }
 
 /// A VM that traps takes its requests' contexts with it: no `on_log`, no settle. Whatever kills
-/// it (here, a prompt the exact tokenizer could not handle, which made tiktoken panic), the
-/// slots those requests held must come back rather than stay taken until Envoy restarts.
+/// it (here, before the tokenizer was fixed, a prompt the exact tokenizer could not handle, on
+/// which tiktoken panicked), the slots those requests held must come back rather than stay
+/// taken until Envoy restarts.
 #[tokio::test]
 async fn a_slot_whose_holder_died_with_its_vm_comes_back() {
     let _alone = TRAP_STACK_TURN.lock().await;
@@ -311,13 +352,8 @@ async fn a_slot_whose_holder_died_with_its_vm_comes_back() {
             &held.chunk().await.unwrap().unwrap(),
         ));
     }
-    // A million spaces before a word, on fresh connections so both workers get some.
-    let poison = chat(
-        &format!("{}x", " ".repeat(1_000_000)),
-        json!({"max_tokens": 1}),
-    );
     for i in 0..12 {
-        let _ = post_to(envoy, CHAT, "plain", &poison, &format!("poison-{i}")).await;
+        let _ = post_to(envoy, CHAT, "plain", &poison(), &format!("poison-{i}")).await;
     }
     while let Ok(Some(chunk)) = held.chunk().await {
         seen.push_str(&String::from_utf8_lossy(&chunk));

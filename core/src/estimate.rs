@@ -187,6 +187,23 @@ mod tests {
     }
 
     #[test]
+    fn text_the_tokenizer_cannot_handle_is_estimated_instead() {
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"{}x"}}]}}"#,
+            " ".repeat(1_000_000)
+        );
+        let req = CompletionRequest::parse(body.as_bytes()).unwrap();
+        let (n, method) = prompt_tokens(
+            &req,
+            Endpoint::ChatCompletions,
+            Encoding::Cl100kBase,
+            usize::MAX,
+        );
+        assert_eq!(method, Method::Fast);
+        assert!(n > 100_000, "{n}");
+    }
+
+    #[test]
     fn token_prompts_are_counted_as_given() {
         let req = CompletionRequest::parse(br#"{"model":"m","prompt":[1,2,3,4]}"#).unwrap();
         let n = prompt_tokens(&req, Endpoint::Completions, Encoding::Cl100kBase, 0);

@@ -5,6 +5,7 @@
 //! framing is materialised as real token ids so prefix caches can hash the rendered prompt.
 
 use std::borrow::Cow;
+use std::collections::HashSet;
 use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
@@ -24,9 +25,11 @@ pub enum Encoding {
     O200kBase,
 }
 
-/// The vocabulary could not be loaded (only possible if the embedded table is corrupt).
+/// No exact count: the vocabulary could not be loaded (only possible if the embedded table is
+/// corrupt), or the text defeats the pre-tokenizer's backtracking regex (a long pathological run,
+/// such as a million spaces before a word, on which tiktoken's `encode_ordinary` panics).
 #[derive(Debug, thiserror::Error)]
-#[error("tokenizer {0:?} failed to load")]
+#[error("tokenizer {0:?} cannot count this text exactly")]
 pub struct TokenizerUnavailable(pub Encoding);
 
 /// Chat framing markers (`<|im_start|>`, `<|im_sep|>`, `<|im_end|>` in cl100k_base). They sit in
@@ -48,9 +51,14 @@ impl Encoding {
         slot.as_ref().ok_or(TokenizerUnavailable(self))
     }
 
-    /// Token ids of plain text, with no special-token interpretation.
+    /// Token ids of plain text, with no special-token interpretation: tiktoken's fallible
+    /// `encode` with no special token allowed (the same ids as `encode_ordinary`, which unwraps
+    /// the regex's errors — a panic that would trap the filter's VM and every request on it).
     pub fn encode(self, text: &str) -> Result<Vec<TokenId>, TokenizerUnavailable> {
-        Ok(self.bpe()?.encode_ordinary(text))
+        self.bpe()?
+            .encode(text, &HashSet::new())
+            .map(|(ids, _)| ids)
+            .map_err(|_| TokenizerUnavailable(self))
     }
 
     /// Token ids of a chat conversation, framed and primed for the assistant's reply.
@@ -145,6 +153,21 @@ mod tests {
             with_name.len(),
             without.len() + 2,
             "one name token + one framing token"
+        );
+    }
+
+    #[test]
+    fn pathological_text_is_an_error_not_a_panic() {
+        let text = format!("{}x", " ".repeat(1_000_000));
+        assert!(Encoding::Cl100kBase.encode(&text).is_err());
+        let special = "<|endoftext|> is text here";
+        assert_eq!(
+            Encoding::Cl100kBase.encode(special).ok(),
+            Encoding::Cl100kBase
+                .bpe()
+                .ok()
+                .map(|b| b.encode_ordinary(special)),
+            "special tokens are plain text, as before"
         );
     }
 
