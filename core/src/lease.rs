@@ -43,8 +43,8 @@ impl Leases {
             let count = usize::try_from(tag).ok()?.min(1 << 16);
             return Some(Leases(vec![anonymous; count]));
         }
-        let rest = &bytes[8..];
-        if rest.len() % 16 != 0 {
+        let rest = bytes.get(8..)?;
+        if !rest.len().is_multiple_of(16) {
             return None;
         }
         let leases = rest

@@ -7,6 +7,8 @@ pub mod admission;
 pub mod bucket;
 pub mod config;
 pub mod estimate;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod keys;
 pub mod kv_profile;
 pub mod lease;
