@@ -156,6 +156,9 @@ mod tests {
         );
     }
 
+    // Native only: under Node's WASI runner this test passes but Node segfaults at exit (it
+    // does not after the same input in `estimate`'s tests, nor in Envoy's V8: tests/metering.rs).
+    #[cfg(not(target_family = "wasm"))]
     #[test]
     fn pathological_text_is_an_error_not_a_panic() {
         let text = format!("{}x", " ".repeat(1_000_000));
