@@ -85,10 +85,12 @@ impl RootContext for Root {
         let Some(gw) = &self.gateway else {
             return;
         };
+        // Callbacks never nest, so the map is never borrowed here; if it were, skip a tick.
+        let Ok(in_flight) = gw.in_flight.try_borrow() else {
+            return;
+        };
         let now = host::now_ms();
-        let conflicts: usize = gw
-            .in_flight
-            .borrow()
+        let conflicts: usize = in_flight
             .values()
             .map(|r| reservation::renew(&SharedData, r, now))
             .sum();

@@ -239,7 +239,9 @@ impl Request {
         match reservation::reserve(&SharedData, &tenant, demand, ledger, slot, host::now_ms()) {
             Ok(r) => {
                 self.gw.metrics.add(telemetry::RESERVED, total(demand));
-                self.gw.in_flight.borrow_mut().insert(slot.id, r.clone());
+                if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
+                    in_flight.insert(slot.id, r.clone());
+                }
                 self.reservation = Some(r);
             }
             Err(denial) => {
@@ -378,7 +380,9 @@ impl Request {
             },
         };
         if let Some(r) = self.reservation.take() {
-            self.gw.in_flight.borrow_mut().remove(&r.slot.id);
+            if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
+                in_flight.remove(&r.slot.id);
+            }
             let conflicts = reservation::settle(&SharedData, &r, self.usage, host::now_ms());
             self.gw
                 .metrics
