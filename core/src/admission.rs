@@ -103,8 +103,7 @@ pub fn admit(
 
     let (encoding, model_context) = config.model(&req.model);
     let (prompt_tokens, method) =
-        estimate::prompt_tokens(&req, endpoint, encoding, config.estimator.exact_below_bytes)
-            .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
+        estimate::prompt_tokens(&req, endpoint, encoding, config.estimator.exact_below_bytes);
 
     let context_cap = [model_context, tenant.tightest(|l| l.max_context_tokens)]
         .into_iter()
@@ -363,6 +362,19 @@ mod tests {
             a.prompt_tokens, 8,
             "'hello' + 3 framing + 'user' + 3 priming"
         );
+
+        for options in [
+            "null",
+            r#"{"include_usage":false}"#,
+            r#"{"include_usage":null}"#,
+            "{}",
+        ] {
+            let body = format!("{HELLO},\"stream\":true,\"stream_options\":{options}}}");
+            let a = run(&c, &body).unwrap();
+            assert!(!a.client_wants_usage, "{options}");
+            let sent: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
+            assert_eq!(sent["stream_options"]["include_usage"], true, "{options}");
+        }
 
         let asked =
             format!("{HELLO},\"stream\":true,\"stream_options\":{{\"include_usage\":true}}}}");

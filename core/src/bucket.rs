@@ -1,4 +1,5 @@
-//! Token buckets and concurrency counters as they live in proxy-wasm shared data.
+//! Token buckets as they live in proxy-wasm shared data (concurrency slots are leases, see
+//! [`crate::lease`]).
 //!
 //! A bucket holds up to one minute of its rate and refills continuously. Its level may go
 //! negative: settling a request that used more than it reserved leaves a debt that later
@@ -84,15 +85,6 @@ impl Bucket {
     }
 }
 
-/// A concurrency counter: the number of requests holding a slot.
-pub fn encode_count(n: u64) -> [u8; 8] {
-    n.to_le_bytes()
-}
-
-pub fn decode_count(bytes: &[u8]) -> Option<u64> {
-    Some(u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -105,7 +97,6 @@ mod tests {
         };
         assert_eq!(Bucket::decode(&b.encode()), Some(b));
         assert_eq!(Bucket::decode(&[1, 2, 3]), None);
-        assert_eq!(decode_count(&encode_count(7)), Some(7));
     }
 
     #[test]

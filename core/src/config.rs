@@ -45,6 +45,10 @@ pub struct Config {
     /// rollout share) and it carries no valid key.
     #[serde(default)]
     pub default_tenant: DefaultTenant,
+    /// How long a concurrency slot outlives a request that stopped renewing it (its VM died):
+    /// the longest a leaked slot stays taken. Live requests renew every third of it.
+    #[serde(default = "default_slot_lease_ms")]
+    pub slot_lease_ms: u64,
 }
 
 /// Where the signing secret comes from (never inline) and how long a signature stays valid.
@@ -93,6 +97,10 @@ impl Default for DefaultTenant {
 
 fn default_max_body_bytes() -> usize {
     4 * 1024 * 1024
+}
+
+fn default_slot_lease_ms() -> u64 {
+    30_000
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -397,6 +405,9 @@ impl Config {
             }
         }
         self.validate_default_tenant()?;
+        if self.slot_lease_ms < 1_000 {
+            return Err(invalid("slot_lease_ms", "must be at least 1000"));
+        }
         let mut seen_hashes = HashSet::new();
         let mut seen_ids = HashSet::new();
         for (o, org) in self.orgs.iter().enumerate() {

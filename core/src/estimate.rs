@@ -7,8 +7,8 @@
 //! the tests below and by `cargo xtask bench`; the engine's reported usage replaces it at
 //! settlement either way.
 
-use crate::openai::{CompletionRequest, Endpoint, MessageContent, PromptInput};
-use crate::tokens::{Encoding, TokenizerUnavailable};
+use crate::openai::{CompletionRequest, Endpoint, Prompt};
+use crate::tokens::Encoding;
 
 /// Framing tokens per chat message, and for priming the reply (see [`crate::tokens`]).
 const PER_MESSAGE: u64 = 3;
@@ -30,60 +30,31 @@ impl Method {
     }
 }
 
-/// Counts a request's prompt tokens: exactly when its text is at most `exact_below_bytes`,
-/// otherwise with [`fast_count`].
+/// Counts everything the request puts into the prompt ([`CompletionRequest::prompt`]: the
+/// messages, and tools, schemas and any other text-bearing field): exactly when that text is at
+/// most `exact_below_bytes` (and the tokenizer copes with it), otherwise with [`fast_count`].
 pub fn prompt_tokens(
     req: &CompletionRequest,
     endpoint: Endpoint,
     encoding: Encoding,
     exact_below_bytes: usize,
-) -> Result<(u64, Method), TokenizerUnavailable> {
-    let texts = prompt_texts(req, endpoint);
-    let bytes: usize = texts.iter().map(|t| t.len()).sum();
-    if let (Endpoint::Completions, Some(PromptInput::Tokens(ids))) = (endpoint, &req.prompt) {
-        return Ok((ids.len() as u64, Method::Exact));
+) -> (u64, Method) {
+    let prompt = req.prompt(endpoint);
+    let bytes: usize = prompt.texts().map(str::len).sum();
+    if bytes <= exact_below_bytes
+        && let Ok(ids) = prompt.encode(encoding)
+    {
+        return (ids.len() as u64, Method::Exact);
     }
-    if bytes <= exact_below_bytes {
-        let n = req.prompt_tokens(endpoint, encoding)?.len() as u64;
-        return Ok((n, Method::Exact));
-    }
-    let framing = match endpoint {
-        Endpoint::ChatCompletions => {
-            let messages = req.messages.as_ref().map_or(0, Vec::len) as u64;
-            messages * PER_MESSAGE + REPLY_PRIMING
+    let (given, framing) = match &prompt {
+        Prompt::Chat(turns) => {
+            let names = turns.iter().filter(|t| t.name.is_some()).count() as u64;
+            (0, turns.len() as u64 * PER_MESSAGE + names + REPLY_PRIMING)
         }
-        Endpoint::Completions => 0,
+        Prompt::Completion { ids, .. } => (ids.len() as u64, 0),
     };
-    let n = texts.iter().map(|t| fast_count(t)).sum::<u64>() + framing;
-    Ok((n, Method::Fast))
-}
-
-/// Every piece of prompt text in the request (roles and names included for chat).
-fn prompt_texts(req: &CompletionRequest, endpoint: Endpoint) -> Vec<&str> {
-    match endpoint {
-        Endpoint::ChatCompletions => req
-            .messages
-            .iter()
-            .flatten()
-            .flat_map(|m| {
-                let content: Vec<&str> = match &m.content {
-                    None => Vec::new(),
-                    Some(MessageContent::Text(t)) => vec![t.as_str()],
-                    Some(MessageContent::Parts(parts)) => {
-                        parts.iter().filter_map(|p| p.text.as_deref()).collect()
-                    }
-                };
-                std::iter::once(m.role.as_str())
-                    .chain(m.name.as_deref())
-                    .chain(content)
-            })
-            .collect(),
-        Endpoint::Completions => match &req.prompt {
-            Some(PromptInput::Text(t)) => vec![t.as_str()],
-            Some(PromptInput::Batch(b)) => b.iter().map(String::as_str).collect(),
-            _ => Vec::new(),
-        },
-    }
+    let n = prompt.texts().map(fast_count).sum::<u64>() + given + framing;
+    (n, Method::Fast)
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -202,10 +173,8 @@ mod tests {
             Endpoint::ChatCompletions,
             Encoding::Cl100kBase,
             usize::MAX,
-        )
-        .unwrap();
-        let (fast, m2) =
-            prompt_tokens(&req, Endpoint::ChatCompletions, Encoding::Cl100kBase, 0).unwrap();
+        );
+        let (fast, m2) = prompt_tokens(&req, Endpoint::ChatCompletions, Encoding::Cl100kBase, 0);
         assert_eq!((m1, m2), (Method::Exact, Method::Fast));
         let exact_ids = req
             .prompt_tokens(Endpoint::ChatCompletions, Encoding::Cl100kBase)
@@ -218,9 +187,130 @@ mod tests {
     }
 
     #[test]
+    fn text_the_tokenizer_cannot_handle_is_estimated_instead() {
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"{}x"}}]}}"#,
+            " ".repeat(1_000_000)
+        );
+        let req = CompletionRequest::parse(body.as_bytes()).unwrap();
+        let (n, method) = prompt_tokens(
+            &req,
+            Endpoint::ChatCompletions,
+            Encoding::Cl100kBase,
+            usize::MAX,
+        );
+        assert_eq!(method, Method::Fast);
+        assert!(n > 100_000, "{n}");
+    }
+
+    #[test]
     fn token_prompts_are_counted_as_given() {
         let req = CompletionRequest::parse(br#"{"model":"m","prompt":[1,2,3,4]}"#).unwrap();
-        let n = prompt_tokens(&req, Endpoint::Completions, Encoding::Cl100kBase, 0).unwrap();
+        let n = prompt_tokens(&req, Endpoint::Completions, Encoding::Cl100kBase, 0);
         assert_eq!(n, (4, Method::Exact));
+        let with_suffix =
+            CompletionRequest::parse(br#"{"model":"m","prompt":[1,2,3,4],"suffix":"the end"}"#)
+                .unwrap();
+        let n = prompt_tokens(&with_suffix, Endpoint::Completions, Encoding::Cl100kBase, 0);
+        assert_eq!(n, (6, Method::Fast), "given ids plus the suffix's words");
+    }
+
+    fn count(body: &str, exact_below_bytes: usize) -> u64 {
+        let req = CompletionRequest::parse(body.as_bytes()).unwrap();
+        req.validate(Endpoint::ChatCompletions).unwrap();
+        prompt_tokens(
+            &req,
+            Endpoint::ChatCompletions,
+            Encoding::Cl100kBase,
+            exact_below_bytes,
+        )
+        .0
+    }
+
+    /// A JSON value of about `words` words of prose, shaped like a tool definition.
+    fn bulk(words: usize) -> String {
+        let prose = "the quick brown fox jumps over the lazy dog ".repeat(words / 9 + 1);
+        serde_json::json!({"type": "function", "function": {"name": "lookup",
+            "description": prose, "parameters": {"type": "object", "properties": {}}}})
+        .to_string()
+    }
+
+    #[test]
+    fn everything_the_engine_renders_into_the_prompt_is_counted() {
+        let hello = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let base = count(&format!(r#"{{"model":"m",{hello}}}"#), usize::MAX);
+        let tool = bulk(900);
+        let schema = format!(r#"{{"type":"json_schema","json_schema":{tool}}}"#);
+        let carriers = [
+            format!(r#""tools":[{tool}]"#),
+            format!(r#""functions":[{tool}]"#),
+            format!(r#""tool_choice":{tool}"#),
+            format!(r#""response_format":{schema}"#),
+            format!(r#""guided_json":{tool}"#),
+            format!(r#""guided_grammar":{}"#, serde_json::json!(tool)),
+            format!(r#""guided_choice":[{}]"#, serde_json::json!(tool)),
+            format!(r#""structured_outputs":{{"json":{tool}}}"#),
+            format!(r#""chat_template_kwargs":{{"docs":{tool}}}"#),
+            format!(r#""documents":[{tool}]"#),
+            format!(r#""an_invented_field":{}"#, serde_json::json!(tool)),
+        ];
+        for carrier in &carriers {
+            let body = format!(r#"{{"model":"m",{hello},{carrier}}}"#);
+            for (threshold, method) in [(usize::MAX, "exact"), (0, "fast")] {
+                let n = count(&body, threshold);
+                assert!(n > base + 900, "{method} {}: {n}", &carrier[..20]);
+            }
+        }
+        let in_messages = [
+            format!(
+                r#"{{"role":"assistant","content":null,"tool_calls":[{{"id":"c1","type":"function","function":{{"name":"f","arguments":{}}}}}]}}"#,
+                serde_json::json!(tool)
+            ),
+            format!(
+                r#"{{"role":"assistant","content":null,"function_call":{{"name":"f","arguments":{}}}}}"#,
+                serde_json::json!(tool)
+            ),
+            format!(
+                r#"{{"role":"tool","tool_call_id":"c1","content":{}}}"#,
+                serde_json::json!(tool)
+            ),
+            format!(
+                r#"{{"role":"assistant","content":[{{"type":"refusal","refusal":{}}}]}}"#,
+                serde_json::json!(tool)
+            ),
+            format!(r#"{{"role":"user","content":[{{"type":"text","text":"hi","note":{tool}}}]}}"#),
+        ];
+        for message in &in_messages {
+            let body = format!(
+                r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}},{message}]}}"#
+            );
+            for threshold in [usize::MAX, 0] {
+                let n = count(&body, threshold);
+                assert!(n > base + 900, "{}: {n}", &message[..30]);
+            }
+        }
+    }
+
+    #[test]
+    fn parameters_that_stay_out_of_the_prompt_cost_nothing() {
+        let hello = r#""model":"m","messages":[{"role":"user","content":"hi"}]"#;
+        let base = count(&format!("{{{hello}}}"), usize::MAX);
+        let body = format!(
+            r#"{{{hello},"temperature":0.7,"top_p":1,"stop":["\\n"],"user":"u-1","logprobs":true,"seed":3,"max_tokens":5}}"#
+        );
+        assert_eq!(count(&body, usize::MAX), base);
+    }
+
+    #[test]
+    fn the_fast_estimate_of_tools_stays_near_exact() {
+        let body = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"hi"}}],"tools":[{}]}}"#,
+            bulk(5_000)
+        );
+        let (exact, fast) = (count(&body, usize::MAX), count(&body, 0));
+        assert!(
+            (fast as f64 / exact as f64 - 1.0).abs() < 0.15,
+            "{fast} vs {exact}"
+        );
     }
 }

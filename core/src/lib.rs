@@ -7,9 +7,12 @@ pub mod admission;
 pub mod bucket;
 pub mod config;
 pub mod estimate;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod json;
 pub mod keys;
 pub mod kv_profile;
+pub mod lease;
 pub mod meter;
 pub mod openai;
 pub mod path;

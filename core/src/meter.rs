@@ -33,27 +33,93 @@ struct Event {
 #[derive(Deserialize)]
 struct Choice {
     #[serde(default)]
-    delta: Option<Delta>,
+    delta: Option<Generated>,
+    #[serde(default)]
+    message: Option<Generated>,
+    /// The completions endpoint's output.
     #[serde(default)]
     text: Option<String>,
+}
+
+/// Every field of a message or delta the engine generates, each billed as output: the answer,
+/// the reasoning (`reasoning_content` in vLLM until 0.10, `reasoning` after), a refusal, and
+/// tool calls (names and arguments), current and legacy.
+#[derive(Deserialize)]
+struct Generated {
     #[serde(default)]
-    message: Option<Delta>,
+    content: Option<String>,
+    #[serde(default)]
+    reasoning_content: Option<String>,
+    #[serde(default)]
+    reasoning: Option<String>,
+    #[serde(default)]
+    refusal: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCall>>,
+    #[serde(default)]
+    function_call: Option<FunctionCall>,
 }
 
 #[derive(Deserialize)]
-struct Delta {
+struct ToolCall {
     #[serde(default)]
-    content: Option<String>,
+    function: Option<FunctionCall>,
+}
+
+#[derive(Deserialize)]
+struct FunctionCall {
+    #[serde(default)]
+    name: Option<String>,
+    #[serde(default)]
+    arguments: Option<String>,
+}
+
+impl Generated {
+    fn texts(&self) -> impl Iterator<Item = &str> {
+        let calls = self
+            .tool_calls
+            .iter()
+            .flatten()
+            .filter_map(|c| c.function.as_ref());
+        let functions = calls.chain(self.function_call.as_ref());
+        [
+            &self.content,
+            &self.reasoning_content,
+            &self.reasoning,
+            &self.refusal,
+        ]
+        .into_iter()
+        .flatten()
+        .map(String::as_str)
+        .chain(functions.flat_map(|f| {
+            [&f.name, &f.arguments]
+                .into_iter()
+                .flatten()
+                .map(String::as_str)
+        }))
+    }
 }
 
 impl Choice {
-    fn content(&self) -> Option<&str> {
+    /// Every piece of generated text in the choice.
+    fn texts(&self) -> impl Iterator<Item = &str> {
         self.delta
-            .as_ref()
-            .or(self.message.as_ref())
-            .and_then(|d| d.content.as_deref())
-            .or(self.text.as_deref())
+            .iter()
+            .chain(self.message.iter())
+            .flat_map(Generated::texts)
+            .chain(self.text.as_deref())
     }
+}
+
+/// Output tokens in the generated text of some choices: a fast count of every generated field,
+/// and at least one token for any non-empty piece (an engine sends no empty token).
+fn generated_tokens(choices: &[Choice]) -> u64 {
+    choices
+        .iter()
+        .flat_map(Choice::texts)
+        .filter(|t| !t.is_empty())
+        .map(|t| crate::estimate::fast_count(t).max(1))
+        .sum()
 }
 
 /// Meters a server-sent-event stream of chat or text completion chunks.
@@ -62,7 +128,7 @@ pub struct StreamMeter {
     hide_usage_event: bool,
     held: Vec<u8>,
     usage: Option<Usage>,
-    content_events: u64,
+    generated_tokens: u64,
     error_events: u64,
 }
 
@@ -81,10 +147,10 @@ impl StreamMeter {
         self.usage
     }
 
-    /// Events that carried generated text: one per token for vLLM-style engines, so this is
-    /// the fallback completion count when no usage arrives.
-    pub fn content_events(&self) -> u64 {
-        self.content_events
+    /// Output tokens counted in the generated text that passed (every field, not events): the
+    /// fallback completion count when the engine reports no usage.
+    pub fn generated_tokens(&self) -> u64 {
+        self.generated_tokens
     }
 
     /// Events that carried an error object (an engine failing mid-stream).
@@ -129,12 +195,7 @@ impl StreamMeter {
             self.error_events += 1;
         }
         let choices = parsed.choices.unwrap_or_default();
-        if choices
-            .iter()
-            .any(|c| c.content().is_some_and(|t| !t.is_empty()))
-        {
-            self.content_events += 1;
-        }
+        self.generated_tokens += generated_tokens(&choices);
         match parsed.usage {
             Some(usage) => {
                 self.usage = Some(usage);
@@ -246,11 +307,7 @@ impl BodyMeter {
         }
         match parsed.choices {
             Some(choices) if parsed.error.is_none() => BodyUsage::Estimated {
-                completion_tokens: choices
-                    .iter()
-                    .filter_map(Choice::content)
-                    .map(crate::estimate::fast_count)
-                    .sum(),
+                completion_tokens: generated_tokens(&choices),
             },
             _ => BodyUsage::Unknown,
         }
@@ -284,7 +341,7 @@ mod tests {
                 completion_tokens: 16
             })
         );
-        assert_eq!(meter.content_events(), 2);
+        assert_eq!(meter.generated_tokens(), 2);
     }
 
     #[test]
@@ -328,7 +385,61 @@ mod tests {
         let out = meter.feed(format!("{chunk}{usage}{chunk}").as_bytes(), false);
         assert_eq!(String::from_utf8(out).unwrap(), format!("{chunk}{chunk}"));
         assert_eq!(meter.usage().map(|u| u.completion_tokens), Some(2));
-        assert_eq!(meter.content_events(), 2);
+        assert_eq!(meter.generated_tokens(), 2);
+    }
+
+    #[test]
+    fn the_fallback_counts_tokens_of_every_generated_field_not_events() {
+        let events = [
+            // Three tokens in one chunk.
+            r#"{"choices":[{"delta":{"content":" the model runs"}}]}"#,
+            r#"{"choices":[{"delta":{"reasoning_content":" fair share"}}]}"#,
+            r#"{"choices":[{"delta":{"reasoning":" queue"}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"name":"lookup","arguments":"{\"city\""}}]}}]}"#,
+            r#"{"choices":[{"delta":{"function_call":{"arguments":":\"Paris\"}"}}}]}"#,
+            r#"{"choices":[{"delta":{"refusal":" no"}}]}"#,
+            r#"{"choices":[{"text":" key value"}]}"#,
+            r#"{"choices":[{"delta":{"content":""},"finish_reason":"stop"}]}"#,
+        ];
+        let stream: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+        let mut meter = StreamMeter::new(true);
+        meter.feed(stream.as_bytes(), true);
+        let pieces = [
+            " the model runs",
+            " fair share",
+            " queue",
+            "lookup",
+            "{\"city\"",
+            ":\"Paris\"}",
+            " no",
+            " key value",
+        ];
+        let expected: u64 = pieces
+            .iter()
+            .map(|p| crate::estimate::fast_count(p).max(1))
+            .sum();
+        assert_eq!(meter.generated_tokens(), expected);
+        assert!(expected >= 14, "{expected}");
+        assert_eq!(meter.usage(), None);
+    }
+
+    #[test]
+    fn non_streamed_fallback_counts_reasoning_and_tool_calls() {
+        let mut m = BodyMeter::new(4096);
+        m.feed(
+            br#"{"choices":[{"message":{"content":null,"reasoning_content":"think hard",
+                "tool_calls":[{"function":{"name":"f","arguments":"{\"a\":1}"}}]}}]}"#,
+        );
+        let expected = ["think hard", "f", "{\"a\":1}"]
+            .iter()
+            .map(|p| crate::estimate::fast_count(p).max(1))
+            .sum();
+        assert_eq!(
+            m.finish(),
+            BodyUsage::Estimated {
+                completion_tokens: expected
+            }
+        );
     }
 
     #[test]

@@ -1,8 +1,10 @@
 //! The OpenAI-compatible wire contract: request bodies as weir reads them and errors in the
 //! shape clients (and the official SDKs) expect.
 
+use std::borrow::Cow;
+
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use crate::tokens::{ChatTurn, Encoding, TokenId, TokenizerUnavailable};
 
@@ -15,7 +17,8 @@ pub enum Endpoint {
 }
 
 /// The fields of a chat or text completion request that serving and metering depend on.
-/// Unknown fields (temperature, top_p, ...) are accepted and ignored, as engines do.
+/// Other fields are accepted, as engines do, and kept in `extra`: those that can carry text into
+/// the prompt are counted (see [`CompletionRequest::prompt`]).
 #[derive(Clone, Debug, Deserialize)]
 pub struct CompletionRequest {
     pub model: String,
@@ -44,6 +47,10 @@ pub struct CompletionRequest {
     /// vLLM extension: scopes prefix-cache reuse to requests carrying the same salt.
     #[serde(default)]
     pub cache_salt: Option<String>,
+    /// Every other field: `tools`, `tool_choice`, `functions`, `response_format`, guided
+    /// decoding, `chat_template_kwargs`, `documents`, sampling parameters, unknown fields.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -59,6 +66,10 @@ pub struct ChatMessage {
     pub content: Option<MessageContent>,
     #[serde(default)]
     pub name: Option<String>,
+    /// `tool_calls`, `tool_call_id`, `function_call`, `reasoning_content`, ...: rendered into
+    /// the prompt by chat templates, so counted.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -74,6 +85,98 @@ pub struct ContentPart {
     pub kind: String,
     #[serde(default)]
     pub text: Option<String>,
+    /// A `refusal` part's text, and whatever else a part carries: counted.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// Part types that carry text, and the field that holds it.
+const TEXT_PARTS: [(&str, &str); 3] = [
+    ("text", "text"),
+    ("input_text", "text"),
+    ("refusal", "refusal"),
+];
+
+impl ContentPart {
+    fn carries_text(&self) -> bool {
+        TEXT_PARTS.iter().any(|&(kind, field)| {
+            self.kind == kind
+                && match field {
+                    "text" => self.text.is_some(),
+                    _ => self.extra.get(field).is_some_and(Value::is_string),
+                }
+        })
+    }
+}
+
+/// Top-level fields known to stay out of the prompt even when they hold strings. Everything
+/// else that holds text — `tools`, `functions`, `tool_choice`, `response_format`, `guided_*`,
+/// `structured_outputs`, `chat_template`, `chat_template_kwargs`, `documents`, `suffix`, and
+/// any field weir does not know — is counted as prompt, so a new or invented field is never a
+/// way around the estimate.
+const OUTSIDE_PROMPT: [&str; 11] = [
+    "stop",
+    "stop_token_ids",
+    "bad_words",
+    "allowed_token_ids",
+    "logit_bias",
+    "user",
+    "metadata",
+    "service_tier",
+    "reasoning_effort",
+    "modalities",
+    "request_id",
+];
+
+/// The text a JSON value brings into a prompt: a string as itself, a structure as its compact
+/// JSON (how templates render tools and schemas), nothing for numbers, booleans and null.
+fn rendered(value: &Value) -> Option<Cow<'_, str>> {
+    match value {
+        Value::String(s) => Some(Cow::Borrowed(s)),
+        Value::Array(_) | Value::Object(_) => Some(Cow::Owned(value.to_string())),
+        Value::Null | Value::Bool(_) | Value::Number(_) => None,
+    }
+}
+
+/// Everything a request puts into the engine's prompt, as the tokenizer sees it.
+#[derive(Clone, Debug)]
+pub enum Prompt<'a> {
+    /// Chat turns; fields beside the messages (tools, schemas, ...) ride in the first turn, as
+    /// templates render them into the system prompt.
+    Chat(Vec<ChatTurn<'a>>),
+    /// A completions prompt: pre-tokenized ids, if given, and texts (the prompt, `suffix`, ...).
+    Completion {
+        ids: &'a [TokenId],
+        texts: Vec<Cow<'a, str>>,
+    },
+}
+
+impl Prompt<'_> {
+    /// Every piece of text (roles and names included for chat).
+    pub fn texts(&self) -> Box<dyn Iterator<Item = &str> + '_> {
+        match self {
+            Prompt::Chat(turns) => Box::new(turns.iter().flat_map(|t| {
+                std::iter::once(t.role)
+                    .chain(t.name)
+                    .chain(t.content.iter().map(|c| c.as_ref()))
+            })),
+            Prompt::Completion { texts, .. } => Box::new(texts.iter().map(|c| c.as_ref())),
+        }
+    }
+
+    /// Token ids as the engine would see them (chat framing included).
+    pub fn encode(&self, encoding: Encoding) -> Result<Vec<TokenId>, TokenizerUnavailable> {
+        match self {
+            Prompt::Chat(turns) => encoding.encode_chat(turns.iter().cloned()),
+            Prompt::Completion { ids, texts } => {
+                let mut out = ids.to_vec();
+                for text in texts {
+                    out.extend(encoding.encode(text)?);
+                }
+                Ok(out)
+            }
+        }
+    }
 }
 
 /// `prompt` of the completions endpoint: one string, or one pre-tokenized prompt.
@@ -185,7 +288,7 @@ impl CompletionRequest {
                 .with_param("messages"));
             }
             if let Some(MessageContent::Parts(parts)) = &m.content
-                && let Some(p) = parts.iter().find(|p| p.kind != "text" || p.text.is_none())
+                && let Some(p) = parts.iter().find(|p| !p.carries_text())
             {
                 return Err(ApiError::bad_request(format!(
                     "messages[{i}].content: only text parts are supported, got '{}'",
@@ -197,6 +300,69 @@ impl CompletionRequest {
         Ok(())
     }
 
+    /// Text the request's other fields bring into the prompt (see [`OUTSIDE_PROMPT`]).
+    fn extra_texts(&self) -> impl Iterator<Item = Cow<'_, str>> {
+        self.extra
+            .iter()
+            .filter(|(k, _)| !OUTSIDE_PROMPT.contains(&k.as_str()))
+            .filter_map(|(_, v)| rendered(v))
+    }
+
+    /// Everything the engine puts into the prompt. Call after [`validate`](Self::validate).
+    pub fn prompt(&self, endpoint: Endpoint) -> Prompt<'_> {
+        match endpoint {
+            Endpoint::ChatCompletions => {
+                let mut turns: Vec<ChatTurn<'_>> = self
+                    .messages
+                    .iter()
+                    .flatten()
+                    .map(|m| {
+                        let mut content: Vec<Cow<'_, str>> = match &m.content {
+                            None => Vec::new(),
+                            Some(MessageContent::Text(t)) => vec![Cow::Borrowed(t.as_str())],
+                            Some(MessageContent::Parts(parts)) => parts
+                                .iter()
+                                .flat_map(|p| {
+                                    p.text
+                                        .as_deref()
+                                        .map(Cow::Borrowed)
+                                        .into_iter()
+                                        .chain(p.extra.values().filter_map(rendered))
+                                })
+                                .collect(),
+                        };
+                        content.extend(m.extra.values().filter_map(rendered));
+                        ChatTurn {
+                            role: &m.role,
+                            name: m.name.as_deref(),
+                            content,
+                        }
+                    })
+                    .collect();
+                if let Some(first) = turns.first_mut() {
+                    first.content.extend(self.extra_texts());
+                }
+                Prompt::Chat(turns)
+            }
+            Endpoint::Completions => {
+                let (ids, text): (&[TokenId], Option<&str>) = match &self.prompt {
+                    Some(PromptInput::Text(t)) => (&[], Some(t.as_str())),
+                    Some(PromptInput::Batch(b)) => (&[], b.first().map(String::as_str)),
+                    Some(PromptInput::Tokens(ids)) => (ids, None),
+                    None => (&[], None),
+                };
+                let texts = text
+                    .map(Cow::Borrowed)
+                    .into_iter()
+                    .chain(self.extra_texts());
+                Prompt::Completion {
+                    ids,
+                    texts: texts.collect(),
+                }
+            }
+        }
+    }
+
     /// Token ids of the prompt as the engine would see it (chat framing included).
     /// Call after [`validate`](Self::validate).
     pub fn prompt_tokens(
@@ -204,28 +370,7 @@ impl CompletionRequest {
         endpoint: Endpoint,
         encoding: Encoding,
     ) -> Result<Vec<TokenId>, TokenizerUnavailable> {
-        match endpoint {
-            Endpoint::ChatCompletions => {
-                let turns = self.messages.iter().flatten().map(|m| ChatTurn {
-                    role: &m.role,
-                    name: m.name.as_deref(),
-                    content: match &m.content {
-                        None => Vec::new(),
-                        Some(MessageContent::Text(t)) => vec![t.as_str()],
-                        Some(MessageContent::Parts(parts)) => {
-                            parts.iter().filter_map(|p| p.text.as_deref()).collect()
-                        }
-                    },
-                });
-                encoding.encode_chat(turns)
-            }
-            Endpoint::Completions => match &self.prompt {
-                Some(PromptInput::Text(t)) => encoding.encode(t),
-                Some(PromptInput::Batch(b)) => encoding.encode(b.first().map_or("", |s| s)),
-                Some(PromptInput::Tokens(ids)) => Ok(ids.clone()),
-                None => Ok(Vec::new()),
-            },
-        }
+        self.prompt(endpoint).encode(encoding)
     }
 }
 

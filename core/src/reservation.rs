@@ -4,10 +4,13 @@
 //! request, its estimated input tokens, its reserved output tokens and a concurrency slot,
 //! wherever a limit is set. Charges are all-or-nothing: if one level refuses, the ones already
 //! taken are given back. Each counter is updated with a compare-and-swap loop over the host's
-//! shared data, bounded so a hot key can never spin a worker.
+//! shared data, bounded so a hot key can never spin a worker. Concurrency slots are leases
+//! ([`crate::lease`]) that the holder renews while the request lives ([`renew`]), so a slot
+//! whose release never happened comes back by itself.
 
-use crate::bucket::{Bucket, decode_count, encode_count};
+use crate::bucket::Bucket;
 use crate::config::{Level, Limits, Tenant};
+use crate::lease::Leases;
 
 /// Attempts per counter before a reservation gives up as contended.
 pub const MAX_CAS_ATTEMPTS: usize = 16;
@@ -86,11 +89,20 @@ struct Counter {
     limit: u64,
 }
 
+/// The lease a request takes on its concurrency slots: a unique id (random, so ids never
+/// collide across workers and VMs) and how long the slots outlive a holder that stops renewing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotLease {
+    pub id: u64,
+    pub ttl_ms: u64,
+}
+
 /// Charges held by a request until it settles.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Reservation {
     held: Vec<Counter>,
     pub demand: Demand,
+    pub slot: SlotLease,
 }
 
 /// Why a reservation was refused.
@@ -154,7 +166,7 @@ pub fn initialize<'a>(
 
 fn initial(c: &Counter, now_ms: u64) -> Vec<u8> {
     match c.kind {
-        LimitKind::Concurrency => encode_count(0).to_vec(),
+        LimitKind::Concurrency => Leases::default().encode(),
         _ => Bucket::full(c.limit, now_ms).encode().to_vec(),
     }
 }
@@ -196,17 +208,26 @@ impl Counter {
         }
     }
 
+    fn leases(current: Option<&[u8]>, now_ms: u64, slot: SlotLease) -> Leases {
+        current
+            .and_then(|v| Leases::decode(v, now_ms, slot.ttl_ms))
+            .unwrap_or_default()
+    }
+
     /// Takes this counter's share of `demand`, or reports the shortfall.
-    fn take(&self, store: &impl SharedStore, demand: Demand, now_ms: u64) -> Update<Denial> {
+    fn take(
+        &self,
+        store: &impl SharedStore,
+        demand: Demand,
+        slot: SlotLease,
+        now_ms: u64,
+    ) -> Update<Denial> {
         let amount = self.amount(demand);
         update(store, &self.key, |current| match self.kind {
-            LimitKind::Concurrency => {
-                let held = current.and_then(decode_count).unwrap_or(0);
-                if held >= self.limit {
-                    return Err((0, 1_000));
-                }
-                Ok(encode_count(held + 1).to_vec())
-            }
+            LimitKind::Concurrency => Self::leases(current, now_ms, slot)
+                .acquire(slot.id, self.limit, now_ms, slot.ttl_ms)
+                .map(|l| l.encode())
+                .map_err(|_| (0, 1_000)),
             _ => {
                 let bucket = current
                     .and_then(Bucket::decode)
@@ -227,13 +248,18 @@ impl Counter {
     }
 
     /// Gives back `refund` tokens (negative: charges more) or releases the slot.
-    fn give_back(&self, store: &impl SharedStore, refund: f64, now_ms: u64) -> bool {
+    fn give_back(
+        &self,
+        store: &impl SharedStore,
+        refund: f64,
+        slot: SlotLease,
+        now_ms: u64,
+    ) -> bool {
         let result = update::<()>(store, &self.key, |current| {
             Ok(match self.kind {
-                LimitKind::Concurrency => {
-                    let held = current.and_then(decode_count).unwrap_or(0);
-                    encode_count(held.saturating_sub(1)).to_vec()
-                }
+                LimitKind::Concurrency => Self::leases(current, now_ms, slot)
+                    .release(slot.id, now_ms)
+                    .encode(),
                 _ => current
                     .and_then(Bucket::decode)
                     .unwrap_or_else(|| Bucket::full(self.limit, now_ms))
@@ -265,17 +291,19 @@ fn level_of(key: &str) -> String {
         .to_owned()
 }
 
-/// Charges `demand` at every level of the tenant's path, all or nothing.
+/// Charges `demand` at every level of the tenant's path, all or nothing; concurrency slots are
+/// taken under `slot`.
 pub fn reserve(
     store: &impl SharedStore,
     tenant: &Tenant,
     demand: Demand,
     ledger: Ledger,
+    slot: SlotLease,
     now_ms: u64,
 ) -> Result<Reservation, Denial> {
     let mut held: Vec<Counter> = Vec::new();
     for counter in counters(tenant, ledger) {
-        let denial = match counter.take(store, demand, now_ms) {
+        let denial = match counter.take(store, demand, slot, now_ms) {
             Update::Done => {
                 held.push(counter);
                 continue;
@@ -283,11 +311,30 @@ pub fn reserve(
             Update::Refused(denial) => denial,
             Update::Contended => Denial::Contended,
         };
-        let taken = Reservation { held, demand };
+        let taken = Reservation { held, demand, slot };
         release(store, &taken, Demand::default(), now_ms, true);
         return Err(denial);
     }
-    Ok(Reservation { held, demand })
+    Ok(Reservation { held, demand, slot })
+}
+
+/// Extends the reservation's slot leases; the holder calls it well within the lease's time to
+/// live for as long as the request runs. Returns how many counters could not be updated.
+pub fn renew(store: &impl SharedStore, reservation: &Reservation, now_ms: u64) -> usize {
+    let slot = reservation.slot;
+    reservation
+        .held
+        .iter()
+        .filter(|c| c.kind == LimitKind::Concurrency)
+        .filter(|c| {
+            let renewed = update::<()>(store, &c.key, |current| {
+                Ok(Counter::leases(current, now_ms, slot)
+                    .renew(slot.id, c.limit, now_ms, slot.ttl_ms)
+                    .encode())
+            });
+            !matches!(renewed, Update::Done)
+        })
+        .count()
 }
 
 /// Replaces the reservation with what the request actually used: unused tokens go back,
@@ -323,7 +370,7 @@ fn release(
                     reserved.output_tokens as f64 - actual.output_tokens as f64
                 }
             };
-            !c.give_back(store, refund, now_ms)
+            !c.give_back(store, refund, reservation.slot, now_ms)
         })
         .count()
 }
@@ -368,8 +415,10 @@ mod tests {
             Bucket::decode(&self.data.borrow()[key].0).unwrap().level
         }
 
-        fn count(&self, key: &str) -> u64 {
-            decode_count(&self.data.borrow()[key].0).unwrap()
+        fn count(&self, key: &str) -> usize {
+            Leases::decode(&self.data.borrow()[key].0, 0, TTL)
+                .unwrap()
+                .held(0)
         }
     }
 
@@ -388,6 +437,17 @@ mod tests {
             .clone()
     }
 
+    const TTL: u64 = 30_000;
+
+    /// A fresh lease for each reservation, as the filter draws random ids.
+    fn slot() -> SlotLease {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        SlotLease {
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            ttl_ms: TTL,
+        }
+    }
+
     const IN_100: Demand = Demand {
         input_tokens: 100,
         output_tokens: 50,
@@ -401,7 +461,7 @@ mod tests {
         );
         let store = Memory::default();
         initialize(&store, [&t], 0);
-        let r = reserve(&store, &t, IN_100, Ledger::Enforce, 0).unwrap();
+        let r = reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).unwrap();
         assert_eq!(store.level("weir:e:acme:itpm"), 900.0);
         assert_eq!(store.level("weir:e:acme:otpm"), 450.0);
         assert_eq!(store.count("weir:e:acme/w/p/k:conc"), 1);
@@ -442,8 +502,8 @@ mod tests {
             input_tokens: 10,
             output_tokens: 10,
         };
-        reserve(&store, &t, small, Ledger::Enforce, 0).unwrap();
-        let denial = reserve(&store, &t, IN_100, Ledger::Enforce, 0).unwrap_err();
+        reserve(&store, &t, small, Ledger::Enforce, slot(), 0).unwrap();
+        let denial = reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).unwrap_err();
         match denial {
             Denial::Limit {
                 level,
@@ -468,20 +528,51 @@ mod tests {
     fn concurrency_slots_are_bounded_and_released() {
         let t = tenant("{}", r#"{"concurrent_requests":2}"#);
         let store = Memory::default();
-        let a = reserve(&store, &t, IN_100, Ledger::Enforce, 0).unwrap();
-        let _b = reserve(&store, &t, IN_100, Ledger::Enforce, 0).unwrap();
-        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, 0).is_err());
+        let a = reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).unwrap();
+        let _b = reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).unwrap();
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).is_err());
         settle(&store, &a, IN_100, 0);
-        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, 0).is_ok());
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).is_ok());
+    }
+
+    #[test]
+    fn a_slot_that_is_never_released_comes_back_when_its_lease_lapses() {
+        let t = tenant("{}", r#"{"concurrent_requests":1}"#);
+        let store = Memory::default();
+        initialize(&store, [&t], 0);
+        let live = reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).unwrap();
+        // The holder keeps renewing: the slot stays taken past the first expiry.
+        assert_eq!(renew(&store, &live, TTL / 2), 0);
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, slot(), TTL + 1).is_err());
+        // Then its VM dies: no settle, no renewal. The lease lapses and the slot heals.
+        let lapsed = TTL / 2 + TTL;
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, slot(), lapsed - 1).is_err());
+        let next = reserve(&store, &t, IN_100, Ledger::Enforce, slot(), lapsed + 1).unwrap();
+        assert_eq!(store.count("weir:e:acme/w/p/k:conc"), 1);
+        // A settle that loses every CAS race leaks nothing either: the lease just lapses.
+        store.conflicts.set(MAX_CAS_ATTEMPTS);
+        assert_eq!(settle(&store, &next, IN_100, lapsed + 2), 1);
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, slot(), lapsed + 2).is_err());
+        assert!(
+            reserve(
+                &store,
+                &t,
+                IN_100,
+                Ledger::Enforce,
+                slot(),
+                lapsed + 2 + TTL
+            )
+            .is_ok()
+        );
     }
 
     #[test]
     fn shadow_counters_are_separate() {
         let t = tenant("{}", r#"{"requests_per_minute":1}"#);
         let store = Memory::default();
-        assert!(reserve(&store, &t, IN_100, Ledger::Shadow, 0).is_ok());
-        assert!(reserve(&store, &t, IN_100, Ledger::Shadow, 0).is_err());
-        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, 0).is_ok());
+        assert!(reserve(&store, &t, IN_100, Ledger::Shadow, slot(), 0).is_ok());
+        assert!(reserve(&store, &t, IN_100, Ledger::Shadow, slot(), 0).is_err());
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).is_ok());
     }
 
     #[test]
@@ -490,10 +581,10 @@ mod tests {
         let store = Memory::default();
         initialize(&store, [&t], 0);
         store.conflicts.set(MAX_CAS_ATTEMPTS - 1);
-        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, 0).is_ok());
+        assert!(reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).is_ok());
         store.conflicts.set(MAX_CAS_ATTEMPTS);
         assert_eq!(
-            reserve(&store, &t, IN_100, Ledger::Enforce, 0),
+            reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0),
             Err(Denial::Contended)
         );
         assert_eq!(store.level("weir:e:acme/w/p/k:rpm"), 9.0);
@@ -507,13 +598,13 @@ mod tests {
             input_tokens: 500,
             output_tokens: 0,
         };
-        reserve(&store, &t, big, Ledger::Enforce, 0).unwrap();
+        reserve(&store, &t, big, Ledger::Enforce, slot(), 0).unwrap();
         let Err(Denial::Limit { retry_after_ms, .. }) =
-            reserve(&store, &t, big, Ledger::Enforce, 0)
+            reserve(&store, &t, big, Ledger::Enforce, slot(), 0)
         else {
             panic!("expected a limit")
         };
         assert_eq!(retry_after_ms, 40_000, "400 more tokens at 10/s");
-        assert!(reserve(&store, &t, big, Ledger::Enforce, 40_000).is_ok());
+        assert!(reserve(&store, &t, big, Ledger::Enforce, slot(), 40_000).is_ok());
     }
 }

@@ -4,6 +4,8 @@
 //! role and content plus three framing tokens, and the reply is primed with three more. The
 //! framing is materialised as real token ids so prefix caches can hash the rendered prompt.
 
+use std::borrow::Cow;
+use std::collections::HashSet;
 use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
@@ -23,9 +25,11 @@ pub enum Encoding {
     O200kBase,
 }
 
-/// The vocabulary could not be loaded (only possible if the embedded table is corrupt).
+/// No exact count: the vocabulary could not be loaded (only possible if the embedded table is
+/// corrupt), or the text defeats the pre-tokenizer's backtracking regex (a long pathological run,
+/// such as a million spaces before a word, on which tiktoken's `encode_ordinary` panics).
 #[derive(Debug, thiserror::Error)]
-#[error("tokenizer {0:?} failed to load")]
+#[error("tokenizer {0:?} cannot count this text exactly")]
 pub struct TokenizerUnavailable(pub Encoding);
 
 /// Chat framing markers (`<|im_start|>`, `<|im_sep|>`, `<|im_end|>` in cl100k_base). They sit in
@@ -47,9 +51,14 @@ impl Encoding {
         slot.as_ref().ok_or(TokenizerUnavailable(self))
     }
 
-    /// Token ids of plain text, with no special-token interpretation.
+    /// Token ids of plain text, with no special-token interpretation: tiktoken's fallible
+    /// `encode` with no special token allowed (the same ids as `encode_ordinary`, which unwraps
+    /// the regex's errors — a panic that would trap the filter's VM and every request on it).
     pub fn encode(self, text: &str) -> Result<Vec<TokenId>, TokenizerUnavailable> {
-        Ok(self.bpe()?.encode_ordinary(text))
+        self.bpe()?
+            .encode(text, &HashSet::new())
+            .map(|(ids, _)| ids)
+            .map_err(|_| TokenizerUnavailable(self))
     }
 
     /// Token ids of a chat conversation, framed and primed for the assistant's reply.
@@ -57,35 +66,35 @@ impl Encoding {
         self,
         messages: impl IntoIterator<Item = ChatTurn<'a>>,
     ) -> Result<Vec<TokenId>, TokenizerUnavailable> {
-        let bpe = self.bpe()?;
         let mut ids = Vec::new();
         for turn in messages {
             ids.push(IM_START);
-            ids.extend(bpe.encode_ordinary(turn.role));
+            ids.extend(self.encode(turn.role)?);
             if let Some(name) = turn.name {
                 // The cookbook charges one extra token for a name beside its own tokens.
                 ids.push(IM_SEP);
-                ids.extend(bpe.encode_ordinary(name));
+                ids.extend(self.encode(name)?);
             }
             ids.push(IM_SEP);
-            for part in turn.content {
-                ids.extend(bpe.encode_ordinary(part));
+            for part in &turn.content {
+                ids.extend(self.encode(part)?);
             }
             ids.push(IM_END);
         }
         ids.push(IM_START);
-        ids.extend(bpe.encode_ordinary("assistant"));
+        ids.extend(self.encode("assistant")?);
         ids.push(IM_SEP);
         Ok(ids)
     }
 }
 
-/// One chat message as the tokenizer sees it: role, optional name, and text parts.
+/// One chat message as the tokenizer sees it: role, optional name, and text parts (its content
+/// and anything else the engine renders with it, such as tool calls).
 #[derive(Clone, Debug)]
 pub struct ChatTurn<'a> {
     pub role: &'a str,
     pub name: Option<&'a str>,
-    pub content: Vec<&'a str>,
+    pub content: Vec<Cow<'a, str>>,
 }
 
 #[cfg(test)]
@@ -96,7 +105,7 @@ mod tests {
         ChatTurn {
             role,
             name: None,
-            content: vec![content],
+            content: vec![content.into()],
         }
     }
 
@@ -144,6 +153,24 @@ mod tests {
             with_name.len(),
             without.len() + 2,
             "one name token + one framing token"
+        );
+    }
+
+    // Native only: under Node's WASI runner this test passes but Node segfaults at exit (it
+    // does not after the same input in `estimate`'s tests, nor in Envoy's V8: tests/metering.rs).
+    #[cfg(not(target_family = "wasm"))]
+    #[test]
+    fn pathological_text_is_an_error_not_a_panic() {
+        let text = format!("{}x", " ".repeat(1_000_000));
+        assert!(Encoding::Cl100kBase.encode(&text).is_err());
+        let special = "<|endoftext|> is text here";
+        assert_eq!(
+            Encoding::Cl100kBase.encode(special).ok(),
+            Encoding::Cl100kBase
+                .bpe()
+                .ok()
+                .map(|b| b.encode_ordinary(special)),
+            "special tokens are plain text, as before"
         );
     }
 

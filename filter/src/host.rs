@@ -36,15 +36,23 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// A request id for requests Envoy gave none (it normally sets `x-request-id`): random bits
-/// from WASI, so ids never collide across workers.
-pub fn unique_id() -> String {
-    let mut bytes = [0u8; 16];
-    let random = getrandom::fill(&mut bytes).is_ok();
-    if !random {
-        bytes[..8].copy_from_slice(&now_ms().to_le_bytes());
+/// Random bits from WASI (the clock's if WASI has none), so ids never collide across workers.
+fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut bytes = [0u8; N];
+    if getrandom::fill(&mut bytes).is_err() {
+        let now = now_ms().to_le_bytes();
+        let n = N.min(now.len());
+        bytes[..n].copy_from_slice(&now[..n]);
     }
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    bytes
+}
+
+/// A request id for requests Envoy gave none (it normally sets `x-request-id`).
+pub fn unique_id() -> String {
+    let hex: String = random_bytes::<16>()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     format!("weir-{hex}")
 }
 
@@ -52,6 +60,11 @@ pub fn unique_id() -> String {
 /// `vm_config.environment_variables.host_env_keys`; WASI's `environ_get` reads them).
 pub fn env(name: &str) -> Option<String> {
     std::env::var(name).ok()
+}
+
+/// A random 64-bit id (a slot lease's).
+pub fn random_u64() -> u64 {
+    u64::from_le_bytes(random_bytes())
 }
 
 /// A property as UTF-8 (route name, route metadata leaves, ...).

@@ -7,14 +7,17 @@ mod request;
 mod signer;
 mod telemetry;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use weir_core::config::{Config, Directory, Tenant};
-use weir_core::reservation;
+use weir_core::reservation::{self, Reservation};
 
 use crate::host::{Metrics, SharedData};
 use crate::request::Request;
@@ -34,6 +37,9 @@ pub struct Gateway {
     /// Signs the trusted headers of every forwarded request, when configured.
     pub signer: Option<Signer>,
     pub metrics: Metrics,
+    /// Reservations this VM's live requests hold, by slot lease id: the root context renews
+    /// their slot leases on every tick, so a slot lapses only when its VM is gone.
+    pub in_flight: RefCell<HashMap<u64, Reservation>>,
 }
 
 impl Gateway {
@@ -44,6 +50,7 @@ impl Gateway {
             config,
             signer,
             metrics,
+            in_flight: RefCell::default(),
         }
     }
 }
@@ -85,6 +92,8 @@ impl RootContext for Root {
                 return false;
             }
         };
+        // Renew three times per lease: a late tick or two never costs a live request its slot.
+        self.set_tick_period(Duration::from_millis(config.slot_lease_ms / 3));
         let gateway = Gateway::new(config, signer, telemetry::define());
         reservation::initialize(&SharedData, gateway.directory.tenants(), host::now_ms());
         log::info!(
@@ -98,6 +107,25 @@ impl RootContext for Root {
         );
         self.gateway = Some(Rc::new(gateway));
         true
+    }
+
+    /// Renews the slot leases of every request in flight on this VM: one CAS update per
+    /// concurrency limit on its path, so the cost is bounded by the requests this worker holds.
+    fn on_tick(&mut self) {
+        let Some(gw) = &self.gateway else {
+            return;
+        };
+        // Callbacks never nest, so the map is never borrowed here; if it were, skip a tick.
+        let Ok(in_flight) = gw.in_flight.try_borrow() else {
+            return;
+        };
+        let now = host::now_ms();
+        let conflicts: usize = in_flight
+            .values()
+            .map(|r| reservation::renew(&SharedData, r, now))
+            .sum();
+        gw.metrics
+            .add(telemetry::SETTLE_CONFLICTS, conflicts as i64);
     }
 
     fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {

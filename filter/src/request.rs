@@ -24,7 +24,7 @@ use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::openai::{ApiError, Endpoint};
 use weir_core::path::{self, Route};
 use weir_core::reply::Reply;
-use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation};
+use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation, SlotLease};
 use weir_core::trusted;
 
 use crate::Gateway;
@@ -387,9 +387,16 @@ impl Request {
         } else {
             Ledger::Enforce
         };
-        match reservation::reserve(&SharedData, &tenant, demand, ledger, host::now_ms()) {
+        let slot = SlotLease {
+            id: host::random_u64(),
+            ttl_ms: self.gw.config.slot_lease_ms,
+        };
+        match reservation::reserve(&SharedData, &tenant, demand, ledger, slot, host::now_ms()) {
             Ok(r) => {
                 self.gw.metrics.add(telemetry::RESERVED, total(demand));
+                if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
+                    in_flight.insert(slot.id, r.clone());
+                }
                 self.reservation = Some(r);
             }
             Err(denial) => {
@@ -524,7 +531,7 @@ impl Request {
             None => Demand {
                 input_tokens: estimate,
                 output_tokens: match &self.meter {
-                    Meter::Stream(m) => m.content_events(),
+                    Meter::Stream(m) => m.generated_tokens(),
                     Meter::Body(m) => match m.finish() {
                         BodyUsage::Estimated { completion_tokens } => completion_tokens,
                         _ => reserved_output,
@@ -539,6 +546,9 @@ impl Request {
             self.usage = Demand::default();
         }
         if let Some(r) = self.reservation.take() {
+            if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
+                in_flight.remove(&r.slot.id);
+            }
             let conflicts = reservation::settle(&SharedData, &r, self.usage, host::now_ms());
             self.gw
                 .metrics

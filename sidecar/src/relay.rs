@@ -117,7 +117,7 @@ impl Flight {
         if let Some(usage) = self.meter.usage() {
             self.reconcile(usage.prompt_tokens);
         }
-        let served = self.meter.content_events();
+        let served = self.meter.generated_tokens();
         if served - self.charged >= CHARGE_EVERY {
             self.charge(served);
         }
@@ -179,7 +179,7 @@ impl Flight {
         };
         let counted = match body_usage {
             Some(BodyUsage::Estimated { completion_tokens }) => completion_tokens,
-            _ => self.meter.content_events(),
+            _ => self.meter.generated_tokens(),
         };
         let (prompt, completion, source) = match reported {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),

@@ -10,5 +10,6 @@ pub mod kv_cache;
 pub mod metrics;
 pub mod profile;
 pub mod server;
+pub mod shape;
 pub mod text;
 pub mod wire;

@@ -11,6 +11,7 @@ use weir_sim::faults::{FaultFlags, Faults};
 use weir_sim::metrics::EngineMetrics;
 use weir_sim::profile::{OutputLength, Profile};
 use weir_sim::server::{App, Settings, router};
+use weir_sim::shape::ShapeFlags;
 
 /// An OpenAI-compatible LLM engine simulator with vLLM's scheduling physics and metric names.
 ///
@@ -68,6 +69,8 @@ struct Cli {
     record_requests: usize,
     #[command(flatten)]
     faults: FaultFlags,
+    #[command(flatten)]
+    shape: ShapeFlags,
     /// Print the resolved profile as YAML and exit.
     #[arg(long)]
     print_profile: bool,
@@ -164,6 +167,7 @@ async fn main() -> anyhow::Result<()> {
         seed: cli.seed,
         max_body_bytes: cli.max_body_bytes,
         record_requests: cli.record_requests,
+        shape: cli.shape.clone(),
     };
     let faults = Faults::new(cli.faults.clone(), cli.seed);
     let app = App::new(engine, profile, registry, faults, settings);

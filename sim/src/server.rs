@@ -25,6 +25,7 @@ use crate::faults::{Faults, Verdict};
 use crate::kv_cache::block_hashes;
 use crate::metrics::render;
 use crate::profile::Profile;
+use crate::shape::{Field, ShapeFlags};
 use crate::text::TextGen;
 use crate::wire::{ResponseHead, SSE_DONE, sse_event};
 
@@ -42,6 +43,8 @@ pub struct Settings {
     pub max_body_bytes: usize,
     /// Keep the last N requests (headers and body) for `GET /debug/requests`; 0 keeps none.
     pub record_requests: usize,
+    /// How answers are laid out on the wire.
+    pub shape: ShapeFlags,
 }
 
 /// Everything the handlers share.
@@ -348,6 +351,8 @@ async fn pump(
     mut guard: AbortOnDrop,
     tx: mpsc::Sender<Chunk>,
 ) {
+    let shape = &app.settings.shape;
+    let (mut pending, mut pending_tokens, mut first) = (String::new(), 0, true);
     loop {
         let event = tokio::select! {
             event = events.recv() => event,
@@ -356,9 +361,26 @@ async fn pump(
         let frame = match event {
             Some(SeqEvent::Token { index }) => match next_piece(&app, &mut job, index).await {
                 Ok(piece) => {
-                    let last = index + 1 == job.spec.output_len;
-                    job.head
-                        .token_frames(piece, index == 0, last.then_some(job.finish_reason))
+                    pending.push_str(piece);
+                    pending_tokens += 1;
+                    let len = job.spec.output_len;
+                    if !shape.chunk_ends(index, len, pending_tokens) {
+                        continue;
+                    }
+                    let last = index + 1 == len;
+                    let field = match job.head.endpoint {
+                        Endpoint::ChatCompletions => shape.field(index),
+                        Endpoint::Completions => Field::Content,
+                    };
+                    let frames = job.head.token_frames(
+                        &pending,
+                        field,
+                        first,
+                        last.then_some(job.finish_reason),
+                    );
+                    pending.clear();
+                    (pending_tokens, first) = (0, false);
+                    frames
                 }
                 Err(Dropped) => {
                     // Let the tokens already sent reach the socket before the cut, so clients
@@ -371,7 +393,7 @@ async fn pump(
             Some(SeqEvent::Finished(done)) => {
                 guard.disarm();
                 let mut tail = String::new();
-                if job.include_usage {
+                if job.include_usage && !shape.omit_usage {
                     tail.push_str(&job.head.usage_frame(&done.usage));
                 }
                 tail.push_str(SSE_DONE);
@@ -402,11 +424,15 @@ async fn collect_response(
     mut events: mpsc::UnboundedReceiver<SeqEvent>,
     mut guard: AbortOnDrop,
 ) -> Response {
-    let mut text = String::new();
+    let shape = &app.settings.shape;
+    let (mut reasoning, mut text) = (String::new(), String::new());
     while let Some(event) = events.recv().await {
         match event {
             SeqEvent::Token { index } => match next_piece(&app, &mut job, index).await {
-                Ok(piece) => text.push_str(piece),
+                Ok(piece) => match (job.head.endpoint, shape.field(index)) {
+                    (Endpoint::ChatCompletions, Field::Reasoning) => reasoning.push_str(piece),
+                    _ => text.push_str(piece),
+                },
                 Err(Dropped) => {
                     let cut =
                         stream::once(async { Err::<Bytes, _>(io::Error::other("injected drop")) });
@@ -415,7 +441,11 @@ async fn collect_response(
             },
             SeqEvent::Finished(done) => {
                 guard.disarm();
-                let body = job.head.response(&text, job.finish_reason, &done.usage);
+                let reasoning = (!reasoning.is_empty()).then_some(reasoning.as_str());
+                let usage = (!shape.omit_usage).then_some(&done.usage);
+                let body = job
+                    .head
+                    .response(reasoning, &text, job.finish_reason, usage);
                 return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
             }
             SeqEvent::Rejected(msg) => {

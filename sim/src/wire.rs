@@ -5,6 +5,7 @@ use serde::Serialize;
 use weir_core::openai::Endpoint;
 
 use crate::engine::Usage;
+use crate::shape::Field;
 
 /// What every chunk and response of one request shares.
 pub struct ResponseHead {
@@ -29,7 +30,10 @@ struct Envelope<'a, C> {
 struct ChatDelta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
-    content: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -60,6 +64,8 @@ enum Choice<'a> {
 #[derive(Serialize)]
 struct ChatMessage<'a> {
     role: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reasoning_content: Option<&'a str>,
     content: &'a str,
     refusal: (),
     tool_calls: [(); 0],
@@ -130,27 +136,41 @@ impl ResponseHead {
         sse_event(&self.encode(true, [choice], None))
     }
 
-    /// The SSE frames for one generated piece. A chat stream opens with an empty assistant
-    /// delta, as vLLM does, so every later chunk carries exactly one token.
-    pub fn token_frames(&self, text: &str, first: bool, finish_reason: Option<&str>) -> String {
+    /// The SSE frames for one generated piece of `field`. A chat stream opens with an empty
+    /// assistant delta, as vLLM does, so every later chunk carries only generated tokens.
+    pub fn token_frames(
+        &self,
+        text: &str,
+        field: Field,
+        first: bool,
+        finish_reason: Option<&str>,
+    ) -> String {
         match self.endpoint {
             Endpoint::ChatCompletions => {
-                let delta = |role, content| Choice::ChatChunk {
-                    index: 0,
-                    delta: ChatDelta { role, content },
-                    logprobs: (),
-                    finish_reason: None,
-                };
                 let mut frames = if first {
-                    self.chunk(delta(Some("assistant"), ""))
+                    self.chunk(Choice::ChatChunk {
+                        index: 0,
+                        delta: ChatDelta {
+                            role: Some("assistant"),
+                            content: Some(""),
+                            reasoning_content: None,
+                        },
+                        logprobs: (),
+                        finish_reason: None,
+                    })
                 } else {
                     String::new()
+                };
+                let (content, reasoning_content) = match field {
+                    Field::Content => (Some(text), None),
+                    Field::Reasoning => (None, Some(text)),
                 };
                 frames.push_str(&self.chunk(Choice::ChatChunk {
                     index: 0,
                     delta: ChatDelta {
                         role: None,
-                        content: text,
+                        content,
+                        reasoning_content,
                     },
                     logprobs: (),
                     finish_reason,
@@ -172,13 +192,20 @@ impl ResponseHead {
         sse_event(&self.encode(true, [(); 0], Some(usage)))
     }
 
-    /// A whole non-streamed response body.
-    pub fn response(&self, text: &str, finish_reason: &str, usage: &Usage) -> String {
+    /// A whole non-streamed response body (`reasoning` only for chat).
+    pub fn response(
+        &self,
+        reasoning: Option<&str>,
+        text: &str,
+        finish_reason: &str,
+        usage: Option<&Usage>,
+    ) -> String {
         let choice = match self.endpoint {
             Endpoint::ChatCompletions => Choice::Chat {
                 index: 0,
                 message: ChatMessage {
                     role: "assistant",
+                    reasoning_content: reasoning,
                     content: text,
                     refusal: (),
                     tool_calls: [],
@@ -195,7 +222,7 @@ impl ResponseHead {
                 stop_reason: (),
             },
         };
-        self.encode(false, [choice], Some(usage))
+        self.encode(false, [choice], usage)
     }
 }
 
@@ -221,7 +248,7 @@ mod tests {
 
     #[test]
     fn chat_chunks_follow_vllm_field_order() {
-        let frames = head(Endpoint::ChatCompletions).token_frames("co", true, None);
+        let frames = head(Endpoint::ChatCompletions).token_frames("co", Field::Content, true, None);
         assert_eq!(
             frames,
             "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n\
@@ -242,7 +269,8 @@ mod tests {
 
     #[test]
     fn full_response_carries_message_and_usage() {
-        let body = head(Endpoint::ChatCompletions).response("hi", "stop", &Usage::default());
+        let body =
+            head(Endpoint::ChatCompletions).response(None, "hi", "stop", Some(&Usage::default()));
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["object"], "chat.completion");
         assert_eq!(v["choices"][0]["message"]["content"], "hi");
