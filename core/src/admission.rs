@@ -66,7 +66,7 @@ pub fn admit(
             ApiError::bad_request(format!("the request body must be a JSON object: {e}")),
         )
     })?;
-    let req: CompletionRequest = serde_json::from_slice(body).map_err(|e| {
+    let req = CompletionRequest::from_body(body).map_err(|e| {
         reject(
             "malformed_body",
             ApiError::bad_request(format!("invalid request: {e}")),

@@ -2,9 +2,11 @@
 //! shape clients (and the official SDKs) expect.
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 use serde::Deserialize;
-use serde_json::{Map, Value, json};
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
 
 use crate::tokens::{ChatTurn, Encoding, TokenId, TokenizerUnavailable};
 
@@ -17,8 +19,11 @@ pub enum Endpoint {
 }
 
 /// The fields of a chat or text completion request that serving and metering depend on.
-/// Other fields are accepted, as engines do, and kept in `extra`: those that can carry text into
-/// the prompt are counted (see [`CompletionRequest::prompt`]).
+/// Other fields are accepted, as engines do, and the text they can carry into the prompt is kept
+/// in `extra` (see [`CompletionRequest::prompt`]). `extra` is read by a second pass over the raw
+/// body ([`CompletionRequest::parse`]) rather than with `serde(flatten)`, which would build a
+/// tree of the whole body: a few MB of small JSON objects take many times their size as a tree,
+/// and a VM's memory never shrinks.
 #[derive(Clone, Debug, Deserialize)]
 pub struct CompletionRequest {
     pub model: String,
@@ -47,11 +52,28 @@ pub struct CompletionRequest {
     /// vLLM extension: scopes prefix-cache reuse to requests carrying the same salt.
     #[serde(default)]
     pub cache_salt: Option<String>,
-    /// Every other field: `tools`, `tool_choice`, `functions`, `response_format`, guided
-    /// decoding, `chat_template_kwargs`, `documents`, sampling parameters, unknown fields.
-    #[serde(flatten)]
-    pub extra: Map<String, Value>,
+    /// The text of every other field that can reach the prompt: `tools`, `tool_choice`,
+    /// `functions`, `response_format`, guided decoding, `chat_template_kwargs`, `documents`,
+    /// unknown fields (see [`OUTSIDE_PROMPT`]).
+    #[serde(skip)]
+    pub extra: Vec<String>,
 }
+
+/// The fields [`CompletionRequest`] reads itself; every other top-level field is extra.
+const REQUEST_FIELDS: [&str; 12] = [
+    "model",
+    "messages",
+    "prompt",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "n_predict",
+    "n",
+    "seed",
+    "ignore_eos",
+    "cache_salt",
+];
 
 #[derive(Clone, Debug, Default, Deserialize)]
 pub struct StreamOptions {
@@ -66,11 +88,13 @@ pub struct ChatMessage {
     pub content: Option<MessageContent>,
     #[serde(default)]
     pub name: Option<String>,
-    /// `tool_calls`, `tool_call_id`, `function_call`, `reasoning_content`, ...: rendered into
-    /// the prompt by chat templates, so counted.
-    #[serde(flatten)]
-    pub extra: Map<String, Value>,
+    /// The text of `tool_calls`, `tool_call_id`, `function_call`, `reasoning_content`, ...:
+    /// rendered into the prompt by chat templates, so counted.
+    #[serde(skip)]
+    pub extra: Vec<String>,
 }
+
+const MESSAGE_FIELDS: [&str; 3] = ["role", "content", "name"];
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
@@ -85,10 +109,15 @@ pub struct ContentPart {
     pub kind: String,
     #[serde(default)]
     pub text: Option<String>,
-    /// A `refusal` part's text, and whatever else a part carries: counted.
-    #[serde(flatten)]
-    pub extra: Map<String, Value>,
+    /// A `refusal` part's text (any other JSON there is refused as not text).
+    #[serde(default)]
+    pub refusal: Option<Value>,
+    /// The text of whatever else a part carries: counted.
+    #[serde(skip)]
+    pub extra: Vec<String>,
 }
+
+const PART_FIELDS: [&str; 3] = ["type", "text", "refusal"];
 
 /// Part types that carry text, and the field that holds it.
 const TEXT_PARTS: [(&str, &str); 3] = [
@@ -103,7 +132,7 @@ impl ContentPart {
             self.kind == kind
                 && match field {
                     "text" => self.text.is_some(),
-                    _ => self.extra.get(field).is_some_and(Value::is_string),
+                    _ => self.refusal.as_ref().is_some_and(Value::is_string),
                 }
         })
     }
@@ -128,14 +157,35 @@ const OUTSIDE_PROMPT: [&str; 11] = [
     "request_id",
 ];
 
-/// The text a JSON value brings into a prompt: a string as itself, a structure as its compact
-/// JSON (how templates render tools and schemas), nothing for numbers, booleans and null.
-fn rendered(value: &Value) -> Option<Cow<'_, str>> {
-    match value {
-        Value::String(s) => Some(Cow::Borrowed(s)),
-        Value::Array(_) | Value::Object(_) => Some(Cow::Owned(value.to_string())),
-        Value::Null | Value::Bool(_) | Value::Number(_) => None,
+/// The text a JSON value brings into a prompt: a string as itself, a structure as its JSON
+/// (how templates render tools and schemas), nothing for numbers, booleans and null.
+fn rendered(raw: &RawValue) -> Option<String> {
+    let text = raw.get();
+    match text.as_bytes().first()? {
+        b'"' => serde_json::from_str(text).ok(),
+        b'[' | b'{' => Some(text.to_owned()),
+        _ => None,
     }
+}
+
+/// A JSON object's fields, values left as raw JSON text (nothing is built from them).
+type RawObject<'a> = BTreeMap<Cow<'a, str>, &'a RawValue>;
+
+fn raw_object(raw: &RawValue) -> Option<RawObject<'_>> {
+    serde_json::from_str(raw.get()).ok()
+}
+
+fn raw_array(raw: &RawValue) -> Option<Vec<&RawValue>> {
+    serde_json::from_str(raw.get()).ok()
+}
+
+/// The rendered text of an object's fields other than `known` (and [`OUTSIDE_PROMPT`]).
+fn extra_texts(object: &RawObject<'_>, known: &[&str]) -> Vec<String> {
+    object
+        .iter()
+        .filter(|(k, _)| !known.contains(&k.as_ref()) && !OUTSIDE_PROMPT.contains(&k.as_ref()))
+        .filter_map(|(_, v)| rendered(v))
+        .collect()
 }
 
 /// Everything a request puts into the engine's prompt, as the tokenizer sees it.
@@ -193,7 +243,7 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 impl CompletionRequest {
     /// Parses a body, naming the offending field or position on failure.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        serde_json::from_slice(body).map_err(|e| {
+        Self::from_body(body).map_err(|e| {
             let what = if e.is_syntax() || e.is_eof() {
                 "malformed JSON"
             } else {
@@ -201,6 +251,34 @@ impl CompletionRequest {
             };
             ApiError::bad_request(format!("{what}: {e}"))
         })
+    }
+
+    /// The typed fields (unknown ones are skipped, not built), then the text of every other
+    /// field from a second pass over the raw JSON.
+    pub fn from_body(body: &[u8]) -> Result<Self, serde_json::Error> {
+        let mut req: CompletionRequest = serde_json::from_slice(body)?;
+        let top: RawObject<'_> = serde_json::from_slice(body)?;
+        req.extra = extra_texts(&top, &REQUEST_FIELDS);
+        let raw_messages = top.get("messages").and_then(|m| raw_array(m));
+        if let (Some(messages), Some(raw)) = (&mut req.messages, raw_messages) {
+            for (message, raw) in messages.iter_mut().zip(raw) {
+                let Some(fields) = raw_object(raw) else {
+                    continue;
+                };
+                message.extra = extra_texts(&fields, &MESSAGE_FIELDS);
+                let raw_parts = fields.get("content").and_then(|c| raw_array(c));
+                if let (Some(MessageContent::Parts(parts)), Some(raw)) =
+                    (&mut message.content, raw_parts)
+                {
+                    for (part, raw) in parts.iter_mut().zip(raw) {
+                        if let Some(fields) = raw_object(raw) {
+                            part.extra = extra_texts(&fields, &PART_FIELDS);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(req)
     }
 
     pub fn is_streaming(&self) -> bool {
@@ -302,10 +380,7 @@ impl CompletionRequest {
 
     /// Text the request's other fields bring into the prompt (see [`OUTSIDE_PROMPT`]).
     fn extra_texts(&self) -> impl Iterator<Item = Cow<'_, str>> {
-        self.extra
-            .iter()
-            .filter(|(k, _)| !OUTSIDE_PROMPT.contains(&k.as_str()))
-            .filter_map(|(_, v)| rendered(v))
+        self.extra.iter().map(|t| Cow::Borrowed(t.as_str()))
     }
 
     /// Everything the engine puts into the prompt. Call after [`validate`](Self::validate).
@@ -325,13 +400,14 @@ impl CompletionRequest {
                                 .flat_map(|p| {
                                     p.text
                                         .as_deref()
+                                        .or(p.refusal.as_ref().and_then(Value::as_str))
                                         .map(Cow::Borrowed)
                                         .into_iter()
-                                        .chain(p.extra.values().filter_map(rendered))
+                                        .chain(p.extra.iter().map(|t| Cow::Borrowed(t.as_str())))
                                 })
                                 .collect(),
                         };
-                        content.extend(m.extra.values().filter_map(rendered));
+                        content.extend(m.extra.iter().map(|t| Cow::Borrowed(t.as_str())));
                         ChatTurn {
                             role: &m.role,
                             name: m.name.as_deref(),
