@@ -206,14 +206,27 @@ impl StreamMeter {
     }
 }
 
-/// End (exclusive) of the last complete event: just past the last blank line.
+/// End (exclusive) of the first event in `buf`: just past its blank line.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// End (exclusive) of the last complete event. Scans forward event by event, exactly as
+/// [`split_events`] splits, so where events end never depends on how the stream was chunked
+/// (a backward search for the last blank line disagrees when `\r\n` runs overlap).
 fn last_boundary(buf: &[u8]) -> Option<usize> {
-    let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf
-        .windows(4)
-        .rposition(|w| w == b"\r\n\r\n")
-        .map(|i| i + 4);
-    lf.max(crlf)
+    let mut end = None;
+    let mut at = 0;
+    while let Some(len) = buf.get(at..).and_then(event_end) {
+        at += len;
+        end = Some(at);
+    }
+    end
 }
 
 /// Splits complete events, each keeping its trailing blank line.
@@ -223,15 +236,7 @@ fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
         if rest.is_empty() {
             return None;
         }
-        let lf = rest.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-        let crlf = rest
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .map(|i| i + 4);
-        let end = match (lf, crlf) {
-            (Some(a), Some(b)) => a.min(b),
-            (a, b) => a.or(b).unwrap_or(rest.len()),
-        };
+        let end = event_end(rest).unwrap_or(rest.len());
         let (event, tail) = rest.split_at(end);
         rest = tail;
         Some(event)
