@@ -252,6 +252,10 @@ pub async fn relay(
 ) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
     let app = flight.app.clone();
+    // `max_stream_ms` counts from dispatch, whatever the engine does: one that accepts the
+    // request and never answers (no headers, or a non-streamed body that never comes) must not
+    // hold the replica any longer than a stream may.
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(app.relay.max_stream_ms);
     if *app.cut.borrow() {
         return cut_short(flight);
     }
@@ -263,6 +267,7 @@ pub async fn relay(
     let sent = tokio::select! {
         sent = request => sent,
         () = cut(&app) => return cut_short(flight),
+        () = tokio::time::sleep_until(deadline) => return timed_out(flight),
     };
     let upstream = match sent {
         Ok(resp) => resp,
@@ -286,6 +291,7 @@ pub async fn relay(
         let bytes = tokio::select! {
             bytes = upstream.bytes() => bytes,
             () = cut(&app) => return cut_short(flight),
+            () = tokio::time::sleep_until(deadline) => return timed_out(flight),
         };
         let outcome = if status.is_success() {
             "ok"
@@ -318,7 +324,7 @@ pub async fn relay(
             }
         };
     }
-    let body = Body::from_stream(relay_stream(flight, upstream.bytes_stream()));
+    let body = Body::from_stream(relay_stream(flight, upstream.bytes_stream(), deadline));
     let mut resp = Response::new(body);
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
@@ -343,6 +349,21 @@ fn cut_short(mut flight: Flight) -> Response {
             "the gateway's scheduler is restarting; retry",
         )
         .with_code("shutting_down"),
+    )
+}
+
+/// A request whose engine had not answered (headers, or the whole of a non-streamed body) by
+/// the end of `relay.max_stream_ms`: the upstream request is dropped (the engine aborts and
+/// frees the KV), the attempt recorded, and the caller told to retry.
+fn timed_out(mut flight: Flight) -> Response {
+    flight.finish("stream_deadline", None);
+    error_response(
+        &ApiError::new(
+            504,
+            "TimeoutError",
+            "the engine did not answer within the gateway's longest request duration; retry",
+        )
+        .with_code("stream_deadline"),
     )
 }
 
@@ -409,9 +430,10 @@ fn slow_client_event() -> Bytes {
 fn relay_stream(
     flight: Flight,
     upstream: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+    deadline: tokio::time::Instant,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
     let (tx, rx) = mpsc::channel(1);
-    tokio::spawn(pump(flight, upstream, tx));
+    tokio::spawn(pump(flight, upstream, tx, deadline));
     futures::stream::unfold(Some(rx), |rx| async move {
         let mut rx: mpsc::Receiver<Piece> = rx?;
         match rx.recv().await {
@@ -434,16 +456,16 @@ async fn deliver(tx: &mpsc::Sender<Piece>, piece: Piece, stall: Duration) -> Del
 }
 
 /// Relays the replica's stream to the body channel until it ends, the client leaves or stalls,
-/// or the stream's time is up; settles the flight on every path.
+/// or the stream's time (`deadline`, counted from dispatch) is up; settles the flight on every
+/// path.
 async fn pump(
     mut flight: Flight,
     mut upstream: impl Stream<Item = reqwest::Result<Bytes>> + Unpin,
     tx: mpsc::Sender<Piece>,
+    deadline: tokio::time::Instant,
 ) {
     let app = flight.app.clone();
-    let limits = app.relay.clone();
-    let stall = Duration::from_millis(limits.client_stall_ms);
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.max_stream_ms);
+    let stall = Duration::from_millis(app.relay.client_stall_ms);
     let deliver = |piece: Piece| deliver(&tx, piece, stall);
     loop {
         let next = tokio::select! {

@@ -1,0 +1,220 @@
+//! Attacks on the sidecar through the real gateway: an engine that accepts a request and never
+//! answers, and engines that refuse work, checked against what the sidecar holds (admin
+//! metrics) and what it bills (the ledger). Real Envoy with the filter → the sidecar →
+//! simulator replicas, one stack per test binary.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use reqwest::{Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, MutexGuard};
+use weir_core::keys::hash_key;
+use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+
+struct Stack {
+    sims: Vec<Sim>,
+    sidecar: Sidecar,
+    envoy: Envoy,
+}
+
+/// Longest a request may hold a replica in this stack (`relay.max_stream_ms`).
+const MAX_STREAM_MS: u64 = 1500;
+
+const TENANTS: [&str; 3] = ["stalled", "refused", "normal"];
+
+fn weir_config() -> Value {
+    let keys: Vec<Value> = TENANTS
+        .iter()
+        .map(|id| json!({"id": id, "sha256": hash_key(&format!("key-{id}"))}))
+        .collect();
+    json!({
+        "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "atk", "keys": keys}]}]}],
+        "models": {
+            "tiny": {"max_context_tokens": 8192},
+            "stall": {"max_context_tokens": 8192},
+            "throttled": {"max_context_tokens": 8192},
+        },
+    })
+}
+
+fn sim(extra: &[&str]) -> Sim {
+    let args = [
+        &["--preset", "tiny", "--time-scale", "10", "--output-len", "fixed:20"][..],
+        extra,
+    ]
+    .concat();
+    Sim::start(&args)
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let sims = vec![
+            sim(&[]),
+            // Accepts every request and then says nothing for ten minutes.
+            sim(&[
+                "--served-model-name",
+                "stall",
+                "--stall-after",
+                "0",
+                "--stall-for",
+                "600000",
+            ]),
+            // Refuses every request at once with 429, as an engine out of capacity would.
+            sim(&["--served-model-name", "throttled", "--throttle-rate", "1"]),
+        ];
+        let sidecar = Sidecar::start(json!({
+            "policy": "fair",
+            "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
+            "relay": {"max_stream_ms": MAX_STREAM_MS},
+            "pools": [
+                {"model": "tiny", "replicas": [sims[0].url]},
+                {"model": "stall", "replicas": [sims[1].url]},
+                {"model": "throttled", "replicas": [sims[2].url]},
+            ],
+        }));
+        let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+        let addr = sidecar.admin.trim_start_matches("http://").to_owned();
+        wait_for(Duration::from_secs(10), || {
+            let text = http_get(&addr, "/metrics")?;
+            (text.matches("weir_replica_healthy{").count() >= sims.len()).then_some(())
+        })
+        .expect("replicas probed");
+        Stack {
+            sims,
+            sidecar,
+            envoy,
+        }
+    })
+}
+
+/// One test at a time on the shared stack.
+async fn turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::const_new(());
+    TURN.lock().await
+}
+
+fn chat(model: &str, content: &str, extra: Value) -> String {
+    let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body.to_string()
+}
+
+async fn post(key: &str, body: String, headers: &[(&str, &str)]) -> Response {
+    let mut req = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", stack().envoy.url))
+        .bearer_auth(format!("key-{key}"))
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    req.body(body).send().await.unwrap()
+}
+
+/// Sum of a sidecar metric's series starting with `series` (0 when none exists yet).
+async fn metric_sum(series: &str) -> f64 {
+    stack()
+        .sidecar
+        .metrics()
+        .await
+        .lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits up to `limit` for every hold the sidecar keeps on replicas to be given back.
+async fn holds_released(limit: Duration) -> Option<(f64, f64, f64)> {
+    let started = Instant::now();
+    loop {
+        let held = (
+            metric_sum("weir_replica_in_flight").await,
+            metric_sum("weir_replica_reserved_kv_tokens").await,
+            metric_sum("weir_active_kv_tokens").await,
+        );
+        if held == (0.0, 0.0, 0.0) {
+            return None;
+        }
+        if started.elapsed() > limit {
+            return Some(held);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
+    let conn = weir_sidecar::ledger::open(&stack().sidecar.ledger).unwrap();
+    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
+}
+
+/// The ledger's records of one tenant's idempotency key, once the writer has caught up.
+async fn records_of(tenant: &str, key: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {
+    let tenant = format!("acme/lab/atk/{tenant}");
+    for _ in 0..50 {
+        let rows: Vec<_> = ledger()
+            .into_iter()
+            .filter(|r| r.tenant == tenant && r.idempotency_key == key)
+            .collect();
+        if !rows.is_empty() {
+            return rows;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Vec::new()
+}
+
+#[tokio::test]
+async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_releases_its_hold() {
+    let _turn = turn().await;
+    // An engine that accepted the request and went silent: `relay.max_stream_ms` promises no
+    // request holds a replica longer, streamed or not.
+    let sent = Instant::now();
+    let answer = tokio::time::timeout(
+        Duration::from_millis(MAX_STREAM_MS * 5),
+        post(
+            "stalled",
+            chat("stall", "are you there?", json!({"max_tokens": 5})),
+            &[("idempotency-key", "stall-1")],
+        ),
+    )
+    .await;
+    let resp = answer.unwrap_or_else(|_| {
+        panic!(
+            "no answer {:?} after sending to a silent engine (max_stream_ms is {MAX_STREAM_MS})",
+            sent.elapsed()
+        )
+    });
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert!(
+        status.is_server_error() || status == StatusCode::REQUEST_TIMEOUT,
+        "{status}: {text}"
+    );
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "stream_deadline", "{text}");
+    if let Some(held) = holds_released(Duration::from_secs(3)).await {
+        panic!("still held (in flight, reserved KV, active KV): {held:?}");
+    }
+    let rows = records_of("stalled", "stall-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "stream_deadline");
+    // The key was not completed: a retry runs (and meets the same silence) instead of a 409.
+    let retry = tokio::time::timeout(
+        Duration::from_millis(MAX_STREAM_MS * 5),
+        post(
+            "stalled",
+            chat("stall", "are you there?", json!({"max_tokens": 5})),
+            &[("idempotency-key", "stall-1")],
+        ),
+    )
+    .await
+    .expect("the retry is answered too");
+    let body = retry.text().await.unwrap();
+    assert!(body.contains("stream_deadline"), "{body}");
+    assert_eq!(records_of("stalled", "stall-1").await.len(), 2);
+}
