@@ -218,3 +218,43 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
     assert!(body.contains("stream_deadline"), "{body}");
     assert_eq!(records_of("stalled", "stall-1").await.len(), 2);
 }
+
+#[tokio::test]
+async fn an_attempt_the_engine_refused_bills_nothing() {
+    let _turn = turn().await;
+    // The engine answers 429 at once: nothing ran, and the filter charges the tenant nothing.
+    let resp = post(
+        "refused",
+        chat(
+            "throttled",
+            &"a long prompt the engine never read ".repeat(40),
+            json!({"max_tokens": 5}),
+        ),
+        &[("idempotency-key", "refused-1")],
+    )
+    .await;
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
+    let rows = records_of("refused", "refused-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "upstream_error");
+    assert_eq!(
+        (rows[0].prompt_tokens, rows[0].completion_tokens),
+        (0, 0),
+        "an attempt the engine refused is billed: {:?}",
+        rows[0]
+    );
+    // And the key is free for the retry.
+    let retry = post(
+        "refused",
+        chat(
+            "throttled",
+            &"a long prompt the engine never read ".repeat(40),
+            json!({"max_tokens": 5}),
+        ),
+        &[("idempotency-key", "refused-1")],
+    )
+    .await;
+    assert_eq!(retry.status(), StatusCode::TOO_MANY_REQUESTS);
+}

@@ -54,6 +54,8 @@ pub struct Flight {
     claim: Option<Claim>,
     /// The response so far, kept for replays while the claim wants it and it fits.
     captured: Option<Vec<u8>>,
+    /// The engine could not be reached or answered with an error status: it ran nothing.
+    refused_by_engine: bool,
 }
 
 impl Flight {
@@ -78,6 +80,7 @@ impl Flight {
             finished: false,
             captured: claim.as_ref().map(|_| Vec::new()),
             claim,
+            refused_by_engine: false,
         }
     }
 
@@ -183,6 +186,8 @@ impl Flight {
         };
         let (prompt, completion, source) = match reported {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),
+            // Nothing ran: the attempt is recorded, billed nothing (as the filter charges it).
+            None if self.refused_by_engine => (0, 0, "counted"),
             None => (self.who.input_tokens, counted, "counted"),
         };
         if source == "engine" {
@@ -277,6 +282,7 @@ pub async fn relay(
                 pool: flight.assignment.pool,
                 replica: flight.assignment.replica,
             });
+            flight.refused_by_engine = true;
             flight.finish("failed", Some(BodyUsage::Unknown));
             return error_response(&ApiError::new(
                 502,
@@ -287,6 +293,7 @@ pub async fn relay(
     };
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    flight.refused_by_engine = !status.is_success();
     if !status.is_success() || !stream {
         let bytes = tokio::select! {
             bytes = upstream.bytes() => bytes,
