@@ -23,7 +23,7 @@ struct Stack {
 /// Longest a request may hold a replica in this stack (`relay.max_stream_ms`).
 const MAX_STREAM_MS: u64 = 1500;
 
-const TENANTS: [&str; 3] = ["stalled", "refused", "normal"];
+const TENANTS: [&str; 4] = ["stalled", "refused", "normal", "term"];
 
 fn weir_config() -> Value {
     let keys: Vec<Value> = TENANTS
@@ -36,6 +36,7 @@ fn weir_config() -> Value {
             "tiny": {"max_context_tokens": 8192},
             "stall": {"max_context_tokens": 8192},
             "throttled": {"max_context_tokens": 8192},
+            "narrow": {"max_context_tokens": 8192},
         },
     })
 }
@@ -65,30 +66,43 @@ fn stack() -> &'static Stack {
             ]),
             // Refuses every request at once with 429, as an engine out of capacity would.
             sim(&["--served-model-name", "throttled", "--throttle-rate", "1"]),
+            sim(&["--served-model-name", "narrow"]),
         ];
-        let sidecar = Sidecar::start(json!({
-            "policy": "fair",
-            "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
-            "relay": {"max_stream_ms": MAX_STREAM_MS},
-            "pools": [
-                {"model": "tiny", "replicas": [sims[0].url]},
-                {"model": "stall", "replicas": [sims[1].url]},
-                {"model": "throttled", "replicas": [sims[2].url]},
-            ],
-        }));
-        let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
-        let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-        wait_for(Duration::from_secs(10), || {
-            let text = http_get(&addr, "/metrics")?;
-            (text.matches("weir_replica_healthy{").count() >= sims.len()).then_some(())
-        })
-        .expect("replicas probed");
+        let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims));
         Stack {
             sims,
             sidecar,
             envoy,
         }
     })
+}
+
+fn sidecar_config(sims: &[Sim]) -> Value {
+    json!({
+        "policy": "fair",
+        "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
+        "relay": {"max_stream_ms": MAX_STREAM_MS},
+        "pools": [
+            {"model": "tiny", "replicas": [sims[0].url]},
+            {"model": "stall", "replicas": [sims[1].url]},
+            {"model": "throttled", "replicas": [sims[2].url]},
+            // Room for one long prompt at a time: easy to fill, so the next one queues.
+            {"model": "narrow", "replicas": [sims[3].url], "kv_tokens_per_replica": 3000},
+        ],
+    })
+}
+
+/// Starts a sidecar (and an Envoy in front of it) once its probes have read every replica.
+fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
+    let sidecar = Sidecar::start(config);
+    let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+    let addr = sidecar.admin.trim_start_matches("http://").to_owned();
+    wait_for(Duration::from_secs(10), || {
+        let text = http_get(&addr, "/metrics")?;
+        (text.matches("weir_replica_healthy{").count() >= sims.len()).then_some(())
+    })
+    .expect("replicas probed");
+    (sidecar, envoy)
 }
 
 /// One test at a time on the shared stack.
@@ -106,8 +120,12 @@ fn chat(model: &str, content: &str, extra: Value) -> String {
 }
 
 async fn post(key: &str, body: String, headers: &[(&str, &str)]) -> Response {
+    post_to(&stack().envoy, key, body, headers).await
+}
+
+async fn post_to(envoy: &Envoy, key: &str, body: String, headers: &[(&str, &str)]) -> Response {
     let mut req = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", stack().envoy.url))
+        .post(format!("{}/v1/chat/completions", envoy.url))
         .bearer_auth(format!("key-{key}"))
         .header("content-type", "application/json");
     for (name, value) in headers {
@@ -148,7 +166,11 @@ async fn holds_released(limit: Duration) -> Option<(f64, f64, f64)> {
 }
 
 fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
-    let conn = weir_sidecar::ledger::open(&stack().sidecar.ledger).unwrap();
+    ledger_of(&stack().sidecar)
+}
+
+fn ledger_of(sidecar: &Sidecar) -> Vec<weir_sidecar::ledger::UsageRecord> {
+    let conn = weir_sidecar::ledger::open(&sidecar.ledger).unwrap();
     weir_sidecar::ledger::query(&conn, None, 0).unwrap()
 }
 
@@ -257,4 +279,84 @@ async fn an_attempt_the_engine_refused_bills_nothing() {
     )
     .await;
     assert_eq!(retry.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// A prompt of about `tokens` tokens, distinct per `tag`.
+fn prompt(tag: &str, tokens: usize) -> String {
+    format!("{tag}: {}", "pack the cache ".repeat(tokens / 3))
+}
+
+#[tokio::test]
+async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
+    let _turn = turn().await;
+    let s = stack();
+    let mut config = sidecar_config(&s.sims);
+    config["shutdown_grace_ms"] = json!(1000);
+    config["relay"] = json!({"max_stream_ms": 60_000});
+    let (mut sidecar, envoy) = start_sidecar(&s.sims, config);
+    let envoy = &envoy;
+    // The first fills the narrow pool well past the grace period; the second waits for room.
+    let long = |tag: &str| {
+        chat(
+            "narrow",
+            &prompt(tag, 1500),
+            json!({"max_tokens": 1400, "ignore_eos": true}),
+        )
+    };
+    let running = tokio::spawn({
+        let body = long("running");
+        let url = envoy.url.clone();
+        async move {
+            reqwest::Client::new()
+                .post(format!("{url}/v1/chat/completions"))
+                .bearer_auth("key-term")
+                .header("content-type", "application/json")
+                .header("idempotency-key", "term-running")
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let queued = post_to(envoy, "term", long("queued"), &[("idempotency-key", "term-queued")]);
+    let signal = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::task::spawn_blocking(move || {
+            let status = sidecar.terminate(Duration::from_secs(10));
+            (sidecar, status)
+        })
+        .await
+        .unwrap()
+    };
+    let (queued, (sidecar, status)) = tokio::join!(queued, signal);
+    let queued_status = queued.status();
+    let queued_text = queued.text().await.unwrap();
+    let running = running.await.unwrap();
+    assert!(status.expect("exits").success());
+    assert!(running.contains("shutting_down"), "{running}");
+    assert_eq!(queued_status, StatusCode::SERVICE_UNAVAILABLE, "{queued_text}");
+    assert!(queued_text.contains("shutting_down"), "{queued_text}");
+    let records = ledger_of(&sidecar);
+    let record = |key: &str| {
+        records
+            .iter()
+            .filter(|r| r.idempotency_key == key)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let ran = record("term-running");
+    assert_eq!(ran.len(), 1, "{records:?}");
+    assert!(ran[0].prompt_tokens > 0, "{ran:?}");
+    // Never sent to an engine: whatever it is recorded as, it is billed nothing.
+    for r in record("term-queued") {
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens),
+            (0, 0),
+            "a request that never reached an engine is billed: {r:?}"
+        );
+    }
 }

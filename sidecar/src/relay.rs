@@ -54,8 +54,9 @@ pub struct Flight {
     claim: Option<Claim>,
     /// The response so far, kept for replays while the claim wants it and it fits.
     captured: Option<Vec<u8>>,
-    /// The engine could not be reached or answered with an error status: it ran nothing.
-    refused_by_engine: bool,
+    /// The request never reached the engine, or the engine answered with an error status: it
+    /// ran nothing, so nothing is billed.
+    nothing_ran: bool,
 }
 
 impl Flight {
@@ -80,7 +81,7 @@ impl Flight {
             finished: false,
             captured: claim.as_ref().map(|_| Vec::new()),
             claim,
-            refused_by_engine: false,
+            nothing_ran: false,
         }
     }
 
@@ -187,7 +188,7 @@ impl Flight {
         let (prompt, completion, source) = match reported {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),
             // Nothing ran: the attempt is recorded, billed nothing (as the filter charges it).
-            None if self.refused_by_engine => (0, 0, "counted"),
+            None if self.nothing_ran => (0, 0, "counted"),
             None => (self.who.input_tokens, counted, "counted"),
         };
         if source == "engine" {
@@ -262,6 +263,8 @@ pub async fn relay(
     // hold the replica any longer than a stream may.
     let deadline = tokio::time::Instant::now() + Duration::from_millis(app.relay.max_stream_ms);
     if *app.cut.borrow() {
+        // Dispatched after the grace period ended (it was queued): never sent.
+        flight.nothing_ran = true;
         return cut_short(flight);
     }
     let mut request = app.http.post(url).header(header::CONTENT_TYPE, JSON);
@@ -282,7 +285,7 @@ pub async fn relay(
                 pool: flight.assignment.pool,
                 replica: flight.assignment.replica,
             });
-            flight.refused_by_engine = true;
+            flight.nothing_ran = true;
             flight.finish("failed", Some(BodyUsage::Unknown));
             return error_response(&ApiError::new(
                 502,
@@ -293,7 +296,7 @@ pub async fn relay(
     };
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-    flight.refused_by_engine = !status.is_success();
+    flight.nothing_ran = !status.is_success();
     if !status.is_success() || !stream {
         let bytes = tokio::select! {
             bytes = upstream.bytes() => bytes,
