@@ -108,7 +108,9 @@ fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
 /// One test at a time on the shared stack.
 async fn turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::const_new(());
-    TURN.lock().await
+    let guard = TURN.lock().await;
+    stack();
+    guard
 }
 
 fn chat(model: &str, content: &str, extra: Value) -> String {
@@ -359,4 +361,86 @@ async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
             "a request that never reached an engine is billed: {r:?}"
         );
     }
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_and_the_key() {
+    let _turn = turn().await;
+    let body = || chat("stall", "anyone?", json!({"max_tokens": 5}));
+    let left = tokio::time::timeout(
+        Duration::from_millis(300),
+        post("stalled", body(), &[("idempotency-key", "leave-1")]),
+    )
+    .await;
+    assert!(left.is_err(), "the silent engine answered");
+    let gone = Instant::now();
+    // Well before max_stream_ms would end it: the client's leaving is what frees it.
+    if let Some(held) = holds_released(Duration::from_millis(800)).await {
+        panic!("still held {:?} after the client left: {held:?}", gone.elapsed());
+    }
+    let rows = records_of("stalled", "leave-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "cancelled");
+    // The key is free: the retry runs (to the deadline) as attempt 2, not 409.
+    let retry = post("stalled", body(), &[("idempotency-key", "leave-1")]).await;
+    let text = retry.text().await.unwrap();
+    assert!(text.contains("stream_deadline"), "{text}");
+    let rows = records_of("stalled", "leave-1").await;
+    let attempts: Vec<u32> = rows.iter().map(|r| r.attempt).collect();
+    assert_eq!(attempts, [1, 2], "{rows:?}");
+}
+
+#[tokio::test]
+async fn the_same_key_and_body_from_another_tenant_is_not_a_replay() {
+    let _turn = turn().await;
+    let body = || chat("tiny", "the same words", json!({"max_tokens": 4, "seed": 7}));
+    let first = post("normal", body(), &[("idempotency-key", "shared-key")]).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let first = first.text().await.unwrap();
+    let again = post("normal", body(), &[("idempotency-key", "shared-key")]).await;
+    assert_eq!(
+        again.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()),
+        Some("true")
+    );
+    assert_eq!(again.text().await.unwrap(), first);
+    let other = post("refused", body(), &[("idempotency-key", "shared-key")]).await;
+    assert_eq!(other.status(), StatusCode::OK);
+    assert!(
+        other.headers().get("idempotent-replayed").is_none(),
+        "another tenant got a replay of the first tenant's response"
+    );
+    let other = other.text().await.unwrap();
+    let id = |t: &str| serde_json::from_str::<Value>(t).unwrap()["id"].clone();
+    assert_ne!(id(&other), id(&first), "the other tenant's request ran on its own");
+    assert_eq!(records_of("normal", "shared-key").await.len(), 1, "the replay is not billed");
+    assert_eq!(records_of("refused", "shared-key").await.len(), 1);
+}
+
+#[tokio::test]
+async fn straight_to_the_sidecar_without_a_signature_nothing_is_served_or_billed() {
+    let _turn = turn().await;
+    let s = stack();
+    let before = ledger().len();
+    let body = chat("tiny", "free lunch", json!({"max_tokens": 4}));
+    for headers in [
+        vec![],
+        vec![("x-weir-tenant", "acme/lab/atk/normal")],
+        vec![("X-WEIR-TENANT", "acme/lab/atk/normal"), ("idempotency-key", "k")],
+        vec![("x-weir-signature", "v1:99999999999999:00"), ("x-weir-tenant", "acme/lab/atk/normal")],
+        vec![("x-weir-signature", "v1:18446744073709551615:0000000000000000000000000000000000000000000000000000000000000000")],
+    ] {
+        let mut req = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", s.sidecar.url))
+            .header("content-type", "application/json");
+        for (n, v) in &headers {
+            req = req.header(*n, *v);
+        }
+        let resp = req.body(body.clone()).send().await.unwrap();
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{headers:?}: {text}");
+        assert!(!text.contains("acme/lab"), "names a tenant: {text}");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ledger().len(), before, "an unsigned request was billed");
 }
