@@ -54,7 +54,7 @@ fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
         let sims = vec![
-            sim(&[]),
+            sim(&["--record-requests", "64"]),
             // Accepts every request and then says nothing for ten minutes.
             sim(&[
                 "--served-model-name",
@@ -443,4 +443,50 @@ async fn straight_to_the_sidecar_without_a_signature_nothing_is_served_or_billed
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(ledger().len(), before, "an unsigned request was billed");
+}
+
+#[tokio::test]
+async fn engine_control_fields_never_reach_the_engine_on_any_route() {
+    let _turn = turn().await;
+    let s = stack();
+    // `/dark/` is enforced for 0% of requests: out of the rollout, the filter forwards the body
+    // as it came (it must not reject), so the sidecar is the last hop that can strip them.
+    for (route, key) in [("/dark/", Some("key-normal")), ("/dark/", None), ("/", Some("key-normal"))] {
+        let marker = format!("steer {route} {key:?}");
+        let body = chat(
+            "tiny",
+            &marker,
+            json!({
+                "max_tokens": 2,
+                "priority": -100,
+                "request_id": "chatcmpl-someone-elses",
+                "kv_transfer_params": {"remote_block_ids": [1, 2, 3], "remote_engine_id": "prefill-0"},
+                "cache_salt": "guessed",
+            }),
+        );
+        let mut req = reqwest::Client::new()
+            .post(format!("{}{route}v1/chat/completions", s.envoy.url))
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            req = req.bearer_auth(key);
+        }
+        let resp = req.body(body).send().await.unwrap();
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{route} {key:?}: {text}");
+        let received = s.sims[0].received().await;
+        let sent = received
+            .iter()
+            .rev()
+            .find(|r| r["body"]["messages"][0]["content"] == marker.as_str())
+            .unwrap_or_else(|| panic!("{marker} not received"));
+        for field in ["priority", "request_id", "kv_transfer_params"] {
+            assert!(
+                sent["body"].get(field).is_none(),
+                "{route} with key {key:?}: `{field}` reached the engine: {}",
+                sent["body"]
+            );
+        }
+        assert_ne!(sent["body"]["cache_salt"], "guessed");
+    }
 }

@@ -15,6 +15,7 @@ use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
+use weir_core::admission::ENGINE_CONTROL_FIELDS;
 use weir_core::openai::{ApiError, Endpoint};
 
 use crate::dispatcher::{Event, Job, Refusal, now_ms};
@@ -157,6 +158,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             return error_response(&error);
         }
     };
+    strip_engine_control(&mut value);
     value["cache_salt"] = json!(cache_salt(&app.cache_salt_key, &who.tenant));
     let stream = value["stream"].as_bool().unwrap_or(false);
     let kv_need = who.input_tokens + who.reserved_output.min(EXPECTED_OUTPUT_TOKENS);
@@ -236,6 +238,18 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         resp.headers_mut().insert(TRACE_ID, trace_id);
     }
     resp
+}
+
+/// Removes the body fields by which a request would steer the engine across the tenant
+/// boundary ([`ENGINE_CONTROL_FIELDS`]). The filter strips them from the requests it meters, but
+/// forwards off-mode and out-of-rollout bodies as they came; the sidecar is the last hop before
+/// the engine, so it strips them from every request.
+fn strip_engine_control(value: &mut Value) {
+    if let Some(fields) = value.as_object_mut() {
+        for field in ENGINE_CONTROL_FIELDS {
+            fields.remove(field);
+        }
+    }
 }
 
 fn path(endpoint: Endpoint) -> &'static str {
