@@ -16,6 +16,9 @@ use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
 
 struct Stack {
     sims: Vec<Sim>,
+    /// An engine with a lax request parser (as vLLM's pydantic models are): `"stream": "true"`
+    /// streams.
+    lax: String,
     sidecar: Sidecar,
     envoy: Envoy,
 }
@@ -37,8 +40,81 @@ fn weir_config() -> Value {
             "stall": {"max_context_tokens": 8192},
             "throttled": {"max_context_tokens": 8192},
             "narrow": {"max_context_tokens": 8192},
+            "lax": {"max_context_tokens": 8192},
         },
     })
+}
+
+/// An OpenAI-compatible engine whose `/metrics` is empty and that reads `stream` leniently, as
+/// pydantic's lax mode does (`"true"`, `1` and `true` all stream): a streamed answer of three
+/// tokens without a usage chunk (none was asked for), else a JSON one. Serves until the test
+/// binary exits.
+fn lax_engine() -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut conn = conn;
+                loop {
+                    let mut head = String::new();
+                    let mut length = 0;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        head.push_str(&line);
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                    let streams = matches!(
+                        &request["stream"],
+                        Value::Bool(true)
+                    ) || request["stream"] == "true"
+                        || request["stream"] == 1;
+                    let (content_type, answer) = if !head.starts_with("POST") {
+                        ("text/plain", String::new())
+                    } else if streams {
+                        let chunk = |text: &str| {
+                            let c = json!({"id": "chatcmpl-lax", "object": "chat.completion.chunk",
+                                "created": 0, "model": "lax", "choices": [{"index": 0,
+                                "delta": {"content": text}, "finish_reason": null}]});
+                            format!("data: {c}\n\n")
+                        };
+                        let events = ["one", " two", " three"].map(chunk).concat();
+                        ("text/event-stream", format!("{events}data: [DONE]\n\n"))
+                    } else {
+                        let answer = json!({"id": "chatcmpl-lax", "object": "chat.completion",
+                            "created": 0, "model": "lax", "choices": [{"index": 0,
+                            "finish_reason": "stop", "message": {"role": "assistant",
+                            "content": "one two three"}}],
+                            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}});
+                        ("application/json", answer.to_string())
+                    };
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if conn.write_all(response.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
 }
 
 fn sim(extra: &[&str]) -> Sim {
@@ -68,16 +144,18 @@ fn stack() -> &'static Stack {
             sim(&["--served-model-name", "throttled", "--throttle-rate", "1"]),
             sim(&["--served-model-name", "narrow"]),
         ];
-        let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims));
+        let lax = lax_engine();
+        let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims, &lax));
         Stack {
             sims,
+            lax,
             sidecar,
             envoy,
         }
     })
 }
 
-fn sidecar_config(sims: &[Sim]) -> Value {
+fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
     json!({
         "policy": "fair",
         "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
@@ -88,6 +166,7 @@ fn sidecar_config(sims: &[Sim]) -> Value {
             {"model": "throttled", "replicas": [sims[2].url]},
             // Room for one long prompt at a time: easy to fill, so the next one queues.
             {"model": "narrow", "replicas": [sims[3].url], "kv_tokens_per_replica": 3000},
+            {"model": "lax", "replicas": [lax]},
         ],
     })
 }
@@ -99,7 +178,7 @@ fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
     let addr = sidecar.admin.trim_start_matches("http://").to_owned();
     wait_for(Duration::from_secs(10), || {
         let text = http_get(&addr, "/metrics")?;
-        (text.matches("weir_replica_healthy{").count() >= sims.len()).then_some(())
+        (text.matches("weir_replica_healthy{").count() > sims.len()).then_some(())
     })
     .expect("replicas probed");
     (sidecar, envoy)
@@ -292,7 +371,7 @@ fn prompt(tag: &str, tokens: usize) -> String {
 async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
     let _turn = turn().await;
     let s = stack();
-    let mut config = sidecar_config(&s.sims);
+    let mut config = sidecar_config(&s.sims, &s.lax);
     config["shutdown_grace_ms"] = json!(1000);
     config["relay"] = json!({"max_stream_ms": 60_000});
     let (mut sidecar, envoy) = start_sidecar(&s.sims, config);
@@ -488,5 +567,36 @@ async fn engine_control_fields_never_reach_the_engine_on_any_route() {
             );
         }
         assert_ne!(sent["body"]["cache_salt"], "guessed");
+    }
+}
+
+#[tokio::test]
+async fn a_stream_the_engine_chose_is_metered_as_a_stream_whatever_the_body_said() {
+    let _turn = turn().await;
+    let s = stack();
+    // Out of the rollout the body is forwarded as sent, so `stream` may be any JSON the engine
+    // reads as true: the sidecar must meter what the engine sends, not what it guessed.
+    for (i, stream) in [json!("true"), json!(1)].into_iter().enumerate() {
+        let key = format!("lax-{i}");
+        let resp = reqwest::Client::new()
+            .post(format!("{}/dark/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", &key)
+            .body(chat("lax", "count to three", json!({"stream": stream})))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let text = resp.text().await.unwrap();
+        assert!(text.contains(" three"), "{text}");
+        let rows = records_of("normal", &key).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(
+            (rows[0].completion_tokens, rows[0].outcome.as_str()),
+            (3, "ok"),
+            "`stream: {stream}` streamed three tokens: {:?}",
+            rows[0]
+        );
     }
 }

@@ -297,6 +297,7 @@ pub async fn relay(
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     flight.nothing_ran = !status.is_success();
+    let stream = streamed(upstream.headers(), stream);
     if !status.is_success() || !stream {
         let bytes = tokio::select! {
             bytes = upstream.bytes() => bytes,
@@ -339,6 +340,19 @@ pub async fn relay(
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
     resp
+}
+
+/// Whether the engine answered with an event stream: its content type says, whatever the
+/// request's `stream` field looked like (a lenient engine streams on `"true"` or `1`, which the
+/// sidecar would not read as true); the request decides only when the engine names no type.
+fn streamed(headers: &reqwest::header::HeaderMap, asked: bool) -> bool {
+    match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
+        Some(Ok(content_type)) => content_type
+            .trim_start()
+            .to_ascii_lowercase()
+            .starts_with("text/event-stream"),
+        _ => asked,
+    }
 }
 
 /// Resolves when the sidecar's shutdown grace period is over (never, if it never stops).
