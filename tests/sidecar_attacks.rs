@@ -79,10 +79,8 @@ fn lax_engine() -> String {
                         return;
                     }
                     let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                    let streams = matches!(
-                        &request["stream"],
-                        Value::Bool(true)
-                    ) || request["stream"] == "true"
+                    let streams = matches!(&request["stream"], Value::Bool(true))
+                        || request["stream"] == "true"
                         || request["stream"] == 1;
                     let (content_type, answer) = if !head.starts_with("POST") {
                         ("text/plain", String::new())
@@ -119,7 +117,14 @@ fn lax_engine() -> String {
 
 fn sim(extra: &[&str]) -> Sim {
     let args = [
-        &["--preset", "tiny", "--time-scale", "10", "--output-len", "fixed:20"][..],
+        &[
+            "--preset",
+            "tiny",
+            "--time-scale",
+            "10",
+            "--output-len",
+            "fixed:20",
+        ][..],
         extra,
     ]
     .concat();
@@ -403,7 +408,12 @@ async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
         }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let queued = post_to(envoy, "term", long("queued"), &[("idempotency-key", "term-queued")]);
+    let queued = post_to(
+        envoy,
+        "term",
+        long("queued"),
+        &[("idempotency-key", "term-queued")],
+    );
     let signal = async {
         tokio::time::sleep(Duration::from_millis(300)).await;
         tokio::task::spawn_blocking(move || {
@@ -419,7 +429,11 @@ async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
     let running = running.await.unwrap();
     assert!(status.expect("exits").success());
     assert!(running.contains("shutting_down"), "{running}");
-    assert_eq!(queued_status, StatusCode::SERVICE_UNAVAILABLE, "{queued_text}");
+    assert_eq!(
+        queued_status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{queued_text}"
+    );
     assert!(queued_text.contains("shutting_down"), "{queued_text}");
     let records = ledger_of(&sidecar);
     let record = |key: &str| {
@@ -455,7 +469,10 @@ async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_an
     let gone = Instant::now();
     // Well before max_stream_ms would end it: the client's leaving is what frees it.
     if let Some(held) = holds_released(Duration::from_millis(800)).await {
-        panic!("still held {:?} after the client left: {held:?}", gone.elapsed());
+        panic!(
+            "still held {:?} after the client left: {held:?}",
+            gone.elapsed()
+        );
     }
     let rows = records_of("stalled", "leave-1").await;
     assert_eq!(rows.len(), 1, "{rows:?}");
@@ -472,13 +489,22 @@ async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_an
 #[tokio::test]
 async fn the_same_key_and_body_from_another_tenant_is_not_a_replay() {
     let _turn = turn().await;
-    let body = || chat("tiny", "the same words", json!({"max_tokens": 4, "seed": 7}));
+    let body = || {
+        chat(
+            "tiny",
+            "the same words",
+            json!({"max_tokens": 4, "seed": 7}),
+        )
+    };
     let first = post("normal", body(), &[("idempotency-key", "shared-key")]).await;
     assert_eq!(first.status(), StatusCode::OK);
     let first = first.text().await.unwrap();
     let again = post("normal", body(), &[("idempotency-key", "shared-key")]).await;
     assert_eq!(
-        again.headers().get("idempotent-replayed").map(|v| v.to_str().unwrap()),
+        again
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.to_str().unwrap()),
         Some("true")
     );
     assert_eq!(again.text().await.unwrap(), first);
@@ -490,8 +516,16 @@ async fn the_same_key_and_body_from_another_tenant_is_not_a_replay() {
     );
     let other = other.text().await.unwrap();
     let id = |t: &str| serde_json::from_str::<Value>(t).unwrap()["id"].clone();
-    assert_ne!(id(&other), id(&first), "the other tenant's request ran on its own");
-    assert_eq!(records_of("normal", "shared-key").await.len(), 1, "the replay is not billed");
+    assert_ne!(
+        id(&other),
+        id(&first),
+        "the other tenant's request ran on its own"
+    );
+    assert_eq!(
+        records_of("normal", "shared-key").await.len(),
+        1,
+        "the replay is not billed"
+    );
     assert_eq!(records_of("refused", "shared-key").await.len(), 1);
 }
 
@@ -504,9 +538,18 @@ async fn straight_to_the_sidecar_without_a_signature_nothing_is_served_or_billed
     for headers in [
         vec![],
         vec![("x-weir-tenant", "acme/lab/atk/normal")],
-        vec![("X-WEIR-TENANT", "acme/lab/atk/normal"), ("idempotency-key", "k")],
-        vec![("x-weir-signature", "v1:99999999999999:00"), ("x-weir-tenant", "acme/lab/atk/normal")],
-        vec![("x-weir-signature", "v1:18446744073709551615:0000000000000000000000000000000000000000000000000000000000000000")],
+        vec![
+            ("X-WEIR-TENANT", "acme/lab/atk/normal"),
+            ("idempotency-key", "k"),
+        ],
+        vec![
+            ("x-weir-signature", "v1:99999999999999:00"),
+            ("x-weir-tenant", "acme/lab/atk/normal"),
+        ],
+        vec![(
+            "x-weir-signature",
+            "v1:18446744073709551615:0000000000000000000000000000000000000000000000000000000000000000",
+        )],
     ] {
         let mut req = reqwest::Client::new()
             .post(format!("{}/v1/chat/completions", s.sidecar.url))
@@ -530,7 +573,11 @@ async fn engine_control_fields_never_reach_the_engine_on_any_route() {
     let s = stack();
     // `/dark/` is enforced for 0% of requests: out of the rollout, the filter forwards the body
     // as it came (it must not reject), so the sidecar is the last hop that can strip them.
-    for (route, key) in [("/dark/", Some("key-normal")), ("/dark/", None), ("/", Some("key-normal"))] {
+    for (route, key) in [
+        ("/dark/", Some("key-normal")),
+        ("/dark/", None),
+        ("/", Some("key-normal")),
+    ] {
         let marker = format!("steer {route} {key:?}");
         let body = chat(
             "tiny",
