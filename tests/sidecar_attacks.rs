@@ -23,7 +23,8 @@ struct Stack {
     envoy: Envoy,
 }
 
-/// Longest a request may hold a replica in this stack (`relay.max_stream_ms`).
+/// Longest a request may hold a replica in this stack (`relay.max_stream_ms` and
+/// `relay.max_response_ms`).
 const MAX_STREAM_MS: u64 = 1500;
 
 const TENANTS: [&str; 4] = ["stalled", "refused", "normal", "term"];
@@ -164,7 +165,7 @@ fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
     json!({
         "policy": "fair",
         "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
-        "relay": {"max_stream_ms": MAX_STREAM_MS},
+        "relay": {"max_stream_ms": MAX_STREAM_MS, "max_response_ms": MAX_STREAM_MS},
         "pools": [
             {"model": "tiny", "replicas": [sims[0].url]},
             {"model": "stall", "replicas": [sims[1].url]},
@@ -279,8 +280,8 @@ async fn records_of(tenant: &str, key: &str) -> Vec<weir_sidecar::ledger::UsageR
 #[tokio::test]
 async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_releases_its_hold() {
     let _turn = turn().await;
-    // An engine that accepted the request and went silent: `relay.max_stream_ms` promises no
-    // request holds a replica longer, streamed or not.
+    // An engine that accepted the request and went silent: `relay.max_response_ms` bounds how
+    // long it may hold the replica before answering.
     let sent = Instant::now();
     let answer = tokio::time::timeout(
         Duration::from_millis(MAX_STREAM_MS * 5),
@@ -293,7 +294,7 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
     .await;
     let resp = answer.unwrap_or_else(|_| {
         panic!(
-            "no answer {:?} after sending to a silent engine (max_stream_ms is {MAX_STREAM_MS})",
+            "no answer {:?} after sending to a silent engine (max_response_ms is {MAX_STREAM_MS})",
             sent.elapsed()
         )
     });
@@ -304,13 +305,13 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
         "{status}: {text}"
     );
     let error: Value = serde_json::from_str(&text).unwrap();
-    assert_eq!(error["error"]["code"], "stream_deadline", "{text}");
+    assert_eq!(error["error"]["code"], "response_deadline", "{text}");
     if let Some(held) = holds_released(Duration::from_secs(3)).await {
         panic!("still held (in flight, reserved KV, active KV): {held:?}");
     }
     let rows = records_of("stalled", "stall-1").await;
     assert_eq!(rows.len(), 1, "{rows:?}");
-    assert_eq!(rows[0].outcome, "stream_deadline");
+    assert_eq!(rows[0].outcome, "response_deadline");
     // The key was not completed: a retry runs (and meets the same silence) instead of a 409.
     let retry = tokio::time::timeout(
         Duration::from_millis(MAX_STREAM_MS * 5),
@@ -323,7 +324,7 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
     .await
     .expect("the retry is answered too");
     let body = retry.text().await.unwrap();
-    assert!(body.contains("stream_deadline"), "{body}");
+    assert!(body.contains("response_deadline"), "{body}");
     assert_eq!(records_of("stalled", "stall-1").await.len(), 2);
 }
 
@@ -378,7 +379,7 @@ async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
     let s = stack();
     let mut config = sidecar_config(&s.sims, &s.lax);
     config["shutdown_grace_ms"] = json!(1000);
-    config["relay"] = json!({"max_stream_ms": 60_000});
+    config["relay"] = json!({"max_stream_ms": 60_000, "max_response_ms": 60_000});
     let (mut sidecar, envoy) = start_sidecar(&s.sims, config);
     let envoy = &envoy;
     // The first fills the narrow pool well past the grace period; the second waits for room.
@@ -467,7 +468,7 @@ async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_an
     .await;
     assert!(left.is_err(), "the silent engine answered");
     let gone = Instant::now();
-    // Well before max_stream_ms would end it: the client's leaving is what frees it.
+    // Well before max_response_ms would end it: the client's leaving is what frees it.
     if let Some(held) = holds_released(Duration::from_millis(800)).await {
         panic!(
             "still held {:?} after the client left: {held:?}",
@@ -480,7 +481,7 @@ async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_an
     // The key is free: the retry runs (to the deadline) as attempt 2, not 409.
     let retry = post("stalled", body(), &[("idempotency-key", "leave-1")]).await;
     let text = retry.text().await.unwrap();
-    assert!(text.contains("stream_deadline"), "{text}");
+    assert!(text.contains("response_deadline"), "{text}");
     let rows = records_of("stalled", "leave-1").await;
     let attempts: Vec<u32> = rows.iter().map(|r| r.attempt).collect();
     assert_eq!(attempts, [1, 2], "{rows:?}");

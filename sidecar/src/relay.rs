@@ -258,10 +258,11 @@ pub async fn relay(
 ) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
     let app = flight.app.clone();
-    // `max_stream_ms` counts from dispatch, whatever the engine does: one that accepts the
-    // request and never answers (no headers, or a non-streamed body that never comes) must not
-    // hold the replica any longer than a stream may.
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(app.relay.max_stream_ms);
+    // Both count from dispatch: an engine that accepts the request and never answers (no
+    // headers, or a non-streamed body that never comes) must not hold the replica for ever.
+    let dispatched = tokio::time::Instant::now();
+    let deadline = dispatched + Duration::from_millis(app.relay.max_response_ms);
+    let stream_deadline = dispatched + Duration::from_millis(app.relay.max_stream_ms);
     if *app.cut.borrow() {
         // Dispatched after the grace period ended (it was queued): never sent.
         flight.nothing_ran = true;
@@ -335,7 +336,11 @@ pub async fn relay(
             }
         };
     }
-    let body = Body::from_stream(relay_stream(flight, upstream.bytes_stream(), deadline));
+    let body = Body::from_stream(relay_stream(
+        flight,
+        upstream.bytes_stream(),
+        stream_deadline,
+    ));
     let mut resp = Response::new(body);
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
@@ -377,17 +382,17 @@ fn cut_short(mut flight: Flight) -> Response {
 }
 
 /// A request whose engine had not answered (headers, or the whole of a non-streamed body) by
-/// the end of `relay.max_stream_ms`: the upstream request is dropped (the engine aborts and
+/// the end of `relay.max_response_ms`: the upstream request is dropped (the engine aborts and
 /// frees the KV), the attempt recorded, and the caller told to retry.
 fn timed_out(mut flight: Flight) -> Response {
-    flight.finish("stream_deadline", None);
+    flight.finish("response_deadline", None);
     error_response(
         &ApiError::new(
             504,
             "TimeoutError",
-            "the engine did not answer within the gateway's longest request duration; retry",
+            "the engine did not answer within the gateway's longest response time; retry",
         )
-        .with_code("stream_deadline"),
+        .with_code("response_deadline"),
     )
 }
 
