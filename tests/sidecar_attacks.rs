@@ -648,3 +648,57 @@ async fn a_stream_the_engine_chose_is_metered_as_a_stream_whatever_the_body_said
         );
     }
 }
+
+#[tokio::test]
+async fn a_stream_weir_did_not_meter_at_the_front_door_is_billed_the_engines_counts() {
+    let _turn = turn().await;
+    let s = stack();
+    // Out of the rollout the filter neither meters nor asks for the usage chunk; without it the
+    // ledger would bill a guess from the body's size (four bytes a token), which a prompt of
+    // short words beats by far.
+    let words = "a ".repeat(600);
+    for (key, asked) in [("unmetered-1", false), ("unmetered-2", true)] {
+        let mut extra = json!({"stream": true, "max_tokens": 5});
+        if asked {
+            extra["stream_options"] = json!({"include_usage": true});
+        }
+        let resp = reqwest::Client::new()
+            .post(format!("{}/dark/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(chat("tiny", &words, extra))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let text = resp.text().await.unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert_eq!(
+            text.contains("\"usage\""),
+            asked,
+            "the usage chunk reaches the caller only if it asked for it: {text}"
+        );
+        let rows = records_of("normal", key).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(rows[0].source, "engine", "billed a guess: {:?}", rows[0]);
+        assert!(rows[0].prompt_tokens >= 600, "{:?}", rows[0]);
+        // A replay is what the caller got the first time.
+        let again = reqwest::Client::new()
+            .post(format!("{}/dark/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(chat("tiny", &words, {
+                let mut extra = json!({"stream": true, "max_tokens": 5});
+                if asked {
+                    extra["stream_options"] = json!({"include_usage": true});
+                }
+                extra
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(again.text().await.unwrap(), text);
+    }
+}

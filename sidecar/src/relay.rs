@@ -54,6 +54,8 @@ pub struct Flight {
     claim: Option<Claim>,
     /// The response so far, kept for replays while the claim wants it and it fits.
     captured: Option<Vec<u8>>,
+    /// weir asked the engine for the stream's usage chunk: the caller gets the stream without it.
+    hide_usage: bool,
     /// The request never reached the engine, or the engine answered with an error status: it
     /// ran nothing, so nothing is billed.
     nothing_ran: bool,
@@ -67,6 +69,7 @@ impl Flight {
         assignment: Assignment,
         arrived: Instant,
         claim: Option<Claim>,
+        hide_usage: bool,
     ) -> Flight {
         Flight {
             app,
@@ -74,7 +77,8 @@ impl Flight {
             model,
             assignment,
             arrived,
-            meter: StreamMeter::new(false),
+            meter: StreamMeter::new(hide_usage),
+            hide_usage,
             last_chunk: None,
             charged: 0,
             reconciled: false,
@@ -97,8 +101,9 @@ impl Flight {
         }
     }
 
-    /// Meters a chunk on its way to the client.
-    fn observe(&mut self, chunk: &[u8]) {
+    /// Meters a chunk on its way to the client; returns what the client gets of it (all of it,
+    /// unless weir asked for the usage chunk, which is then held back).
+    fn observe(&mut self, chunk: &Bytes) -> Bytes {
         let now = Instant::now();
         let labels = tenant(&self.who.tenant);
         match self.last_chunk {
@@ -116,8 +121,13 @@ impl Flight {
                 .observe((now - prev).as_secs_f64()),
         }
         self.last_chunk = Some(now);
-        self.capture(chunk);
-        self.meter.feed(chunk, false);
+        let metered = self.meter.feed(chunk, false);
+        let out = if self.hide_usage {
+            Bytes::from(metered)
+        } else {
+            chunk.clone()
+        };
+        self.capture(&out);
         if let Some(usage) = self.meter.usage() {
             self.reconcile(usage.prompt_tokens);
         }
@@ -125,6 +135,19 @@ impl Flight {
         if served - self.charged >= CHARGE_EVERY {
             self.charge(served);
         }
+        out
+    }
+
+    /// Meters what the meter still holds once the stream has ended; returns what of it the
+    /// client has not had yet.
+    fn drain(&mut self) -> Bytes {
+        let metered = self.meter.feed(&[], true);
+        if !self.hide_usage {
+            return Bytes::new();
+        }
+        let out = Bytes::from(metered);
+        self.capture(&out);
+        out
     }
 
     fn charge(&mut self, served: u64) {
@@ -518,7 +541,10 @@ async fn pump(
         };
         match next {
             Ok(Some(Ok(chunk))) => {
-                flight.observe(&chunk);
+                let chunk = flight.observe(&chunk);
+                if chunk.is_empty() {
+                    continue;
+                }
                 match deliver(Piece::Chunk(chunk)).await {
                     Delivery::Taken => {}
                     Delivery::ClientGone => {
@@ -533,7 +559,11 @@ async fn pump(
                 }
             }
             Ok(None) => {
+                let rest = flight.drain();
                 flight.finish("ok", None);
+                if !rest.is_empty() {
+                    deliver(Piece::Chunk(rest)).await;
+                }
                 deliver(Piece::End).await;
                 return;
             }
