@@ -27,7 +27,10 @@ struct Stack {
 /// `relay.max_response_ms`).
 const MAX_STREAM_MS: u64 = 1500;
 
-const TENANTS: [&str; 4] = ["stalled", "refused", "normal", "term"];
+/// Idempotency keys the sidecar remembers at once in this stack.
+const MAX_KEYS: usize = 16;
+
+const TENANTS: [&str; 6] = ["stalled", "refused", "normal", "term", "victim", "flooder"];
 
 fn weir_config() -> Value {
     let keys: Vec<Value> = TENANTS
@@ -166,6 +169,8 @@ fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
         "policy": "fair",
         "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
         "relay": {"max_stream_ms": MAX_STREAM_MS, "max_response_ms": MAX_STREAM_MS},
+        // Few enough that a test can fill the map of remembered keys.
+        "idempotency": {"max_keys": MAX_KEYS},
         "pools": [
             {"model": "tiny", "replicas": [sims[0].url]},
             {"model": "stall", "replicas": [sims[1].url]},
@@ -701,4 +706,43 @@ async fn a_stream_weir_did_not_meter_at_the_front_door_is_billed_the_engines_cou
             .unwrap();
         assert_eq!(again.text().await.unwrap(), text);
     }
+}
+
+#[tokio::test]
+async fn another_tenants_flood_of_keys_does_not_evict_a_kept_response() {
+    let _turn = turn().await;
+    let body = || {
+        chat(
+            "tiny",
+            "keep my answer",
+            json!({"max_tokens": 3, "seed": 1}),
+        )
+    };
+    let first = post("victim", body(), &[("idempotency-key", "victim-1")]).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let first = first.text().await.unwrap();
+    // Another tenant mints keys: cheap one-token requests, each remembered by the sidecar.
+    for wave in 0..(2 * MAX_KEYS / 8) {
+        let requests = (0..8).map(|i| async move {
+            let key = format!("flood-{wave}-{i}");
+            let body = chat("tiny", &key, json!({"max_tokens": 1}));
+            post("flooder", body, &[("idempotency-key", key.as_str())])
+                .await
+                .bytes()
+                .await
+                .unwrap();
+        });
+        futures::future::join_all(requests).await;
+    }
+    // The victim's retry of its completed request still gets its answer back.
+    let again = post("victim", body(), &[("idempotency-key", "victim-1")]).await;
+    let status = again.status();
+    let replayed = again.headers().get("idempotent-replayed").cloned();
+    let text = again.text().await.unwrap();
+    assert_eq!(
+        (status, replayed.as_ref().map(|v| v.to_str().unwrap())),
+        (StatusCode::OK, Some("true")),
+        "another tenant's keys pushed out this tenant's kept response: {text}"
+    );
+    assert_eq!(text, first);
 }
