@@ -95,7 +95,14 @@ fn lax_engine() -> String {
                                 "delta": {"content": text}, "finish_reason": null}]});
                             format!("data: {c}\n\n")
                         };
-                        let events = ["one", " two", " three"].map(chunk).concat();
+                        let events = if request.to_string().contains("fail mid-stream") {
+                            // As vLLM reports an engine error once a stream has started.
+                            let error = json!({"error": {"object": "error", "type":
+                                "InternalServerError", "message": "engine failed", "code": 500}});
+                            format!("{}data: {error}\n\n", chunk("one"))
+                        } else {
+                            ["one", " two", " three"].map(chunk).concat()
+                        };
                         ("text/event-stream", format!("{events}data: [DONE]\n\n"))
                     } else {
                         let answer = json!({"id": "chatcmpl-lax", "object": "chat.completion",
@@ -745,4 +752,39 @@ async fn another_tenants_flood_of_keys_does_not_evict_a_kept_response() {
         "another tenant's keys pushed out this tenant's kept response: {text}"
     );
     assert_eq!(text, first);
+}
+
+#[tokio::test]
+async fn a_stream_that_ended_in_an_engine_error_is_not_completed_work() {
+    let _turn = turn().await;
+    let s = stack();
+    let send = || {
+        reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", "errored-1")
+            .body(chat(
+                "lax",
+                "please fail mid-stream",
+                json!({"stream": true}),
+            ))
+            .send()
+    };
+    let first = send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let text = first.text().await.unwrap();
+    assert!(text.contains("engine failed"), "{text}");
+    let rows = records_of("normal", "errored-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "upstream_error", "{:?}", rows[0]);
+    // The retry runs again: the key does not hold the failure for replay.
+    let retry = send().await.unwrap();
+    assert!(
+        retry.headers().get("idempotent-replayed").is_none(),
+        "the engine's failure was replayed as the key's completed answer"
+    );
+    retry.bytes().await.unwrap();
+    let rows = records_of("normal", "errored-1").await;
+    assert_eq!(rows.iter().map(|r| r.attempt).collect::<Vec<_>>(), [1, 2]);
 }

@@ -138,6 +138,17 @@ impl Flight {
         out
     }
 
+    /// How a stream the engine ended went: an error event in it (an engine failing once the
+    /// stream had started) makes it an `upstream_error`, billed for what streamed but not
+    /// completed work, so the key's retry runs instead of replaying the failure.
+    fn ended_outcome(&self) -> &'static str {
+        if self.meter.error_events() > 0 {
+            "upstream_error"
+        } else {
+            "ok"
+        }
+    }
+
     /// Meters what the meter still holds once the stream has ended; returns what of it the
     /// client has not had yet.
     fn drain(&mut self) -> Bytes {
@@ -560,7 +571,8 @@ async fn pump(
             }
             Ok(None) => {
                 let rest = flight.drain();
-                flight.finish("ok", None);
+                let outcome = flight.ended_outcome();
+                flight.finish(outcome, None);
                 if !rest.is_empty() {
                     deliver(Piece::Chunk(rest)).await;
                 }
