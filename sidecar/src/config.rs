@@ -139,6 +139,10 @@ pub struct RelayConfig {
     pub client_stall_ms: u64,
     /// Longest a stream may last from dispatch, however fast it is read.
     pub max_stream_ms: u64,
+    /// Longest an engine may take, from dispatch, to send its response headers, and for a
+    /// non-streamed request its whole answer: an engine that accepts a request and goes silent
+    /// must not hold the replica for ever.
+    pub max_response_ms: u64,
 }
 
 impl Default for RelayConfig {
@@ -146,6 +150,7 @@ impl Default for RelayConfig {
         RelayConfig {
             client_stall_ms: 30_000,
             max_stream_ms: 30 * 60_000,
+            max_response_ms: 30 * 60_000,
         }
     }
 }
@@ -231,8 +236,11 @@ impl SidecarConfig {
                 bail!("pools[{i}].max_in_flight_without_kv: at least 1");
             }
         }
-        if self.relay.client_stall_ms == 0 || self.relay.max_stream_ms == 0 {
-            bail!("relay: client_stall_ms and max_stream_ms must be above 0");
+        if self.relay.client_stall_ms == 0
+            || self.relay.max_stream_ms == 0
+            || self.relay.max_response_ms == 0
+        {
+            bail!("relay: client_stall_ms, max_stream_ms and max_response_ms must be above 0");
         }
         if self.signing.is_none() {
             bail!("signing: required (secret_file or secret_env with the filter's signing secret)");

@@ -212,18 +212,19 @@ impl Idempotency {
         keys.cached_bytes -= freed;
     }
 
-    /// Keeps the map and the kept responses within bounds, oldest settled first.
+    /// Keeps the map and the kept responses within bounds: the tenant holding the most goes
+    /// first, oldest settled first, so one tenant minting keys pushes out its own, never another
+    /// tenant's kept responses.
     fn evict(&self, keys: &mut Keys) {
-        while keys.entries.len() > self.config.max_keys
-            || keys.cached_bytes > self.config.max_cache_bytes
-        {
-            let oldest = keys
-                .entries
-                .iter()
-                .filter(|(_, e)| !matches!(e.state, State::InFlight))
-                .min_by_key(|(_, e)| e.settled_ms)
-                .map(|(k, _)| k.clone());
-            let Some(oldest) = oldest else { return };
+        loop {
+            let over_keys = keys.entries.len() > self.config.max_keys;
+            let over_bytes = keys.cached_bytes > self.config.max_cache_bytes;
+            if !over_keys && !over_bytes {
+                return;
+            }
+            let Some(oldest) = next_to_forget(&keys.entries, !over_keys) else {
+                return;
+            };
             if let Some(Entry {
                 state: State::Completed(Some(r)),
                 ..
@@ -237,6 +238,16 @@ impl Idempotency {
     fn settle(&self, key: &(String, String), outcome: Settled, now_ms: u64) {
         let mut keys = self.lock();
         let mut added = 0;
+        let never_ran = keys
+            .entries
+            .get(key)
+            .is_some_and(|e| e.attempts == 0 && matches!(outcome, Settled::Unused));
+        if never_ran {
+            // Nothing to remember that the ledger does not know: a key refused or abandoned
+            // before any attempt takes no room (a flood of refused requests evicts nothing).
+            keys.entries.remove(key);
+            return;
+        }
         if let Some(entry) = keys.entries.get_mut(key) {
             entry.settled_ms = now_ms;
             match outcome {
@@ -258,6 +269,40 @@ impl Idempotency {
         keys.cached_bytes += added;
         self.evict(&mut keys);
     }
+}
+
+/// Bytes of the response an entry keeps for replay.
+fn kept_bytes(entry: &Entry) -> usize {
+    match &entry.state {
+        State::Completed(Some(r)) => r.body.len(),
+        _ => 0,
+    }
+}
+
+/// The settled entry to forget next: the oldest of the tenant that holds the most settled keys
+/// (or, when only the bytes are over, the most kept response bytes).
+fn next_to_forget(
+    entries: &HashMap<(String, String), Entry>,
+    by_bytes: bool,
+) -> Option<(String, String)> {
+    let settled = || {
+        entries
+            .iter()
+            .filter(|(_, e)| !matches!(e.state, State::InFlight))
+            .filter(move |(_, e)| !by_bytes || kept_bytes(e) > 0)
+    };
+    let mut held: HashMap<&str, usize> = HashMap::new();
+    for ((tenant, _), entry) in settled() {
+        *held.entry(tenant.as_str()).or_default() += if by_bytes { kept_bytes(entry) } else { 1 };
+    }
+    let heaviest = held
+        .into_iter()
+        .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(a.0)))?
+        .0;
+    settled()
+        .filter(|((tenant, _), _)| tenant == heaviest)
+        .min_by_key(|(_, e)| e.settled_ms)
+        .map(|(k, _)| k.clone())
 }
 
 enum Settled {
@@ -415,6 +460,35 @@ mod tests {
         };
         let refused = r.claim("a", "j", fingerprint("/p", b"x"), 0, done);
         assert_eq!(code(refused), "idempotency_key_completed");
+    }
+
+    #[test]
+    fn a_tenant_minting_keys_evicts_its_own_first() {
+        let r = registry();
+        let Claimed::Run(mut kept) = claim(&r, "victim", "v", "body", 0) else {
+            panic!()
+        };
+        kept.finish(Some(Some(response("answer"))), 0);
+        for i in 1..10u64 {
+            let Claimed::Run(mut c) = claim(&r, "flood", &format!("f{i}"), "body", i) else {
+                panic!()
+            };
+            c.finish(None, i);
+        }
+        // Refused before any attempt: not remembered at all.
+        let Claimed::Run(refused) = claim(&r, "flood", "never", "body", 20) else {
+            panic!()
+        };
+        drop(refused);
+        assert!(
+            !r.lock()
+                .entries
+                .contains_key(&("flood".into(), "never".into()))
+        );
+        assert!(matches!(
+            claim(&r, "victim", "v", "body", 21),
+            Claimed::Replay(_)
+        ));
     }
 
     #[test]

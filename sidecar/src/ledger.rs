@@ -30,7 +30,8 @@ pub struct UsageRecord {
     pub completion_tokens: u64,
     /// `engine` (usage reported) or `counted` (tokens seen streaming).
     pub source: String,
-    /// `ok`, `cancelled`, `failed`, `upstream_error`.
+    /// `ok`, `cancelled`, `failed`, `upstream_error`, `slow_client`, `stream_deadline`,
+    /// `response_deadline`, `shutdown`.
     pub outcome: String,
     pub queued_ms: u64,
     pub finished_at_ms: u64,

@@ -54,6 +54,11 @@ pub struct Flight {
     claim: Option<Claim>,
     /// The response so far, kept for replays while the claim wants it and it fits.
     captured: Option<Vec<u8>>,
+    /// weir asked the engine for the stream's usage chunk: the caller gets the stream without it.
+    hide_usage: bool,
+    /// The request never reached the engine, or the engine answered with an error status: it
+    /// ran nothing, so nothing is billed.
+    nothing_ran: bool,
 }
 
 impl Flight {
@@ -64,6 +69,7 @@ impl Flight {
         assignment: Assignment,
         arrived: Instant,
         claim: Option<Claim>,
+        hide_usage: bool,
     ) -> Flight {
         Flight {
             app,
@@ -71,13 +77,15 @@ impl Flight {
             model,
             assignment,
             arrived,
-            meter: StreamMeter::new(false),
+            meter: StreamMeter::new(hide_usage),
+            hide_usage,
             last_chunk: None,
             charged: 0,
             reconciled: false,
             finished: false,
             captured: claim.as_ref().map(|_| Vec::new()),
             claim,
+            nothing_ran: false,
         }
     }
 
@@ -93,8 +101,9 @@ impl Flight {
         }
     }
 
-    /// Meters a chunk on its way to the client.
-    fn observe(&mut self, chunk: &[u8]) {
+    /// Meters a chunk on its way to the client; returns what the client gets of it (all of it,
+    /// unless weir asked for the usage chunk, which is then held back).
+    fn observe(&mut self, chunk: &Bytes) -> Bytes {
         let now = Instant::now();
         let labels = tenant(&self.who.tenant);
         match self.last_chunk {
@@ -112,8 +121,13 @@ impl Flight {
                 .observe((now - prev).as_secs_f64()),
         }
         self.last_chunk = Some(now);
-        self.capture(chunk);
-        self.meter.feed(chunk, false);
+        let metered = self.meter.feed(chunk, false);
+        let out = if self.hide_usage {
+            Bytes::from(metered)
+        } else {
+            chunk.clone()
+        };
+        self.capture(&out);
         if let Some(usage) = self.meter.usage() {
             self.reconcile(usage.prompt_tokens);
         }
@@ -121,6 +135,30 @@ impl Flight {
         if served - self.charged >= CHARGE_EVERY {
             self.charge(served);
         }
+        out
+    }
+
+    /// How a stream the engine ended went: an error event in it (an engine failing once the
+    /// stream had started) makes it an `upstream_error`, billed for what streamed but not
+    /// completed work, so the key's retry runs instead of replaying the failure.
+    fn ended_outcome(&self) -> &'static str {
+        if self.meter.error_events() > 0 {
+            "upstream_error"
+        } else {
+            "ok"
+        }
+    }
+
+    /// Meters what the meter still holds once the stream has ended; returns what of it the
+    /// client has not had yet.
+    fn drain(&mut self) -> Bytes {
+        let metered = self.meter.feed(&[], true);
+        if !self.hide_usage {
+            return Bytes::new();
+        }
+        let out = Bytes::from(metered);
+        self.capture(&out);
+        out
     }
 
     fn charge(&mut self, served: u64) {
@@ -183,6 +221,8 @@ impl Flight {
         };
         let (prompt, completion, source) = match reported {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),
+            // Nothing ran: the attempt is recorded, billed nothing (as the filter charges it).
+            None if self.nothing_ran => (0, 0, "counted"),
             None => (self.who.input_tokens, counted, "counted"),
         };
         if source == "engine" {
@@ -252,7 +292,14 @@ pub async fn relay(
 ) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
     let app = flight.app.clone();
+    // Both count from dispatch: an engine that accepts the request and never answers (no
+    // headers, or a non-streamed body that never comes) must not hold the replica for ever.
+    let dispatched = tokio::time::Instant::now();
+    let deadline = dispatched + Duration::from_millis(app.relay.max_response_ms);
+    let stream_deadline = dispatched + Duration::from_millis(app.relay.max_stream_ms);
     if *app.cut.borrow() {
+        // Dispatched after the grace period ended (it was queued): never sent.
+        flight.nothing_ran = true;
         return cut_short(flight);
     }
     let mut request = app.http.post(url).header(header::CONTENT_TYPE, JSON);
@@ -263,6 +310,7 @@ pub async fn relay(
     let sent = tokio::select! {
         sent = request => sent,
         () = cut(&app) => return cut_short(flight),
+        () = tokio::time::sleep_until(deadline) => return timed_out(flight),
     };
     let upstream = match sent {
         Ok(resp) => resp,
@@ -272,6 +320,7 @@ pub async fn relay(
                 pool: flight.assignment.pool,
                 replica: flight.assignment.replica,
             });
+            flight.nothing_ran = true;
             flight.finish("failed", Some(BodyUsage::Unknown));
             return error_response(&ApiError::new(
                 502,
@@ -282,10 +331,13 @@ pub async fn relay(
     };
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    flight.nothing_ran = !status.is_success();
+    let stream = streamed(upstream.headers(), stream);
     if !status.is_success() || !stream {
         let bytes = tokio::select! {
             bytes = upstream.bytes() => bytes,
             () = cut(&app) => return cut_short(flight),
+            () = tokio::time::sleep_until(deadline) => return timed_out(flight),
         };
         let outcome = if status.is_success() {
             "ok"
@@ -318,11 +370,28 @@ pub async fn relay(
             }
         };
     }
-    let body = Body::from_stream(relay_stream(flight, upstream.bytes_stream()));
+    let body = Body::from_stream(relay_stream(
+        flight,
+        upstream.bytes_stream(),
+        stream_deadline,
+    ));
     let mut resp = Response::new(body);
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
     resp
+}
+
+/// Whether the engine answered with an event stream: its content type says, whatever the
+/// request's `stream` field looked like (a lenient engine streams on `"true"` or `1`, which the
+/// sidecar would not read as true); the request decides only when the engine names no type.
+fn streamed(headers: &reqwest::header::HeaderMap, asked: bool) -> bool {
+    match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
+        Some(Ok(content_type)) => content_type
+            .trim_start()
+            .to_ascii_lowercase()
+            .starts_with("text/event-stream"),
+        _ => asked,
+    }
 }
 
 /// Resolves when the sidecar's shutdown grace period is over (never, if it never stops).
@@ -343,6 +412,21 @@ fn cut_short(mut flight: Flight) -> Response {
             "the gateway's scheduler is restarting; retry",
         )
         .with_code("shutting_down"),
+    )
+}
+
+/// A request whose engine had not answered (headers, or the whole of a non-streamed body) by
+/// the end of `relay.max_response_ms`: the upstream request is dropped (the engine aborts and
+/// frees the KV), the attempt recorded, and the caller told to retry.
+fn timed_out(mut flight: Flight) -> Response {
+    flight.finish("response_deadline", None);
+    error_response(
+        &ApiError::new(
+            504,
+            "TimeoutError",
+            "the engine did not answer within the gateway's longest response time; retry",
+        )
+        .with_code("response_deadline"),
     )
 }
 
@@ -409,9 +493,10 @@ fn slow_client_event() -> Bytes {
 fn relay_stream(
     flight: Flight,
     upstream: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+    deadline: tokio::time::Instant,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
     let (tx, rx) = mpsc::channel(1);
-    tokio::spawn(pump(flight, upstream, tx));
+    tokio::spawn(pump(flight, upstream, tx, deadline));
     futures::stream::unfold(Some(rx), |rx| async move {
         let mut rx: mpsc::Receiver<Piece> = rx?;
         match rx.recv().await {
@@ -434,16 +519,16 @@ async fn deliver(tx: &mpsc::Sender<Piece>, piece: Piece, stall: Duration) -> Del
 }
 
 /// Relays the replica's stream to the body channel until it ends, the client leaves or stalls,
-/// or the stream's time is up; settles the flight on every path.
+/// or the stream's time (`deadline`, counted from dispatch) is up; settles the flight on every
+/// path.
 async fn pump(
     mut flight: Flight,
     mut upstream: impl Stream<Item = reqwest::Result<Bytes>> + Unpin,
     tx: mpsc::Sender<Piece>,
+    deadline: tokio::time::Instant,
 ) {
     let app = flight.app.clone();
-    let limits = app.relay.clone();
-    let stall = Duration::from_millis(limits.client_stall_ms);
-    let deadline = tokio::time::Instant::now() + Duration::from_millis(limits.max_stream_ms);
+    let stall = Duration::from_millis(app.relay.client_stall_ms);
     let deliver = |piece: Piece| deliver(&tx, piece, stall);
     loop {
         let next = tokio::select! {
@@ -467,7 +552,10 @@ async fn pump(
         };
         match next {
             Ok(Some(Ok(chunk))) => {
-                flight.observe(&chunk);
+                let chunk = flight.observe(&chunk);
+                if chunk.is_empty() {
+                    continue;
+                }
                 match deliver(Piece::Chunk(chunk)).await {
                     Delivery::Taken => {}
                     Delivery::ClientGone => {
@@ -482,7 +570,12 @@ async fn pump(
                 }
             }
             Ok(None) => {
-                flight.finish("ok", None);
+                let rest = flight.drain();
+                let outcome = flight.ended_outcome();
+                flight.finish(outcome, None);
+                if !rest.is_empty() {
+                    deliver(Piece::Chunk(rest)).await;
+                }
                 deliver(Piece::End).await;
                 return;
             }

@@ -15,6 +15,7 @@ use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
+use weir_core::admission::ENGINE_CONTROL_FIELDS;
 use weir_core::openai::{ApiError, Endpoint};
 
 use crate::dispatcher::{Event, Job, Refusal, now_ms};
@@ -157,8 +158,10 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             return error_response(&error);
         }
     };
+    strip_engine_control(&mut value);
     value["cache_salt"] = json!(cache_salt(&app.cache_salt_key, &who.tenant));
     let stream = value["stream"].as_bool().unwrap_or(false);
+    let hide_usage = stream && ask_stream_usage(&mut value);
     let kv_need = who.input_tokens + who.reserved_output.min(EXPECTED_OUTPUT_TOKENS);
 
     let (reply, assigned) = oneshot::channel();
@@ -228,7 +231,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         }
     };
     let body = serde_json::to_vec(&value).unwrap_or_default();
-    let flight = Flight::new(app, who, model, assignment, arrived, claim);
+    let flight = Flight::new(app, who, model, assignment, arrived, claim, hide_usage);
     // The caller's trace id goes to the engine and back to the caller; it identifies nothing.
     let trace_id = headers.get(TRACE_ID).cloned();
     let mut resp = relay(flight, path(endpoint), body, stream, trace_id.clone()).await;
@@ -236,6 +239,37 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         resp.headers_mut().insert(TRACE_ID, trace_id);
     }
     resp
+}
+
+/// Removes the body fields by which a request would steer the engine across the tenant
+/// boundary ([`ENGINE_CONTROL_FIELDS`]). The filter strips them from the requests it meters, but
+/// forwards off-mode and out-of-rollout bodies as they came; the sidecar is the last hop before
+/// the engine, so it strips them from every request.
+fn strip_engine_control(value: &mut Value) {
+    if let Some(fields) = value.as_object_mut() {
+        for field in ENGINE_CONTROL_FIELDS {
+            fields.remove(field);
+        }
+    }
+}
+
+/// Asks the engine for a stream's usage chunk when the body does not (requests the filter did
+/// not meter: off mode, out of the rollout), so the ledger bills the engine's counts rather
+/// than a guess from the body's size. True when weir asked: the chunk is then hidden from the
+/// caller, who did not ask for it.
+fn ask_stream_usage(value: &mut Value) -> bool {
+    let Some(fields) = value.as_object_mut() else {
+        return false;
+    };
+    let options = fields.entry("stream_options").or_insert_with(|| json!({}));
+    let Some(options) = options.as_object_mut() else {
+        return false;
+    };
+    if options.get("include_usage").and_then(Value::as_bool) == Some(true) {
+        return false;
+    }
+    options.insert("include_usage".into(), Value::Bool(true));
+    true
 }
 
 fn path(endpoint: Endpoint) -> &'static str {

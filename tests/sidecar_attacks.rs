@@ -1,0 +1,790 @@
+//! Attacks on the sidecar through the real gateway: an engine that accepts a request and never
+//! answers, and engines that refuse work, checked against what the sidecar holds (admin
+//! metrics) and what it bills (the ledger). Real Envoy with the filter → the sidecar →
+//! simulator replicas, one stack per test binary.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use reqwest::{Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, MutexGuard};
+use weir_core::keys::hash_key;
+use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+
+struct Stack {
+    sims: Vec<Sim>,
+    /// An engine with a lax request parser (as vLLM's pydantic models are): `"stream": "true"`
+    /// streams.
+    lax: String,
+    sidecar: Sidecar,
+    envoy: Envoy,
+}
+
+/// Longest a request may hold a replica in this stack (`relay.max_stream_ms` and
+/// `relay.max_response_ms`).
+const MAX_STREAM_MS: u64 = 1500;
+
+/// Idempotency keys the sidecar remembers at once in this stack.
+const MAX_KEYS: usize = 16;
+
+const TENANTS: [&str; 6] = ["stalled", "refused", "normal", "term", "victim", "flooder"];
+
+fn weir_config() -> Value {
+    let keys: Vec<Value> = TENANTS
+        .iter()
+        .map(|id| json!({"id": id, "sha256": hash_key(&format!("key-{id}"))}))
+        .collect();
+    json!({
+        "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "atk", "keys": keys}]}]}],
+        "models": {
+            "tiny": {"max_context_tokens": 8192},
+            "stall": {"max_context_tokens": 8192},
+            "throttled": {"max_context_tokens": 8192},
+            "narrow": {"max_context_tokens": 8192},
+            "lax": {"max_context_tokens": 8192},
+        },
+    })
+}
+
+/// An OpenAI-compatible engine whose `/metrics` is empty and that reads `stream` leniently, as
+/// pydantic's lax mode does (`"true"`, `1` and `true` all stream): a streamed answer of three
+/// tokens without a usage chunk (none was asked for), else a JSON one. Serves until the test
+/// binary exits.
+fn lax_engine() -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut conn = conn;
+                loop {
+                    let mut head = String::new();
+                    let mut length = 0;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        head.push_str(&line);
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                    let streams = matches!(&request["stream"], Value::Bool(true))
+                        || request["stream"] == "true"
+                        || request["stream"] == 1;
+                    let (content_type, answer) = if !head.starts_with("POST") {
+                        ("text/plain", String::new())
+                    } else if streams {
+                        let chunk = |text: &str| {
+                            let c = json!({"id": "chatcmpl-lax", "object": "chat.completion.chunk",
+                                "created": 0, "model": "lax", "choices": [{"index": 0,
+                                "delta": {"content": text}, "finish_reason": null}]});
+                            format!("data: {c}\n\n")
+                        };
+                        let events = if request.to_string().contains("fail mid-stream") {
+                            // As vLLM reports an engine error once a stream has started.
+                            let error = json!({"error": {"object": "error", "type":
+                                "InternalServerError", "message": "engine failed", "code": 500}});
+                            format!("{}data: {error}\n\n", chunk("one"))
+                        } else {
+                            ["one", " two", " three"].map(chunk).concat()
+                        };
+                        ("text/event-stream", format!("{events}data: [DONE]\n\n"))
+                    } else {
+                        let answer = json!({"id": "chatcmpl-lax", "object": "chat.completion",
+                            "created": 0, "model": "lax", "choices": [{"index": 0,
+                            "finish_reason": "stop", "message": {"role": "assistant",
+                            "content": "one two three"}}],
+                            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}});
+                        ("application/json", answer.to_string())
+                    };
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if conn.write_all(response.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+fn sim(extra: &[&str]) -> Sim {
+    let args = [
+        &[
+            "--preset",
+            "tiny",
+            "--time-scale",
+            "10",
+            "--output-len",
+            "fixed:20",
+        ][..],
+        extra,
+    ]
+    .concat();
+    Sim::start(&args)
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let sims = vec![
+            sim(&["--record-requests", "64"]),
+            // Accepts every request and then says nothing for ten minutes.
+            sim(&[
+                "--served-model-name",
+                "stall",
+                "--stall-after",
+                "0",
+                "--stall-for",
+                "600000",
+            ]),
+            // Refuses every request at once with 429, as an engine out of capacity would.
+            sim(&["--served-model-name", "throttled", "--throttle-rate", "1"]),
+            sim(&["--served-model-name", "narrow"]),
+        ];
+        let lax = lax_engine();
+        let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims, &lax));
+        Stack {
+            sims,
+            lax,
+            sidecar,
+            envoy,
+        }
+    })
+}
+
+fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
+    json!({
+        "policy": "fair",
+        "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
+        "relay": {"max_stream_ms": MAX_STREAM_MS, "max_response_ms": MAX_STREAM_MS},
+        // Few enough that a test can fill the map of remembered keys.
+        "idempotency": {"max_keys": MAX_KEYS},
+        "pools": [
+            {"model": "tiny", "replicas": [sims[0].url]},
+            {"model": "stall", "replicas": [sims[1].url]},
+            {"model": "throttled", "replicas": [sims[2].url]},
+            // Room for one long prompt at a time: easy to fill, so the next one queues.
+            {"model": "narrow", "replicas": [sims[3].url], "kv_tokens_per_replica": 3000},
+            {"model": "lax", "replicas": [lax]},
+        ],
+    })
+}
+
+/// Starts a sidecar (and an Envoy in front of it) once its probes have read every replica.
+fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
+    let sidecar = Sidecar::start(config);
+    let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+    let addr = sidecar.admin.trim_start_matches("http://").to_owned();
+    wait_for(Duration::from_secs(10), || {
+        let text = http_get(&addr, "/metrics")?;
+        (text.matches("weir_replica_healthy{").count() > sims.len()).then_some(())
+    })
+    .expect("replicas probed");
+    (sidecar, envoy)
+}
+
+/// One test at a time on the shared stack.
+async fn turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::const_new(());
+    let guard = TURN.lock().await;
+    stack();
+    guard
+}
+
+fn chat(model: &str, content: &str, extra: Value) -> String {
+    let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body.to_string()
+}
+
+async fn post(key: &str, body: String, headers: &[(&str, &str)]) -> Response {
+    post_to(&stack().envoy, key, body, headers).await
+}
+
+async fn post_to(envoy: &Envoy, key: &str, body: String, headers: &[(&str, &str)]) -> Response {
+    let mut req = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", envoy.url))
+        .bearer_auth(format!("key-{key}"))
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    req.body(body).send().await.unwrap()
+}
+
+/// Sum of a sidecar metric's series starting with `series` (0 when none exists yet).
+async fn metric_sum(series: &str) -> f64 {
+    stack()
+        .sidecar
+        .metrics()
+        .await
+        .lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits up to `limit` for every hold the sidecar keeps on replicas to be given back.
+async fn holds_released(limit: Duration) -> Option<(f64, f64, f64)> {
+    let started = Instant::now();
+    loop {
+        let held = (
+            metric_sum("weir_replica_in_flight").await,
+            metric_sum("weir_replica_reserved_kv_tokens").await,
+            metric_sum("weir_active_kv_tokens").await,
+        );
+        if held == (0.0, 0.0, 0.0) {
+            return None;
+        }
+        if started.elapsed() > limit {
+            return Some(held);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
+    ledger_of(&stack().sidecar)
+}
+
+fn ledger_of(sidecar: &Sidecar) -> Vec<weir_sidecar::ledger::UsageRecord> {
+    let conn = weir_sidecar::ledger::open(&sidecar.ledger).unwrap();
+    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
+}
+
+/// The ledger's records of one tenant's idempotency key, once the writer has caught up.
+async fn records_of(tenant: &str, key: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {
+    let tenant = format!("acme/lab/atk/{tenant}");
+    for _ in 0..50 {
+        let rows: Vec<_> = ledger()
+            .into_iter()
+            .filter(|r| r.tenant == tenant && r.idempotency_key == key)
+            .collect();
+        if !rows.is_empty() {
+            return rows;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Vec::new()
+}
+
+#[tokio::test]
+async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_releases_its_hold() {
+    let _turn = turn().await;
+    // An engine that accepted the request and went silent: `relay.max_response_ms` bounds how
+    // long it may hold the replica before answering.
+    let sent = Instant::now();
+    let answer = tokio::time::timeout(
+        Duration::from_millis(MAX_STREAM_MS * 5),
+        post(
+            "stalled",
+            chat("stall", "are you there?", json!({"max_tokens": 5})),
+            &[("idempotency-key", "stall-1")],
+        ),
+    )
+    .await;
+    let resp = answer.unwrap_or_else(|_| {
+        panic!(
+            "no answer {:?} after sending to a silent engine (max_response_ms is {MAX_STREAM_MS})",
+            sent.elapsed()
+        )
+    });
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert!(
+        status.is_server_error() || status == StatusCode::REQUEST_TIMEOUT,
+        "{status}: {text}"
+    );
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "response_deadline", "{text}");
+    if let Some(held) = holds_released(Duration::from_secs(3)).await {
+        panic!("still held (in flight, reserved KV, active KV): {held:?}");
+    }
+    let rows = records_of("stalled", "stall-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "response_deadline");
+    // The key was not completed: a retry runs (and meets the same silence) instead of a 409.
+    let retry = tokio::time::timeout(
+        Duration::from_millis(MAX_STREAM_MS * 5),
+        post(
+            "stalled",
+            chat("stall", "are you there?", json!({"max_tokens": 5})),
+            &[("idempotency-key", "stall-1")],
+        ),
+    )
+    .await
+    .expect("the retry is answered too");
+    let body = retry.text().await.unwrap();
+    assert!(body.contains("response_deadline"), "{body}");
+    assert_eq!(records_of("stalled", "stall-1").await.len(), 2);
+}
+
+#[tokio::test]
+async fn an_attempt_the_engine_refused_bills_nothing() {
+    let _turn = turn().await;
+    // The engine answers 429 at once: nothing ran, and the filter charges the tenant nothing.
+    let resp = post(
+        "refused",
+        chat(
+            "throttled",
+            &"a long prompt the engine never read ".repeat(40),
+            json!({"max_tokens": 5}),
+        ),
+        &[("idempotency-key", "refused-1")],
+    )
+    .await;
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{text}");
+    let rows = records_of("refused", "refused-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "upstream_error");
+    assert_eq!(
+        (rows[0].prompt_tokens, rows[0].completion_tokens),
+        (0, 0),
+        "an attempt the engine refused is billed: {:?}",
+        rows[0]
+    );
+    // And the key is free for the retry.
+    let retry = post(
+        "refused",
+        chat(
+            "throttled",
+            &"a long prompt the engine never read ".repeat(40),
+            json!({"max_tokens": 5}),
+        ),
+        &[("idempotency-key", "refused-1")],
+    )
+    .await;
+    assert_eq!(retry.status(), StatusCode::TOO_MANY_REQUESTS);
+}
+
+/// A prompt of about `tokens` tokens, distinct per `tag`.
+fn prompt(tag: &str, tokens: usize) -> String {
+    format!("{tag}: {}", "pack the cache ".repeat(tokens / 3))
+}
+
+#[tokio::test]
+async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
+    let _turn = turn().await;
+    let s = stack();
+    let mut config = sidecar_config(&s.sims, &s.lax);
+    config["shutdown_grace_ms"] = json!(1000);
+    config["relay"] = json!({"max_stream_ms": 60_000, "max_response_ms": 60_000});
+    let (mut sidecar, envoy) = start_sidecar(&s.sims, config);
+    let envoy = &envoy;
+    // The first fills the narrow pool well past the grace period; the second waits for room.
+    let long = |tag: &str| {
+        chat(
+            "narrow",
+            &prompt(tag, 1500),
+            json!({"max_tokens": 1400, "ignore_eos": true}),
+        )
+    };
+    let running = tokio::spawn({
+        let body = long("running");
+        let url = envoy.url.clone();
+        async move {
+            reqwest::Client::new()
+                .post(format!("{url}/v1/chat/completions"))
+                .bearer_auth("key-term")
+                .header("content-type", "application/json")
+                .header("idempotency-key", "term-running")
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let queued = post_to(
+        envoy,
+        "term",
+        long("queued"),
+        &[("idempotency-key", "term-queued")],
+    );
+    let signal = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::task::spawn_blocking(move || {
+            let status = sidecar.terminate(Duration::from_secs(10));
+            (sidecar, status)
+        })
+        .await
+        .unwrap()
+    };
+    let (queued, (sidecar, status)) = tokio::join!(queued, signal);
+    let queued_status = queued.status();
+    let queued_text = queued.text().await.unwrap();
+    let running = running.await.unwrap();
+    assert!(status.expect("exits").success());
+    assert!(running.contains("shutting_down"), "{running}");
+    assert_eq!(
+        queued_status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{queued_text}"
+    );
+    assert!(queued_text.contains("shutting_down"), "{queued_text}");
+    let records = ledger_of(&sidecar);
+    let record = |key: &str| {
+        records
+            .iter()
+            .filter(|r| r.idempotency_key == key)
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    let ran = record("term-running");
+    assert_eq!(ran.len(), 1, "{records:?}");
+    assert!(ran[0].prompt_tokens > 0, "{ran:?}");
+    // Never sent to an engine: whatever it is recorded as, it is billed nothing.
+    for r in record("term-queued") {
+        assert_eq!(
+            (r.prompt_tokens, r.completion_tokens),
+            (0, 0),
+            "a request that never reached an engine is billed: {r:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_and_the_key() {
+    let _turn = turn().await;
+    let body = || chat("stall", "anyone?", json!({"max_tokens": 5}));
+    let left = tokio::time::timeout(
+        Duration::from_millis(300),
+        post("stalled", body(), &[("idempotency-key", "leave-1")]),
+    )
+    .await;
+    assert!(left.is_err(), "the silent engine answered");
+    let gone = Instant::now();
+    // Well before max_response_ms would end it: the client's leaving is what frees it.
+    if let Some(held) = holds_released(Duration::from_millis(800)).await {
+        panic!(
+            "still held {:?} after the client left: {held:?}",
+            gone.elapsed()
+        );
+    }
+    let rows = records_of("stalled", "leave-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "cancelled");
+    // The key is free: the retry runs (to the deadline) as attempt 2, not 409.
+    let retry = post("stalled", body(), &[("idempotency-key", "leave-1")]).await;
+    let text = retry.text().await.unwrap();
+    assert!(text.contains("response_deadline"), "{text}");
+    let rows = records_of("stalled", "leave-1").await;
+    let attempts: Vec<u32> = rows.iter().map(|r| r.attempt).collect();
+    assert_eq!(attempts, [1, 2], "{rows:?}");
+}
+
+#[tokio::test]
+async fn the_same_key_and_body_from_another_tenant_is_not_a_replay() {
+    let _turn = turn().await;
+    let body = || {
+        chat(
+            "tiny",
+            "the same words",
+            json!({"max_tokens": 4, "seed": 7}),
+        )
+    };
+    let first = post("normal", body(), &[("idempotency-key", "shared-key")]).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let first = first.text().await.unwrap();
+    let again = post("normal", body(), &[("idempotency-key", "shared-key")]).await;
+    assert_eq!(
+        again
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.to_str().unwrap()),
+        Some("true")
+    );
+    assert_eq!(again.text().await.unwrap(), first);
+    let other = post("refused", body(), &[("idempotency-key", "shared-key")]).await;
+    assert_eq!(other.status(), StatusCode::OK);
+    assert!(
+        other.headers().get("idempotent-replayed").is_none(),
+        "another tenant got a replay of the first tenant's response"
+    );
+    let other = other.text().await.unwrap();
+    let id = |t: &str| serde_json::from_str::<Value>(t).unwrap()["id"].clone();
+    assert_ne!(
+        id(&other),
+        id(&first),
+        "the other tenant's request ran on its own"
+    );
+    assert_eq!(
+        records_of("normal", "shared-key").await.len(),
+        1,
+        "the replay is not billed"
+    );
+    assert_eq!(records_of("refused", "shared-key").await.len(), 1);
+}
+
+#[tokio::test]
+async fn straight_to_the_sidecar_without_a_signature_nothing_is_served_or_billed() {
+    let _turn = turn().await;
+    let s = stack();
+    let before = ledger().len();
+    let body = chat("tiny", "free lunch", json!({"max_tokens": 4}));
+    for headers in [
+        vec![],
+        vec![("x-weir-tenant", "acme/lab/atk/normal")],
+        vec![
+            ("X-WEIR-TENANT", "acme/lab/atk/normal"),
+            ("idempotency-key", "k"),
+        ],
+        vec![
+            ("x-weir-signature", "v1:99999999999999:00"),
+            ("x-weir-tenant", "acme/lab/atk/normal"),
+        ],
+        vec![(
+            "x-weir-signature",
+            "v1:18446744073709551615:0000000000000000000000000000000000000000000000000000000000000000",
+        )],
+    ] {
+        let mut req = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", s.sidecar.url))
+            .header("content-type", "application/json");
+        for (n, v) in &headers {
+            req = req.header(*n, *v);
+        }
+        let resp = req.body(body.clone()).send().await.unwrap();
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{headers:?}: {text}");
+        assert!(!text.contains("acme/lab"), "names a tenant: {text}");
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(ledger().len(), before, "an unsigned request was billed");
+}
+
+#[tokio::test]
+async fn engine_control_fields_never_reach_the_engine_on_any_route() {
+    let _turn = turn().await;
+    let s = stack();
+    // `/dark/` is enforced for 0% of requests: out of the rollout, the filter forwards the body
+    // as it came (it must not reject), so the sidecar is the last hop that can strip them.
+    for (route, key) in [
+        ("/dark/", Some("key-normal")),
+        ("/dark/", None),
+        ("/", Some("key-normal")),
+    ] {
+        let marker = format!("steer {route} {key:?}");
+        let body = chat(
+            "tiny",
+            &marker,
+            json!({
+                "max_tokens": 2,
+                "priority": -100,
+                "request_id": "chatcmpl-someone-elses",
+                "kv_transfer_params": {"remote_block_ids": [1, 2, 3], "remote_engine_id": "prefill-0"},
+                "cache_salt": "guessed",
+            }),
+        );
+        let mut req = reqwest::Client::new()
+            .post(format!("{}{route}v1/chat/completions", s.envoy.url))
+            .header("content-type", "application/json");
+        if let Some(key) = key {
+            req = req.bearer_auth(key);
+        }
+        let resp = req.body(body).send().await.unwrap();
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{route} {key:?}: {text}");
+        let received = s.sims[0].received().await;
+        let sent = received
+            .iter()
+            .rev()
+            .find(|r| r["body"]["messages"][0]["content"] == marker.as_str())
+            .unwrap_or_else(|| panic!("{marker} not received"));
+        for field in ["priority", "request_id", "kv_transfer_params"] {
+            assert!(
+                sent["body"].get(field).is_none(),
+                "{route} with key {key:?}: `{field}` reached the engine: {}",
+                sent["body"]
+            );
+        }
+        assert_ne!(sent["body"]["cache_salt"], "guessed");
+    }
+}
+
+#[tokio::test]
+async fn a_stream_the_engine_chose_is_metered_as_a_stream_whatever_the_body_said() {
+    let _turn = turn().await;
+    let s = stack();
+    // Out of the rollout the body is forwarded as sent, so `stream` may be any JSON the engine
+    // reads as true: the sidecar must meter what the engine sends, not what it guessed.
+    for (i, stream) in [json!("true"), json!(1)].into_iter().enumerate() {
+        let key = format!("lax-{i}");
+        let resp = reqwest::Client::new()
+            .post(format!("{}/dark/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", &key)
+            .body(chat("lax", "count to three", json!({"stream": stream})))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let text = resp.text().await.unwrap();
+        assert!(text.contains(" three"), "{text}");
+        let rows = records_of("normal", &key).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(
+            (rows[0].completion_tokens, rows[0].outcome.as_str()),
+            (3, "ok"),
+            "`stream: {stream}` streamed three tokens: {:?}",
+            rows[0]
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_stream_weir_did_not_meter_at_the_front_door_is_billed_the_engines_counts() {
+    let _turn = turn().await;
+    let s = stack();
+    // Out of the rollout the filter neither meters nor asks for the usage chunk; without it the
+    // ledger would bill a guess from the body's size (four bytes a token), which a prompt of
+    // short words beats by far.
+    let words = "a ".repeat(600);
+    for (key, asked) in [("unmetered-1", false), ("unmetered-2", true)] {
+        let mut extra = json!({"stream": true, "max_tokens": 5});
+        if asked {
+            extra["stream_options"] = json!({"include_usage": true});
+        }
+        let resp = reqwest::Client::new()
+            .post(format!("{}/dark/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(chat("tiny", &words, extra))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let text = resp.text().await.unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        assert_eq!(
+            text.contains("\"usage\""),
+            asked,
+            "the usage chunk reaches the caller only if it asked for it: {text}"
+        );
+        let rows = records_of("normal", key).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        assert_eq!(rows[0].source, "engine", "billed a guess: {:?}", rows[0]);
+        assert!(rows[0].prompt_tokens >= 600, "{:?}", rows[0]);
+        // A replay is what the caller got the first time.
+        let again = reqwest::Client::new()
+            .post(format!("{}/dark/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", key)
+            .body(chat("tiny", &words, {
+                let mut extra = json!({"stream": true, "max_tokens": 5});
+                if asked {
+                    extra["stream_options"] = json!({"include_usage": true});
+                }
+                extra
+            }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(again.text().await.unwrap(), text);
+    }
+}
+
+#[tokio::test]
+async fn another_tenants_flood_of_keys_does_not_evict_a_kept_response() {
+    let _turn = turn().await;
+    let body = || {
+        chat(
+            "tiny",
+            "keep my answer",
+            json!({"max_tokens": 3, "seed": 1}),
+        )
+    };
+    let first = post("victim", body(), &[("idempotency-key", "victim-1")]).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let first = first.text().await.unwrap();
+    // Another tenant mints keys: cheap one-token requests, each remembered by the sidecar.
+    for wave in 0..(2 * MAX_KEYS / 8) {
+        let requests = (0..8).map(|i| async move {
+            let key = format!("flood-{wave}-{i}");
+            let body = chat("tiny", &key, json!({"max_tokens": 1}));
+            post("flooder", body, &[("idempotency-key", key.as_str())])
+                .await
+                .bytes()
+                .await
+                .unwrap();
+        });
+        futures::future::join_all(requests).await;
+    }
+    // The victim's retry of its completed request still gets its answer back.
+    let again = post("victim", body(), &[("idempotency-key", "victim-1")]).await;
+    let status = again.status();
+    let replayed = again.headers().get("idempotent-replayed").cloned();
+    let text = again.text().await.unwrap();
+    assert_eq!(
+        (status, replayed.as_ref().map(|v| v.to_str().unwrap())),
+        (StatusCode::OK, Some("true")),
+        "another tenant's keys pushed out this tenant's kept response: {text}"
+    );
+    assert_eq!(text, first);
+}
+
+#[tokio::test]
+async fn a_stream_that_ended_in_an_engine_error_is_not_completed_work() {
+    let _turn = turn().await;
+    let s = stack();
+    let send = || {
+        reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", "errored-1")
+            .body(chat(
+                "lax",
+                "please fail mid-stream",
+                json!({"stream": true}),
+            ))
+            .send()
+    };
+    let first = send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let text = first.text().await.unwrap();
+    assert!(text.contains("engine failed"), "{text}");
+    let rows = records_of("normal", "errored-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "upstream_error", "{:?}", rows[0]);
+    // The retry runs again: the key does not hold the failure for replay.
+    let retry = send().await.unwrap();
+    assert!(
+        retry.headers().get("idempotent-replayed").is_none(),
+        "the engine's failure was replayed as the key's completed answer"
+    );
+    retry.bytes().await.unwrap();
+    let rows = records_of("normal", "errored-1").await;
+    assert_eq!(rows.iter().map(|r| r.attempt).collect::<Vec<_>>(), [1, 2]);
+}
