@@ -281,8 +281,8 @@ impl Drop for Flight {
     }
 }
 
-/// Sends the request to its replica and relays the answer. `trace_id` is the caller's
-/// `x-request-id`, passed on to the engine for tracing.
+/// Sends the request to its replica and relays the answer. `trace_id` is the `x-request-id`
+/// the engine gets (the caller's trace id with weir's attempt id).
 pub async fn relay(
     mut flight: Flight,
     path: &str,

@@ -231,14 +231,28 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         }
     };
     let body = serde_json::to_vec(&value).unwrap_or_default();
+    let who_request_id = who.request_id.clone();
     let flight = Flight::new(app, who, model, assignment, arrived, claim, hide_usage);
-    // The caller's trace id goes to the engine and back to the caller; it identifies nothing.
+    // The caller's trace id goes back to the caller and, suffixed with weir's attempt id, to
+    // the engine: engines such as vLLM take `x-request-id` as their own request id, so two
+    // calls of one mesh trace (or another tenant's copy of the id) must not meet there.
     let trace_id = headers.get(TRACE_ID).cloned();
-    let mut resp = relay(flight, path(endpoint), body, stream, trace_id.clone()).await;
+    let engine_request_id = engine_request_id(trace_id.as_ref(), &who_request_id);
+    let mut resp = relay(flight, path(endpoint), body, stream, engine_request_id).await;
     if let Some(trace_id) = trace_id {
         resp.headers_mut().insert(TRACE_ID, trace_id);
     }
     resp
+}
+
+/// The `x-request-id` an engine sees: the caller's trace id (searchable in engine logs) with
+/// weir's attempt id after it, unique per attempt.
+fn engine_request_id(trace_id: Option<&HeaderValue>, attempt_id: &str) -> Option<HeaderValue> {
+    let id = match trace_id.and_then(|t| t.to_str().ok()) {
+        Some(trace) => format!("{trace}.{attempt_id}"),
+        None => attempt_id.to_owned(),
+    };
+    HeaderValue::from_str(&id).ok()
 }
 
 /// Removes the body fields by which a request would steer the engine across the tenant
