@@ -25,55 +25,18 @@ struct Stack {
 /// nothing about KV. Answers every chat completion with one token. Serves until the test
 /// binary exits.
 fn bare_engine() -> String {
-    use std::io::{BufRead, BufReader, Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(conn.try_clone().unwrap());
-                let mut conn = conn;
-                loop {
-                    let mut head = String::new();
-                    let mut length = 0;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push_str(&line);
-                    }
-                    let mut body = vec![0; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    let answer = if head.starts_with("POST") {
-                        json!({"id": "chatcmpl-bare", "object": "chat.completion", "created": 0,
-                            "model": "bare", "choices": [{"index": 0, "finish_reason": "stop",
-                            "message": {"role": "assistant", "content": "hi"}}],
-                            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
-                        .to_string()
-                    } else {
-                        String::new()
-                    };
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
-                        answer.len()
-                    );
-                    if conn.write_all(response.as_bytes()).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    url
+    weir_e2e::serve_engine(|head, _body| {
+        let answer = if head.starts_with("POST") {
+            json!({"id": "chatcmpl-bare", "object": "chat.completion", "created": 0,
+                "model": "bare", "choices": [{"index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "hi"}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+            .to_string()
+        } else {
+            String::new()
+        };
+        ("application/json", answer)
+    })
 }
 
 /// One key per test role.

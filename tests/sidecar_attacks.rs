@@ -54,76 +54,38 @@ fn weir_config() -> Value {
 /// tokens without a usage chunk (none was asked for), else a JSON one. Serves until the test
 /// binary exits.
 fn lax_engine() -> String {
-    use std::io::{BufRead, BufReader, Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(conn.try_clone().unwrap());
-                let mut conn = conn;
-                loop {
-                    let mut head = String::new();
-                    let mut length = 0;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push_str(&line);
-                    }
-                    let mut body = vec![0; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                    let streams = matches!(&request["stream"], Value::Bool(true))
-                        || request["stream"] == "true"
-                        || request["stream"] == 1;
-                    let (content_type, answer) = if !head.starts_with("POST") {
-                        ("text/plain", String::new())
-                    } else if streams {
-                        let chunk = |text: &str| {
-                            let c = json!({"id": "chatcmpl-lax", "object": "chat.completion.chunk",
-                                "created": 0, "model": "lax", "choices": [{"index": 0,
-                                "delta": {"content": text}, "finish_reason": null}]});
-                            format!("data: {c}\n\n")
-                        };
-                        let events = if request.to_string().contains("fail mid-stream") {
-                            // As vLLM reports an engine error once a stream has started.
-                            let error = json!({"error": {"object": "error", "type":
-                                "InternalServerError", "message": "engine failed", "code": 500}});
-                            format!("{}data: {error}\n\n", chunk("one"))
-                        } else {
-                            ["one", " two", " three"].map(chunk).concat()
-                        };
-                        ("text/event-stream", format!("{events}data: [DONE]\n\n"))
-                    } else {
-                        let answer = json!({"id": "chatcmpl-lax", "object": "chat.completion",
-                            "created": 0, "model": "lax", "choices": [{"index": 0,
-                            "finish_reason": "stop", "message": {"role": "assistant",
-                            "content": "one two three"}}],
-                            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}});
-                        ("application/json", answer.to_string())
-                    };
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n{answer}",
-                        answer.len()
-                    );
-                    if conn.write_all(response.as_bytes()).is_err() {
-                        return;
-                    }
-                }
-            });
+    weir_e2e::serve_engine(|head, body| {
+        let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let streams = matches!(&request["stream"], Value::Bool(true))
+            || request["stream"] == "true"
+            || request["stream"] == 1;
+        if !head.starts_with("POST") {
+            ("text/plain", String::new())
+        } else if streams {
+            let chunk = |text: &str| {
+                let c = json!({"id": "chatcmpl-lax", "object": "chat.completion.chunk",
+                    "created": 0, "model": "lax", "choices": [{"index": 0,
+                    "delta": {"content": text}, "finish_reason": null}]});
+                format!("data: {c}\n\n")
+            };
+            let events = if request.to_string().contains("fail mid-stream") {
+                // As vLLM reports an engine error once a stream has started.
+                let error = json!({"error": {"object": "error", "type":
+                    "InternalServerError", "message": "engine failed", "code": 500}});
+                format!("{}data: {error}\n\n", chunk("one"))
+            } else {
+                ["one", " two", " three"].map(chunk).concat()
+            };
+            ("text/event-stream", format!("{events}data: [DONE]\n\n"))
+        } else {
+            let answer = json!({"id": "chatcmpl-lax", "object": "chat.completion",
+                "created": 0, "model": "lax", "choices": [{"index": 0,
+                "finish_reason": "stop", "message": {"role": "assistant",
+                "content": "one two three"}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}});
+            ("application/json", answer.to_string())
         }
-    });
-    url
+    })
 }
 
 fn sim(extra: &[&str]) -> Sim {
