@@ -158,6 +158,19 @@ impl Sim {
             .unwrap();
         v.as_array().cloned().unwrap_or_default()
     }
+
+    /// Waits (up to ten seconds, polling every 50 ms) until the simulator has no request running
+    /// or waiting; returns anyway when that time is up.
+    pub async fn wait_idle(&self) {
+        for _ in 0..200 {
+            let busy = self.metric("vllm:num_requests_running").await
+                + self.metric("vllm:num_requests_waiting").await;
+            if busy == 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 /// Starts a server that prints `... http://ADDR ...` on its first stdout line once it listens;
@@ -246,6 +259,24 @@ impl Sidecar {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
         }
         wait_for(within, || self.child.try_wait().ok().flatten())
+    }
+
+    /// Blocks until the sidecar's probes have read at least `replicas` replicas (it admits
+    /// nothing before): that many `weir_replica_healthy` series on its admin `/metrics`, within
+    /// ten seconds, else panics.
+    pub fn wait_for_probes(&self, replicas: usize) {
+        let addr = self.admin.trim_start_matches("http://").to_owned();
+        wait_for(Duration::from_secs(10), || {
+            let text = http_get(&addr, "/metrics")?;
+            (text.matches("weir_replica_healthy{").count() >= replicas).then_some(())
+        })
+        .expect("replicas probed");
+    }
+
+    /// The ledger's rows (of one tenant, or all), read from the sidecar's SQLite file.
+    pub fn ledger_rows(&self, tenant: Option<&str>) -> Vec<weir_sidecar::ledger::UsageRecord> {
+        let conn = weir_sidecar::ledger::open(&self.ledger).unwrap();
+        weir_sidecar::ledger::query(&conn, tenant, 0).unwrap()
     }
 
     /// Text of the sidecar's `/metrics` (on its admin address).

@@ -11,7 +11,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -98,12 +98,7 @@ fn sidecar_config(sims: &[Sim], bare: &str) -> Value {
 fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
     let sidecar = Sidecar::start(config);
     let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
-    let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-    wait_for(Duration::from_secs(10), || {
-        let text = http_get(&addr, "/metrics")?;
-        (text.matches("weir_replica_healthy{").count() >= sims.len()).then_some(())
-    })
-    .expect("replicas probed");
+    sidecar.wait_for_probes(sims.len());
     (sidecar, envoy)
 }
 
@@ -131,14 +126,7 @@ async fn turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::const_new(());
     let guard = TURN.lock().await;
     for sim in &stack().sims {
-        for _ in 0..200 {
-            let busy = sim.metric("vllm:num_requests_running").await
-                + sim.metric("vllm:num_requests_waiting").await;
-            if busy == 0.0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        sim.wait_idle().await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     guard
@@ -321,12 +309,6 @@ async fn requests_abandoned_at_any_stage_give_their_kv_back() {
     );
 }
 
-/// Ledger rows, read from the sidecar's SQLite file.
-fn ledger(sidecar: &Sidecar) -> Vec<weir_sidecar::ledger::UsageRecord> {
-    let conn = weir_sidecar::ledger::open(&sidecar.ledger).unwrap();
-    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
-}
-
 #[tokio::test]
 async fn a_tenant_that_ran_alone_is_not_starved_when_another_arrives() {
     let _turn = turn().await;
@@ -372,7 +354,8 @@ async fn a_tenant_that_ran_alone_is_not_starved_when_another_arrives() {
     // From solo's return on, both are backlogged: they share the pool evenly.
     let contended = (solo_back_ms + 300)..(solo_back_ms + 3_000);
     let served = |tenant: &str| -> u64 {
-        ledger(&s.sidecar)
+        s.sidecar
+            .ledger_rows(None)
             .iter()
             .filter(|r| r.tenant == tenant && contended.contains(&r.finished_at_ms))
             .map(|r| r.prompt_tokens + r.completion_tokens)
@@ -521,7 +504,9 @@ async fn a_slow_reader_does_not_hold_the_engine_past_the_streams_deadline() {
         0.0,
         "its KV reservation was released"
     );
-    let records: Vec<_> = ledger(&s.sidecar)
+    let records: Vec<_> = s
+        .sidecar
+        .ledger_rows(None)
         .into_iter()
         .filter(|r| r.tenant == "acme/lab/res/slow")
         .collect();
@@ -601,7 +586,8 @@ async fn sigterm_under_load_leaves_one_record_for_every_answered_request() {
         tokio::join!(futures::future::join_all((0..12).map(client)), signal);
     let answered: usize = answered.iter().sum();
     let status = status.expect("the sidecar exits after SIGTERM");
-    let records: Vec<_> = ledger(&sidecar)
+    let records: Vec<_> = sidecar
+        .ledger_rows(None)
         .into_iter()
         .filter(|r| r.tenant == "acme/lab/res/term")
         .collect();

@@ -12,7 +12,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim, wait_for};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -85,12 +85,7 @@ fn stack() -> &'static Stack {
         let fifo = Sidecar::start(sidecar_config("fifo"));
         let envoy = Envoy::start(&weir_config(), sidecar.port, fifo.port);
         // The sidecar admits nothing until its probes have read every replica.
-        let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-        wait_for(Duration::from_secs(10), || {
-            let text = http_get(&addr, "/metrics")?;
-            (text.matches("weir_replica_healthy{").count() >= 4).then_some(())
-        })
-        .expect("replicas probed");
+        sidecar.wait_for_probes(4);
         Stack {
             sims,
             sidecar,
@@ -106,14 +101,7 @@ async fn turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::const_new(());
     let guard = TURN.lock().await;
     for sim in &stack().sims[..2] {
-        for _ in 0..200 {
-            let busy = sim.metric("vllm:num_requests_running").await
-                + sim.metric("vllm:num_requests_waiting").await;
-            if busy == 0.0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        sim.wait_idle().await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     guard
@@ -146,8 +134,7 @@ async fn post_to(path: &str, key: &str, body: String, request_id: Option<&str>) 
 
 /// Ledger rows, read from the sidecar's SQLite file.
 fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
-    let conn = weir_sidecar::ledger::open(&stack().sidecar.ledger).unwrap();
-    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
+    stack().sidecar.ledger_rows(None)
 }
 
 fn ledger_rows(key: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {

@@ -12,7 +12,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -155,12 +155,8 @@ fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
 fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
     let sidecar = Sidecar::start(config);
     let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
-    let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-    wait_for(Duration::from_secs(10), || {
-        let text = http_get(&addr, "/metrics")?;
-        (text.matches("weir_replica_healthy{").count() > sims.len()).then_some(())
-    })
-    .expect("replicas probed");
+    // Every simulator, and the lax engine.
+    sidecar.wait_for_probes(sims.len() + 1);
     (sidecar, envoy)
 }
 
@@ -227,12 +223,7 @@ async fn holds_released(limit: Duration) -> Option<(f64, f64, f64)> {
 }
 
 fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
-    ledger_of(&stack().sidecar)
-}
-
-fn ledger_of(sidecar: &Sidecar) -> Vec<weir_sidecar::ledger::UsageRecord> {
-    let conn = weir_sidecar::ledger::open(&sidecar.ledger).unwrap();
-    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
+    stack().sidecar.ledger_rows(None)
 }
 
 /// The ledger's records of one tenant's idempotency key, once the writer has caught up.
@@ -410,7 +401,7 @@ async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
         "{queued_text}"
     );
     assert!(queued_text.contains("shutting_down"), "{queued_text}");
-    let records = ledger_of(&sidecar);
+    let records = sidecar.ledger_rows(None);
     let record = |key: &str| {
         records
             .iter()

@@ -15,7 +15,7 @@ use std::time::Duration;
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim};
 use weir_sidecar::ledger::UsageRecord;
 
 struct Stack {
@@ -96,12 +96,7 @@ fn stack() -> &'static Stack {
             sidecar.port,
             sidecar.port,
         );
-        let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-        wait_for(Duration::from_secs(10), || {
-            let text = http_get(&addr, "/metrics")?;
-            (text.matches("weir_replica_healthy{").count() >= 2).then_some(())
-        })
-        .expect("replica probed");
+        sidecar.wait_for_probes(2);
         Stack {
             engine,
             _slow: slow,
@@ -150,10 +145,7 @@ async fn code_of(resp: Response) -> (StatusCode, String) {
 /// Ledger rows of a tenant, once there are at least `n` of them (or after five seconds). Waits
 /// asynchronously, so the test's own connections (a stream it dropped) make progress meanwhile.
 async fn ledger_of(tenant: &str, n: usize) -> Vec<UsageRecord> {
-    let read = || {
-        let conn = weir_sidecar::ledger::open(&stack().sidecar.ledger).unwrap();
-        weir_sidecar::ledger::query(&conn, Some(tenant), 0).unwrap()
-    };
+    let read = || stack().sidecar.ledger_rows(Some(tenant));
     for _ in 0..100 {
         let rows = read();
         if rows.len() >= n {
