@@ -159,6 +159,15 @@ impl Sim {
         v.as_array().cloned().unwrap_or_default()
     }
 
+    /// What the simulator received with this `x-request-id` (needs `--record-requests`).
+    pub async fn received_with_id(&self, id: &str) -> Vec<serde_json::Value> {
+        self.received()
+            .await
+            .into_iter()
+            .filter(|r| r["headers"]["x-request-id"] == id)
+            .collect()
+    }
+
     /// Waits (up to ten seconds, polling every 50 ms) until the simulator has no request running
     /// or waiting; returns anyway when that time is up.
     pub async fn wait_idle(&self) {
@@ -555,6 +564,50 @@ pub fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Opt
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// An API key entry for a weir config: id `id`, whose key is `key-{id}`.
+pub fn api_key(id: &str) -> serde_json::Value {
+    serde_json::json!({"id": id, "sha256": weir_core::keys::hash_key(&format!("key-{id}"))})
+}
+
+/// [`api_key`] with `limits`.
+pub fn api_key_limited(id: &str, limits: serde_json::Value) -> serde_json::Value {
+    let mut key = api_key(id);
+    key["limits"] = limits;
+    key
+}
+
+/// A chat completion body for `model` with one user message, and the fields of `extra` (an
+/// object) added.
+pub fn chat_body(model: &str, content: &str, extra: serde_json::Value) -> serde_json::Value {
+    let mut body =
+        serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// POSTs a JSON `body` to `url` on a connection of its own, with `key-{key}` as the bearer
+/// token when a key is given, and `headers`.
+pub async fn post_json(
+    url: &str,
+    key: Option<&str>,
+    body: impl Into<reqwest::Body>,
+    headers: &[(&str, &str)],
+) -> reqwest::Response {
+    let mut req = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(key) = key {
+        req = req.bearer_auth(format!("key-{key}"));
+    }
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    req.send().await.unwrap()
 }
 
 /// Serves a minimal HTTP/1.1 engine on a free loopback port until the test binary exits; returns

@@ -10,8 +10,7 @@ use std::time::Duration;
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -45,10 +44,7 @@ const TENANTS: [&str; 9] = [
 ];
 
 fn weir_config() -> Value {
-    let keys: Vec<Value> = TENANTS
-        .iter()
-        .map(|id| json!({"id": id, "sha256": hash_key(&format!("key-{id}"))}))
-        .collect();
+    let keys: Vec<Value> = TENANTS.iter().map(|id| api_key(id)).collect();
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "res", "keys": keys}]}]}],
         "models": {
@@ -133,22 +129,12 @@ async fn turn() -> MutexGuard<'static, ()> {
 }
 
 fn chat(model: &str, content: &str, extra: Value) -> String {
-    let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body.to_string()
+    chat_body(model, content, extra).to_string()
 }
 
 async fn post(envoy: &Envoy, key: &str, body: String) -> Response {
-    reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", envoy.url))
-        .bearer_auth(format!("key-{key}"))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap()
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    post_json(&url, Some(key), body, &[]).await
 }
 
 #[tokio::test]

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json, wait_for};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -32,7 +31,7 @@ fn weir_config() -> Value {
     let keys: Vec<Value> = TENANTS
         .iter()
         .map(|id| {
-            let mut key = json!({"id": id, "sha256": hash_key(&format!("key-{id}"))});
+            let mut key = api_key(id);
             match *id {
                 "bulk" => key["policy"] = json!({"priority": "batch"}),
                 "heavy" => key["policy"] = json!({"weight": 3}),
@@ -108,11 +107,7 @@ async fn turn() -> MutexGuard<'static, ()> {
 }
 
 fn chat(content: &str, extra: Value) -> String {
-    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body.to_string()
+    chat_body("tiny", content, extra).to_string()
 }
 
 async fn post(key: &str, body: String, request_id: Option<&str>) -> Response {
@@ -120,16 +115,13 @@ async fn post(key: &str, body: String, request_id: Option<&str>) -> Response {
 }
 
 async fn post_to(path: &str, key: &str, body: String, request_id: Option<&str>) -> Response {
-    let mut req = reqwest::Client::new()
-        .post(format!("{}{path}", stack().envoy.url))
-        .bearer_auth(format!("key-{key}"))
-        .header("content-type", "application/json")
-        .body(body);
-    if let Some(id) = request_id {
-        // A trace id, and the idempotency key that deduplicates and names the ledger rows.
-        req = req.header("x-request-id", id).header("idempotency-key", id);
-    }
-    req.send().await.unwrap()
+    let url = format!("{}{path}", stack().envoy.url);
+    // A trace id, and the idempotency key that deduplicates and names the ledger rows.
+    let headers: &[(&str, &str)] = match request_id {
+        Some(id) => &[("x-request-id", id), ("idempotency-key", id)],
+        None => &[],
+    };
+    post_json(&url, Some(key), body, headers).await
 }
 
 /// Ledger rows, read from the sidecar's SQLite file.

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -33,10 +32,7 @@ const MAX_KEYS: usize = 16;
 const TENANTS: [&str; 6] = ["stalled", "refused", "normal", "term", "victim", "flooder"];
 
 fn weir_config() -> Value {
-    let keys: Vec<Value> = TENANTS
-        .iter()
-        .map(|id| json!({"id": id, "sha256": hash_key(&format!("key-{id}"))}))
-        .collect();
+    let keys: Vec<Value> = TENANTS.iter().map(|id| api_key(id)).collect();
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "atk", "keys": keys}]}]}],
         "models": {
@@ -169,11 +165,7 @@ async fn turn() -> MutexGuard<'static, ()> {
 }
 
 fn chat(model: &str, content: &str, extra: Value) -> String {
-    let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body.to_string()
+    chat_body(model, content, extra).to_string()
 }
 
 async fn post(key: &str, body: String, headers: &[(&str, &str)]) -> Response {
@@ -181,14 +173,8 @@ async fn post(key: &str, body: String, headers: &[(&str, &str)]) -> Response {
 }
 
 async fn post_to(envoy: &Envoy, key: &str, body: String, headers: &[(&str, &str)]) -> Response {
-    let mut req = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", envoy.url))
-        .bearer_auth(format!("key-{key}"))
-        .header("content-type", "application/json");
-    for (name, value) in headers {
-        req = req.header(*name, *value);
-    }
-    req.body(body).send().await.unwrap()
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    post_json(&url, Some(key), body, headers).await
 }
 
 /// Sum of a sidecar metric's series starting with `series` (0 when none exists yet).
