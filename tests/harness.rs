@@ -103,6 +103,16 @@ pub fn spawn_owned(cmd: Command) -> Child {
     rx.recv().unwrap().expect("spawn child process")
 }
 
+/// The arguments of [`Sim::start_tiny_fast`].
+pub const TINY_FAST: [&str; 6] = [
+    "--preset",
+    "tiny",
+    "--time-scale",
+    "10",
+    "--output-len",
+    "fixed:20",
+];
+
 /// A running `weir-sim`; stopped when dropped.
 pub struct Sim {
     pub url: String,
@@ -120,6 +130,12 @@ impl Drop for Sim {
 impl Sim {
     pub fn start(args: &[&str]) -> Sim {
         Sim::start_from(&sim_bin(), args)
+    }
+
+    /// The `tiny` preset at ten times real speed with every answer 20 tokens long (the replicas
+    /// behind the sidecar stacks), with `extra` arguments.
+    pub fn start_tiny_fast(extra: &[&str]) -> Sim {
+        Sim::start(&[&TINY_FAST[..], extra].concat())
     }
 
     pub fn start_from(bin: &Path, args: &[&str]) -> Sim {

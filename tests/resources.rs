@@ -58,22 +58,6 @@ fn weir_config() -> Value {
     })
 }
 
-fn tiny(extra: &[&str]) -> Sim {
-    let args = [
-        &[
-            "--preset",
-            "tiny",
-            "--time-scale",
-            "10",
-            "--output-len",
-            "fixed:20",
-        ][..],
-        extra,
-    ]
-    .concat();
-    Sim::start(&args)
-}
-
 fn sidecar_config(sims: &[Sim], bare: &str) -> Value {
     json!({
         "policy": "fair",
@@ -102,9 +86,9 @@ fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
         let sims = vec![
-            tiny(&[]),
-            tiny(&[]),
-            tiny(&["--served-model-name", "narrow"]),
+            Sim::start_tiny_fast(&[]),
+            Sim::start_tiny_fast(&[]),
+            Sim::start_tiny_fast(&["--served-model-name", "narrow"]),
         ];
         let bare = bare_engine();
         let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims, &bare));

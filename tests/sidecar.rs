@@ -50,25 +50,11 @@ fn weir_config() -> Value {
 fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
-        let tiny = [
-            "--preset",
-            "tiny",
-            "--time-scale",
-            "10",
-            "--output-len",
-            "fixed:20",
-        ];
         let sims = vec![
-            Sim::start(&tiny),
-            Sim::start(&tiny),
-            Sim::start(
-                &[
-                    &tiny[..],
-                    &["--served-model-name", "crashy", "--exit-after", "1"],
-                ]
-                .concat(),
-            ),
-            Sim::start(&[&tiny[..], &["--served-model-name", "crashy"]].concat()),
+            Sim::start_tiny_fast(&[]),
+            Sim::start_tiny_fast(&[]),
+            Sim::start_tiny_fast(&["--served-model-name", "crashy", "--exit-after", "1"]),
+            Sim::start_tiny_fast(&["--served-model-name", "crashy"]),
         ];
         let sidecar_config = |policy: &str| {
             json!({

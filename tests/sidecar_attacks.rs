@@ -84,29 +84,13 @@ fn lax_engine() -> String {
     })
 }
 
-fn sim(extra: &[&str]) -> Sim {
-    let args = [
-        &[
-            "--preset",
-            "tiny",
-            "--time-scale",
-            "10",
-            "--output-len",
-            "fixed:20",
-        ][..],
-        extra,
-    ]
-    .concat();
-    Sim::start(&args)
-}
-
 fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
         let sims = vec![
-            sim(&["--record-requests", "64"]),
+            Sim::start_tiny_fast(&["--record-requests", "64"]),
             // Accepts every request and then says nothing for ten minutes.
-            sim(&[
+            Sim::start_tiny_fast(&[
                 "--served-model-name",
                 "stall",
                 "--stall-after",
@@ -115,8 +99,8 @@ fn stack() -> &'static Stack {
                 "600000",
             ]),
             // Refuses every request at once with 429, as an engine out of capacity would.
-            sim(&["--served-model-name", "throttled", "--throttle-rate", "1"]),
-            sim(&["--served-model-name", "narrow"]),
+            Sim::start_tiny_fast(&["--served-model-name", "throttled", "--throttle-rate", "1"]),
+            Sim::start_tiny_fast(&["--served-model-name", "narrow"]),
         ];
         let lax = lax_engine();
         let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims, &lax));
