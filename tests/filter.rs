@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sim};
+use weir_e2e::{Envoy, Sim, api_key_limited, chat_body, post_json};
 
 struct Stack {
     sim: Sim,
@@ -20,7 +20,7 @@ struct Stack {
 
 /// Keys and their limits. Each test owns one key.
 fn weir_config() -> Value {
-    let key = |id: &str, limits: Value| json!({"id": id, "sha256": hash_key(&format!("key-{id}")), "limits": limits});
+    let key = api_key_limited;
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": [
             key("plain", json!({})),
@@ -63,11 +63,7 @@ fn stack() -> &'static Stack {
 }
 
 fn chat(content: &str, extra: Value) -> Value {
-    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body
+    chat_body("tiny", content, extra)
 }
 
 async fn post(path: &str, key: Option<&str>, body: impl Into<reqwest::Body>) -> Response {
@@ -80,17 +76,7 @@ async fn post_with(
     body: impl Into<reqwest::Body>,
     headers: &[(&str, &str)],
 ) -> Response {
-    let mut req = reqwest::Client::new()
-        .post(format!("{}{path}", stack().envoy.url))
-        .header("content-type", "application/json")
-        .body(body);
-    if let Some(key) = key {
-        req = req.bearer_auth(format!("key-{key}"));
-    }
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    req.send().await.unwrap()
+    post_json(&format!("{}{path}", stack().envoy.url), key, body, headers).await
 }
 
 async fn error_body(resp: Response) -> Value {

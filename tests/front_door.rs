@@ -10,8 +10,7 @@ use std::sync::OnceLock;
 
 use bytes::Bytes;
 use serde_json::{Value, json};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sim};
+use weir_e2e::{Envoy, Sim, api_key_limited, chat_body};
 
 struct Stack {
     sim: Sim,
@@ -98,7 +97,7 @@ fn gzip_stored(data: &[u8]) -> Vec<u8> {
 /// Each test owns a key; `free` is the free tier of the shipped example (1,024 output tokens per
 /// request). The body limit is the shipped default.
 fn weir_config() -> Value {
-    let key = |id: &str, limits: Value| json!({"id": id, "sha256": hash_key(&format!("key-{id}")), "limits": limits});
+    let key = api_key_limited;
     json!({
         "orgs": [{"id": "initech", "policy": {"tier": "free"}, "workspaces": [{"id": "default", "projects": [{"id": "trial", "keys": [
             key("free", json!({"max_output_tokens": 1024})),
@@ -132,11 +131,7 @@ fn addr() -> String {
 }
 
 fn chat(content: &str, extra: Value) -> Value {
-    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body
+    chat_body("tiny", content, extra)
 }
 
 /// A response as the tests look at it.
@@ -337,13 +332,7 @@ fn raw_http1(wire: &[u8]) -> Answer {
 
 /// What the engine received with this `x-request-id`.
 async fn arrived(id: &str) -> Vec<Value> {
-    stack()
-        .sim
-        .received()
-        .await
-        .into_iter()
-        .filter(|r| r["headers"]["x-request-id"] == id)
-        .collect()
+    stack().sim.received_with_id(id).await
 }
 
 const CHAT: &str = "/v1/chat/completions";

@@ -9,8 +9,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, EnvoyOptions, Sim};
+use weir_e2e::{Envoy, EnvoyOptions, Sim, api_key_limited, post_json};
 
 struct Stack {
     sim: Sim,
@@ -21,7 +20,7 @@ struct Stack {
 fn weir_config() -> Value {
     json!({
         "orgs": [{"id": "initech", "policy": {"tier": "free"}, "workspaces": [{"id": "default", "projects": [{"id": "trial", "keys": [
-            {"id": "free", "sha256": hash_key("key-free"), "limits": {"max_output_tokens": 1024}},
+            api_key_limited("free", json!({"max_output_tokens": 1024})),
         ]}]}]}],
         "models": {"tiny": {"max_context_tokens": 4096}},
     })
@@ -49,15 +48,8 @@ const CHAT: &str = "/v1/chat/completions";
 
 /// Posts `body` byte for byte as a chat completion; returns the status and the JSON answer.
 async fn post(id: &str, body: &str) -> (u16, Value) {
-    let resp = reqwest::Client::new()
-        .post(format!("{}{CHAT}", stack().envoy.url))
-        .bearer_auth("key-free")
-        .header("content-type", "application/json")
-        .header("x-request-id", id)
-        .body(body.to_owned())
-        .send()
-        .await
-        .unwrap();
+    let url = format!("{}{CHAT}", stack().envoy.url);
+    let resp = post_json(&url, Some("free"), body.to_owned(), &[("x-request-id", id)]).await;
     let status = resp.status().as_u16();
     let text = resp.text().await.unwrap();
     let value = serde_json::from_str(&text).unwrap_or_else(|_| json!(text));
@@ -66,13 +58,7 @@ async fn post(id: &str, body: &str) -> (u16, Value) {
 
 /// What the engine received with this `x-request-id`.
 async fn arrived(id: &str) -> Vec<Value> {
-    stack()
-        .sim
-        .received()
-        .await
-        .into_iter()
-        .filter(|r| r["headers"]["x-request-id"] == id)
-        .collect()
+    stack().sim.received_with_id(id).await
 }
 
 const MESSAGES: &str = r#""messages":[{"role":"user","content":"hi"}]"#;

@@ -103,6 +103,16 @@ pub fn spawn_owned(cmd: Command) -> Child {
     rx.recv().unwrap().expect("spawn child process")
 }
 
+/// The arguments of [`Sim::start_tiny_fast`].
+pub const TINY_FAST: [&str; 6] = [
+    "--preset",
+    "tiny",
+    "--time-scale",
+    "10",
+    "--output-len",
+    "fixed:20",
+];
+
 /// A running `weir-sim`; stopped when dropped.
 pub struct Sim {
     pub url: String,
@@ -120,6 +130,12 @@ impl Drop for Sim {
 impl Sim {
     pub fn start(args: &[&str]) -> Sim {
         Sim::start_from(&sim_bin(), args)
+    }
+
+    /// The `tiny` preset at ten times real speed with every answer 20 tokens long (the replicas
+    /// behind the sidecar stacks), with `extra` arguments.
+    pub fn start_tiny_fast(extra: &[&str]) -> Sim {
+        Sim::start(&[&TINY_FAST[..], extra].concat())
     }
 
     pub fn start_from(bin: &Path, args: &[&str]) -> Sim {
@@ -157,6 +173,28 @@ impl Sim {
             .await
             .unwrap();
         v.as_array().cloned().unwrap_or_default()
+    }
+
+    /// What the simulator received with this `x-request-id` (needs `--record-requests`).
+    pub async fn received_with_id(&self, id: &str) -> Vec<serde_json::Value> {
+        self.received()
+            .await
+            .into_iter()
+            .filter(|r| r["headers"]["x-request-id"] == id)
+            .collect()
+    }
+
+    /// Waits (up to ten seconds, polling every 50 ms) until the simulator has no request running
+    /// or waiting; returns anyway when that time is up.
+    pub async fn wait_idle(&self) {
+        for _ in 0..200 {
+            let busy = self.metric("vllm:num_requests_running").await
+                + self.metric("vllm:num_requests_waiting").await;
+            if busy == 0.0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 
@@ -246,6 +284,24 @@ impl Sidecar {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
         }
         wait_for(within, || self.child.try_wait().ok().flatten())
+    }
+
+    /// Blocks until the sidecar's probes have read at least `replicas` replicas (it admits
+    /// nothing before): that many `weir_replica_healthy` series on its admin `/metrics`, within
+    /// ten seconds, else panics.
+    pub fn wait_for_probes(&self, replicas: usize) {
+        let addr = self.admin.trim_start_matches("http://").to_owned();
+        wait_for(Duration::from_secs(10), || {
+            let text = http_get(&addr, "/metrics")?;
+            (text.matches("weir_replica_healthy{").count() >= replicas).then_some(())
+        })
+        .expect("replicas probed");
+    }
+
+    /// The ledger's rows (of one tenant, or all), read from the sidecar's SQLite file.
+    pub fn ledger_rows(&self, tenant: Option<&str>) -> Vec<weir_sidecar::ledger::UsageRecord> {
+        let conn = weir_sidecar::ledger::open(&self.ledger).unwrap();
+        weir_sidecar::ledger::query(&conn, tenant, 0).unwrap()
     }
 
     /// Text of the sidecar's `/metrics` (on its admin address).
@@ -524,4 +580,95 @@ pub fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Opt
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// An API key entry for a weir config: id `id`, whose key is `key-{id}`.
+pub fn api_key(id: &str) -> serde_json::Value {
+    serde_json::json!({"id": id, "sha256": weir_core::keys::hash_key(&format!("key-{id}"))})
+}
+
+/// [`api_key`] with `limits`.
+pub fn api_key_limited(id: &str, limits: serde_json::Value) -> serde_json::Value {
+    let mut key = api_key(id);
+    key["limits"] = limits;
+    key
+}
+
+/// A chat completion body for `model` with one user message, and the fields of `extra` (an
+/// object) added.
+pub fn chat_body(model: &str, content: &str, extra: serde_json::Value) -> serde_json::Value {
+    let mut body =
+        serde_json::json!({"model": model, "messages": [{"role": "user", "content": content}]});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// POSTs a JSON `body` to `url` on a connection of its own, with `key-{key}` as the bearer
+/// token when a key is given, and `headers`.
+pub async fn post_json(
+    url: &str,
+    key: Option<&str>,
+    body: impl Into<reqwest::Body>,
+    headers: &[(&str, &str)],
+) -> reqwest::Response {
+    let mut req = reqwest::Client::new()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body);
+    if let Some(key) = key {
+        req = req.bearer_auth(format!("key-{key}"));
+    }
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    req.send().await.unwrap()
+}
+
+/// Serves a minimal HTTP/1.1 engine on a free loopback port until the test binary exits; returns
+/// its URL. `answer` gets each request's head (request line and headers) and body, and returns
+/// the response's content type and body (always status 200).
+pub fn serve_engine(answer: fn(&str, &[u8]) -> (&'static str, String)) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for conn in listener.incoming().flatten() {
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut conn = conn;
+                loop {
+                    let mut head = String::new();
+                    let mut length = 0;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        head.push_str(&line);
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    let (content_type, answer) = answer(&head, &body);
+                    let response = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n{answer}",
+                        answer.len()
+                    );
+                    if conn.write_all(response.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
 }

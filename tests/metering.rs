@@ -9,8 +9,7 @@ use std::sync::OnceLock;
 
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sim};
+use weir_e2e::{Envoy, Sim, api_key_limited, chat_body, post_json};
 
 /// Output of every answer: `ignore_eos` with this `max_tokens`, so the engine's count is known.
 const ANSWER_TOKENS: u64 = 30;
@@ -23,7 +22,7 @@ struct Stack {
 }
 
 fn weir_config() -> Value {
-    let key = |id: &str, limits: Value| json!({"id": id, "sha256": hash_key(&format!("key-{id}")), "limits": limits});
+    let key = api_key_limited;
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "meter", "keys": [
             key("plain", json!({})),
@@ -59,11 +58,7 @@ fn stack() -> &'static Stack {
 }
 
 fn chat(content: &str, extra: Value) -> Value {
-    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body
+    chat_body("tiny", content, extra)
 }
 
 async fn post(path: &str, key: &str, body: &Value, request_id: &str) -> Response {
@@ -72,15 +67,14 @@ async fn post(path: &str, key: &str, body: &Value, request_id: &str) -> Response
 
 /// A request on a connection of its own.
 async fn post_to(envoy: &Envoy, path: &str, key: &str, body: &Value, request_id: &str) -> Response {
-    reqwest::Client::new()
-        .post(format!("{}{path}", envoy.url))
-        .header("content-type", "application/json")
-        .header("x-request-id", request_id)
-        .bearer_auth(format!("key-{key}"))
-        .body(body.to_string())
-        .send()
-        .await
-        .unwrap()
+    let url = format!("{}{path}", envoy.url);
+    post_json(
+        &url,
+        Some(key),
+        body.to_string(),
+        &[("x-request-id", request_id)],
+    )
+    .await
 }
 
 /// A field `name=value ` of the request's access log line, once Envoy has written it.
@@ -260,7 +254,7 @@ fn trap_stack() -> &'static (Sim, Envoy) {
     static STACK: OnceLock<(Sim, Envoy)> = OnceLock::new();
     STACK.get_or_init(|| {
         let sim = Sim::start(&["--preset", "tiny", "--time-scale", "5"]);
-        let key = |id: &str, limits: Value| json!({"id": id, "sha256": hash_key(&format!("key-{id}")), "limits": limits});
+        let key = api_key_limited;
         let config = json!({
             "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "trap", "keys": [
                 key("plain", json!({})),

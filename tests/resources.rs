@@ -10,8 +10,7 @@ use std::time::Duration;
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -25,55 +24,18 @@ struct Stack {
 /// nothing about KV. Answers every chat completion with one token. Serves until the test
 /// binary exits.
 fn bare_engine() -> String {
-    use std::io::{BufRead, BufReader, Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(conn.try_clone().unwrap());
-                let mut conn = conn;
-                loop {
-                    let mut head = String::new();
-                    let mut length = 0;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push_str(&line);
-                    }
-                    let mut body = vec![0; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    let answer = if head.starts_with("POST") {
-                        json!({"id": "chatcmpl-bare", "object": "chat.completion", "created": 0,
-                            "model": "bare", "choices": [{"index": 0, "finish_reason": "stop",
-                            "message": {"role": "assistant", "content": "hi"}}],
-                            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
-                        .to_string()
-                    } else {
-                        String::new()
-                    };
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
-                        answer.len()
-                    );
-                    if conn.write_all(response.as_bytes()).is_err() {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    url
+    weir_e2e::serve_engine(|head, _body| {
+        let answer = if head.starts_with("POST") {
+            json!({"id": "chatcmpl-bare", "object": "chat.completion", "created": 0,
+                "model": "bare", "choices": [{"index": 0, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "hi"}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}})
+            .to_string()
+        } else {
+            String::new()
+        };
+        ("application/json", answer)
+    })
 }
 
 /// One key per test role.
@@ -82,10 +44,7 @@ const TENANTS: [&str; 9] = [
 ];
 
 fn weir_config() -> Value {
-    let keys: Vec<Value> = TENANTS
-        .iter()
-        .map(|id| json!({"id": id, "sha256": hash_key(&format!("key-{id}"))}))
-        .collect();
+    let keys: Vec<Value> = TENANTS.iter().map(|id| api_key(id)).collect();
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "res", "keys": keys}]}]}],
         "models": {
@@ -97,22 +56,6 @@ fn weir_config() -> Value {
         // The fast estimate above 1 kB, so a prompt can be built that it underestimates.
         "estimator": {"exact_below_bytes": 1000},
     })
-}
-
-fn tiny(extra: &[&str]) -> Sim {
-    let args = [
-        &[
-            "--preset",
-            "tiny",
-            "--time-scale",
-            "10",
-            "--output-len",
-            "fixed:20",
-        ][..],
-        extra,
-    ]
-    .concat();
-    Sim::start(&args)
 }
 
 fn sidecar_config(sims: &[Sim], bare: &str) -> Value {
@@ -135,12 +78,7 @@ fn sidecar_config(sims: &[Sim], bare: &str) -> Value {
 fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
     let sidecar = Sidecar::start(config);
     let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
-    let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-    wait_for(Duration::from_secs(10), || {
-        let text = http_get(&addr, "/metrics")?;
-        (text.matches("weir_replica_healthy{").count() >= sims.len()).then_some(())
-    })
-    .expect("replicas probed");
+    sidecar.wait_for_probes(sims.len());
     (sidecar, envoy)
 }
 
@@ -148,9 +86,9 @@ fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
         let sims = vec![
-            tiny(&[]),
-            tiny(&[]),
-            tiny(&["--served-model-name", "narrow"]),
+            Sim::start_tiny_fast(&[]),
+            Sim::start_tiny_fast(&[]),
+            Sim::start_tiny_fast(&["--served-model-name", "narrow"]),
         ];
         let bare = bare_engine();
         let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims, &bare));
@@ -168,36 +106,19 @@ async fn turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::const_new(());
     let guard = TURN.lock().await;
     for sim in &stack().sims {
-        for _ in 0..200 {
-            let busy = sim.metric("vllm:num_requests_running").await
-                + sim.metric("vllm:num_requests_waiting").await;
-            if busy == 0.0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        sim.wait_idle().await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     guard
 }
 
 fn chat(model: &str, content: &str, extra: Value) -> String {
-    let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body.to_string()
+    chat_body(model, content, extra).to_string()
 }
 
 async fn post(envoy: &Envoy, key: &str, body: String) -> Response {
-    reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", envoy.url))
-        .bearer_auth(format!("key-{key}"))
-        .header("content-type", "application/json")
-        .body(body)
-        .send()
-        .await
-        .unwrap()
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    post_json(&url, Some(key), body, &[]).await
 }
 
 #[tokio::test]
@@ -358,12 +279,6 @@ async fn requests_abandoned_at_any_stage_give_their_kv_back() {
     );
 }
 
-/// Ledger rows, read from the sidecar's SQLite file.
-fn ledger(sidecar: &Sidecar) -> Vec<weir_sidecar::ledger::UsageRecord> {
-    let conn = weir_sidecar::ledger::open(&sidecar.ledger).unwrap();
-    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
-}
-
 #[tokio::test]
 async fn a_tenant_that_ran_alone_is_not_starved_when_another_arrives() {
     let _turn = turn().await;
@@ -409,7 +324,8 @@ async fn a_tenant_that_ran_alone_is_not_starved_when_another_arrives() {
     // From solo's return on, both are backlogged: they share the pool evenly.
     let contended = (solo_back_ms + 300)..(solo_back_ms + 3_000);
     let served = |tenant: &str| -> u64 {
-        ledger(&s.sidecar)
+        s.sidecar
+            .ledger_rows(None)
             .iter()
             .filter(|r| r.tenant == tenant && contended.contains(&r.finished_at_ms))
             .map(|r| r.prompt_tokens + r.completion_tokens)
@@ -558,7 +474,9 @@ async fn a_slow_reader_does_not_hold_the_engine_past_the_streams_deadline() {
         0.0,
         "its KV reservation was released"
     );
-    let records: Vec<_> = ledger(&s.sidecar)
+    let records: Vec<_> = s
+        .sidecar
+        .ledger_rows(None)
         .into_iter()
         .filter(|r| r.tenant == "acme/lab/res/slow")
         .collect();
@@ -638,7 +556,8 @@ async fn sigterm_under_load_leaves_one_record_for_every_answered_request() {
         tokio::join!(futures::future::join_all((0..12).map(client)), signal);
     let answered: usize = answered.iter().sum();
     let status = status.expect("the sidecar exits after SIGTERM");
-    let records: Vec<_> = ledger(&sidecar)
+    let records: Vec<_> = sidecar
+        .ledger_rows(None)
         .into_iter()
         .filter(|r| r.tenant == "acme/lab/res/term")
         .collect();

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json, wait_for};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -32,7 +31,7 @@ fn weir_config() -> Value {
     let keys: Vec<Value> = TENANTS
         .iter()
         .map(|id| {
-            let mut key = json!({"id": id, "sha256": hash_key(&format!("key-{id}"))});
+            let mut key = api_key(id);
             match *id {
                 "bulk" => key["policy"] = json!({"priority": "batch"}),
                 "heavy" => key["policy"] = json!({"weight": 3}),
@@ -51,25 +50,11 @@ fn weir_config() -> Value {
 fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
-        let tiny = [
-            "--preset",
-            "tiny",
-            "--time-scale",
-            "10",
-            "--output-len",
-            "fixed:20",
-        ];
         let sims = vec![
-            Sim::start(&tiny),
-            Sim::start(&tiny),
-            Sim::start(
-                &[
-                    &tiny[..],
-                    &["--served-model-name", "crashy", "--exit-after", "1"],
-                ]
-                .concat(),
-            ),
-            Sim::start(&[&tiny[..], &["--served-model-name", "crashy"]].concat()),
+            Sim::start_tiny_fast(&[]),
+            Sim::start_tiny_fast(&[]),
+            Sim::start_tiny_fast(&["--served-model-name", "crashy", "--exit-after", "1"]),
+            Sim::start_tiny_fast(&["--served-model-name", "crashy"]),
         ];
         let sidecar_config = |policy: &str| {
             json!({
@@ -85,12 +70,7 @@ fn stack() -> &'static Stack {
         let fifo = Sidecar::start(sidecar_config("fifo"));
         let envoy = Envoy::start(&weir_config(), sidecar.port, fifo.port);
         // The sidecar admits nothing until its probes have read every replica.
-        let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-        wait_for(Duration::from_secs(10), || {
-            let text = http_get(&addr, "/metrics")?;
-            (text.matches("weir_replica_healthy{").count() >= 4).then_some(())
-        })
-        .expect("replicas probed");
+        sidecar.wait_for_probes(4);
         Stack {
             sims,
             sidecar,
@@ -106,25 +86,14 @@ async fn turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::const_new(());
     let guard = TURN.lock().await;
     for sim in &stack().sims[..2] {
-        for _ in 0..200 {
-            let busy = sim.metric("vllm:num_requests_running").await
-                + sim.metric("vllm:num_requests_waiting").await;
-            if busy == 0.0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        sim.wait_idle().await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     guard
 }
 
 fn chat(content: &str, extra: Value) -> String {
-    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body.to_string()
+    chat_body("tiny", content, extra).to_string()
 }
 
 async fn post(key: &str, body: String, request_id: Option<&str>) -> Response {
@@ -132,22 +101,18 @@ async fn post(key: &str, body: String, request_id: Option<&str>) -> Response {
 }
 
 async fn post_to(path: &str, key: &str, body: String, request_id: Option<&str>) -> Response {
-    let mut req = reqwest::Client::new()
-        .post(format!("{}{path}", stack().envoy.url))
-        .bearer_auth(format!("key-{key}"))
-        .header("content-type", "application/json")
-        .body(body);
-    if let Some(id) = request_id {
-        // A trace id, and the idempotency key that deduplicates and names the ledger rows.
-        req = req.header("x-request-id", id).header("idempotency-key", id);
-    }
-    req.send().await.unwrap()
+    let url = format!("{}{path}", stack().envoy.url);
+    // A trace id, and the idempotency key that deduplicates and names the ledger rows.
+    let headers: &[(&str, &str)] = match request_id {
+        Some(id) => &[("x-request-id", id), ("idempotency-key", id)],
+        None => &[],
+    };
+    post_json(&url, Some(key), body, headers).await
 }
 
 /// Ledger rows, read from the sidecar's SQLite file.
 fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
-    let conn = weir_sidecar::ledger::open(&stack().sidecar.ledger).unwrap();
-    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
+    stack().sidecar.ledger_rows(None)
 }
 
 fn ledger_rows(key: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -33,10 +32,7 @@ const MAX_KEYS: usize = 16;
 const TENANTS: [&str; 6] = ["stalled", "refused", "normal", "term", "victim", "flooder"];
 
 fn weir_config() -> Value {
-    let keys: Vec<Value> = TENANTS
-        .iter()
-        .map(|id| json!({"id": id, "sha256": hash_key(&format!("key-{id}"))}))
-        .collect();
+    let keys: Vec<Value> = TENANTS.iter().map(|id| api_key(id)).collect();
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "atk", "keys": keys}]}]}],
         "models": {
@@ -54,101 +50,47 @@ fn weir_config() -> Value {
 /// tokens without a usage chunk (none was asked for), else a JSON one. Serves until the test
 /// binary exits.
 fn lax_engine() -> String {
-    use std::io::{BufRead, BufReader, Read, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    std::thread::spawn(move || {
-        for conn in listener.incoming().flatten() {
-            std::thread::spawn(move || {
-                let mut reader = BufReader::new(conn.try_clone().unwrap());
-                let mut conn = conn;
-                loop {
-                    let mut head = String::new();
-                    let mut length = 0;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push_str(&line);
-                    }
-                    let mut body = vec![0; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
-                    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                    let streams = matches!(&request["stream"], Value::Bool(true))
-                        || request["stream"] == "true"
-                        || request["stream"] == 1;
-                    let (content_type, answer) = if !head.starts_with("POST") {
-                        ("text/plain", String::new())
-                    } else if streams {
-                        let chunk = |text: &str| {
-                            let c = json!({"id": "chatcmpl-lax", "object": "chat.completion.chunk",
-                                "created": 0, "model": "lax", "choices": [{"index": 0,
-                                "delta": {"content": text}, "finish_reason": null}]});
-                            format!("data: {c}\n\n")
-                        };
-                        let events = if request.to_string().contains("fail mid-stream") {
-                            // As vLLM reports an engine error once a stream has started.
-                            let error = json!({"error": {"object": "error", "type":
-                                "InternalServerError", "message": "engine failed", "code": 500}});
-                            format!("{}data: {error}\n\n", chunk("one"))
-                        } else {
-                            ["one", " two", " three"].map(chunk).concat()
-                        };
-                        ("text/event-stream", format!("{events}data: [DONE]\n\n"))
-                    } else {
-                        let answer = json!({"id": "chatcmpl-lax", "object": "chat.completion",
-                            "created": 0, "model": "lax", "choices": [{"index": 0,
-                            "finish_reason": "stop", "message": {"role": "assistant",
-                            "content": "one two three"}}],
-                            "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}});
-                        ("application/json", answer.to_string())
-                    };
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n{answer}",
-                        answer.len()
-                    );
-                    if conn.write_all(response.as_bytes()).is_err() {
-                        return;
-                    }
-                }
-            });
+    weir_e2e::serve_engine(|head, body| {
+        let request: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+        let streams = matches!(&request["stream"], Value::Bool(true))
+            || request["stream"] == "true"
+            || request["stream"] == 1;
+        if !head.starts_with("POST") {
+            ("text/plain", String::new())
+        } else if streams {
+            let chunk = |text: &str| {
+                let c = json!({"id": "chatcmpl-lax", "object": "chat.completion.chunk",
+                    "created": 0, "model": "lax", "choices": [{"index": 0,
+                    "delta": {"content": text}, "finish_reason": null}]});
+                format!("data: {c}\n\n")
+            };
+            let events = if request.to_string().contains("fail mid-stream") {
+                // As vLLM reports an engine error once a stream has started.
+                let error = json!({"error": {"object": "error", "type":
+                    "InternalServerError", "message": "engine failed", "code": 500}});
+                format!("{}data: {error}\n\n", chunk("one"))
+            } else {
+                ["one", " two", " three"].map(chunk).concat()
+            };
+            ("text/event-stream", format!("{events}data: [DONE]\n\n"))
+        } else {
+            let answer = json!({"id": "chatcmpl-lax", "object": "chat.completion",
+                "created": 0, "model": "lax", "choices": [{"index": 0,
+                "finish_reason": "stop", "message": {"role": "assistant",
+                "content": "one two three"}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}});
+            ("application/json", answer.to_string())
         }
-    });
-    url
-}
-
-fn sim(extra: &[&str]) -> Sim {
-    let args = [
-        &[
-            "--preset",
-            "tiny",
-            "--time-scale",
-            "10",
-            "--output-len",
-            "fixed:20",
-        ][..],
-        extra,
-    ]
-    .concat();
-    Sim::start(&args)
+    })
 }
 
 fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
         let sims = vec![
-            sim(&["--record-requests", "64"]),
+            Sim::start_tiny_fast(&["--record-requests", "64"]),
             // Accepts every request and then says nothing for ten minutes.
-            sim(&[
+            Sim::start_tiny_fast(&[
                 "--served-model-name",
                 "stall",
                 "--stall-after",
@@ -157,8 +99,8 @@ fn stack() -> &'static Stack {
                 "600000",
             ]),
             // Refuses every request at once with 429, as an engine out of capacity would.
-            sim(&["--served-model-name", "throttled", "--throttle-rate", "1"]),
-            sim(&["--served-model-name", "narrow"]),
+            Sim::start_tiny_fast(&["--served-model-name", "throttled", "--throttle-rate", "1"]),
+            Sim::start_tiny_fast(&["--served-model-name", "narrow"]),
         ];
         let lax = lax_engine();
         let (sidecar, envoy) = start_sidecar(&sims, sidecar_config(&sims, &lax));
@@ -193,12 +135,8 @@ fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
 fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
     let sidecar = Sidecar::start(config);
     let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
-    let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-    wait_for(Duration::from_secs(10), || {
-        let text = http_get(&addr, "/metrics")?;
-        (text.matches("weir_replica_healthy{").count() > sims.len()).then_some(())
-    })
-    .expect("replicas probed");
+    // Every simulator, and the lax engine.
+    sidecar.wait_for_probes(sims.len() + 1);
     (sidecar, envoy)
 }
 
@@ -211,11 +149,7 @@ async fn turn() -> MutexGuard<'static, ()> {
 }
 
 fn chat(model: &str, content: &str, extra: Value) -> String {
-    let mut body = json!({"model": model, "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body.to_string()
+    chat_body(model, content, extra).to_string()
 }
 
 async fn post(key: &str, body: String, headers: &[(&str, &str)]) -> Response {
@@ -223,14 +157,8 @@ async fn post(key: &str, body: String, headers: &[(&str, &str)]) -> Response {
 }
 
 async fn post_to(envoy: &Envoy, key: &str, body: String, headers: &[(&str, &str)]) -> Response {
-    let mut req = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", envoy.url))
-        .bearer_auth(format!("key-{key}"))
-        .header("content-type", "application/json");
-    for (name, value) in headers {
-        req = req.header(*name, *value);
-    }
-    req.body(body).send().await.unwrap()
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    post_json(&url, Some(key), body, headers).await
 }
 
 /// Sum of a sidecar metric's series starting with `series` (0 when none exists yet).
@@ -265,12 +193,7 @@ async fn holds_released(limit: Duration) -> Option<(f64, f64, f64)> {
 }
 
 fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
-    ledger_of(&stack().sidecar)
-}
-
-fn ledger_of(sidecar: &Sidecar) -> Vec<weir_sidecar::ledger::UsageRecord> {
-    let conn = weir_sidecar::ledger::open(&sidecar.ledger).unwrap();
-    weir_sidecar::ledger::query(&conn, None, 0).unwrap()
+    stack().sidecar.ledger_rows(None)
 }
 
 /// The ledger's records of one tenant's idempotency key, once the writer has caught up.
@@ -448,7 +371,7 @@ async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
         "{queued_text}"
     );
     assert!(queued_text.contains("shutting_down"), "{queued_text}");
-    let records = ledger_of(&sidecar);
+    let records = sidecar.ledger_rows(None);
     let record = |key: &str| {
         records
             .iter()

@@ -14,8 +14,7 @@ use std::time::Duration;
 
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
-use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
 use weir_sidecar::ledger::UsageRecord;
 
 struct Stack {
@@ -36,7 +35,7 @@ fn weir_config(routes: Value) -> Value {
     let keys: Vec<Value> = KEYS
         .iter()
         .map(|id| {
-            let mut key = json!({"id": id, "sha256": hash_key(&format!("key-{id}"))});
+            let mut key = api_key(id);
             if *id == "idem" {
                 // Room for about two answers of 3 tokens a minute.
                 key["limits"] = json!({"output_tokens_per_minute": 8});
@@ -96,12 +95,7 @@ fn stack() -> &'static Stack {
             sidecar.port,
             sidecar.port,
         );
-        let addr = sidecar.admin.trim_start_matches("http://").to_owned();
-        wait_for(Duration::from_secs(10), || {
-            let text = http_get(&addr, "/metrics")?;
-            (text.matches("weir_replica_healthy{").count() >= 2).then_some(())
-        })
-        .expect("replica probed");
+        sidecar.wait_for_probes(2);
         Stack {
             engine,
             _slow: slow,
@@ -114,31 +108,13 @@ fn stack() -> &'static Stack {
 }
 
 fn chat(content: &str, extra: Value) -> String {
-    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": content}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    body.to_string()
-}
-
-async fn send(url: &str, key: Option<&str>, body: String, headers: &[(&str, &str)]) -> Response {
-    let mut req = reqwest::Client::new()
-        .post(url)
-        .header("content-type", "application/json")
-        .body(body);
-    if let Some(key) = key {
-        req = req.bearer_auth(format!("key-{key}"));
-    }
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    req.send().await.unwrap()
+    chat_body("tiny", content, extra).to_string()
 }
 
 /// A chat request through the main Envoy.
 async fn post(path: &str, key: Option<&str>, body: String, headers: &[(&str, &str)]) -> Response {
     let url = format!("{}{path}v1/chat/completions", stack().main.url);
-    send(&url, key, body, headers).await
+    post_json(&url, key, body, headers).await
 }
 
 async fn code_of(resp: Response) -> (StatusCode, String) {
@@ -150,10 +126,7 @@ async fn code_of(resp: Response) -> (StatusCode, String) {
 /// Ledger rows of a tenant, once there are at least `n` of them (or after five seconds). Waits
 /// asynchronously, so the test's own connections (a stream it dropped) make progress meanwhile.
 async fn ledger_of(tenant: &str, n: usize) -> Vec<UsageRecord> {
-    let read = || {
-        let conn = weir_sidecar::ledger::open(&stack().sidecar.ledger).unwrap();
-        weir_sidecar::ledger::query(&conn, Some(tenant), 0).unwrap()
-    };
+    let read = || stack().sidecar.ledger_rows(Some(tenant));
     for _ in 0..100 {
         let rows = read();
         if rows.len() >= n {
@@ -197,7 +170,7 @@ async fn straight_to_sidecar(headers: &[(String, String)], body: String) -> (Sta
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    code_of(send(&url, None, body, &view).await).await
+    code_of(post_json(&url, None, body, &view).await).await
 }
 
 #[tokio::test]
@@ -328,10 +301,10 @@ async fn every_mode_is_signed_and_scheduled_through_the_sidecar() {
     // off: the same.
     let off = format!("{}/alt/v1/chat/completions", s.rollout.url);
     let n = ledger_of(modes, 0).await.len();
-    served_as(send(&off, Some("modes"), body(), &[]).await, modes, n).await;
+    served_as(post_json(&off, Some("modes"), body(), &[]).await, modes, n).await;
     let n = ledger_of("anonymous", 0).await.len();
     served_as(
-        send(&off, Some("nobody"), body(), &[]).await,
+        post_json(&off, Some("nobody"), body(), &[]).await,
         "anonymous",
         n,
     )
@@ -351,7 +324,7 @@ async fn the_rollout_share_cannot_be_steered_with_a_request_id() {
     let mut refused = 0;
     let mut served = 0;
     for _ in 0..24 {
-        let resp = send(
+        let resp = post_json(
             &url,
             None,
             chat("steer me", json!({"max_tokens": 1})),
