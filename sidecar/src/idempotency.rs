@@ -113,21 +113,34 @@ impl Idempotency {
     }
 
     /// Claims (tenant, key) for a request. `history` reads what the ledger knows of the key; it
-    /// is asked only for keys this process does not remember.
+    /// is asked only for keys this process does not remember. A ledger that cannot be read
+    /// refuses the claim (503): running the key blind could run completed work again.
     pub fn claim(
         self: &Arc<Self>,
         tenant: &str,
         key: &str,
         fingerprint: [u8; 32],
         now_ms: u64,
-        history: impl FnOnce() -> KeyHistory,
+        history: impl FnOnce() -> Option<KeyHistory>,
     ) -> Claimed {
         let id = (tenant.to_owned(), key.to_owned());
         let remembered = self.lock().entries.contains_key(&id);
         let past = if remembered {
             KeyHistory::default()
         } else {
-            history()
+            match history() {
+                Some(past) => past,
+                None => {
+                    return Claimed::Refused(
+                        ApiError::new(
+                            503,
+                            "ServiceUnavailableError",
+                            "the usage ledger cannot be read to check this Idempotency-Key; retry",
+                        )
+                        .with_code("ledger_unavailable"),
+                    );
+                }
+            }
         };
         let mut keys = self.lock();
         self.expire(&mut keys, now_ms);
@@ -376,13 +389,9 @@ mod tests {
     }
 
     fn claim(r: &Arc<Idempotency>, tenant: &str, key: &str, body: &str, now: u64) -> Claimed {
-        r.claim(
-            tenant,
-            key,
-            fingerprint("/p", body.as_bytes()),
-            now,
-            KeyHistory::default,
-        )
+        r.claim(tenant, key, fingerprint("/p", body.as_bytes()), now, || {
+            Some(KeyHistory::default())
+        })
     }
 
     fn code(c: Claimed) -> String {
@@ -446,20 +455,26 @@ mod tests {
     #[test]
     fn the_ledger_history_numbers_attempts_and_refuses_completed_keys_after_a_restart() {
         let r = registry();
-        let past = || KeyHistory {
-            attempts: 2,
-            completed: false,
+        let past = || {
+            Some(KeyHistory {
+                attempts: 2,
+                completed: false,
+            })
         };
         let Claimed::Run(c) = r.claim("a", "k", fingerprint("/p", b"x"), 0, past) else {
             panic!()
         };
         assert_eq!(c.attempt(), 3);
-        let done = || KeyHistory {
-            attempts: 1,
-            completed: true,
+        let done = || {
+            Some(KeyHistory {
+                attempts: 1,
+                completed: true,
+            })
         };
         let refused = r.claim("a", "j", fingerprint("/p", b"x"), 0, done);
         assert_eq!(code(refused), "idempotency_key_completed");
+        let unreadable = r.claim("a", "u", fingerprint("/p", b"x"), 0, || None);
+        assert_eq!(code(unreadable), "ledger_unavailable", "never run blind");
     }
 
     #[test]

@@ -11,7 +11,7 @@
 use std::path::Path;
 use std::sync::mpsc;
 
-use rusqlite::{Connection, params};
+use rusqlite::{Connection, OptionalExtension, params};
 use serde::Serialize;
 
 /// What one attempt used, as billed. Engine counts when the engine reported them.
@@ -85,14 +85,40 @@ pub fn open(path: &Path) -> rusqlite::Result<Connection> {
     Ok(conn)
 }
 
-/// Appends a record unless that attempt is already there; returns whether it was new.
+/// Appends a record; returns whether it was new. Writing the same attempt again (same request
+/// id) adds nothing. A record whose attempt number another attempt of the key already holds —
+/// numbered from a history read before that one was written — becomes the key's next attempt:
+/// every attempt that used an engine is billed, none is lost.
 pub fn append(conn: &Connection, r: &UsageRecord) -> rusqlite::Result<bool> {
+    if insert(conn, r, r.attempt)? {
+        return Ok(true);
+    }
+    let holder: Option<String> = conn
+        .query_row(
+            "SELECT request_id FROM usage WHERE tenant = ?1 AND idempotency_key = ?2
+             AND attempt = ?3",
+            params![r.tenant, r.idempotency_key, r.attempt],
+            |row| row.get(0),
+        )
+        .optional()?;
+    if holder.as_deref() == Some(r.request_id.as_str()) {
+        return Ok(false);
+    }
+    let next: u32 = conn.query_row(
+        "SELECT COALESCE(MAX(attempt), 0) + 1 FROM usage WHERE tenant = ?1 AND idempotency_key = ?2",
+        params![r.tenant, r.idempotency_key],
+        |row| row.get(0),
+    )?;
+    insert(conn, r, next)
+}
+
+fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<bool> {
     let inserted = conn.execute(
         "INSERT OR IGNORE INTO usage VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
         params![
             r.tenant,
             r.idempotency_key,
-            r.attempt,
+            attempt,
             r.request_id,
             r.model,
             r.replica,
@@ -254,6 +280,13 @@ mod tests {
             !append(&conn, &record("k", 2, "a", 250)).unwrap(),
             "same attempt"
         );
+        let mut other = record("k", 2, "a", 260);
+        other.request_id = "weir-another-attempt".into();
+        assert!(
+            append(&conn, &other).unwrap(),
+            "another attempt numbered 2 becomes attempt 3, not lost"
+        );
+        assert_eq!(history(&conn, "a", "k").unwrap().attempts, 3);
         assert!(
             append(&conn, &record("k", 1, "b", 300)).unwrap(),
             "keys are per tenant"
@@ -261,12 +294,12 @@ mod tests {
         assert_eq!(
             history(&conn, "a", "k").unwrap(),
             KeyHistory {
-                attempts: 2,
+                attempts: 3,
                 completed: true
             }
         );
-        assert_eq!(query(&conn, Some("a"), 0).unwrap().len(), 2);
-        assert_eq!(query(&conn, None, 150).unwrap().len(), 2);
+        assert_eq!(query(&conn, Some("a"), 0).unwrap().len(), 3);
+        assert_eq!(query(&conn, None, 150).unwrap().len(), 3);
         drop(conn);
         let _ = std::fs::remove_file(&path);
     }

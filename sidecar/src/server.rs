@@ -302,7 +302,6 @@ fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Cl
             .lock()
             .ok()
             .and_then(|conn| crate::ledger::history(&conn, &who.tenant, key).ok())
-            .unwrap_or_default()
     };
     let fingerprint = idempotency::fingerprint(path(endpoint), body);
     Some(
