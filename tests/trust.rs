@@ -526,3 +526,19 @@ async fn a_cancelled_attempt_and_its_full_retry_are_both_billed() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(ledger_of(tenant, 2).await.len(), 2);
 }
+
+#[tokio::test]
+async fn keyless_callers_do_not_share_idempotency_keys() {
+    // Every keyless caller of a shadow route is the default tenant: one caller's
+    // Idempotency-Key must not block, or be answered with, another's work.
+    let url = format!("{}/shadow/v1/chat/completions", stack().main.url);
+    let key = [("idempotency-key", "shared-by-strangers")];
+    for (i, prompt) in ["the first stranger", "the second stranger"]
+        .iter()
+        .enumerate()
+    {
+        let resp = post_json(&url, None, chat(prompt, json!({"max_tokens": 1})), &key).await;
+        assert_eq!(resp.status(), StatusCode::OK, "caller {i}");
+        assert!(resp.headers().get("idempotent-replayed").is_none());
+    }
+}

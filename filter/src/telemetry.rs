@@ -13,7 +13,8 @@ pub const OUTCOMES: [&str; 5] = [
     "passthrough",
 ];
 
-pub const REJECTIONS: [&str; 20] = [
+pub const REJECTIONS: [&str; 21] = [
+    "invalid_idempotency_key",
     "missing_api_key",
     "invalid_api_key",
     "invalid_path",
