@@ -209,11 +209,14 @@ impl StreamMeter {
 /// End (exclusive) of the first event in `buf`: just past its blank line.
 fn event_end(buf: &[u8]) -> Option<usize> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
+    // A `\r\n\r\n` that ends first lies before the first `\n\n`: searching only there keeps
+    // splitting a chunk into events linear in its length.
+    let before_lf = buf.get(..lf.unwrap_or(buf.len())).unwrap_or(buf);
+    let crlf = before_lf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
+    crlf.or(lf)
 }
 
 /// End (exclusive) of the last complete event. Scans forward event by event, exactly as
