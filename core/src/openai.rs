@@ -21,7 +21,7 @@ pub enum Endpoint {
 /// The fields of a chat or text completion request that serving and metering depend on.
 /// Other fields are accepted, as engines do, and the text they can carry into the prompt is kept
 /// in `extra` (see [`CompletionRequest::prompt`]). `extra` is read by a second pass over the raw
-/// body ([`CompletionRequest::parse`]) rather than with `serde(flatten)`, which would build a
+/// body ([`CompletionRequest::from_body`]) rather than with `serde(flatten)`, which would build a
 /// tree of the whole body: a few MB of small JSON objects take many times their size as a tree,
 /// and a VM's memory never shrinks.
 #[derive(Clone, Debug, Deserialize)]

@@ -47,7 +47,7 @@ fn random_bytes<const N: usize>() -> [u8; N] {
     bytes
 }
 
-/// A request id for requests Envoy gave none (it normally sets `x-request-id`).
+/// weir's id of one attempt (`x-weir-request-id`): random, so no caller can choose or predict it.
 pub fn unique_id() -> String {
     let hex: String = random_bytes::<16>()
         .iter()
