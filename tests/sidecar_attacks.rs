@@ -64,7 +64,12 @@ fn lax_engine() -> String {
                     "delta": {"content": text}, "finish_reason": null}]});
                 format!("data: {c}\n\n")
             };
-            let events = if request.to_string().contains("fail mid-stream") {
+            let prompt = request.to_string();
+            if prompt.contains("cut short") {
+                // An engine that died mid-answer but closed the stream cleanly: no [DONE].
+                return ("text/event-stream", chunk("one"));
+            }
+            let events = if prompt.contains("fail mid-stream") {
                 // As vLLM reports an engine error once a stream has started.
                 let error = json!({"error": {"object": "error", "type":
                     "InternalServerError", "message": "engine failed", "code": 500}});
@@ -709,5 +714,39 @@ async fn a_stream_that_ended_in_an_engine_error_is_not_completed_work() {
     );
     retry.bytes().await.unwrap();
     let rows = records_of("normal", "errored-1").await;
+    assert_eq!(rows.iter().map(|r| r.attempt).collect::<Vec<_>>(), [1, 2]);
+}
+
+#[tokio::test]
+async fn a_stream_cut_short_without_its_done_is_not_completed_work() {
+    let _turn = turn().await;
+    let s = stack();
+    let send = || {
+        reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", s.envoy.url))
+            .bearer_auth("key-normal")
+            .header("content-type", "application/json")
+            .header("idempotency-key", "truncated-1")
+            .body(chat(
+                "lax",
+                "please stop: cut short",
+                json!({"stream": true}),
+            ))
+            .send()
+    };
+    let first = send().await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    first.bytes().await.unwrap();
+    let rows = records_of("normal", "truncated-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "failed", "{:?}", rows[0]);
+    // The retry runs again: the key does not hold the truncated answer for replay.
+    let retry = send().await.unwrap();
+    assert!(
+        retry.headers().get("idempotent-replayed").is_none(),
+        "a truncated answer was replayed as the key's completed answer"
+    );
+    retry.bytes().await.unwrap();
+    let rows = records_of("normal", "truncated-1").await;
     assert_eq!(rows.iter().map(|r| r.attempt).collect::<Vec<_>>(), [1, 2]);
 }

@@ -130,6 +130,7 @@ pub struct StreamMeter {
     usage: Option<Usage>,
     generated_tokens: u64,
     error_events: u64,
+    done: bool,
 }
 
 impl StreamMeter {
@@ -156,6 +157,12 @@ impl StreamMeter {
     /// Events that carried an error object (an engine failing mid-stream).
     pub fn error_events(&self) -> u64 {
         self.error_events
+    }
+
+    /// Whether the stream's closing `data: [DONE]` has passed: a stream that ends without it
+    /// was cut short, however cleanly its connection closed.
+    pub fn saw_done(&self) -> bool {
+        self.done
     }
 
     /// Takes the next chunk of the stream and returns the bytes to forward now.
@@ -188,6 +195,10 @@ impl StreamMeter {
         let Some(data) = event_data(event) else {
             return true;
         };
+        if data.trim_ascii() == b"[DONE]" {
+            self.done = true;
+            return true;
+        }
         let Ok(parsed) = serde_json::from_slice::<Event>(&data) else {
             return true;
         };
@@ -350,6 +361,15 @@ mod tests {
             })
         );
         assert_eq!(meter.generated_tokens(), 2);
+    }
+
+    #[test]
+    fn the_closing_done_is_noticed() {
+        let mut meter = StreamMeter::new(true);
+        meter.feed(format!("{CHUNK}{CHUNK}").as_bytes(), false);
+        assert!(!meter.saw_done(), "cut short so far");
+        meter.feed(DONE.as_bytes(), true);
+        assert!(meter.saw_done());
     }
 
     #[test]

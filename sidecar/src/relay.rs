@@ -139,11 +139,15 @@ impl Flight {
     }
 
     /// How a stream the engine ended went: an error event in it (an engine failing once the
-    /// stream had started) makes it an `upstream_error`, billed for what streamed but not
-    /// completed work, so the key's retry runs instead of replaying the failure.
+    /// stream had started) makes it an `upstream_error`, and a stream closed without its
+    /// `[DONE]` (an engine that died but closed the connection cleanly) `failed`. Both are
+    /// billed for what streamed but are not completed work, so the key's retry runs instead of
+    /// replaying a failure or a truncated answer.
     fn ended_outcome(&self) -> &'static str {
         if self.meter.error_events() > 0 {
             "upstream_error"
+        } else if !self.meter.saw_done() {
+            "failed"
         } else {
             "ok"
         }
