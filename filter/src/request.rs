@@ -516,13 +516,15 @@ impl Request {
         self.stage = Stage::Done;
         self.outcome = outcome;
         let estimate = self.admitted.as_ref().map_or(0, |a| a.prompt_tokens);
-        let reported = match &self.meter {
-            Meter::Stream(m) => m.usage(),
-            Meter::Body(m) => match m.finish() {
-                BodyUsage::Reported(u) => Some(u),
-                _ => None,
-            },
-            Meter::None | Meter::Unreadable => None,
+        // A buffered body is parsed once, here, whatever it turns out to say.
+        let body = match &self.meter {
+            Meter::Body(m) => Some(m.finish()),
+            _ => None,
+        };
+        let reported = match (&self.meter, body) {
+            (Meter::Stream(m), _) => m.usage(),
+            (_, Some(BodyUsage::Reported(u))) => Some(u),
+            _ => None,
         };
         // Without a report, a response weir could not read is charged what was reserved.
         let reserved_output = self.admitted.as_ref().map_or(0, |a| a.reserved_output);
@@ -540,14 +542,11 @@ impl Request {
             None if self.upstream_status >= 400 => Demand::default(),
             None => Demand {
                 input_tokens: estimate,
-                output_tokens: match &self.meter {
-                    Meter::Stream(m) => m.generated_tokens(),
-                    Meter::Body(m) => match m.finish() {
-                        BodyUsage::Estimated { completion_tokens } => completion_tokens,
-                        _ => reserved_output,
-                    },
-                    Meter::Unreadable => reserved_output,
-                    Meter::None => 0,
+                output_tokens: match (&self.meter, body) {
+                    (Meter::Stream(m), _) => m.generated_tokens(),
+                    (_, Some(BodyUsage::Estimated { completion_tokens })) => completion_tokens,
+                    (Meter::Body(_) | Meter::Unreadable, _) => reserved_output,
+                    (Meter::None, _) => 0,
                 },
             },
         };
