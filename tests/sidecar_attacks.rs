@@ -682,71 +682,47 @@ async fn another_tenants_flood_of_keys_does_not_evict_a_kept_response() {
     assert_eq!(text, first);
 }
 
-#[tokio::test]
-async fn a_stream_that_ended_in_an_engine_error_is_not_completed_work() {
-    let _turn = turn().await;
+/// Streams `prompt` to the lax engine under `key`, checks the attempt was recorded with
+/// `outcome` and that the key's retry runs again as attempt 2 instead of replaying it; returns
+/// what the first attempt streamed.
+async fn retried_not_replayed(key: &str, prompt: &str, outcome: &str) -> String {
     let s = stack();
     let send = || {
         reqwest::Client::new()
             .post(format!("{}/v1/chat/completions", s.envoy.url))
             .bearer_auth("key-normal")
             .header("content-type", "application/json")
-            .header("idempotency-key", "errored-1")
-            .body(chat(
-                "lax",
-                "please fail mid-stream",
-                json!({"stream": true}),
-            ))
+            .header("idempotency-key", key)
+            .body(chat("lax", prompt, json!({"stream": true})))
             .send()
     };
     let first = send().await.unwrap();
     assert_eq!(first.status(), StatusCode::OK);
     let text = first.text().await.unwrap();
-    assert!(text.contains("engine failed"), "{text}");
-    let rows = records_of("normal", "errored-1").await;
+    let rows = records_of("normal", key).await;
     assert_eq!(rows.len(), 1, "{rows:?}");
-    assert_eq!(rows[0].outcome, "upstream_error", "{:?}", rows[0]);
-    // The retry runs again: the key does not hold the failure for replay.
+    assert_eq!(rows[0].outcome, outcome, "{:?}", rows[0]);
+    // The retry runs again: the key does not hold the failed attempt's answer for replay.
     let retry = send().await.unwrap();
     assert!(
         retry.headers().get("idempotent-replayed").is_none(),
-        "the engine's failure was replayed as the key's completed answer"
+        "a {outcome} attempt was replayed as the key's completed answer"
     );
     retry.bytes().await.unwrap();
-    let rows = records_of("normal", "errored-1").await;
+    let rows = records_of("normal", key).await;
     assert_eq!(rows.iter().map(|r| r.attempt).collect::<Vec<_>>(), [1, 2]);
+    text
+}
+
+#[tokio::test]
+async fn a_stream_that_ended_in_an_engine_error_is_not_completed_work() {
+    let _turn = turn().await;
+    let text = retried_not_replayed("errored-1", "please fail mid-stream", "upstream_error").await;
+    assert!(text.contains("engine failed"), "{text}");
 }
 
 #[tokio::test]
 async fn a_stream_cut_short_without_its_done_is_not_completed_work() {
     let _turn = turn().await;
-    let s = stack();
-    let send = || {
-        reqwest::Client::new()
-            .post(format!("{}/v1/chat/completions", s.envoy.url))
-            .bearer_auth("key-normal")
-            .header("content-type", "application/json")
-            .header("idempotency-key", "truncated-1")
-            .body(chat(
-                "lax",
-                "please stop: cut short",
-                json!({"stream": true}),
-            ))
-            .send()
-    };
-    let first = send().await.unwrap();
-    assert_eq!(first.status(), StatusCode::OK);
-    first.bytes().await.unwrap();
-    let rows = records_of("normal", "truncated-1").await;
-    assert_eq!(rows.len(), 1, "{rows:?}");
-    assert_eq!(rows[0].outcome, "failed", "{:?}", rows[0]);
-    // The retry runs again: the key does not hold the truncated answer for replay.
-    let retry = send().await.unwrap();
-    assert!(
-        retry.headers().get("idempotent-replayed").is_none(),
-        "a truncated answer was replayed as the key's completed answer"
-    );
-    retry.bytes().await.unwrap();
-    let rows = records_of("normal", "truncated-1").await;
-    assert_eq!(rows.iter().map(|r| r.attempt).collect::<Vec<_>>(), [1, 2]);
+    retried_not_replayed("truncated-1", "please stop: cut short", "failed").await;
 }
