@@ -225,7 +225,7 @@ fn bench() -> anyhow::Result<()> {
         cargo()
             .args(token_counting)
             .args(["--target", "wasm32-wasip1"])
-            .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(true)),
+            .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(true)?),
     )?;
     run(
         "scheduler decisions at 10,000 tenants (criterion)",
@@ -246,17 +246,60 @@ fn scenario(args: &[String]) -> anyhow::Result<()> {
     )
 }
 
-/// Runs wasm32-wasip1 test and bench binaries under Node's V8. Benchmarks want V8's optimising
-/// tier as Envoy uses it; tests run on the baseline tier, which leaves no background compiler
-/// threads behind when the process exits (Node 20 has been seen to crash on exit otherwise).
-fn wasi_runner(optimizing_tier: bool) -> String {
+/// Runs wasm32-wasip1 test and bench binaries under V8 (Node), the engine Envoy runs the filter
+/// in. Benchmarks want V8's optimising tier as Envoy uses it; tests run on the baseline tier.
+fn wasi_runner(optimizing_tier: bool) -> anyhow::Result<String> {
+    let node = node_runtime()?;
     let script = root().join("tests/wasi-runner.mjs");
     let tier = if optimizing_tier {
         ""
     } else {
         " --no-wasm-tier-up"
     };
-    format!("node --no-warnings{tier} {}", script.display())
+    Ok(format!(
+        "{} --no-warnings{tier} {}",
+        node.display(),
+        script.display()
+    ))
+}
+
+/// The pinned Node.js release the wasm tests run on. Node 20's V8 corrupts its heap when a long
+/// WASI run exits (a segfault after `test result: ok` in about a third of runs), so the tests
+/// do not use the machine's Node: this one comes from the npm registry's `node-linux-<arch>`
+/// package into `.weir/node`, installed once with the machine's npm.
+const NODE_VERSION: &str = "22.21.1";
+
+fn node_runtime() -> anyhow::Result<PathBuf> {
+    if let Some(node) = std::env::var_os("WEIR_NODE") {
+        return Ok(node.into());
+    }
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "x64",
+        "aarch64" => "arm64",
+        other => bail!("no pinned Node.js for {other}; install Node.js 22 and set WEIR_NODE"),
+    };
+    let prefix = root().join(".weir/node");
+    let package = format!("node-linux-{arch}");
+    let node = prefix.join("node_modules").join(&package).join("bin/node");
+    let stamp = prefix.join("installed-version");
+    if node.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(NODE_VERSION) {
+        return Ok(node);
+    }
+    run(
+        &format!("installing Node.js {NODE_VERSION} into .weir/node"),
+        Command::new("npm")
+            .args([
+                "install",
+                "--no-save",
+                "--no-audit",
+                "--no-fund",
+                "--prefix",
+            ])
+            .arg(&prefix)
+            .arg(format!("{package}@{NODE_VERSION}")),
+    )?;
+    std::fs::write(&stamp, NODE_VERSION)?;
+    Ok(node)
 }
 
 /// Where the filter's wasm lands (`--profile wasm`).
@@ -334,7 +377,7 @@ fn test(lint: bool) -> anyhow::Result<()> {
             ),
     )?;
     run(
-        "weir-core tests inside wasm (wasm32-wasip1 under Node's V8)",
+        "weir-core tests inside wasm (wasm32-wasip1 under V8, Node.js 22)",
         cargo()
             .args([
                 "test",
@@ -344,7 +387,7 @@ fn test(lint: bool) -> anyhow::Result<()> {
                 "--target",
                 "wasm32-wasip1",
             ])
-            .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(false)),
+            .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(false)?),
     )?;
     run(
         "pytest (OpenAI SDK against the real binaries)",
