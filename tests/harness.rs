@@ -306,6 +306,20 @@ impl Sidecar {
         weir_sidecar::ledger::query(&conn, tenant, 0).unwrap()
     }
 
+    /// The ledger rows of one idempotency key, waiting up to five seconds for the first to land
+    /// (a request's record is written as it ends); empty if none did.
+    pub fn attempts(&self, idempotency_key: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {
+        wait_for(Duration::from_secs(5), || {
+            let rows: Vec<_> = self
+                .ledger_rows(None)
+                .into_iter()
+                .filter(|r| r.idempotency_key == idempotency_key)
+                .collect();
+            (!rows.is_empty()).then_some(rows)
+        })
+        .unwrap_or_default()
+    }
+
     /// Text of the sidecar's `/metrics` (on its admin address).
     pub async fn metrics(&self) -> String {
         reqwest::get(format!("{}/metrics", self.admin))
@@ -582,6 +596,12 @@ pub fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Opt
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// The 95th percentile of `xs` (nearest rank below), for latency checks.
+pub fn p95(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[(xs.len() - 1) * 95 / 100]
 }
 
 /// An API key entry for a weir config: id `id`, whose key is `key-{id}`.

@@ -69,7 +69,10 @@ pub fn cache_root() -> PathBuf {
 /// This build's directory: the version and a digest of the build options in its name.
 pub fn build_dir() -> PathBuf {
     let options = weir_core::keys::hash_key(&CMAKE_OPTIONS.join(" "));
-    cache_root().join(format!("llama-server-{LLAMA_CPP_PYTHON}-{}", &options[..12]))
+    cache_root().join(format!(
+        "llama-server-{LLAMA_CPP_PYTHON}-{}",
+        &options[..12]
+    ))
 }
 
 /// The server binary and the tiny model, built and written first if the cache lacks them.
@@ -153,7 +156,10 @@ fn compile_server(dir: &Path) -> anyhow::Result<()> {
     let digest = Sha256::digest(std::fs::read(&sdist)?);
     let digest: String = digest.iter().map(|b| format!("{b:02x}")).collect();
     if digest != SDIST_SHA256 {
-        bail!("{} has SHA-256 {digest}, not {SDIST_SHA256}", sdist.display());
+        bail!(
+            "{} has SHA-256 {digest}, not {SDIST_SHA256}",
+            sdist.display()
+        );
     }
     let vendored = format!("llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp");
     run_logged(
@@ -183,10 +189,12 @@ fn compile_server(dir: &Path) -> anyhow::Result<()> {
     )?;
     run_logged(
         "building the llama-server target (-j2; several minutes the first time)",
-        Command::new(&cmake)
-            .arg("--build")
-            .arg(&build)
-            .args(["--target", "llama-server", "-j", "2"]),
+        Command::new(&cmake).arg("--build").arg(&build).args([
+            "--target",
+            "llama-server",
+            "-j",
+            "2",
+        ]),
         &log,
     )?;
     let kept_gguf_py = dir.join("gguf-py");
@@ -235,7 +243,11 @@ impl FileLock {
             .open(path)?;
         // SAFETY: flock on a descriptor this struct owns.
         if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            bail!("locking {}: {}", path.display(), std::io::Error::last_os_error());
+            bail!(
+                "locking {}: {}",
+                path.display(),
+                std::io::Error::last_os_error()
+            );
         }
         Ok(FileLock(file))
     }

@@ -1,11 +1,557 @@
-//! Engine compatibility: weir in front of real llama.cpp `llama-server` replicas.
+//! Engine compatibility: the core end-to-end checks against real llama.cpp `llama-server`
+//! replicas (2 × 4 slots of 2,048 tokens, serving the tiny random-weight model) behind real
+//! Envoy with the built filter and the real sidecar (fair policy; the same pool behind a FIFO
+//! sidecar on `/alt/`, the baseline). The server is built on first use (`tests/llama.rs`).
+//!
+//! The stack is started once for this binary and shared by its tests, which take turns: each
+//! starts once every slot of both engines is idle.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
-use weir_e2e::llama::LlamaServer;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use reqwest::{Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::{Mutex, MutexGuard};
+use weir_e2e::llama::{LlamaServer, MODEL};
+use weir_e2e::{Envoy, Sidecar, api_key, api_key_limited, chat_body, p95, post_json, wait_for};
+
+struct Stack {
+    engines: Vec<LlamaServer>,
+    sidecar: Sidecar,
+    /// The same pool behind a FIFO sidecar, on Envoy's `/alt/` route: the baseline.
+    _fifo: Sidecar,
+    envoy: Envoy,
+}
+
+const SLOTS: u32 = 4;
+/// How long a request may wait in weir's queue before it is answered 429/503 instead.
+const DEADLINE_MS: u64 = 2_000;
+const CHAT: &str = "/v1/chat/completions";
+const FIFO_CHAT: &str = "/alt/v1/chat/completions";
+
+fn weir_config() -> Value {
+    let keys: Vec<Value> = [
+        "stream", "plain", "cancel", "small-1", "small-2", "small-3", "noisy", "cache-a", "cache-b",
+    ]
+    .into_iter()
+    .map(api_key)
+    .chain([api_key_limited(
+        "quota",
+        json!({"output_tokens_per_minute": 100}),
+    )])
+    .collect();
+    json!({
+        "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "llama", "keys": keys}]}]}],
+        "models": {MODEL: {"max_context_tokens": 2048}},
+    })
+}
+
+fn stack() -> &'static Stack {
+    static STACK: OnceLock<Stack> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let engines = vec![
+            LlamaServer::start(SLOTS, 2048),
+            LlamaServer::start(SLOTS, 2048),
+        ];
+        let sidecar_config = |policy: &str| {
+            json!({
+                "policy": policy,
+                "queue": {"max_per_tenant": 64, "deadline_ms": DEADLINE_MS},
+                "pools": [{"model": MODEL, "replicas": [engines[0].url, engines[1].url]}],
+            })
+        };
+        let sidecar = Sidecar::start(sidecar_config("fair"));
+        let fifo = Sidecar::start(sidecar_config("fifo"));
+        let envoy = Envoy::start(&weir_config(), sidecar.port, fifo.port);
+        sidecar.wait_for_probes(2);
+        fifo.wait_for_probes(2);
+        Stack {
+            engines,
+            sidecar,
+            _fifo: fifo,
+            envoy,
+        }
+    })
+}
+
+/// One test at a time, each starting on idle engines.
+async fn turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::const_new(());
+    let guard = TURN.lock().await;
+    engines_idle().await;
+    guard
+}
+
+/// Waits (up to ten seconds per engine) until no slot of either engine is busy, then for the
+/// sidecars' probes (every 100 ms) to have seen it, so nothing routes on stale load.
+async fn engines_idle() {
+    for engine in &stack().engines {
+        for _ in 0..200 {
+            if engine.busy_slots().await == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+}
+
+/// POSTs a chat `body` through Envoy on `path` as tenant `key`, with `idempotency_key` (which
+/// names the request's ledger rows) if given.
+async fn post(path: &str, key: &str, body: Value, idempotency_key: Option<&str>) -> Response {
+    let url = format!("{}{path}", stack().envoy.url);
+    let headers: &[(&str, &str)] = match idempotency_key {
+        Some(id) => &[("idempotency-key", id)],
+        None => &[],
+    };
+    post_json(&url, Some(key), body.to_string(), headers).await
+}
+
+/// The JSON events of a server-sent event stream, without the closing `[DONE]`.
+fn events(text: &str) -> Vec<Value> {
+    text.split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect()
+}
+
+/// Whether an event carries generated text (llama.cpp's first chunk has `content: null`).
+fn has_content(event: &Value) -> bool {
+    event["choices"][0]["delta"]["content"].is_string()
+}
+
+/// Sum of a `llamacpp:` series over both engines.
+async fn engines_metric(name: &str) -> f64 {
+    let mut total = 0.0;
+    for engine in &stack().engines {
+        total += engine.metric(name).await;
+    }
+    total
+}
+
+async fn busy_slots() -> usize {
+    let mut busy = 0;
+    for engine in &stack().engines {
+        busy += engine.busy_slots().await;
+    }
+    busy
+}
 
 #[tokio::test]
-async fn the_engine_serves() {
-    let s = LlamaServer::start(4, 2048);
-    println!("{:?}", s.slots().await.len());
+async fn a_stream_carries_the_engines_usage_and_the_ledger_bills_it() {
+    let _turn = turn().await;
+    for (asked, id) in [(true, "stream-usage"), (false, "stream-plain")] {
+        let body = chat_body(
+            MODEL,
+            "tell me a story about a river",
+            json!({"stream": true, "stream_options": {"include_usage": asked},
+                   "max_tokens": 12, "ignore_eos": true}),
+        );
+        let resp = post(CHAT, "stream", body, Some(id)).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        let text = resp.text().await.unwrap();
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+        let events = events(&text);
+        let content = events.iter().filter(|e| has_content(e)).count();
+        assert!((1..=12).contains(&content), "{content} content events");
+        let usage: Vec<&Value> = events.iter().filter_map(|e| e.get("usage")).collect();
+        let rows = stack().sidecar.attempts(id);
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        let row = &rows[0];
+        assert_eq!(
+            (row.source.as_str(), row.outcome.as_str()),
+            ("engine", "ok")
+        );
+        assert_eq!(row.completion_tokens, 12);
+        println!(
+            "include_usage {asked}: {content} content events, usage chunks seen {}, billed {} + {}",
+            usage.len(),
+            row.prompt_tokens,
+            row.completion_tokens
+        );
+        if asked {
+            let last = events.last().unwrap();
+            assert_eq!(last["choices"], json!([]), "usage comes last, on its own");
+            assert_eq!(last["usage"]["completion_tokens"], 12);
+            assert_eq!(last["usage"]["prompt_tokens"], row.prompt_tokens);
+            assert!(row.prompt_tokens > 5);
+        } else {
+            assert!(usage.is_empty(), "weir asked for it, so weir hides it");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_plain_answer_carries_the_engines_usage_and_the_ledger_bills_it() {
+    let _turn = turn().await;
+    let body = chat_body(
+        MODEL,
+        "what is the capital of France",
+        json!({"max_tokens": 9, "ignore_eos": true}),
+    );
+    let resp = post(CHAT, "plain", body, Some("plain-1")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let answer: Value = resp.json().await.unwrap();
+    assert_eq!(answer["object"], "chat.completion");
+    assert_eq!(answer["model"], MODEL);
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    let usage = &answer["usage"];
+    assert_eq!(usage["completion_tokens"], 9);
+    let rows = stack().sidecar.attempts("plain-1");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(
+        (rows[0].source.as_str(), rows[0].outcome.as_str()),
+        ("engine", "ok")
+    );
+    assert_eq!(usage["prompt_tokens"], rows[0].prompt_tokens);
+    assert_eq!(rows[0].completion_tokens, 9);
+    println!("usage {usage}");
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_mid_stream_frees_its_slot_and_the_attempt_is_billed() {
+    let _turn = turn().await;
+    // About 1,600 tokens: a second or more of decoding if nothing stops it.
+    let max_tokens: u32 = 1_600;
+    let predicted = || engines_metric("llamacpp:tokens_predicted_total");
+    let before = predicted().await;
+    let body = chat_body(
+        MODEL,
+        "write a poem about the sea",
+        json!({"stream": true, "max_tokens": max_tokens, "ignore_eos": true}),
+    );
+    let mut resp = post(CHAT, "cancel", body, Some("cancel-1")).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut seen = 0;
+    while seen < 5 {
+        let chunk = resp.chunk().await.unwrap().expect("the stream goes on");
+        seen += events(&String::from_utf8_lossy(&chunk))
+            .iter()
+            .filter(|e| has_content(e))
+            .count();
+    }
+    assert_eq!(busy_slots().await, 1, "the request holds a slot");
+    let left = Instant::now();
+    drop(resp);
+    let mut idle_after = None;
+    while left.elapsed() < Duration::from_secs(5) {
+        if busy_slots().await == 0 {
+            idle_after = Some(left.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let idle_after = idle_after.expect("the slot is freed");
+    let decoded = predicted().await - before;
+    println!(
+        "slot idle {idle_after:?} after the client left; the engine decoded {decoded} of {max_tokens} tokens"
+    );
+    assert!(
+        decoded < f64::from(max_tokens),
+        "the engine stopped decoding: {decoded}"
+    );
+    assert!(
+        idle_after < Duration::from_millis(500),
+        "freed soon after: {idle_after:?}"
+    );
+    let rows = stack().sidecar.attempts("cancel-1");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "cancelled");
+    assert!(
+        (5..u64::from(max_tokens)).contains(&rows[0].completion_tokens),
+        "billed for what streamed: {rows:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_tenant_over_its_token_quota_gets_an_openai_429_with_retry_after() {
+    let _turn = turn().await;
+    // 100 output tokens a minute and 40 reserved per request: the third does not fit.
+    let body = || {
+        chat_body(
+            MODEL,
+            "hello",
+            json!({"max_tokens": 40, "ignore_eos": true}),
+        )
+    };
+    let mut statuses = Vec::new();
+    let mut refused = None;
+    for i in 0..4 {
+        let id = format!("quota-{i}");
+        let resp = post(CHAT, "quota", body(), Some(&id)).await;
+        statuses.push(resp.status());
+        if resp.status() == StatusCode::TOO_MANY_REQUESTS {
+            refused = Some((id, resp));
+            break;
+        }
+        resp.bytes().await.unwrap();
+    }
+    let (id, resp) = refused.unwrap_or_else(|| panic!("no 429: {statuses:?}"));
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+    let retry_after: u64 = resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry_after), "{retry_after}");
+    assert!(resp.headers().contains_key("x-ratelimit-remaining-tokens"));
+    let error: Value = resp.json().await.unwrap();
+    assert_eq!(error["error"]["type"], "RateLimitError", "{error}");
+    assert_eq!(error["error"]["code"], "rate_limit_exceeded", "{error}");
+    println!(
+        "429 after {} served; retry-after {retry_after}: {error}",
+        statuses.len() - 1
+    );
+    assert!(
+        stack()
+            .sidecar
+            .ledger_rows(None)
+            .iter()
+            .all(|r| r.idempotency_key != id),
+        "the refused request never reached an engine"
+    );
+}
+
+/// What one noisy-neighbour run measured.
+struct Run {
+    small_ttfts: Vec<f64>,
+    small_refused: usize,
+    noisy_served: usize,
+    /// Longest a request waited for its response to start, refusals included.
+    longest_wait: Duration,
+    /// Most requests the engines held at once, and most deferred inside an engine.
+    peak_processing: f64,
+    peak_deferred: f64,
+}
+
+/// Small tenants' time to first token on `path`, alone (no `flood`) or while a noisy tenant
+/// floods the pool with three times the requests it has slots for.
+async fn noisy_neighbour_run(path: &'static str, flood: bool, window: Duration) -> Run {
+    let start = Instant::now();
+    let stop = start + window;
+    // Streams, so the wait for a response to start is the wait for a slot: llama.cpp sends a
+    // stream's headers when a slot takes it, and weir when it dispatches (or refuses).
+    let request = |key: &'static str, content: String, max_tokens: u32| async move {
+        let body = chat_body(
+            MODEL,
+            &content,
+            json!({"stream": true, "max_tokens": max_tokens, "ignore_eos": true}),
+        );
+        let sent = Instant::now();
+        let mut resp = post(path, key, body, None).await;
+        let waited = sent.elapsed();
+        let status = resp.status();
+        let mut ttft = None;
+        while let Ok(Some(chunk)) = resp.chunk().await {
+            if ttft.is_none()
+                && events(&String::from_utf8_lossy(&chunk))
+                    .iter()
+                    .any(has_content)
+            {
+                ttft = Some(sent.elapsed().as_secs_f64());
+            }
+        }
+        (status, waited, ttft)
+    };
+    let small = |key: &'static str| async move {
+        // Let the flood fill the slots first.
+        if flood {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let (mut ttfts, mut refused, mut longest) = (Vec::new(), 0, Duration::ZERO);
+        let mut n = 0;
+        while Instant::now() < stop {
+            let (status, waited, ttft) = request(
+                key,
+                format!("{key} asks question {n}: please answer briefly"),
+                16,
+            )
+            .await;
+            longest = longest.max(waited);
+            match (status, ttft) {
+                (StatusCode::OK, Some(t)) => ttfts.push(t),
+                _ => refused += 1,
+            }
+            n += 1;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        (ttfts, refused, longest)
+    };
+    let noisy = |client: usize| async move {
+        let (mut served, mut longest) = (0, Duration::ZERO);
+        let mut n = 0;
+        while flood && Instant::now() < stop {
+            let content = format!("noisy bulk summary {client}.{n}: summarise this document");
+            let (status, waited, _) = request("noisy", content, 400).await;
+            longest = longest.max(waited);
+            served += usize::from(status == StatusCode::OK);
+            n += 1;
+        }
+        (served, longest)
+    };
+    let watch = async {
+        let (mut processing, mut deferred) = (0.0f64, 0.0f64);
+        while Instant::now() < stop {
+            processing = processing.max(engines_metric("llamacpp:requests_processing").await);
+            deferred = deferred.max(engines_metric("llamacpp:requests_deferred").await);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        (processing, deferred)
+    };
+    let clients = 3 * 2 * SLOTS as usize;
+    let (smalls, floods, (peak_processing, peak_deferred)) = tokio::join!(
+        futures::future::join_all(["small-1", "small-2", "small-3"].map(small)),
+        futures::future::join_all((0..clients).map(noisy)),
+        watch,
+    );
+    let longest_wait = smalls
+        .iter()
+        .map(|s| s.2)
+        .chain(floods.iter().map(|f| f.1))
+        .max()
+        .unwrap();
+    Run {
+        small_ttfts: smalls.iter().flat_map(|s| s.0.clone()).collect(),
+        small_refused: smalls.iter().map(|s| s.1).sum(),
+        noisy_served: floods.iter().map(|f| f.0).sum(),
+        longest_wait,
+        peak_processing,
+        peak_deferred,
+    }
+}
+
+#[tokio::test]
+async fn small_tenants_keep_their_latency_through_a_noisy_flood_and_no_queue_forms_in_the_engine() {
+    let _turn = turn().await;
+    let mut ratios = Vec::new();
+    let mut failures = Vec::new();
+    for (policy, path) in [("fair", CHAT), ("fifo", FIFO_CHAT)] {
+        let quiet = noisy_neighbour_run(path, false, Duration::from_secs(3)).await;
+        engines_idle().await;
+        let flooded = noisy_neighbour_run(path, true, Duration::from_secs(7)).await;
+        engines_idle().await;
+        let (base, under) = (
+            p95(quiet.small_ttfts.clone()),
+            p95(flooded.small_ttfts.clone()),
+        );
+        let ratio = under / base;
+        println!(
+            "{policy}: small TTFT p95 {:.1} ms -> {:.1} ms under the flood ({ratio:.2}x; {} vs {} samples, {} refused); \
+             noisy served {}; engines: peak {} processing, peak {} deferred; longest wait for a response {:?} (deadline {DEADLINE_MS} ms)",
+            base * 1e3,
+            under * 1e3,
+            quiet.small_ttfts.len(),
+            flooded.small_ttfts.len(),
+            flooded.small_refused,
+            flooded.noisy_served,
+            flooded.peak_processing,
+            flooded.peak_deferred,
+            flooded.longest_wait,
+        );
+        assert_eq!(
+            flooded.peak_processing,
+            f64::from(2 * SLOTS),
+            "{policy}: the flood saturates every slot"
+        );
+        if flooded.peak_deferred > 0.0 {
+            failures.push(format!(
+                "{policy}: {} requests queued inside an engine",
+                flooded.peak_deferred
+            ));
+        }
+        if flooded.longest_wait > Duration::from_millis(DEADLINE_MS + 500) {
+            failures.push(format!(
+                "{policy}: a request waited {:?} without an answer, past its {DEADLINE_MS} ms deadline",
+                flooded.longest_wait
+            ));
+        }
+        ratios.push(ratio);
+        if policy == "fair" {
+            if flooded.small_refused > 0 || quiet.small_refused > 0 {
+                failures.push(format!(
+                    "fair: {} small requests refused",
+                    flooded.small_refused + quiet.small_refused
+                ));
+            }
+            if flooded.noisy_served == 0 {
+                failures.push("fair: the noisy tenant was not served".into());
+            }
+        }
+    }
+    if ratios[0] > 2.0 {
+        failures.push(format!(
+            "fair: small tenants' TTFT p95 {:.2}x their baseline (at most 2x)",
+            ratios[0]
+        ));
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[tokio::test]
+async fn another_tenants_identical_prompt_never_reuses_a_tenants_prompt_cache() {
+    let _turn = turn().await;
+    let nonce = weir_sidecar::dispatcher::now_ms();
+    let shared = format!(
+        "{nonce}: you are a helpful assistant. {}",
+        "the system prompt of a shared assistant. ".repeat(40)
+    );
+    let ask = |key: &'static str, id: String| {
+        let body = chat_body(
+            MODEL,
+            &shared,
+            json!({"max_tokens": 60, "ignore_eos": true}),
+        );
+        async move {
+            let resp = post(CHAT, key, body, Some(&id)).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            let v: Value = resp.json().await.unwrap();
+            let rows = stack().sidecar.attempts(&id);
+            (
+                v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0),
+                rows[0].replica.clone(),
+            )
+        }
+    };
+    // Tenant A sends its prompt twice as often as there are slots, at once, so the affine
+    // replica fills up, the rest spills to the other one, and the prompt sits in the slots of
+    // both: whichever replica serves tenant B has it.
+    let first: Vec<(u64, String)> = futures::future::join_all(
+        (0..4 * SLOTS).map(|i| ask("cache-a", format!("cache-a-{nonce}-{i}"))),
+    )
+    .await;
+    let replicas: std::collections::BTreeSet<&String> = first.iter().map(|(_, r)| r).collect();
+    assert_eq!(
+        replicas.len(),
+        2,
+        "tenant A's prompt reached both replicas: {first:?}"
+    );
+    let (a_repeat, a_replica) = ask("cache-a", format!("cache-a-{nonce}-again")).await;
+    let b: Vec<(u64, String)> =
+        futures::future::join_all((0..2).map(|i| ask("cache-b", format!("cache-b-{nonce}-{i}"))))
+            .await;
+    println!(
+        "tenant A's repeat: {a_repeat} cached tokens on {a_replica}; tenant B's identical prompt: {b:?}"
+    );
+    assert!(
+        b.iter().all(|(cached, _)| *cached == 0),
+        "tenant B was served from tenant A's prompt cache: {b:?}"
+    );
+    let rows = wait_for(Duration::from_secs(5), || {
+        let rows = stack().sidecar.ledger_rows(Some("acme/lab/llama/cache-b"));
+        (rows.len() == 2).then_some(rows)
+    })
+    .expect("tenant B's two requests billed");
+    assert!(rows.iter().all(|r| r.outcome == "ok"));
 }

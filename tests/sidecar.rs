@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, p95, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -116,14 +116,7 @@ fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
 }
 
 fn ledger_rows(key: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {
-    wait_for(Duration::from_secs(5), || {
-        let rows: Vec<_> = ledger()
-            .into_iter()
-            .filter(|r| r.idempotency_key == key)
-            .collect();
-        (!rows.is_empty()).then_some(rows)
-    })
-    .unwrap_or_default()
+    stack().sidecar.attempts(key)
 }
 
 /// A prompt of about `tokens` tokens, distinct per `tag`.
@@ -518,11 +511,6 @@ async fn small_tenant_ttfts(
     let floods = futures::future::join_all((0..40).map(|_| noisy()));
     let (ttfts, served) = tokio::join!(smalls, floods);
     (ttfts.concat(), served.iter().sum())
-}
-
-fn p95(mut xs: Vec<f64>) -> f64 {
-    xs.sort_by(f64::total_cmp);
-    xs[(xs.len() - 1) * 95 / 100]
 }
 
 #[tokio::test]
