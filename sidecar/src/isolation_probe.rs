@@ -73,7 +73,12 @@ pub enum ProbeError {
 impl std::fmt::Display for ProbeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ProbeError::Unreachable => write!(f, "no answer within {REQUEST_TIMEOUT:?}"),
+            ProbeError::Unreachable => {
+                write!(
+                    f,
+                    "no answer (connection failed, or none within {REQUEST_TIMEOUT:?})"
+                )
+            }
             ProbeError::Status(s) => write!(f, "the engine answered {s}"),
             ProbeError::Malformed(what) => write!(f, "unusable answer: {what}"),
             ProbeError::Inconclusive => {
