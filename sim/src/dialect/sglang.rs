@@ -5,6 +5,7 @@
 //! `/get_server_info`) with the server arguments, `max_total_num_tokens` and the effective
 //! `max_running_requests`. `cache_salt` scopes the radix cache (since SGLang PR #23300), usage
 //! reports cached tokens (as with `--enable-cache-report`), and any `model` name is answered.
+//! Help texts are SGLang's less their final period, which the encoder adds.
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -69,37 +70,37 @@ impl Sglang {
         let mut r = Registry::with_labels(labels.into_iter());
         r.register(
             "sglang:prompt_tokens",
-            "Number of prefill tokens processed.",
+            "Number of prefill tokens processed",
             m.prompt_tokens.clone(),
         );
         r.register(
             "sglang:generation_tokens",
-            "Number of generation tokens processed.",
+            "Number of generation tokens processed",
             m.completion_tokens.clone(),
         );
         r.register(
             "sglang:cached_tokens",
-            "Number of cached prompt tokens.",
+            "Number of cached prompt tokens",
             m.cached_tokens.clone(),
         );
         r.register(
             "sglang:num_requests",
-            "Number of requests processed.",
+            "Number of requests processed",
             m.finished.clone(),
         );
         r.register(
             "sglang:num_aborted_requests",
-            "Number of requests aborted.",
+            "Number of requests aborted",
             m.aborted.clone(),
         );
         r.register(
             "sglang:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
+            "Histogram of time to first token in seconds",
             m.ttft.clone(),
         );
         r.register(
             "sglang:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
+            "Histogram of inter-token latency in seconds",
             m.itl.clone(),
         );
         r.register(
@@ -114,43 +115,43 @@ impl Sglang {
             .sub_registry_with_label((Cow::Borrowed("moe_ep_rank"), Cow::Borrowed("0")));
         scheduler.register(
             "sglang:num_running_reqs",
-            "The number of running requests.",
+            "The number of running requests",
             m.running.clone(),
         );
         scheduler.register(
             "sglang:num_used_tokens",
-            "The number of used tokens.",
+            "The number of used tokens",
             used_tokens.clone(),
         );
-        scheduler.register("sglang:token_usage", "The token usage.", m.kv_usage.clone());
+        scheduler.register("sglang:token_usage", "The token usage", m.kv_usage.clone());
         scheduler.register(
             "sglang:gen_throughput",
-            "The generation throughput (token/s).",
+            "The generation throughput (token/s)",
             m.recent_generation_throughput.clone(),
         );
         scheduler.register(
             "sglang:num_queue_reqs",
-            "The number of requests in the waiting queue.",
+            "The number of requests in the waiting queue",
             m.waiting.clone(),
         );
         scheduler.register(
             "sglang:cache_hit_rate",
-            "The prefix cache hit rate.",
+            "The prefix cache hit rate",
             m.recent_prefix_hit_rate.clone(),
         );
         scheduler.register(
             "sglang:max_total_num_tokens",
-            "Maximum total number of tokens in the KV cache pool.",
+            "Maximum total number of tokens in the KV cache pool",
             max_total_num_tokens,
         );
         scheduler.register(
             "sglang:num_retracted_requests",
-            "Total number of retracted requests.",
+            "Total number of retracted requests",
             m.preemptions.clone(),
         );
         scheduler.register(
             "sglang:queue_time_seconds",
-            "Histogram of queueing time in seconds.",
+            "Histogram of queueing time in seconds",
             m.queue_time.clone(),
         );
 

@@ -48,8 +48,8 @@ pub struct LlamaCpp {
     /// Context of one slot, in tokens.
     n_ctx: u64,
     max_model_len: u64,
-    total_params: f64,
-    weight_bytes: f64,
+    total_params: u64,
+    weight_bytes: u64,
 }
 
 impl LlamaCpp {
@@ -62,8 +62,9 @@ impl LlamaCpp {
             slots,
             n_ctx: slot_context(profile),
             max_model_len: profile.model.max_model_len,
-            total_params: profile.model.total_params,
-            weight_bytes: profile.model.total_params * profile.model.weight_bytes_per_param,
+            total_params: profile.model.total_params as u64,
+            weight_bytes: (profile.model.total_params * profile.model.weight_bytes_per_param)
+                as u64,
         };
         (dialect, metrics)
     }
