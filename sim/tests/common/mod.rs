@@ -1,6 +1,7 @@
 //! Starts the real `weir-sim` binary on a free loopback port for a test.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+#![allow(dead_code)] // every test binary compiles this module and uses a part of it
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
