@@ -225,23 +225,7 @@ impl Driver {
             let Some(sub) = self.subscribers.remove(&done.id) else {
                 continue;
             };
-            let usage = &done.usage;
-            m.finished.inc();
-            m.prompt_tokens.inc_by(usage.prompt_tokens);
-            m.cached_tokens.inc_by(usage.cached_tokens);
-            m.completion_tokens
-                .inc_by(u64::from(usage.completion_tokens));
-            m.prompt_seconds
-                .inc_by(done.ttft_seconds - done.queue_seconds);
-            m.decode_seconds
-                .inc_by(done.e2e_seconds - done.ttft_seconds);
-            let length = usage.prompt_tokens + u64::from(usage.completion_tokens);
-            if length as i64 > m.longest_sequence.get() {
-                m.longest_sequence.set(length as i64);
-            }
-            m.e2e.observe(done.e2e_seconds);
-            m.queue_time.observe(done.queue_seconds);
-            m.count_success(sub.finish_reason);
+            m.record_finished(&done, sub.finish_reason);
             let _ = sub.events.send(SeqEvent::Finished(done));
         }
         for id in gone {

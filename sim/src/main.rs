@@ -56,7 +56,7 @@ struct Cli {
     /// llama.cpp's slots (its `--parallel`): the sequences it runs at once, each with an equal
     /// share of the KV cache as its context; more requests wait inside the engine.
     /// Only with `--metrics-dialect llamacpp`, where it defaults to 4.
-    #[arg(long, value_name = "N", conflicts_with = "max_num_seqs", value_parser = clap::value_parser!(u16).range(1..))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     slots: Option<u16>,
     /// Token budget of one step (prefill chunks plus decode tokens).
     #[arg(long)]
@@ -122,10 +122,15 @@ impl Cli {
             None => Profile::preset(&self.preset)?,
         };
         let e = &mut p.engine;
-        e.max_num_seqs = match (self.metrics_dialect, self.slots) {
-            (DialectName::Llamacpp, slots) => usize::from(slots.unwrap_or(DEFAULT_SLOTS)),
-            (_, Some(_)) => bail!("--slots is llama.cpp's; use it with --metrics-dialect llamacpp"),
-            (_, None) => self.max_num_seqs.unwrap_or(e.max_num_seqs),
+        e.max_num_seqs = match (self.metrics_dialect, self.slots, self.max_num_seqs) {
+            (DialectName::Llamacpp, _, Some(_)) => {
+                bail!("llama.cpp runs --slots sequences at once, not --max-num-seqs")
+            }
+            (DialectName::Llamacpp, slots, None) => usize::from(slots.unwrap_or(DEFAULT_SLOTS)),
+            (_, Some(_), _) => {
+                bail!("--slots is llama.cpp's; use it with --metrics-dialect llamacpp")
+            }
+            (_, None, seqs) => seqs.unwrap_or(e.max_num_seqs),
         };
         e.max_num_batched_tokens = self
             .max_num_batched_tokens

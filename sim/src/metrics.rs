@@ -11,6 +11,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::engine::Finished;
+
 const ITERATION_BUCKETS: [f64; 12] = [
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
 ];
@@ -105,10 +107,28 @@ impl EngineMetrics {
         }
     }
 
-    pub fn count_success(&self, finished_reason: &'static str) {
+    /// Records a request that generated all its tokens.
+    pub fn record_finished(&self, done: &Finished, finish_reason: &'static str) {
+        let usage = &done.usage;
+        self.finished.inc();
         self.request_success
-            .get_or_create(&vec![("finished_reason", finished_reason)])
+            .get_or_create(&vec![("finished_reason", finish_reason)])
             .inc();
+        self.prompt_tokens.inc_by(usage.prompt_tokens);
+        self.cached_tokens.inc_by(usage.cached_tokens);
+        self.completion_tokens
+            .inc_by(u64::from(usage.completion_tokens));
+        self.prompt_seconds
+            .inc_by(done.ttft_seconds - done.queue_seconds);
+        self.decode_seconds
+            .inc_by(done.e2e_seconds - done.ttft_seconds);
+        let length = usage.prompt_tokens + u64::from(usage.completion_tokens);
+        let length = i64::try_from(length).unwrap_or(i64::MAX);
+        if length > self.longest_sequence.get() {
+            self.longest_sequence.set(length);
+        }
+        self.e2e.observe(done.e2e_seconds);
+        self.queue_time.observe(done.queue_seconds);
     }
 }
 

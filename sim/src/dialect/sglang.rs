@@ -256,6 +256,7 @@ impl Dialect for Sglang {
         let (info, metrics) = (self.clone(), self.clone());
         Router::new()
             .route("/health", get(|| async { StatusCode::OK }))
+            .route("/health_generate", get(|| async { StatusCode::OK }))
             .route(
                 "/v1/models",
                 get(move || async move { axum::Json(self.models.clone()) }),
