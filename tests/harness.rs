@@ -184,6 +184,18 @@ impl Sim {
             .collect()
     }
 
+    /// Switches the simulator's hang fault: while on, it accepts new inference requests and
+    /// never answers them; requests already running are unaffected.
+    pub async fn set_hang(&self, on: bool) {
+        let resp = reqwest::Client::new()
+            .put(format!("{}/debug/faults/hang", self.url))
+            .body(on.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert!(resp.status().is_success(), "hang switch: {}", resp.status());
+    }
+
     /// Waits (up to ten seconds, polling every 50 ms) until the simulator has no request running
     /// or waiting; returns anyway when that time is up.
     pub async fn wait_idle(&self) {
