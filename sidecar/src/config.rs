@@ -7,6 +7,7 @@ use anyhow::{Context, bail};
 use serde::Deserialize;
 
 pub use crate::idempotency::IdempotencyConfig;
+use crate::isolation::CacheIsolation;
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -174,6 +175,11 @@ pub struct PoolConfig {
     /// counts requests instead of KV tokens.
     #[serde(default = "default_max_in_flight_without_kv")]
     pub max_in_flight_without_kv: u64,
+    /// `probe` (default): each replica is probed for how its prefix cache can be kept per
+    /// tenant, and gets no traffic until it is, nor if it cannot be. `shared`: not probed; the
+    /// pool's tenants may share its replicas' prefix caches.
+    #[serde(default)]
+    pub cache_isolation: CacheIsolation,
 }
 
 fn default_listen() -> SocketAddr {

@@ -10,6 +10,7 @@ use tracing_subscriber::EnvFilter;
 use weir_core::scheduler::Policy;
 use weir_sidecar::config::SidecarConfig;
 use weir_sidecar::dispatcher::{Dispatcher, Event};
+use weir_sidecar::isolation_probe::Prober;
 use weir_sidecar::ledger::Ledger;
 use weir_sidecar::metrics::Metrics;
 use weir_sidecar::pool::{EngineSample, Pool};
@@ -83,14 +84,21 @@ async fn main() -> anyhow::Result<()> {
         .connect_timeout(Duration::from_secs(2))
         .build()?;
 
-    for (p, pool) in pools.iter().enumerate() {
+    for (p, (pool, pool_config)) in pools.iter().zip(&config.pools).enumerate() {
         for (r, replica) in pool.replicas.iter().enumerate() {
+            let isolation = Prober::new(
+                http.clone(),
+                replica.url.clone(),
+                pool.model.clone(),
+                pool_config.cache_isolation,
+            );
             tokio::spawn(probe(
                 http.clone(),
                 events.clone(),
                 p,
                 r,
                 replica.url.clone(),
+                isolation,
             ));
         }
     }
@@ -219,15 +227,19 @@ async fn drain(
 }
 
 /// Reads a replica's metrics forever; an unreadable replica is reported unhealthy and ejected
-/// until it answers again.
+/// until it answers again. A replica that joins (healthy after unknown or unhealthy) has its
+/// prefix-cache isolation probed before it gets work.
 async fn probe(
     http: reqwest::Client,
     events: mpsc::UnboundedSender<Event>,
     pool: usize,
     replica: usize,
     url: String,
+    mut isolation: Prober,
 ) {
     let mut tick = tokio::time::interval(PROBE_EVERY);
+    // An isolation probe takes a while: no burst of catch-up reads after it.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let read = async {
@@ -241,6 +253,7 @@ async fn probe(
             Some(EngineSample::parse(&text))
         };
         let sample = read.await;
+        let healthy = sample.is_some();
         if events
             .send(Event::Sample {
                 pool,
@@ -248,6 +261,17 @@ async fn probe(
                 sample,
             })
             .is_err()
+        {
+            return;
+        }
+        if let Some(isolation) = isolation.after_sample(healthy).await
+            && events
+                .send(Event::Isolated {
+                    pool,
+                    replica,
+                    isolation,
+                })
+                .is_err()
         {
             return;
         }

@@ -14,6 +14,7 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use crate::config::PoolConfig;
+use crate::isolation::Isolation;
 
 /// What a replica's `/metrics` said last.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -67,6 +68,8 @@ pub struct Replica {
     /// Requests at once while the KV budget is unknown (0).
     pub max_in_flight_without_kv: u64,
     pub healthy: bool,
+    /// How its prefix cache is kept per tenant; only some modes get work.
+    pub isolation: Isolation,
     pub engine: EngineSample,
 }
 
@@ -81,13 +84,19 @@ impl Replica {
         reserved.max(self.engine.kv_usage)
     }
 
+    /// Whether tenants' work may go here at all: healthy, and its prefix cache kept per
+    /// tenant (or shared by the config's choice).
+    pub fn serves(&self) -> bool {
+        self.healthy && self.isolation.serves()
+    }
+
     pub fn fits(&self, kv_need: u64) -> bool {
         let room = if self.kv_budget == 0 {
             self.in_flight < self.max_in_flight_without_kv
         } else {
             self.reserved + kv_need <= self.kv_budget || self.in_flight == 0
         };
-        self.healthy && self.engine.waiting == 0 && room
+        self.serves() && self.engine.waiting == 0 && room
     }
 }
 
@@ -114,6 +123,7 @@ impl Pool {
                     max_in_flight_without_kv: config.max_in_flight_without_kv,
                     // Unknown until the first probe answers.
                     healthy: false,
+                    isolation: Isolation::initial(config.cache_isolation),
                     engine: EngineSample::default(),
                 })
                 .collect(),
@@ -126,22 +136,22 @@ impl Pool {
         self.replicas.iter().any(|r| r.fits(kv_need))
     }
 
-    /// KV tokens across healthy replicas.
+    /// KV tokens across the replicas that serve.
     pub fn capacity(&self) -> u64 {
         self.replicas
             .iter()
-            .filter(|r| r.healthy)
+            .filter(|r| r.serves())
             .map(|r| r.kv_budget)
             .sum()
     }
 
-    /// The replica a tenant's prefix maps to (rendezvous hashing over healthy replicas), so
-    /// its prompts keep landing where its prefix cache is warm.
+    /// The replica a tenant's prefix maps to (rendezvous hashing over the replicas that
+    /// serve), so its prompts keep landing where its prefix cache is warm.
     pub fn affine(&self, affinity: u64) -> Option<usize> {
         self.replicas
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.healthy)
+            .filter(|(_, r)| r.serves())
             .max_by_key(|(i, _)| {
                 let mut h = DefaultHasher::new();
                 (affinity, i).hash(&mut h);
@@ -188,9 +198,11 @@ mod tests {
             affinity_load_threshold: 0.8,
             affinity_prefix_bytes: 64,
             max_in_flight_without_kv: 2,
+            cache_isolation: Default::default(),
         });
         for r in &mut p.replicas {
             r.healthy = true;
+            r.isolation = Isolation::Salt;
         }
         p
     }
@@ -245,6 +257,26 @@ mod tests {
         p.replicas[0].engine.waiting = 0;
         p.replicas[0].healthy = false;
         assert!(!p.fits(10));
+    }
+
+    #[test]
+    fn a_replica_whose_cache_is_not_kept_per_tenant_gets_no_work() {
+        use crate::isolation::Gap;
+        let mut p = pool(2);
+        let key = affinity_key("t", b"prefix");
+        let affine = p.affine(key).unwrap();
+        for mode in [Isolation::Unprobed, Isolation::Unisolated(Gap::SaltIgnored)] {
+            p.replicas[affine].isolation = mode;
+            assert_eq!(p.route(key, 10), Some(1 - affine), "{mode:?}");
+            assert_eq!(p.affine(key), Some(1 - affine), "nor is it affine");
+            assert_eq!(p.capacity(), 1000, "nor counted in the pool's KV");
+        }
+        p.replicas[1 - affine].isolation = Isolation::Unprobed;
+        assert!(!p.fits(10), "no replica serves");
+        for mode in [Isolation::CacheOff, Isolation::Shared] {
+            p.replicas[affine].isolation = mode;
+            assert_eq!(p.route(key, 10), Some(affine), "{mode:?}");
+        }
     }
 
     #[test]
