@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim};
 
 mod bench;
+mod engines;
 
 #[derive(Parser)]
 #[command(
@@ -22,7 +23,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Task {
     /// Build and run the local stack: Envoy with the weir filter and the example tenants, the
-    /// dispatcher sidecar, and two simulated engine replicas. Ctrl-C stops every process.
+    /// dispatcher sidecar, and two simulated engine replicas (or engines of your own, with
+    /// `--engine`). Ctrl-C stops every process.
     Up {
         /// Simulator preset to serve.
         #[arg(long, default_value = "llama-3.1-8b")]
@@ -33,6 +35,11 @@ enum Task {
         /// Model seconds per wall second.
         #[arg(long, default_value_t = 1.0)]
         time_scale: f64,
+        /// An OpenAI-compatible engine you already run (vLLM, SGLang, llama.cpp's llama-server,
+        /// weir-sim), e.g. `http://127.0.0.1:8000`; repeat for more. Replaces the simulators:
+        /// the models come from each engine's `/v1/models`, and replicas of a model form a pool.
+        #[arg(long = "engine", value_name = "URL", conflicts_with_all = ["preset", "time_scale"])]
+        engines: Vec<String>,
     },
     /// Overhead benchmarks, each against a baseline from the same run: token counting (native
     /// and in wasm, exact vs fast), scheduler decisions, Envoy with vs without the weir filter,
@@ -60,7 +67,8 @@ fn main() -> ExitCode {
             preset,
             port,
             time_scale,
-        } => up(&preset, port, time_scale),
+            engines,
+        } => up(&preset, port, time_scale, &engines),
         Task::Test { no_lint } => test(!no_lint),
         Task::Bench => bench(),
         Task::Scenario { args } => scenario(&args),
@@ -135,28 +143,37 @@ fn build_release_stack(extra: &[&str]) -> anyhow::Result<()> {
     run("building the stack (release)", &mut cmd)
 }
 
-fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
+fn up(preset: &str, port: u16, time_scale: f64, urls: &[String]) -> anyhow::Result<()> {
     build_release_stack(&[])?;
     let example = root().join("envoy/weir.example.json");
-    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&example)?)
-        .with_context(|| format!("parsing {}", example.display()))?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&example)?)
+            .with_context(|| format!("parsing {}", example.display()))?;
     let scale = time_scale.to_string();
-    let replicas: Vec<Sim> = (0..2)
-        .map(|_| {
-            Sim::start_from(
-                &root().join("target/release/weir-sim"),
-                &["--preset", preset, "--time-scale", &scale],
-            )
-        })
-        .collect();
+    let sims: Vec<Sim> = if urls.is_empty() {
+        (0..2)
+            .map(|_| {
+                Sim::start_from(
+                    &root().join("target/release/weir-sim"),
+                    &["--preset", preset, "--time-scale", &scale],
+                )
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let urls = if sims.is_empty() {
+        urls.to_vec()
+    } else {
+        sims.iter().map(|s| s.url.clone()).collect()
+    };
+    let engines = engines::discover(&urls)?;
+    engines::add_to_config(&mut config, &engines);
     // The filter signs with, and the sidecar checks, a secret the harness draws at random for
     // this run and passes to both through `WEIR_SIGNING_SECRET` (never a committed value).
     let sidecar = Sidecar::start_from(
         &root().join("target/release/weir-sidecar"),
-        serde_json::json!({
-            "policy": "fair",
-            "pools": [{"model": preset, "replicas": replicas.iter().map(|r| r.url.clone()).collect::<Vec<_>>()}],
-        }),
+        serde_json::json!({"policy": "fair", "pools": engines::pools(&engines)}),
     );
     let envoy = Envoy::launch(EnvoyOptions {
         weir_config: &config,
@@ -170,23 +187,40 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
         let _ = stop.send(());
     })?;
 
-    println!(
-        "\nweir is up: Envoy + weir filter -> weir-sidecar -> 2 simulated {preset} replicas.\n"
-    );
+    if sims.is_empty() {
+        println!("\nweir is up: Envoy + weir filter -> weir-sidecar -> your engines:\n");
+    } else {
+        println!(
+            "\nweir is up: Envoy + weir filter -> weir-sidecar -> 2 simulated {preset} replicas.\n"
+        );
+    }
+    for engine in &engines {
+        let models: Vec<String> = engine
+            .models
+            .iter()
+            .map(|m| match m.context {
+                Some(context) => format!("{} ({context} tokens of context)", m.id),
+                None => m.id.clone(),
+            })
+            .collect();
+        println!(
+            "  Engine            {} serves {}",
+            engine.url,
+            models.join(", ")
+        );
+        println!("                    metrics {}/metrics", engine.url);
+    }
     println!(
         "  OpenAI endpoint   {}/v1   (shadow-mode route: {}/shadow/v1)",
         envoy.url, envoy.url
     );
-    println!("  Demo keys");
+    println!("  Demo keys         (any served model)");
     for (key, who) in DEMO_KEYS {
         println!("    {key:<20} {who}");
     }
     println!("  Gateway metrics   {}/stats?filter=weir", envoy.admin);
     println!("  Sidecar metrics   {}/metrics", sidecar.admin);
     println!("  Sidecar readiness {}/ready", sidecar.admin);
-    for r in &replicas {
-        println!("  Engine metrics    {}/metrics", r.url);
-    }
     println!(
         "  Usage ledger      {}  (weir usage --ledger <path>)",
         sidecar.ledger.display()
@@ -198,7 +232,8 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
     );
     println!("    -H 'content-type: application/json' \\");
     println!(
-        "    -d '{{\"model\": \"{preset}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'"
+        "    -d '{{\"model\": \"{}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
+        engines[0].models[0].id
     );
     println!("\nCtrl-C stops everything.");
 
@@ -206,7 +241,7 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
     eprintln!("xtask: stopping");
     drop(envoy);
     drop(sidecar);
-    drop(replicas);
+    drop(sims);
     Ok(())
 }
 
@@ -352,6 +387,10 @@ fn test(lint: bool) -> anyhow::Result<()> {
         "building binaries",
         cargo().args(["build", "--workspace", "--bins"]),
     )?;
+    // Before `cargo test`, so no test's timeout includes a first build (minutes).
+    c_toolchain()?;
+    let llama = weir_e2e::llama::build()?;
+    eprintln!("xtask: llama-server ready: {}", llama.server.display());
     run(
         "cargo clippy (filter for wasm32-wasip1)",
         cargo().args([
@@ -398,6 +437,38 @@ fn test(lint: bool) -> anyhow::Result<()> {
     )?;
     eprintln!("xtask: all tests passed");
     Ok(())
+}
+
+/// The C/C++ compilers and make that llama.cpp's build needs (cmake comes from the venv):
+/// Debian's `build-essential`, installed with apt-get only when one is missing.
+fn c_toolchain() -> anyhow::Result<()> {
+    let present = |tool: &str| {
+        Command::new(tool)
+            .arg("--version")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if ["cc", "c++", "make"].into_iter().all(present) {
+        return Ok(());
+    }
+    run(
+        "apt-get update",
+        Command::new("apt-get").args(["update", "-q"]),
+    )?;
+    run(
+        "installing build-essential (apt-get)",
+        Command::new("apt-get")
+            .args([
+                "install",
+                "-y",
+                "-q",
+                "--no-install-recommends",
+                "build-essential",
+            ])
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
 }
 
 fn venv_bin(name: &str) -> PathBuf {
