@@ -1,7 +1,8 @@
 //! Starts weir's real parts on loopback, for the end-to-end tests and `cargo xtask up`: the
-//! simulator, and Envoy with the built filter. Binaries come from the workspace's target
-//! directory (built by `cargo xtask test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM` and
-//! `ENVOY_BIN`.
+//! simulator, the sidecar, Envoy with the built filter, and llama.cpp's `llama-server`
+//! ([`llama`]). Binaries come from the workspace's target directory (built by `cargo xtask
+//! test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM` and `ENVOY_BIN`; llama-server from its
+//! cache.
 //!
 //! Every child process is started from one long-lived thread with `PR_SET_PDEATHSIG`, so the
 //! whole stack dies with the test binary, however it exits.
