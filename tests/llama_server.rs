@@ -15,7 +15,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
 use weir_e2e::llama::{LlamaServer, MODEL};
-use weir_e2e::{Envoy, Sidecar, api_key, api_key_limited, chat_body, p95, post_json, wait_for};
+use weir_e2e::{Envoy, Sidecar, api_key, api_key_limited, chat_body, p95, post_json};
 
 struct Stack {
     engines: Vec<LlamaServer>,
@@ -26,6 +26,8 @@ struct Stack {
 }
 
 const SLOTS: u32 = 4;
+/// Tokens of context per slot.
+const CONTEXT: u32 = 2048;
 /// How long a request may wait in weir's queue before it is answered 429/503 instead.
 const DEADLINE_MS: u64 = 2_000;
 const CHAT: &str = "/v1/chat/completions";
@@ -44,7 +46,7 @@ fn weir_config() -> Value {
     .collect();
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "llama", "keys": keys}]}]}],
-        "models": {MODEL: {"max_context_tokens": 2048}},
+        "models": {MODEL: {"max_context_tokens": CONTEXT}},
     })
 }
 
@@ -52,8 +54,8 @@ fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
         let engines = vec![
-            LlamaServer::start(SLOTS, 2048),
-            LlamaServer::start(SLOTS, 2048),
+            LlamaServer::start(SLOTS, CONTEXT),
+            LlamaServer::start(SLOTS, CONTEXT),
         ];
         let sidecar_config = |policy: &str| {
             json!({
@@ -327,8 +329,10 @@ struct Run {
     small_ttfts: Vec<f64>,
     small_refused: usize,
     noisy_served: usize,
-    /// Longest a request waited for its response to start, refusals included.
+    /// Longest a request waited for its response to start, refusals included: of any tenant,
+    /// and of the noisy tenant.
     longest_wait: Duration,
+    noisy_longest_wait: Duration,
     /// Most requests the engines held at once, and most deferred inside an engine.
     peak_processing: f64,
     peak_deferred: f64,
@@ -414,17 +418,19 @@ async fn noisy_neighbour_run(path: &'static str, flood: bool, window: Duration) 
         futures::future::join_all((0..clients).map(noisy)),
         watch,
     );
+    let noisy_longest_wait = floods.iter().map(|f| f.1).max().unwrap();
     let longest_wait = smalls
         .iter()
         .map(|s| s.2)
-        .chain(floods.iter().map(|f| f.1))
         .max()
-        .unwrap();
+        .unwrap()
+        .max(noisy_longest_wait);
     Run {
         small_ttfts: smalls.iter().flat_map(|s| s.0.clone()).collect(),
         small_refused: smalls.iter().map(|s| s.1).sum(),
         noisy_served: floods.iter().map(|f| f.0).sum(),
         longest_wait,
+        noisy_longest_wait,
         peak_processing,
         peak_deferred,
     }
@@ -447,22 +453,33 @@ async fn small_tenants_keep_their_latency_through_a_noisy_flood_and_no_queue_for
         let ratio = under / base;
         println!(
             "{policy}: small TTFT p95 {:.1} ms -> {:.1} ms under the flood ({ratio:.2}x; {} vs {} samples, {} refused); \
-             noisy served {}; engines: peak {} processing, peak {} deferred; longest wait for a response {:?} (deadline {DEADLINE_MS} ms)",
+             noisy served {}, its longest wait {:?}; engines: peak {} processing, peak {} deferred; longest wait for a response {:?} (deadline {DEADLINE_MS} ms)",
             base * 1e3,
             under * 1e3,
             quiet.small_ttfts.len(),
             flooded.small_ttfts.len(),
             flooded.small_refused,
             flooded.noisy_served,
+            flooded.noisy_longest_wait,
             flooded.peak_processing,
             flooded.peak_deferred,
             flooded.longest_wait,
         );
-        assert_eq!(
-            flooded.peak_processing,
-            f64::from(2 * SLOTS),
-            "{policy}: the flood saturates every slot"
-        );
+        // The premise: the flood is more than the pool runs at once, so it queues somewhere;
+        // where nothing holds slots back for others (FIFO), it alone fills every slot.
+        if flooded.noisy_longest_wait < Duration::from_millis(250) {
+            failures.push(format!(
+                "{policy}: the flood never waited ({:?}): it did not saturate the engines",
+                flooded.noisy_longest_wait
+            ));
+        }
+        if policy == "fifo" && flooded.peak_processing < f64::from(2 * SLOTS) {
+            failures.push(format!(
+                "fifo: the flood filled {} of {} slots",
+                flooded.peak_processing,
+                2 * SLOTS
+            ));
+        }
         if flooded.peak_deferred > 0.0 {
             failures.push(format!(
                 "{policy}: {} requests queued inside an engine",
@@ -501,57 +518,49 @@ async fn small_tenants_keep_their_latency_through_a_noisy_flood_and_no_queue_for
 async fn another_tenants_identical_prompt_never_reuses_a_tenants_prompt_cache() {
     let _turn = turn().await;
     let nonce = weir_sidecar::dispatcher::now_ms();
-    let shared = format!(
-        "{nonce}: you are a helpful assistant. {}",
-        "the system prompt of a shared assistant. ".repeat(40)
-    );
-    let ask = |key: &'static str, id: String| {
-        let body = chat_body(
-            MODEL,
-            &shared,
-            json!({"max_tokens": 60, "ignore_eos": true}),
-        );
+    // Sends `prompt` as `key`; returns the cached tokens the engine reported and the replica
+    // that served it (from the ledger).
+    let ask = |key: &'static str, prompt: &str, id: String| {
+        let body = chat_body(MODEL, prompt, json!({"max_tokens": 8, "ignore_eos": true}));
         async move {
             let resp = post(CHAT, key, body, Some(&id)).await;
             assert_eq!(resp.status(), StatusCode::OK);
             let v: Value = resp.json().await.unwrap();
             let rows = stack().sidecar.attempts(&id);
-            (
-                v["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    .as_u64()
-                    .unwrap_or(0),
-                rows[0].replica.clone(),
-            )
+            assert_eq!(rows.len(), 1, "{id}: {rows:?}");
+            let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or(0);
+            (cached, rows[0].replica.clone())
         }
     };
-    // Tenant A sends its prompt twice as often as there are slots, at once, so the affine
-    // replica fills up, the rest spills to the other one, and the prompt sits in the slots of
-    // both: whichever replica serves tenant B has it.
-    let first: Vec<(u64, String)> = futures::future::join_all(
-        (0..4 * SLOTS).map(|i| ask("cache-a", format!("cache-a-{nonce}-{i}"))),
-    )
-    .await;
-    let replicas: std::collections::BTreeSet<&String> = first.iter().map(|(_, r)| r).collect();
-    assert_eq!(
-        replicas.len(),
-        2,
-        "tenant A's prompt reached both replicas: {first:?}"
-    );
-    let (a_repeat, a_replica) = ask("cache-a", format!("cache-a-{nonce}-again")).await;
-    let b: Vec<(u64, String)> =
-        futures::future::join_all((0..2).map(|i| ask("cache-b", format!("cache-b-{nonce}-{i}"))))
-            .await;
-    println!(
-        "tenant A's repeat: {a_repeat} cached tokens on {a_replica}; tenant B's identical prompt: {b:?}"
-    );
-    assert!(
-        b.iter().all(|(cached, _)| *cached == 0),
-        "tenant B was served from tenant A's prompt cache: {b:?}"
-    );
-    let rows = wait_for(Duration::from_secs(5), || {
-        let rows = stack().sidecar.ledger_rows(Some("acme/lab/llama/cache-b"));
-        (rows.len() == 2).then_some(rows)
-    })
-    .expect("tenant B's two requests billed");
-    assert!(rows.iter().all(|r| r.outcome == "ok"));
+    // Each round a new prompt: tenant A sends it, then tenant B the identical one. Routing is
+    // per tenant, so B lands on A's replica — where A's prompt sits in a slot — in about half
+    // the rounds; the first such round is the check.
+    let mut rounds = Vec::new();
+    for round in 0..10 {
+        let prompt = format!(
+            "{nonce}.{round}: you are a helpful assistant. {}",
+            "the system prompt of a shared assistant. ".repeat(40)
+        );
+        let (_, a_replica) = ask("cache-a", &prompt, format!("cache-a-{nonce}-{round}")).await;
+        let (b_cached, b_replica) =
+            ask("cache-b", &prompt, format!("cache-b-{nonce}-{round}")).await;
+        let together = a_replica == b_replica;
+        rounds.push((a_replica, b_replica, b_cached));
+        if together {
+            let (a_repeat, _) =
+                ask("cache-a", &prompt, format!("cache-a-{nonce}-{round}-again")).await;
+            println!(
+                "round {round}: tenant B on tenant A's replica got {b_cached} cached tokens; \
+                 tenant A's repeat got {a_repeat}"
+            );
+            assert_eq!(
+                b_cached, 0,
+                "tenant B was served from tenant A's prompt cache"
+            );
+            return;
+        }
+    }
+    panic!("tenant B never landed on tenant A's replica: {rounds:?}");
 }
