@@ -5,8 +5,10 @@
 
 pub mod config;
 pub mod dispatcher;
+pub mod engine;
 pub mod idempotency;
 pub mod ledger;
+pub mod limiter;
 pub mod metrics;
 pub mod pool;
 pub mod relay;

@@ -296,11 +296,20 @@ pub async fn relay(
 ) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
     let app = flight.app.clone();
-    // Both count from dispatch: an engine that accepts the request and never answers (no
-    // headers, or a non-streamed body that never comes) must not hold the replica for ever.
+    // All count from dispatch: an engine that accepts the request and never answers (no
+    // headers, or a non-streamed body that never comes) must not hold the replica for ever,
+    // and one that does not start a stream within `first_byte_ms` is holding it in a queue.
     let dispatched = tokio::time::Instant::now();
     let deadline = dispatched + Duration::from_millis(app.relay.max_response_ms);
     let stream_deadline = dispatched + Duration::from_millis(app.relay.max_stream_ms);
+    let first_byte = dispatched + Duration::from_millis(app.relay.first_byte_ms);
+    // A stream's headers come by its first byte at the latest (llama.cpp sends those of a
+    // request it has not started only once it starts it).
+    let (headers_deadline, late): (_, fn(Flight) -> Response) = if stream && first_byte < deadline {
+        (first_byte, not_started)
+    } else {
+        (deadline, timed_out)
+    };
     if *app.cut.borrow() {
         // Dispatched after the grace period ended (it was queued): never sent.
         flight.nothing_ran = true;
@@ -314,7 +323,7 @@ pub async fn relay(
     let sent = tokio::select! {
         sent = request => sent,
         () = cut(&app) => return cut_short(flight),
-        () = tokio::time::sleep_until(deadline) => return timed_out(flight),
+        () = tokio::time::sleep_until(headers_deadline) => return late(flight),
     };
     let upstream = match sent {
         Ok(resp) => resp,
@@ -374,11 +383,19 @@ pub async fn relay(
             }
         };
     }
-    let body = Body::from_stream(relay_stream(
-        flight,
-        upstream.bytes_stream(),
-        stream_deadline,
-    ));
+    // The answer's status is settled only once the engine has started: a stream it holds
+    // unstarted past `first_byte_ms` is still a 503 the caller can retry, not a broken 200.
+    let mut upstream = upstream.bytes_stream();
+    let first = tokio::select! {
+        first = upstream.next() => first,
+        () = cut(&app) => return cut_short(flight),
+        () = tokio::time::sleep_until(first_byte) => return not_started(flight),
+    };
+    if matches!(first, Some(Ok(_))) {
+        flight.assignment.started(flight.who.input_tokens);
+    }
+    let upstream = futures::stream::iter(first).chain(upstream);
+    let body = Body::from_stream(relay_stream(flight, upstream, stream_deadline));
     let mut resp = Response::new(body);
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
@@ -431,6 +448,24 @@ fn timed_out(mut flight: Flight) -> Response {
             "the engine did not answer within the gateway's longest response time; retry",
         )
         .with_code("response_deadline"),
+    )
+}
+
+/// A stream the engine had not started (no body bytes) by the end of `relay.first_byte_ms`: the
+/// upstream request is dropped (the engine aborts it), the attempt recorded with nothing billed,
+/// the replica's concurrency limit lowered, and the caller told to retry.
+fn not_started(mut flight: Flight) -> Response {
+    flight.assignment.not_started();
+    flight.app.metrics.reject("first_byte_deadline");
+    flight.nothing_ran = true;
+    flight.finish("first_byte_deadline", None);
+    error_response(
+        &ApiError::new(
+            503,
+            "ServiceUnavailableError",
+            "the engine did not start the request within the gateway's first-byte deadline; retry",
+        )
+        .with_code("first_byte_deadline"),
     )
 }
 
