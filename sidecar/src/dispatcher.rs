@@ -66,6 +66,15 @@ impl Assignment {
         });
     }
 
+    /// The engine answered a non-streamed request.
+    pub fn answered(&self) {
+        let _ = self.events.send(Event::Answered {
+            pool: self.pool,
+            replica: self.replica,
+            ticket: self.ticket,
+        });
+    }
+
     /// The engine did not start the request within `relay.first_byte_ms`.
     pub fn not_started(&self) {
         let _ = self.events.send(Event::FirstByteTimeout {
@@ -179,6 +188,12 @@ pub enum Event {
         ticket: Ticket,
         ttfb_ms: f64,
         prompt_tokens: u64,
+    },
+    /// Sent by [`Assignment::answered`].
+    Answered {
+        pool: usize,
+        replica: usize,
+        ticket: Ticket,
     },
     /// Sent by [`Assignment::not_started`].
     FirstByteTimeout {
@@ -361,6 +376,17 @@ impl Dispatcher {
                     let in_flight = r.in_flight;
                     r.limiter
                         .first_byte(ticket, ttfb_ms, prompt_tokens, in_flight);
+                }
+                self.update_limits(pool, replica);
+            }
+            Event::Answered {
+                pool,
+                replica,
+                ticket,
+            } => {
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    let in_flight = r.in_flight;
+                    r.limiter.answered(ticket, in_flight);
                 }
                 self.update_limits(pool, replica);
             }
@@ -700,10 +726,11 @@ impl Dispatcher {
 }
 
 /// The most requests one tenant may run at once in a pool of `slots` while others are active:
-/// all but the headroom's share, leaving at least one slot to the others, yet at least one.
+/// all but the headroom's share of them (rounded down, at least one), yet at least one. Rounding
+/// the headroom down keeps a weighted tenant's fair share within reach on a pool of few slots.
 fn slot_share(slots: u64, headroom: f64) -> u64 {
-    let share = ((1.0 - headroom) * slots as f64).floor() as u64;
-    share.min(slots.saturating_sub(1)).max(1)
+    let kept = ((headroom * slots as f64).floor() as u64).max(1);
+    slots.saturating_sub(kept).max(1)
 }
 
 #[cfg(test)]
@@ -1055,24 +1082,25 @@ mod tests {
 
     #[test]
     fn while_others_are_active_no_tenant_takes_every_slot() {
-        let (mut d, _events) = slotted(2, 4);
+        let (mut d, _events) = slotted(2, 5);
         let mut small = enqueue(&mut d, "small", 1);
         let mut noisy = enqueue(&mut d, "noisy", 10);
         let _small_running = assigned_of(&mut small);
         let noisy_running = assigned_of(&mut noisy);
-        assert_eq!(noisy_running.len(), 6, "80% of 8 slots");
+        assert_eq!(noisy_running.len(), 8, "all but 20% of 10 slots");
         // A slot is left for the others: a small tenant's next request starts at once.
         let mut next = enqueue(&mut d, "small", 1);
         assert_eq!(assigned_of(&mut next).len(), 1);
 
-        // Alone, a tenant may use the whole pool (FIFO keeps no share either).
+        // Alone, a tenant may use the whole pool.
         let (mut d, _events) = slotted(2, 4);
         let mut alone = enqueue(&mut d, "noisy", 10);
         assert_eq!(assigned_of(&mut alone).len(), 8);
         // Even a pool of one slot serves everyone, one at a time.
         assert_eq!(slot_share(1, 0.2), 1);
         assert_eq!(slot_share(2, 0.2), 1);
-        assert_eq!(slot_share(8, 0.2), 6);
+        assert_eq!(slot_share(6, 0.2), 5, "3:1 weights still within reach");
+        assert_eq!(slot_share(8, 0.2), 7);
         assert_eq!(slot_share(10, 0.05), 9, "always one slot left");
     }
 

@@ -11,21 +11,28 @@
 //! - **Time to first byte** (TTFB): from dispatch to the first body bytes of a stream, the
 //!   moment the engine has started the request (llama.cpp sends a waiting stream's headers late,
 //!   vLLM at once; the first body bytes come after the start on both). TTFB grows with the
-//!   prompt (prefill), so each sample is compared with the floor — the least TTFB seen — of its
+//!   prompt (prefill), so each sample is divided by the floor — the least TTFB seen — of its
 //!   own prompt-length class (powers of two of prompt tokens): a 1,500-token prompt is never
-//!   judged against a 250-token one. Within [`TOLERANCE`]× the floor (which also covers the
-//!   twofold spread of prompt lengths inside a class), the engine started it at once: the limit
-//!   grows by one, if the replica is using at least half of it (a quiet replica proves nothing).
-//!   Above, the engine held it: the limit is multiplied by the gradient
-//!   `TOLERANCE · floor / sample`, never by less than [`MIN_GRADIENT`] at once.
+//!   judged against a 250-token one. Floors under [`MIN_FLOOR_MS`] count as that much, so a few
+//!   milliseconds of scheduling jitter on a fast engine are not read as a queue. The ratios are
+//!   smoothed ([`SMOOTHING`]): a batching engine slows every request a little as it fills, and
+//!   one slow answer is not a queue. While the smoothed ratio stays within [`TOLERANCE`] (which
+//!   also covers the twofold spread of prompt lengths inside a class), the engine starts what
+//!   it gets at once: the limit grows by one per sample, if the replica is using at least half
+//!   of it (a quiet replica proves nothing). Above, the engine holds requests back: the limit
+//!   is multiplied by the gradient `TOLERANCE / ratio`, never by less than [`MIN_GRADIENT`] at
+//!   once. Waiting for a slot costs a whole request's time, far beyond the tolerance.
+//! - **A non-streamed answer**: it comes whole, so its time says nothing of a queue; it counts
+//!   as the engine serving, and the limit grows by one as for a stream started at once.
 //! - **No first byte within `relay.first_byte_ms`**: the engine accepted the request and did
 //!   not start it (hung, or a queue of someone else's): the limit halves ([`BACKOFF`]).
 //! - **The engine reports requests waiting**: it runs no more than it is running, so the limit
 //!   drops to that.
 //!
 //! One decrease per round: samples of requests dispatched before the last decrease measured the
-//! old limit and neither lower nor raise the new one (TCP's one reduction per window), so a
-//! burst of slow answers to one overload halves the limit once, not down to 1. The limit never
+//! old limit and neither lower nor raise the new one (TCP's one reduction per window), and the
+//! smoothed ratio starts afresh, so a burst of slow answers to one overload cuts the limit once,
+//! not down to 1. The limit never
 //! falls below 1: a replica always takes one request, and its answer is how it recovers.
 //!
 //! Floors drift up by [`FLOOR_DRIFT`] a sample, so one lucky sample (or a prefix-cache hit)
@@ -37,8 +44,12 @@
 pub const INITIAL_LIMIT: u64 = 16;
 /// The highest the limit grows without a limit from the engine or the config.
 pub const MAX_LIMIT: u64 = 1024;
-/// A sample this many times its class's floor or less is a start without waiting.
-pub const TOLERANCE: f64 = 2.0;
+/// A smoothed TTFB this many times its class's floor or less is a start without waiting.
+pub const TOLERANCE: f64 = 3.0;
+/// Floors below this (ms) count as this much.
+pub const MIN_FLOOR_MS: f64 = 10.0;
+/// Weight of each new sample in the smoothed ratio (about the last ten samples count).
+pub const SMOOTHING: f64 = 0.2;
 /// The most one slow sample cuts the limit by (halving).
 pub const MIN_GRADIENT: f64 = 0.5;
 /// A first-byte timeout halves the limit.
@@ -58,6 +69,8 @@ pub struct Limiter {
     ceiling: f64,
     /// Per prompt-length class, the least TTFB seen (ms), drifting up.
     floors: [Option<f64>; CLASSES],
+    /// TTFB over its class's floor, smoothed over this round's samples.
+    ratio: f64,
     dispatched: u64,
     /// Tickets below this were dispatched before the last decrease.
     recovery: u64,
@@ -70,6 +83,7 @@ impl Limiter {
             limit: 0.0,
             ceiling: 0.0,
             floors: [None; CLASSES],
+            ratio: 1.0,
             dispatched: 0,
             recovery: 0,
         };
@@ -82,7 +96,7 @@ impl Limiter {
     pub fn restart(&mut self, ceiling: Option<u64>) {
         self.ceiling = ceiling.unwrap_or(MAX_LIMIT).max(1) as f64;
         self.limit = ceiling.unwrap_or(INITIAL_LIMIT).max(1) as f64;
-        self.recovery = self.dispatched;
+        self.new_round();
     }
 
     /// Requests the replica may run at once.
@@ -119,12 +133,26 @@ impl Limiter {
         if ticket.0 <= self.recovery {
             return;
         }
-        // A floor of 0 ms (a clock too coarse) must not make every sample look slow.
-        let gradient = (TOLERANCE * reference.max(1.0) / ttfb_ms.max(1.0)).clamp(MIN_GRADIENT, 1.0);
-        if gradient < 1.0 {
-            self.decrease(gradient);
-        } else if 2 * in_flight >= self.limit() {
+        let ratio = ttfb_ms / reference.max(MIN_FLOOR_MS);
+        self.ratio += SMOOTHING * (ratio - self.ratio);
+        if self.ratio > TOLERANCE {
+            self.decrease((TOLERANCE / self.ratio).max(MIN_GRADIENT));
+        } else {
+            self.grow(in_flight);
+        }
+    }
+
+    /// One more, if the replica is using at least half of its limit.
+    fn grow(&mut self, in_flight: u64) {
+        if 2 * in_flight >= self.limit() {
             self.limit = (self.limit + 1.0).min(self.ceiling);
+        }
+    }
+
+    /// The engine answered a non-streamed request, while the replica had `in_flight` requests.
+    pub fn answered(&mut self, ticket: Ticket, in_flight: u64) {
+        if ticket.0 > self.recovery {
+            self.grow(in_flight);
         }
     }
 
@@ -140,13 +168,19 @@ impl Limiter {
         let running = running.max(1) as f64;
         if running < self.limit {
             self.limit = running;
-            self.recovery = self.dispatched;
+            self.new_round();
         }
     }
 
     fn decrease(&mut self, factor: f64) {
         self.limit = (self.limit * factor).max(1.0);
+        self.new_round();
+    }
+
+    /// What was dispatched until now measured the old limit.
+    fn new_round(&mut self) {
         self.recovery = self.dispatched;
+        self.ratio = 1.0;
     }
 }
 
@@ -205,38 +239,50 @@ mod tests {
         assert_eq!(l.limit(), 4);
     }
 
+    /// A sample of a request dispatched now.
+    fn sample(l: &mut Limiter, ttfb_ms: f64, prompt_tokens: u64) {
+        let t = l.dispatch();
+        l.first_byte(t, ttfb_ms, prompt_tokens, l.limit());
+    }
+
     #[test]
-    fn a_slow_first_byte_cuts_the_limit_by_its_gradient() {
+    fn slow_first_bytes_cut_the_limit_by_the_smoothed_gradient() {
         let mut l = Limiter::new(Some(100));
-        let t = l.dispatch();
-        l.first_byte(t, 10.0, 300, 100);
-        assert_eq!(l.limit(), 100, "at the ceiling");
-        // Within tolerance: twice the floor is a start without waiting.
-        let t = l.dispatch();
-        l.first_byte(t, 20.0, 300, 100);
+        sample(&mut l, 100.0, 300);
+        // One answer ten times slower than the floor is not a queue yet (smoothed: 2.8×)...
+        sample(&mut l, 1_000.0, 300);
         assert_eq!(l.limit(), 100);
-        // 25 ms against 2 × 10 ms: × 0.8.
-        let t = l.dispatch();
-        l.first_byte(t, 25.0, 300, 100);
-        assert_eq!(l.limit(), 80);
+        // ...two are (4.2×): × 3 / 4.2.
+        sample(&mut l, 1_000.0, 300);
+        assert_eq!(l.limit(), 71);
         // Far slower: halved at most.
-        let t = l.dispatch();
-        l.first_byte(t, 10_000.0, 300, 80);
-        assert_eq!(l.limit(), 40);
+        sample(&mut l, 100_000.0, 300);
+        assert_eq!(l.limit(), 35);
+    }
+
+    #[test]
+    fn a_few_milliseconds_of_jitter_on_a_fast_engine_are_no_queue() {
+        let mut l = Limiter::new(Some(8));
+        sample(&mut l, 2.0, 300);
+        for _ in 0..50 {
+            sample(&mut l, 9.0, 300);
+        }
+        assert_eq!(l.limit(), 8);
     }
 
     #[test]
     fn a_long_prompt_is_judged_against_long_prompts_only() {
         let mut l = Limiter::new(Some(10));
-        let t = l.dispatch();
-        l.first_byte(t, 10.0, 250, 10);
+        sample(&mut l, 10.0, 250);
         // Six times the short prompts' TTFB, for a six times longer prompt: its own class.
-        let t = l.dispatch();
-        l.first_byte(t, 60.0, 1_500, 10);
+        for _ in 0..10 {
+            sample(&mut l, 60.0, 1_500);
+        }
         assert_eq!(l.limit(), 10);
-        let t = l.dispatch();
-        l.first_byte(t, 400.0, 1_500, 10);
-        assert_eq!(l.limit(), 5, "but slow for its class");
+        for _ in 0..10 {
+            sample(&mut l, 600.0, 1_500);
+        }
+        assert!(l.limit() < 10, "but slow for its class: {}", l.limit());
         assert_eq!(l.floor_ms(), Some(10.0));
     }
 
@@ -256,6 +302,23 @@ mod tests {
     }
 
     #[test]
+    fn non_streamed_answers_raise_the_limit_but_never_lower_it() {
+        let mut l = Limiter::new(Some(6));
+        let before = l.dispatch();
+        l.engine_queue(2);
+        l.answered(before, 2);
+        assert_eq!(l.limit(), 2, "dispatched before the drop: stale");
+        for _ in 0..10 {
+            let t = l.dispatch();
+            l.answered(t, l.limit());
+        }
+        assert_eq!(l.limit(), 6);
+        let t = l.dispatch();
+        l.answered(t, 1);
+        assert_eq!(l.limit(), 6);
+    }
+
+    #[test]
     fn an_engine_queue_brings_the_limit_down_to_what_it_runs() {
         let mut l = Limiter::new(None);
         l.engine_queue(6);
@@ -269,17 +332,13 @@ mod tests {
     #[test]
     fn floors_drift_up_so_an_old_low_sample_does_not_hold_for_ever() {
         let mut l = Limiter::new(Some(4));
-        let t = l.dispatch();
-        l.first_byte(t, 10.0, 100, 4);
+        sample(&mut l, 100.0, 100);
         for _ in 0..100 {
-            let t = l.dispatch();
-            l.first_byte(t, 30.0, 100, 4);
+            sample(&mut l, 400.0, 100);
         }
         let floor = l.floor_ms().unwrap();
-        assert!(floor > 25.0, "the floor followed: {floor}");
-        let t = l.dispatch();
-        l.first_byte(t, 30.0, 100, 4);
-        assert_eq!(l.limit(), 4, "30 ms is now a start without waiting");
+        assert!(floor > 250.0, "the floor followed: {floor}");
+        assert_eq!(l.limit(), 4, "400 ms is now a start without waiting");
     }
 
     #[test]

@@ -359,6 +359,9 @@ pub async fn relay(
         };
         return match bytes {
             Ok(bytes) => {
+                if status.is_success() {
+                    flight.assignment.answered();
+                }
                 let mut meter = BodyMeter::new(usize::MAX);
                 meter.feed(&bytes);
                 flight.capture(&bytes);
