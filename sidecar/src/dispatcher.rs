@@ -499,7 +499,7 @@ impl Dispatcher {
                 r.kv_budget = s.kv_tokens.unwrap_or(r.kv_budget);
             }
             if s.waiting > 0 {
-                r.limiter.engine_queue(s.running);
+                r.limiter.engine_queue(s.running, s.kv_usage);
             }
         }
         let labels = vec![("replica", r.url.clone())];
@@ -1131,6 +1131,7 @@ mod tests {
 
     #[test]
     fn an_engine_holding_a_queue_gets_nothing_more_and_its_limit_drops_to_what_it_runs() {
+        // No KV gauge (llama.cpp, TGI): a queue is a shortage of slots.
         let (mut d, mut events) = slotted(1, 8);
         let mut first = enqueue(&mut d, "t", 5);
         let _running = assigned_of(&mut first);

@@ -26,8 +26,11 @@
 //!   as the engine serving, and the limit grows by one as for a stream started at once.
 //! - **No first byte within `relay.first_byte_ms`**: the engine accepted the request and did
 //!   not start it (hung, or a queue of someone else's): the limit halves ([`BACKOFF`]).
-//! - **The engine reports requests waiting**: it runs no more than it is running, so the limit
-//!   drops to that.
+//! - **The engine reports requests waiting with KV to spare** (under [`KV_FULL`] in use, or no
+//!   KV figures): it runs no more requests at once than it is running, so the limit drops to
+//!   that. A queue behind a full KV cache is a shortage of memory, not of slots: KV admission
+//!   holds that back (nothing more is dispatched while the engine holds a queue), and a slot
+//!   limit there would count a 250-token request as much as a 5,000-token one.
 //!
 //! One decrease per round: samples of requests dispatched before the last decrease measured the
 //! old limit and neither lower nor raise the new one (TCP's one reduction per window), and the
@@ -56,6 +59,8 @@ pub const MIN_GRADIENT: f64 = 0.5;
 pub const BACKOFF: f64 = 0.5;
 /// How much a class's floor rises with each sample above it.
 pub const FLOOR_DRIFT: f64 = 0.01;
+/// KV usage from which an engine's queue is put down to memory, not slots.
+pub const KV_FULL: f64 = 0.9;
 /// Prompt-length classes: ⌊log2(prompt tokens)⌋ + 1, the last one open-ended.
 const CLASSES: usize = 24;
 
@@ -163,10 +168,11 @@ impl Limiter {
         }
     }
 
-    /// The engine reports requests waiting while it runs `running`.
-    pub fn engine_queue(&mut self, running: u64) {
+    /// The engine reports requests waiting while it runs `running` with `kv_usage` of its KV
+    /// in use (0 when it does not say).
+    pub fn engine_queue(&mut self, running: u64, kv_usage: f64) {
         let running = running.max(1) as f64;
-        if running < self.limit {
+        if kv_usage < KV_FULL && running < self.limit {
             self.limit = running;
             self.new_round();
         }
@@ -305,7 +311,7 @@ mod tests {
     fn non_streamed_answers_raise_the_limit_but_never_lower_it() {
         let mut l = Limiter::new(Some(6));
         let before = l.dispatch();
-        l.engine_queue(2);
+        l.engine_queue(2, 0.0);
         l.answered(before, 2);
         assert_eq!(l.limit(), 2, "dispatched before the drop: stale");
         for _ in 0..10 {
@@ -319,13 +325,15 @@ mod tests {
     }
 
     #[test]
-    fn an_engine_queue_brings_the_limit_down_to_what_it_runs() {
+    fn an_engine_queue_with_kv_to_spare_brings_the_limit_down_to_what_it_runs() {
         let mut l = Limiter::new(None);
-        l.engine_queue(6);
+        l.engine_queue(6, 0.95);
+        assert_eq!(l.limit(), INITIAL_LIMIT, "out of memory, not of slots");
+        l.engine_queue(6, 0.4);
         assert_eq!(l.limit(), 6);
-        l.engine_queue(9);
+        l.engine_queue(9, 0.0);
         assert_eq!(l.limit(), 6, "never raised by it");
-        l.engine_queue(0);
+        l.engine_queue(0, 0.0);
         assert_eq!(l.limit(), 1);
     }
 
