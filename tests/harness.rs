@@ -184,6 +184,18 @@ impl Sim {
             .collect()
     }
 
+    /// Switches the simulator's hang fault: while on, it accepts new inference requests and
+    /// never answers them; requests already running are unaffected.
+    pub async fn set_hang(&self, on: bool) {
+        let resp = reqwest::Client::new()
+            .put(format!("{}/debug/faults/hang", self.url))
+            .body(on.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert!(resp.status().is_success(), "hang switch: {}", resp.status());
+    }
+
     /// Waits (up to ten seconds, polling every 50 ms) until the simulator has no request running
     /// or waiting; returns anyway when that time is up.
     pub async fn wait_idle(&self) {
@@ -286,16 +298,32 @@ impl Sidecar {
         wait_for(within, || self.child.try_wait().ok().flatten())
     }
 
-    /// Blocks until the sidecar's probes have read at least `replicas` replicas (it admits
-    /// nothing before): that many `weir_replica_healthy` series on its admin `/metrics`, within
-    /// ten seconds, else panics.
+    /// Blocks until the sidecar's probes have read at least `replicas` replicas and found the
+    /// prefix-cache isolation of every healthy one (it admits nothing before): that many
+    /// `weir_replica_healthy` series on its admin `/metrics`, and no healthy replica
+    /// `unprobed` on `/ready`, within ten seconds, else panics.
     pub fn wait_for_probes(&self, replicas: usize) {
         let addr = self.admin.trim_start_matches("http://").to_owned();
         wait_for(Duration::from_secs(10), || {
             let text = http_get(&addr, "/metrics")?;
-            (text.matches("weir_replica_healthy{").count() >= replicas).then_some(())
+            let ready: serde_json::Value =
+                serde_json::from_str(&http_get(&addr, "/ready")?).ok()?;
+            let probing = ready["pools"]
+                .as_array()?
+                .iter()
+                .filter_map(|p| p["replicas"].as_array())
+                .flatten()
+                .any(|r| r["healthy"] == true && r["cache_isolation"] == "unprobed");
+            (text.matches("weir_replica_healthy{").count() >= replicas && !probing).then_some(())
         })
         .expect("replicas probed");
+    }
+
+    /// The sidecar's `/ready` (on its admin address): status and body.
+    pub async fn ready(&self) -> (u16, serde_json::Value) {
+        let resp = reqwest::get(format!("{}/ready", self.admin)).await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap())
     }
 
     /// The ledger's rows (of one tenant, or all), read from the sidecar's SQLite file.

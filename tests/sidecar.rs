@@ -62,7 +62,9 @@ fn stack() -> &'static Stack {
                 "queue": {"max_per_tenant": 32, "deadline_ms": 20000, "batch_aging_ms": 60000},
                 "pools": [
                     {"model": "tiny", "replicas": [sims[0].url, sims[1].url]},
-                    {"model": "crashy", "replicas": [sims[2].url, sims[3].url]},
+                    // Not probed for cache isolation: the probe's requests would count
+                    // towards --exit-after.
+                    {"model": "crashy", "replicas": [sims[2].url, sims[3].url], "cache_isolation": "shared"},
                 ],
             })
         };

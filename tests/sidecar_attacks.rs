@@ -127,11 +127,14 @@ fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
         "idempotency": {"max_keys": MAX_KEYS},
         "pools": [
             {"model": "tiny", "replicas": [sims[0].url]},
-            {"model": "stall", "replicas": [sims[1].url]},
-            {"model": "throttled", "replicas": [sims[2].url]},
+            // These engines stall or refuse every request, the probe's too: not probed for
+            // cache isolation (its tests are in isolation.rs).
+            {"model": "stall", "replicas": [sims[1].url], "cache_isolation": "shared"},
+            {"model": "throttled", "replicas": [sims[2].url], "cache_isolation": "shared"},
             // Room for one long prompt at a time: easy to fill, so the next one queues.
             {"model": "narrow", "replicas": [sims[3].url], "kv_tokens_per_replica": 3000},
-            {"model": "lax", "replicas": [lax]},
+            // Reports no cached tokens: its isolation could not be verified.
+            {"model": "lax", "replicas": [lax], "cache_isolation": "shared"},
         ],
     })
 }

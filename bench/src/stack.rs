@@ -3,7 +3,7 @@
 
 use serde_json::json;
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sidecar, Sim, http_get, wait_for, workspace_root};
+use weir_e2e::{Envoy, Sidecar, Sim, workspace_root};
 
 use crate::scenario::Scenario;
 
@@ -77,12 +77,9 @@ impl Stack {
             "estimator": {"exact_below_bytes": 0},
         });
         let envoy = Envoy::start(&weir, sidecar.port, sidecar.port);
-        // Dispatch waits for the sidecar's first probe of every replica (read on its admin port).
-        let admin = sidecar.admin.trim_start_matches("http://").to_owned();
-        wait_for(std::time::Duration::from_secs(10), || {
-            let text = http_get(&admin, "/metrics")?;
-            (text.matches("weir_replica_healthy{").count() >= replicas.len()).then_some(())
-        });
+        // Dispatch waits for the sidecar's first probes of every replica (health and cache
+        // isolation): no scenario's first requests wait for them.
+        sidecar.wait_for_probes(replicas.len());
         Stack {
             envoy,
             model,

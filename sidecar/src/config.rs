@@ -8,6 +8,7 @@ use serde::Deserialize;
 
 pub use crate::engine::EngineChoice;
 pub use crate::idempotency::IdempotencyConfig;
+use crate::isolation::CacheIsolation;
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -189,6 +190,11 @@ pub struct PoolConfig {
     /// say: refused with a message saying so, so no config changes meaning silently.
     #[serde(default)]
     pub max_in_flight_without_kv: Option<serde::de::IgnoredAny>,
+    /// `probe` (default): each replica is probed for how its prefix cache can be kept per
+    /// tenant, and gets no traffic until it is, nor if it cannot be. `shared`: not probed; the
+    /// pool's tenants may share its replicas' prefix caches.
+    #[serde(default)]
+    pub cache_isolation: CacheIsolation,
 }
 
 fn default_listen() -> SocketAddr {

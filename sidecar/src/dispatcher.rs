@@ -1,6 +1,7 @@
 //! The dispatch loop: one task owns the fair queues and the pools' KV accounting. Handlers
 //! enqueue jobs and wait for an assignment; relays report tokens served and completion; probes
-//! report engine metrics. Nothing else mutates this state, so it needs no locks.
+//! report engine metrics and isolation modes. Nothing else mutates this state, so it needs no
+//! locks.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -11,9 +12,11 @@ use weir_core::scheduler::{Policy, Scheduler, TokenWeights, Verdict};
 
 use crate::config::QueueConfig;
 use crate::engine::{EngineLimits, EngineSample};
+use crate::isolation::Isolation;
 use crate::limiter::Ticket;
 use crate::metrics::{Metrics, tenant};
 use crate::pool::{Pool, Replica};
+use crate::readiness::Readiness;
 
 /// A request waiting for a replica.
 pub struct Job {
@@ -43,6 +46,8 @@ pub struct Assignment {
     pub pool: usize,
     pub replica: usize,
     pub url: String,
+    /// The replica's isolation mode when the job was dispatched: what the body must carry.
+    pub isolation: Isolation,
     pub queued_ms: u64,
     tenant: String,
     kv_held: u64,
@@ -206,6 +211,14 @@ pub enum Event {
         replica: usize,
         sample: Option<EngineSample>,
     },
+    /// A replica's isolation mode changed ([`crate::isolation_probe::Prober`]).
+    Isolated {
+        pool: usize,
+        replica: usize,
+        isolation: Isolation,
+    },
+    /// A snapshot for `/ready`.
+    Ready(oneshot::Sender<Readiness>),
 }
 
 pub struct Dispatcher {
@@ -252,6 +265,9 @@ impl Dispatcher {
         events: &mpsc::UnboundedSender<Event>,
     ) -> Self {
         let per_pool = || pools.iter().map(|_| HashMap::new()).collect();
+        for r in pools.iter().flat_map(|p| &p.replicas) {
+            metrics.cache_isolation(&r.url, r.isolation);
+        }
         Dispatcher {
             pool_kv: per_pool(),
             pool_running: per_pool(),
@@ -410,6 +426,20 @@ impl Dispatcher {
                 replica,
                 sample,
             } => self.observe(pool, replica, sample),
+            Event::Isolated {
+                pool,
+                replica,
+                isolation,
+            } => {
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    r.isolation = isolation;
+                    let url = r.url.clone();
+                    self.metrics.cache_isolation(&url, isolation);
+                }
+            }
+            Event::Ready(reply) => {
+                let _ = reply.send(Readiness::of(&self.pools));
+            }
         }
     }
 
@@ -695,7 +725,7 @@ impl Dispatcher {
         let r = &mut self.pools[pool].replicas[replica];
         r.in_flight += 1;
         let ticket = r.limiter.dispatch();
-        let url = r.url.clone();
+        let (url, isolation) = (r.url.clone(), r.isolation);
         *self.pool_running[pool].entry(t.clone()).or_default() += 1;
         self.adjust_hold(pool, replica, &t, job.kv_need, 0);
         self.schedulers[pool].charge(&t, job.input_tokens, 0);
@@ -713,6 +743,7 @@ impl Dispatcher {
             pool,
             replica,
             url,
+            isolation,
             queued_ms,
             tenant: t,
             kv_held: job.kv_need,
@@ -750,6 +781,7 @@ mod tests {
             max_concurrency_per_replica: None,
             engine: crate::engine::EngineChoice::Auto,
             max_in_flight_without_kv: None,
+            cache_isolation: Default::default(),
         }
     }
 
@@ -764,6 +796,7 @@ mod tests {
                 let mut pool = Pool::new(c);
                 for r in &mut pool.replicas {
                     r.healthy = true;
+                    r.isolation = Isolation::Salt;
                 }
                 pool
             })
@@ -847,6 +880,39 @@ mod tests {
         drop(first);
         settle(&mut d, &mut events);
         assigned(&mut b_rx);
+    }
+
+    #[test]
+    fn work_waits_for_a_replica_whose_cache_is_kept_per_tenant() {
+        let (mut d, mut events) = dispatcher(100);
+        let unprobed = Event::Isolated {
+            pool: 0,
+            replica: 0,
+            isolation: Isolation::Unprobed,
+        };
+        d.apply(unprobed);
+        let (a, mut a_rx) = job("t", "standard", 10);
+        d.apply(Event::Enqueue(a));
+        d.dispatch(0);
+        assert!(a_rx.try_recv().is_err(), "held until the replica is probed");
+        let (tx, mut ready) = oneshot::channel();
+        d.apply(Event::Ready(tx));
+        assert!(!ready.try_recv().unwrap().ready);
+
+        d.apply(Event::Isolated {
+            pool: 0,
+            replica: 0,
+            isolation: Isolation::CacheOff,
+        });
+        settle(&mut d, &mut events);
+        assert_eq!(
+            assigned(&mut a_rx).isolation,
+            Isolation::CacheOff,
+            "the assignment says what the body must carry"
+        );
+        let (tx, mut ready) = oneshot::channel();
+        d.apply(Event::Ready(tx));
+        assert!(ready.try_recv().unwrap().ready);
     }
 
     #[test]

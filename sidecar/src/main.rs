@@ -11,6 +11,7 @@ use weir_core::scheduler::Policy;
 use weir_sidecar::config::SidecarConfig;
 use weir_sidecar::dispatcher::{Dispatcher, Event};
 use weir_sidecar::engine::{Dialect, EngineChoice, EngineLimits, EngineSample};
+use weir_sidecar::isolation_probe::Prober;
 use weir_sidecar::ledger::Ledger;
 use weir_sidecar::metrics::Metrics;
 use weir_sidecar::pool::Pool;
@@ -84,15 +85,22 @@ async fn main() -> anyhow::Result<()> {
         .connect_timeout(Duration::from_secs(2))
         .build()?;
 
-    for (p, pool) in pools.iter().enumerate() {
+    for (p, (pool, pool_config)) in pools.iter().zip(&config.pools).enumerate() {
         for (r, replica) in pool.replicas.iter().enumerate() {
+            let isolation = Prober::new(
+                http.clone(),
+                replica.url.clone(),
+                pool.model.clone(),
+                pool_config.cache_isolation,
+            );
             tokio::spawn(probe(
                 http.clone(),
                 events.clone(),
                 p,
                 r,
                 replica.url.clone(),
-                config.pools[p].engine,
+                pool_config.engine,
+                isolation,
             ));
         }
     }
@@ -221,9 +229,9 @@ async fn drain(
 }
 
 /// Reads a replica's metrics forever; an unreadable replica is reported unhealthy and ejected
-/// until it answers again. When it first answers, and again after being unreachable, what its
+/// until it answers again. When it joins (answers after unknown or unreachable), what its
 /// engine says of its limits is read first ([`Event::Joined`]), so it never admits more than
-/// the engine's slots.
+/// the engine's slots, and its prefix-cache isolation is probed before it gets work.
 async fn probe(
     http: reqwest::Client,
     events: mpsc::UnboundedSender<Event>,
@@ -231,69 +239,78 @@ async fn probe(
     replica: usize,
     url: String,
     engine: EngineChoice,
+    mut isolation: Prober,
 ) {
     let mut tick = tokio::time::interval(PROBE_EVERY);
+    // An isolation probe takes a while: no burst of catch-up reads after it.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut joined = false;
     // Odd engine output is logged once per replica, not ten times a second.
     let mut warned = false;
     loop {
         tick.tick().await;
-        let Some(text) = get_text(&http, &format!("{url}/metrics")).await else {
-            joined = false;
-            if events
-                .send(Event::Sample {
-                    pool,
-                    replica,
-                    sample: None,
-                })
-                .is_err()
-            {
-                return;
-            }
-            continue;
-        };
-        let dialect = engine.dialect(&text);
-        if !joined {
-            let limits = read_limits(&http, &url, dialect).await;
-            tracing::info!(
-                replica = %url,
-                engine = dialect.map_or("unknown", Dialect::name),
-                concurrency = ?limits.max_concurrency,
-                kv_tokens = ?limits.kv_tokens,
-                "replica joined"
-            );
-            if events
-                .send(Event::Joined {
-                    pool,
-                    replica,
-                    limits,
-                })
-                .is_err()
-            {
-                return;
-            }
-            joined = true;
-        }
-        let sample = match dialect {
-            Some(dialect) => dialect.parse(&text, |line| {
-                if !std::mem::replace(&mut warned, true) {
-                    tracing::warn!(replica = %url, "ignoring a metrics line weir cannot read: {line:.200}");
-                }
-            }),
+        let sample = match get_text(&http, &format!("{url}/metrics")).await {
             None => {
-                if !std::mem::replace(&mut warned, true) {
-                    tracing::warn!(replica = %url, "no metrics of a known engine: admitted by its concurrency limit alone");
+                joined = false;
+                None
+            }
+            Some(text) => {
+                let dialect = engine.dialect(&text);
+                if !joined {
+                    let limits = read_limits(&http, &url, dialect).await;
+                    tracing::info!(
+                        replica = %url,
+                        engine = dialect.map_or("unknown", Dialect::name),
+                        concurrency = ?limits.max_concurrency,
+                        kv_tokens = ?limits.kv_tokens,
+                        "replica joined"
+                    );
+                    if events
+                        .send(Event::Joined {
+                            pool,
+                            replica,
+                            limits,
+                        })
+                        .is_err()
+                    {
+                        return;
+                    }
+                    joined = true;
                 }
-                EngineSample::default()
+                Some(match dialect {
+                    Some(dialect) => dialect.parse(&text, |line| {
+                        if !std::mem::replace(&mut warned, true) {
+                            tracing::warn!(replica = %url, "ignoring a metrics line weir cannot read: {line:.200}");
+                        }
+                    }),
+                    None => {
+                        if !std::mem::replace(&mut warned, true) {
+                            tracing::warn!(replica = %url, "no metrics of a known engine: admitted by its concurrency limit alone");
+                        }
+                        EngineSample::default()
+                    }
+                })
             }
         };
+        let healthy = sample.is_some();
         if events
             .send(Event::Sample {
                 pool,
                 replica,
-                sample: Some(sample),
+                sample,
             })
             .is_err()
+        {
+            return;
+        }
+        if let Some(isolation) = isolation.after_sample(healthy).await
+            && events
+                .send(Event::Isolated {
+                    pool,
+                    replica,
+                    isolation,
+                })
+                .is_err()
         {
             return;
         }

@@ -1,5 +1,5 @@
 //! The sidecar's Prometheus metrics: per tenant (queue, fairness, KV, latency, tokens) and per
-//! replica. Labels carry tenant paths and replica URLs only, never content.
+//! replica. Labels carry tenant paths, replica URLs and fixed names only, never content.
 
 use std::sync::atomic::AtomicU64;
 
@@ -8,6 +8,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+
+use crate::isolation::Isolation;
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -39,6 +41,7 @@ pub struct Metrics {
     pub replica_engine_limit: Family<Labels, Gauge>,
     pub replica_ttfb_floor: Family<Labels, Gauge<f64, AtomicU64>>,
     pub replica_first_byte_timeouts: Family<Labels, Counter>,
+    pub replica_cache_isolation: Family<Labels, Gauge>,
 }
 
 pub fn tenant(t: &str) -> Labels {
@@ -68,6 +71,7 @@ impl Metrics {
             replica_engine_limit: Family::default(),
             replica_ttfb_floor: Family::default(),
             replica_first_byte_timeouts: Family::default(),
+            replica_cache_isolation: Family::default(),
         };
         let mut r = Registry::with_prefix("weir");
         r.register(
@@ -166,12 +170,52 @@ impl Metrics {
             "Requests the engine did not start within relay.first_byte_ms",
             m.replica_first_byte_timeouts.clone(),
         );
+        r.register(
+            "replica_cache_isolation",
+            "1 for the replica's prefix-cache isolation mode (unprobed, salt, cache_off, none, shared), 0 for the others",
+            m.replica_cache_isolation.clone(),
+        );
         (m, r)
+    }
+
+    /// Sets a replica's isolation mode: one series per mode, so the labels stay bounded.
+    pub fn cache_isolation(&self, replica: &str, mode: Isolation) {
+        for label in Isolation::MODES {
+            self.replica_cache_isolation
+                .get_or_create(&vec![
+                    ("replica", replica.to_owned()),
+                    ("mode", label.to_owned()),
+                ])
+                .set(i64::from(label == mode.label()));
+        }
     }
 
     pub fn reject(&self, reason: &'static str) {
         self.rejections
             .get_or_create(&vec![("reason", reason.to_owned())])
             .inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isolation::Gap;
+
+    #[test]
+    fn a_replicas_isolation_mode_is_one_series_per_mode() {
+        let (m, registry) = Metrics::new();
+        m.cache_isolation("http://r", Isolation::Salt);
+        m.cache_isolation("http://r", Isolation::Unisolated(Gap::SaltIgnored));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("weir_replica_cache_isolation{"))
+            .collect();
+        assert_eq!(series.len(), Isolation::MODES.len(), "{series:?}");
+        let on: Vec<&&str> = series.iter().filter(|l| l.ends_with(" 1")).collect();
+        assert_eq!(on.len(), 1);
+        assert!(on[0].contains("mode=\"none\""), "{on:?}");
     }
 }

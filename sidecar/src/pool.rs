@@ -15,6 +15,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 
 use crate::config::PoolConfig;
 use crate::engine::{EngineLimits, EngineSample};
+use crate::isolation::Isolation;
 use crate::limiter::Limiter;
 
 #[derive(Clone, Debug)]
@@ -26,6 +27,8 @@ pub struct Replica {
     pub reserved: u64,
     pub in_flight: u64,
     pub healthy: bool,
+    /// How its prefix cache is kept per tenant; only some modes get work.
+    pub isolation: Isolation,
     pub engine: EngineSample,
     /// Requests the engine says it runs at once (read when the replica joins), if it says.
     pub engine_limit: Option<u64>,
@@ -62,10 +65,16 @@ impl Replica {
         slots.max(kv).max(self.engine.kv_usage)
     }
 
+    /// Whether tenants' work may go here at all: healthy, and its prefix cache kept per
+    /// tenant (or shared by the config's choice).
+    pub fn serves(&self) -> bool {
+        self.healthy && self.isolation.serves()
+    }
+
     pub fn fits(&self, kv_need: u64) -> bool {
         let kv_room =
             self.kv_budget == 0 || self.reserved + kv_need <= self.kv_budget || self.in_flight == 0;
-        self.healthy && self.engine.waiting == 0 && self.in_flight < self.limit() && kv_room
+        self.serves() && self.engine.waiting == 0 && self.in_flight < self.limit() && kv_room
     }
 }
 
@@ -91,6 +100,7 @@ impl Pool {
                     in_flight: 0,
                     // Unknown until the first probe answers.
                     healthy: false,
+                    isolation: Isolation::initial(config.cache_isolation),
                     engine: EngineSample::default(),
                     engine_limit: None,
                     configured_limit: config.max_concurrency_per_replica,
@@ -106,31 +116,31 @@ impl Pool {
         self.replicas.iter().any(|r| r.fits(kv_need))
     }
 
-    /// Requests the healthy replicas may run at once, together.
+    /// Requests the replicas that serve may run at once, together.
     pub fn concurrency(&self) -> u64 {
         self.replicas
             .iter()
-            .filter(|r| r.healthy)
+            .filter(|r| r.serves())
             .map(Replica::limit)
             .sum()
     }
 
-    /// KV tokens across healthy replicas.
+    /// KV tokens across the replicas that serve.
     pub fn capacity(&self) -> u64 {
         self.replicas
             .iter()
-            .filter(|r| r.healthy)
+            .filter(|r| r.serves())
             .map(|r| r.kv_budget)
             .sum()
     }
 
-    /// The replica a tenant's prefix maps to (rendezvous hashing over healthy replicas), so
-    /// its prompts keep landing where its prefix cache is warm.
+    /// The replica a tenant's prefix maps to (rendezvous hashing over the replicas that
+    /// serve), so its prompts keep landing where its prefix cache is warm.
     pub fn affine(&self, affinity: u64) -> Option<usize> {
         self.replicas
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.healthy)
+            .filter(|(_, r)| r.serves())
             .max_by_key(|(i, _)| {
                 let mut h = DefaultHasher::new();
                 (affinity, i).hash(&mut h);
@@ -180,9 +190,11 @@ mod tests {
             max_concurrency_per_replica: Some(16),
             engine: EngineChoice::Auto,
             max_in_flight_without_kv: None,
+            cache_isolation: Default::default(),
         });
         for r in &mut p.replicas {
             r.healthy = true;
+            r.isolation = Isolation::Salt;
         }
         p
     }
@@ -227,6 +239,26 @@ mod tests {
     }
 
     #[test]
+    fn a_replica_whose_cache_is_not_kept_per_tenant_gets_no_work() {
+        use crate::isolation::Gap;
+        let mut p = pool(2);
+        let key = affinity_key("t", b"prefix");
+        let affine = p.affine(key).unwrap();
+        for mode in [Isolation::Unprobed, Isolation::Unisolated(Gap::SaltIgnored)] {
+            p.replicas[affine].isolation = mode;
+            assert_eq!(p.route(key, 10), Some(1 - affine), "{mode:?}");
+            assert_eq!(p.affine(key), Some(1 - affine), "nor is it affine");
+            assert_eq!(p.capacity(), 1000, "nor counted in the pool's KV");
+        }
+        p.replicas[1 - affine].isolation = Isolation::Unprobed;
+        assert!(!p.fits(10), "no replica serves");
+        for mode in [Isolation::CacheOff, Isolation::Shared] {
+            p.replicas[affine].isolation = mode;
+            assert_eq!(p.route(key, 10), Some(affine), "{mode:?}");
+        }
+    }
+
+    #[test]
     fn a_replica_runs_no_more_than_its_limit_whatever_its_kv_says() {
         let mut p = pool(1);
         p.replicas[0].join(EngineLimits {
@@ -257,6 +289,6 @@ mod tests {
         assert_eq!((p.replicas[0].limit(), p.replicas[1].limit()), (4, 16));
         assert_eq!(p.concurrency(), 20);
         p.replicas[1].healthy = false;
-        assert_eq!(p.concurrency(), 4, "healthy replicas only");
+        assert_eq!(p.concurrency(), 4, "serving replicas only");
     }
 }

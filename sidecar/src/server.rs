@@ -66,10 +66,11 @@ pub fn router(app: Arc<App>) -> Router {
 }
 
 /// The admin port (`admin_listen`), never routed to by the gateway: metrics of every tenant,
-/// and the health check for probes.
+/// the health check (liveness) and `/ready` (readiness) for probes.
 pub fn admin_router(app: Arc<App>) -> Router {
     Router::new()
         .route("/health", get(|| async { StatusCode::OK }))
+        .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(|| async { error_response(&ApiError::not_found("no such route")) })
         .with_state(app)
@@ -86,6 +87,24 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         out,
     )
         .into_response()
+}
+
+/// Every pool and replica as the dispatcher sees them ([`crate::readiness`]): 200 while every
+/// pool has a replica that serves, else 503.
+async fn ready(State(app): State<Arc<App>>) -> Response {
+    let (reply, snapshot) = oneshot::channel();
+    let _ = app.events.send(Event::Ready(reply));
+    match tokio::time::timeout(std::time::Duration::from_secs(1), snapshot).await {
+        Ok(Ok(readiness)) => {
+            let status = if readiness.ready {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            (status, axum::Json(readiness)).into_response()
+        }
+        _ => StatusCode::SERVICE_UNAVAILABLE.into_response(),
+    }
 }
 
 pub fn error_response(e: &ApiError) -> Response {
@@ -230,6 +249,8 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
             ));
         }
     };
+    // Last, over whatever the caller sent: the replica's isolation mode (its off-switch).
+    assignment.isolation.apply(&mut value);
     let body = serde_json::to_vec(&value).unwrap_or_default();
     let who_request_id = who.request_id.clone();
     let flight = Flight::new(app, who, model, assignment, arrived, claim, hide_usage);

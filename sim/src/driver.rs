@@ -12,12 +12,14 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tracing::warn;
 
 use crate::engine::{Engine, Finished, SeqId, SeqSpec, StepReport};
-use crate::metrics::EngineMetrics;
+use crate::metrics::{EngineMetrics, THROUGHPUT_WINDOW};
 use crate::profile::Profile;
 
 /// What a request's handler hears from the engine.
 #[derive(Debug)]
 pub enum SeqEvent {
+    /// The engine scheduled the sequence for the first time (a slot took it).
+    Started,
     /// The sequence produced its token number `index` (0-based).
     Token {
         index: u32,
@@ -56,6 +58,7 @@ impl EngineHandle {
             subscribers: HashMap::new(),
             scale: time_scale,
             start: Instant::now(),
+            window: (0, 0.0),
         };
         thread::Builder::new()
             .name("engine".into())
@@ -102,6 +105,8 @@ struct Driver {
     subscribers: HashMap<SeqId, Subscriber>,
     scale: f64,
     start: Instant,
+    /// Tokens generated and model seconds spent since the throughput window opened.
+    window: (u64, f64),
 }
 
 impl Driver {
@@ -169,22 +174,38 @@ impl Driver {
                     }
                 }
             }
-            Command::Abort(id) => {
-                self.engine.abort(id);
-                self.subscribers.remove(&id);
-            }
+            Command::Abort(id) => self.abort(id),
         }
         self.update_gauges();
     }
 
     fn publish(&mut self, report: StepReport) {
         let m = &self.metrics;
+        m.steps.inc();
+        m.batched_sequences.inc_by(report.batched_sequences as u64);
         m.iteration_tokens.observe(report.batched_tokens as f64);
         m.preemptions.inc_by(u64::from(report.preemptions));
         m.prefix_queries.inc_by(report.prefix_queries);
         m.prefix_hits.inc_by(report.prefix_hits);
+        if report.prefix_queries > 0 {
+            m.recent_prefix_hit_rate
+                .set(report.prefix_hits as f64 / report.prefix_queries as f64);
+        }
+        self.window.0 += report.tokens.len() as u64;
+        self.window.1 += report.duration;
+        if m.steps.get().is_multiple_of(THROUGHPUT_WINDOW) {
+            let (tokens, seconds) = std::mem::take(&mut self.window);
+            m.recent_generation_throughput.set(tokens as f64 / seconds);
+        }
 
         let mut gone = Vec::new();
+        for &id in &report.started {
+            if let Some(sub) = self.subscribers.get(&id)
+                && sub.events.send(SeqEvent::Started).is_err()
+            {
+                gone.push(id);
+            }
+        }
         for &(id, index) in &report.tokens {
             let Some(sub) = self.subscribers.get_mut(&id) else {
                 continue;
@@ -204,17 +225,21 @@ impl Driver {
             let Some(sub) = self.subscribers.remove(&done.id) else {
                 continue;
             };
-            m.prompt_tokens.inc_by(done.usage.prompt_tokens);
-            m.e2e.observe(done.e2e_seconds);
-            m.queue_time.observe(done.queue_seconds);
-            m.count_success(sub.finish_reason);
+            m.record_finished(&done, sub.finish_reason);
             let _ = sub.events.send(SeqEvent::Finished(done));
         }
         for id in gone {
             warn!(seq = id, "receiver gone; aborting");
-            self.engine.abort(id);
-            self.subscribers.remove(&id);
+            self.abort(id);
         }
+    }
+
+    /// Drops a sequence whose client went away.
+    fn abort(&mut self, id: SeqId) {
+        if self.engine.abort(id) {
+            self.metrics.aborted.inc();
+        }
+        self.subscribers.remove(&id);
     }
 
     fn update_gauges(&self) {

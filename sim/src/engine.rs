@@ -54,6 +54,10 @@ pub struct StepReport {
     pub duration: f64,
     /// Tokens computed this step (prefill chunks plus decode tokens).
     pub batched_tokens: u64,
+    /// Sequences in the batch.
+    pub batched_sequences: usize,
+    /// Sequences scheduled for the first time this step: the engine has started them.
+    pub started: Vec<SeqId>,
     /// `(sequence, index of the token it just produced)`.
     pub tokens: Vec<(SeqId, u32)>,
     pub finished: Vec<Finished>,
@@ -228,6 +232,7 @@ impl Engine {
                 .sum(),
         };
         report.batched_tokens = load.tokens;
+        report.batched_sequences = batch.len();
         report.duration = self.profile.step_seconds(load);
         report.end = self.now + report.duration;
         self.now = report.end;
@@ -318,6 +323,7 @@ impl Engine {
             if first_admission {
                 report.prefix_queries += seq.spec.prompt_len;
                 report.prefix_hits += cached;
+                report.started.push(id);
             }
             let now = self.now;
             if let Some(seq) = self.seqs.get_mut(&id) {

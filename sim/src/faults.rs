@@ -1,7 +1,7 @@
 //! Failure injection for reliability tests of whatever sits in front of the simulator.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use rand::rngs::SmallRng;
@@ -29,6 +29,11 @@ pub struct FaultFlags {
     /// taking every in-flight stream down with it.
     #[arg(long, value_name = "N")]
     pub exit_after: Option<u64>,
+    /// Start hung: accept every new inference request and never answer it (no status line,
+    /// no bytes) until the client goes away; `/health` and `/metrics` keep answering.
+    /// Switch at run time with `PUT /debug/faults/hang`.
+    #[arg(long)]
+    pub hang: bool,
 }
 
 fn parse_millis(s: &str) -> Result<Duration, String> {
@@ -49,15 +54,48 @@ pub struct Faults {
     pub flags: FaultFlags,
     rng: Mutex<SmallRng>,
     accepted: AtomicU64,
+    hang: AtomicBool,
+    /// Requests held unanswered by the hang right now.
+    hung: AtomicU64,
+}
+
+/// A request held by the hang; released when the client goes away and the handler is dropped.
+pub struct Held<'a>(&'a AtomicU64);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Faults {
     pub fn new(flags: FaultFlags, seed: u64) -> Self {
         Faults {
+            hang: AtomicBool::new(flags.hang),
             flags,
             rng: Mutex::new(SmallRng::seed_from_u64(seed)),
             accepted: AtomicU64::new(0),
+            hung: AtomicU64::new(0),
         }
+    }
+
+    /// Turns the hang on or off for requests arriving from now on.
+    pub fn set_hang(&self, on: bool) {
+        self.hang.store(on, Ordering::Relaxed);
+    }
+
+    pub fn hangs(&self) -> bool {
+        self.hang.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request as held by the hang for as long as the guard lives.
+    pub fn hold(&self) -> Held<'_> {
+        self.hung.fetch_add(1, Ordering::Relaxed);
+        Held(&self.hung)
+    }
+
+    pub fn num_hung(&self) -> u64 {
+        self.hung.load(Ordering::Relaxed)
     }
 
     /// Draws this request's fate and, when it is served, its 1-based acceptance number.
@@ -123,5 +161,19 @@ mod tests {
         assert!(!faults.is_fatal(1_000_000));
         assert!(faults.stall_before(0).is_none());
         assert!(!faults.drops_before(1_000_000));
+        assert!(!faults.hangs());
+    }
+
+    #[test]
+    fn hang_switches_and_counts_held_requests() {
+        let faults = Faults::new(FaultFlags::default(), 0);
+        faults.set_hang(true);
+        assert!(faults.hangs());
+        let held = faults.hold();
+        assert_eq!(faults.num_hung(), 1);
+        drop(held);
+        assert_eq!(faults.num_hung(), 0);
+        faults.set_hang(false);
+        assert!(!faults.hangs());
     }
 }

@@ -6,14 +6,15 @@ use anyhow::{Context, bail};
 use axum::serve::ListenerExt;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
+use weir_sim::dialect::DialectName;
 use weir_sim::driver::EngineHandle;
 use weir_sim::faults::{FaultFlags, Faults};
-use weir_sim::metrics::EngineMetrics;
 use weir_sim::profile::{OutputLength, Profile};
 use weir_sim::server::{App, Settings, router};
 use weir_sim::shape::ShapeFlags;
 
-/// An OpenAI-compatible LLM engine simulator with vLLM's scheduling physics and metric names.
+/// An OpenAI-compatible LLM engine simulator with vLLM's scheduling physics, playing vLLM,
+/// SGLang or llama.cpp on the wire.
 ///
 /// Models continuous batching, a paged KV cache (16-token blocks), chunked prefill, preemption
 /// and a salted prefix cache, with step times from a roofline of the model and GPU profile.
@@ -45,9 +46,18 @@ struct Cli {
     /// Natural output length: `fixed:N`, `uniform:MIN-MAX`, `exp:MEAN` or `lognormal:MEDIAN,SIGMA`.
     #[arg(long, value_name = "DIST", value_parser = parse_output_len)]
     output_len: Option<OutputLength>,
+    /// Which engine to play: its metric names, info endpoints, errors, wire shape and
+    /// admission (vllm: as vLLM; sglang: as SGLang; llamacpp: as llama.cpp's llama-server).
+    #[arg(long, value_enum, default_value = "vllm", value_name = "ENGINE")]
+    metrics_dialect: DialectName,
     /// Largest number of sequences in one batch.
     #[arg(long)]
     max_num_seqs: Option<usize>,
+    /// llama.cpp's slots (its `--parallel`): the sequences it runs at once, each with an equal
+    /// share of the KV cache as its context; more requests wait inside the engine.
+    /// Only with `--metrics-dialect llamacpp`, where it defaults to 4.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    slots: Option<u16>,
     /// Token budget of one step (prefill chunks plus decode tokens).
     #[arg(long)]
     max_num_batched_tokens: Option<u64>,
@@ -75,6 +85,9 @@ struct Cli {
     #[arg(long)]
     print_profile: bool,
 }
+
+/// llama-server's slots when `--parallel` is not given.
+const DEFAULT_SLOTS: u16 = 4;
 
 fn parse_output_len(s: &str) -> Result<OutputLength, String> {
     let (kind, args) = s.split_once(':').ok_or("expected KIND:ARGS")?;
@@ -109,7 +122,16 @@ impl Cli {
             None => Profile::preset(&self.preset)?,
         };
         let e = &mut p.engine;
-        e.max_num_seqs = self.max_num_seqs.unwrap_or(e.max_num_seqs);
+        e.max_num_seqs = match (self.metrics_dialect, self.slots, self.max_num_seqs) {
+            (DialectName::Llamacpp, _, Some(_)) => {
+                bail!("llama.cpp runs --slots sequences at once, not --max-num-seqs")
+            }
+            (DialectName::Llamacpp, slots, None) => usize::from(slots.unwrap_or(DEFAULT_SLOTS)),
+            (_, Some(_), _) => {
+                bail!("--slots is llama.cpp's; use it with --metrics-dialect llamacpp")
+            }
+            (_, None, seqs) => seqs.unwrap_or(e.max_num_seqs),
+        };
         e.max_num_batched_tokens = self
             .max_num_batched_tokens
             .unwrap_or(e.max_num_batched_tokens);
@@ -153,11 +175,12 @@ async fn main() -> anyhow::Result<()> {
         }
     }
 
-    let (metrics, registry) = EngineMetrics::new(&profile);
+    let (dialect, metrics) = cli.metrics_dialect.build(&profile);
     let engine = EngineHandle::spawn(profile.clone(), cli.time_scale, metrics)?;
     let model = profile.model.name.clone();
     let summary = format!(
-        "model {model}, {} KV blocks = {} tokens, time-scale {}",
+        "{:?} dialect, model {model}, {} KV blocks = {} tokens, time-scale {}",
+        cli.metrics_dialect,
         profile.kv_blocks(),
         profile.kv_capacity_tokens(),
         cli.time_scale
@@ -170,7 +193,7 @@ async fn main() -> anyhow::Result<()> {
         shape: cli.shape.clone(),
     };
     let faults = Faults::new(cli.faults.clone(), cli.seed);
-    let app = App::new(engine, profile, registry, faults, settings);
+    let app = App::new(engine, profile, dialect, faults, settings);
 
     let addr: SocketAddr = format!("{}:{}", cli.host, cli.port)
         .parse()

@@ -1,7 +1,7 @@
-//! `/metrics` with vLLM's metric names, so whatever scrapes a real engine scrapes the simulator.
+//! What the engine measures, in engine-neutral terms. The driver records; each dialect
+//! ([`crate::dialect`]) exposes the measurements under its engine's metric names.
 //! Latencies are in model seconds (wall seconds × `--time-scale`).
 
-use std::borrow::Cow;
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::encoding::text::encode;
@@ -9,168 +9,130 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
-use crate::profile::Profile;
+use crate::engine::Finished;
 
-const TTFT_BUCKETS: [f64; 22] = [
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
-];
-const ITL_BUCKETS: [f64; 18] = [
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-    40.0,
-];
-const REQUEST_BUCKETS: [f64; 21] = [
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-    480.0, 960.0, 1920.0, 7680.0,
-];
 const ITERATION_BUCKETS: [f64; 12] = [
     1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
 ];
 
-/// Every metric the simulator exports. Clones share the same underlying series.
-#[derive(Clone)]
-pub struct EngineMetrics {
-    pub running: Gauge,
-    pub waiting: Gauge,
-    pub kv_usage: Gauge<f64, AtomicU64>,
-    pub prefix_queries: Counter,
-    pub prefix_hits: Counter,
-    pub preemptions: Counter,
-    pub prompt_tokens: Counter,
-    pub generation_tokens: Counter,
-    pub request_success: Family<Vec<(&'static str, &'static str)>, Counter>,
-    pub ttft: Histogram,
-    pub itl: Histogram,
-    pub e2e: Histogram,
-    pub queue_time: Histogram,
-    pub iteration_tokens: Histogram,
+/// Histogram buckets of the latencies, which each engine chooses differently.
+pub struct LatencyBuckets {
+    pub ttft: &'static [f64],
+    pub itl: &'static [f64],
+    pub e2e: &'static [f64],
+    pub queue: &'static [f64],
 }
 
+/// Every measurement of the engine. Clones share the same underlying series.
+#[derive(Clone)]
+pub struct EngineMetrics {
+    // The engine's state, refreshed after every step and command.
+    pub running: Gauge,
+    pub waiting: Gauge,
+    /// Fraction of KV blocks held by live sequences.
+    pub kv_usage: Gauge<f64, AtomicU64>,
+
+    // Per step.
+    pub steps: Counter,
+    /// Sequences per step, summed over steps.
+    pub batched_sequences: Counter,
+    pub iteration_tokens: Histogram,
+    pub preemptions: Counter,
+    /// Prompt tokens looked up in, and served from, the prefix cache at admission.
+    pub prefix_queries: Counter,
+    pub prefix_hits: Counter,
+    /// Hit rate of the last step that admitted prompts.
+    pub recent_prefix_hit_rate: Gauge<f64, AtomicU64>,
+    /// Tokens generated per model second over the last [`THROUGHPUT_WINDOW`] steps.
+    pub recent_generation_throughput: Gauge<f64, AtomicU64>,
+
+    // Per token.
+    pub generation_tokens: Counter,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+
+    // Per finished request.
+    pub finished: Counter,
+    pub request_success: Family<Vec<(&'static str, &'static str)>, Counter>,
+    pub prompt_tokens: Counter,
+    pub cached_tokens: Counter,
+    pub completion_tokens: Counter,
+    /// Time from first scheduling to the first token, summed.
+    pub prompt_seconds: Counter<f64, AtomicU64>,
+    /// Time from the first token to the last, summed.
+    pub decode_seconds: Counter<f64, AtomicU64>,
+    /// The longest sequence (prompt + output) finished so far.
+    pub longest_sequence: Gauge,
+    pub e2e: Histogram,
+    pub queue_time: Histogram,
+
+    // Per request the client abandoned.
+    pub aborted: Counter,
+}
+
+/// Steps over which the recent generation throughput is measured (SGLang logs its own every
+/// 40 decode steps).
+pub const THROUGHPUT_WINDOW: u64 = 40;
+
 impl EngineMetrics {
-    /// Builds the metrics and a registry that exposes them with vLLM's labels.
-    pub fn new(profile: &Profile) -> (Self, Registry) {
-        let m = EngineMetrics {
+    pub fn new(buckets: &LatencyBuckets) -> Self {
+        EngineMetrics {
             running: Gauge::default(),
             waiting: Gauge::default(),
             kv_usage: Gauge::default(),
+            steps: Counter::default(),
+            batched_sequences: Counter::default(),
+            iteration_tokens: Histogram::new(ITERATION_BUCKETS),
+            preemptions: Counter::default(),
             prefix_queries: Counter::default(),
             prefix_hits: Counter::default(),
-            preemptions: Counter::default(),
-            prompt_tokens: Counter::default(),
+            recent_prefix_hit_rate: Gauge::default(),
+            recent_generation_throughput: Gauge::default(),
             generation_tokens: Counter::default(),
+            ttft: Histogram::new(buckets.ttft.iter().copied()),
+            itl: Histogram::new(buckets.itl.iter().copied()),
+            finished: Counter::default(),
             request_success: Family::default(),
-            ttft: Histogram::new(TTFT_BUCKETS),
-            itl: Histogram::new(ITL_BUCKETS),
-            e2e: Histogram::new(REQUEST_BUCKETS),
-            queue_time: Histogram::new(REQUEST_BUCKETS),
-            iteration_tokens: Histogram::new(ITERATION_BUCKETS),
-        };
-        let labels = [
-            (Cow::Borrowed("engine"), Cow::Borrowed("0")),
-            (
-                Cow::Borrowed("model_name"),
-                Cow::Owned(profile.model.name.clone()),
-            ),
-        ];
-        let mut r = Registry::with_labels(labels.into_iter());
-        r.register(
-            "vllm:num_requests_running",
-            "Number of requests in model execution batches",
-            m.running.clone(),
-        );
-        r.register(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be processed",
-            m.waiting.clone(),
-        );
-        r.register(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage",
-            m.kv_usage.clone(),
-        );
-        r.register(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens",
-            m.prefix_queries.clone(),
-        );
-        r.register(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens",
-            m.prefix_hits.clone(),
-        );
-        r.register(
-            "vllm:num_preemptions",
-            "Cumulative number of preemption from the engine",
-            m.preemptions.clone(),
-        );
-        r.register(
-            "vllm:prompt_tokens",
-            "Number of prefill tokens processed",
-            m.prompt_tokens.clone(),
-        );
-        r.register(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed",
-            m.generation_tokens.clone(),
-        );
-        r.register(
-            "vllm:request_success",
-            "Count of successfully processed requests",
-            m.request_success.clone(),
-        );
-        r.register(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds",
-            m.ttft.clone(),
-        );
-        r.register(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds",
-            m.itl.clone(),
-        );
-        r.register(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds",
-            m.e2e.clone(),
-        );
-        r.register(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request",
-            m.queue_time.clone(),
-        );
-        r.register(
-            "vllm:iteration_tokens_total",
-            "Histogram of number of tokens per engine_step",
-            m.iteration_tokens.clone(),
-        );
-        let e = &profile.engine;
-        r.register(
-            "vllm:cache_config",
-            "Information of the LLMEngine CacheConfig",
-            Info::new(vec![
-                ("block_size", "16".to_owned()),
-                ("num_gpu_blocks", profile.kv_blocks().to_string()),
-                (
-                    "gpu_memory_utilization",
-                    e.gpu_memory_utilization.to_string(),
-                ),
-                ("enable_prefix_caching", e.enable_prefix_caching.to_string()),
-            ]),
-        );
-        (m, r)
+            prompt_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+            completion_tokens: Counter::default(),
+            prompt_seconds: Counter::default(),
+            decode_seconds: Counter::default(),
+            longest_sequence: Gauge::default(),
+            e2e: Histogram::new(buckets.e2e.iter().copied()),
+            queue_time: Histogram::new(buckets.queue.iter().copied()),
+            aborted: Counter::default(),
+        }
     }
 
-    pub fn count_success(&self, finished_reason: &'static str) {
+    /// Records a request that generated all its tokens.
+    pub fn record_finished(&self, done: &Finished, finish_reason: &'static str) {
+        let usage = &done.usage;
+        self.finished.inc();
         self.request_success
-            .get_or_create(&vec![("finished_reason", finished_reason)])
+            .get_or_create(&vec![("finished_reason", finish_reason)])
             .inc();
+        self.prompt_tokens.inc_by(usage.prompt_tokens);
+        self.cached_tokens.inc_by(usage.cached_tokens);
+        self.completion_tokens
+            .inc_by(u64::from(usage.completion_tokens));
+        self.prompt_seconds
+            .inc_by(done.ttft_seconds - done.queue_seconds);
+        self.decode_seconds
+            .inc_by(done.e2e_seconds - done.ttft_seconds);
+        let length = usage.prompt_tokens + u64::from(usage.completion_tokens);
+        let length = i64::try_from(length).unwrap_or(i64::MAX);
+        if length > self.longest_sequence.get() {
+            self.longest_sequence.set(length);
+        }
+        self.e2e.observe(done.e2e_seconds);
+        self.queue_time.observe(done.queue_seconds);
     }
 }
 
-/// Renders a registry in the text exposition format.
+/// Renders a registry in the OpenMetrics text format.
 pub fn render(registry: &Registry) -> String {
     let mut out = String::new();
     // Writing into a String cannot fail.

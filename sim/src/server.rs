@@ -1,4 +1,5 @@
-//! The OpenAI-compatible HTTP front of the simulator.
+//! The OpenAI-compatible HTTP front of the simulator. Inference and the test surface
+//! (`/debug/*`) live here; everything engine-specific comes from the [`Dialect`].
 
 use std::collections::VecDeque;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -9,25 +10,24 @@ use std::sync::{Arc, Mutex};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use futures::stream;
-use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tracing::error;
 use weir_core::openai::{ApiError, CompletionRequest, Endpoint};
 
+use crate::dialect::{CacheScope, Dialect};
 use crate::driver::{EngineHandle, SeqEvent};
 use crate::engine::{SeqId, SeqSpec};
 use crate::faults::{Faults, Verdict};
 use crate::kv_cache::block_hashes;
-use crate::metrics::render;
 use crate::profile::Profile;
 use crate::shape::{Field, ShapeFlags};
 use crate::text::TextGen;
-use crate::wire::{ResponseHead, SSE_DONE, sse_event};
+use crate::wire::{Answer, ResponseHead, SSE_DONE, sse_event};
 
 /// How long an injected drop waits for earlier frames to be written out.
 const FLUSH_BEFORE_DROP: std::time::Duration = std::time::Duration::from_millis(50);
@@ -51,7 +51,7 @@ pub struct Settings {
 pub struct App {
     engine: EngineHandle,
     profile: Profile,
-    registry: Registry,
+    dialect: Arc<dyn Dialect>,
     faults: Faults,
     settings: Settings,
     recorded: Mutex<VecDeque<Value>>,
@@ -62,14 +62,14 @@ impl App {
     pub fn new(
         engine: EngineHandle,
         profile: Profile,
-        registry: Registry,
+        dialect: Arc<dyn Dialect>,
         faults: Faults,
         settings: Settings,
     ) -> Self {
         App {
             engine,
             profile,
-            registry,
+            dialect,
             faults,
             settings,
             recorded: Mutex::new(VecDeque::new()),
@@ -97,17 +97,19 @@ impl App {
 }
 
 pub fn router(app: Arc<App>) -> Router {
+    let endpoints = app.dialect.clone().endpoints();
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
-        .route("/v1/models", get(models))
-        .route("/health", get(|| async { StatusCode::OK }))
-        .route("/metrics", get(metrics))
         .route("/debug/requests", get(recorded_requests))
-        .fallback(|| async {
-            error_response(&ApiError::not_found("no such route; see /v1/models"))
+        .route("/debug/faults", get(faults))
+        .route("/debug/faults/hang", put(switch_hang))
+        .fallback(|State(app): State<Arc<App>>| async move {
+            app.dialect
+                .error(&ApiError::not_found("no such route; see /v1/models"))
         })
         .with_state(app)
+        .merge(endpoints)
 }
 
 async fn chat_completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
@@ -123,39 +125,22 @@ async fn recorded_requests(State(app): State<Arc<App>>) -> Response {
     axum::Json(Value::Array(recorded.iter().cloned().collect())).into_response()
 }
 
-async fn models(State(app): State<Arc<App>>) -> Response {
-    axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": app.settings.model,
-            "object": "model",
-            "owned_by": "weir-sim",
-            "max_model_len": app.profile.model.max_model_len,
-        }],
-    }))
-    .into_response()
+/// The run-time fault switches and what they hold.
+async fn faults(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({"hang": app.faults.hangs(), "hung": app.faults.num_hung()})).into_response()
 }
 
-async fn metrics(State(app): State<Arc<App>>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        render(&app.registry),
-    )
-        .into_response()
-}
-
-pub fn error_response(e: &ApiError) -> Response {
-    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut response = (status, axum::Json(e.to_json())).into_response();
-    if e.status == 429 || e.status == 503 {
-        response
-            .headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+/// `PUT /debug/faults/hang` with `true` or `false`: new requests hang, or are served again.
+async fn switch_hang(State(app): State<Arc<App>>, body: Bytes) -> Response {
+    match serde_json::from_slice::<bool>(&body) {
+        Ok(on) => {
+            app.faults.set_hang(on);
+            faults(State(app)).await
+        }
+        Err(_) => app
+            .dialect
+            .error(&ApiError::bad_request("expected `true` or `false`")),
     }
-    response
 }
 
 /// One accepted request on its way through the engine.
@@ -170,52 +155,58 @@ struct Job {
 }
 
 async fn complete(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
-    let job = match prepare(&app, endpoint, &headers, body).await {
-        Ok(job) => job,
-        Err(e) => return error_response(&e),
-    };
-    let events = app.engine.submit(job.spec.clone(), job.finish_reason);
-    let guard = AbortOnDrop {
-        engine: app.engine.clone(),
-        id: Some(job.spec.id),
-    };
-    if job.stream {
-        stream_response(app, job, events, guard)
-    } else {
-        collect_response(app, job, events, guard).await
-    }
-}
-
-/// Parses, validates and sizes a request: everything that can fail before the engine sees it.
-async fn prepare(
-    app: &App,
-    endpoint: Endpoint,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<Job, ApiError> {
     let limit = app.settings.max_body_bytes;
-    let bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::payload_too_large(limit))?;
+    let Ok(bytes) = axum::body::to_bytes(body, limit).await else {
+        return app.dialect.error(&ApiError::payload_too_large(limit));
+    };
     let path = match endpoint {
         Endpoint::ChatCompletions => "/v1/chat/completions",
         Endpoint::Completions => "/v1/completions",
     };
-    app.record(path, headers, &bytes);
-    let req = CompletionRequest::parse(&bytes)?;
-    req.validate(endpoint)?;
-    if req.model != app.settings.model {
-        return Err(ApiError::not_found(format!(
-            "The model `{}` does not exist. Valid aliases: {}.",
-            req.model, app.settings.model
-        ))
-        .with_param("model"));
+    app.record(path, &headers, &bytes);
+    if app.faults.hangs() {
+        // Accepted, never answered: the handler is dropped when the client goes away.
+        let _held = app.faults.hold();
+        std::future::pending::<()>().await;
     }
+    let job = match prepare(&app, endpoint, &bytes).await {
+        Ok(job) => job,
+        Err(refusal) => return refusal,
+    };
+    let mut events = app.engine.submit(job.spec.clone(), job.finish_reason);
+    let guard = AbortOnDrop {
+        engine: app.engine.clone(),
+        id: Some(job.spec.id),
+    };
+    if !job.stream {
+        return collect_response(app, job, events, guard).await;
+    }
+    if app.dialect.defers_headers() {
+        // The status line waits until the engine starts the request; a client that gives up
+        // first drops this handler, and the guard takes the request out of the queue.
+        match events.recv().await {
+            Some(SeqEvent::Started) => {}
+            Some(SeqEvent::Rejected(msg)) => return app.dialect.error(&ApiError::bad_request(msg)),
+            _ => return app.dialect.error(&ApiError::internal("engine stopped")),
+        }
+    }
+    stream_response(app, job, events, guard)
+}
+
+/// Parses, validates and sizes a request: everything that can fail before the engine sees it.
+async fn prepare(app: &App, endpoint: Endpoint, bytes: &Bytes) -> Result<Job, Response> {
+    let refuse = |e: ApiError| app.dialect.error(&e);
+    let req = CompletionRequest::parse(bytes).map_err(refuse)?;
+    req.validate(endpoint).map_err(refuse)?;
+    let model = app
+        .dialect
+        .served_model(&req.model, &app.settings.model)
+        .map_err(refuse)?;
     let (verdict, accepted) = app.faults.admit();
     match verdict {
         Verdict::Serve => {}
-        Verdict::Fail => return Err(ApiError::internal("injected engine failure")),
-        Verdict::Throttle => return Err(ApiError::rate_limited("injected throttling")),
+        Verdict::Fail => return Err(refuse(ApiError::internal("injected engine failure"))),
+        Verdict::Throttle => return Err(refuse(ApiError::rate_limited("injected throttling"))),
     }
 
     let encoding = app.profile.model.tokenizer;
@@ -225,31 +216,22 @@ async fn prepare(
             (req, tokens)
         })
         .await
-        .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
+        .map_err(|e| refuse(ApiError::internal(format!("tokenizer task failed: {e}"))))?
     } else {
         let tokens = req.prompt_tokens(endpoint, encoding);
         (req, tokens)
     };
-    let tokens = tokens.map_err(|e| ApiError::internal(e.to_string()))?;
+    let tokens = tokens.map_err(|e| refuse(ApiError::internal(e.to_string())))?;
 
     let prompt_len = tokens.len() as u64;
-    let max_len = app.profile.model.max_model_len;
-    let max_tokens = req
-        .max_output_tokens()
-        .map_or(max_len.saturating_sub(prompt_len), u64::from);
-    if max_tokens == 0 || prompt_len + max_tokens > max_len {
-        return Err(ApiError::context_length_exceeded(
-            max_len, prompt_len, max_tokens,
-        ));
-    }
-    let capacity = app.profile.kv_capacity_tokens();
-    if prompt_len + max_tokens > capacity {
-        return Err(ApiError::bad_request(format!(
-            "{} tokens of context exceed the KV cache capacity of {capacity} tokens",
-            prompt_len + max_tokens
-        ))
-        .with_param("max_tokens"));
-    }
+    let max_tokens = app
+        .dialect
+        .output_budget(&req, prompt_len, &app.profile)
+        .map_err(|refusal| *refusal)?;
+    let block_hashes = match app.dialect.cache_scope(&req, bytes) {
+        CacheScope::Salted(salt) => block_hashes(salt, &tokens),
+        CacheScope::Off => Vec::new(),
+    };
 
     let seed = req.seed.unwrap_or_else(|| {
         let mut h = DefaultHasher::new();
@@ -257,7 +239,6 @@ async fn prepare(
         h.finish()
     });
     let mut text = TextGen::new(seed);
-    let max_tokens = u32::try_from(max_tokens).unwrap_or(u32::MAX);
     let output_len = if req.ignore_eos.unwrap_or(false) {
         max_tokens
     } else {
@@ -265,11 +246,11 @@ async fn prepare(
     };
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     Ok(Job {
-        head: ResponseHead::new(endpoint, id, &app.settings.model),
+        head: ResponseHead::new(endpoint, id, &model),
         spec: SeqSpec {
             id,
             prompt_len,
-            block_hashes: block_hashes(req.cache_salt.as_deref(), &tokens),
+            block_hashes,
             output_len,
         },
         finish_reason: if output_len == max_tokens {
@@ -340,7 +321,7 @@ fn stream_response(
         .header(header::CONTENT_TYPE, "text/event-stream; charset=utf-8")
         .header(header::CACHE_CONTROL, "no-cache")
         .body(body)
-        .unwrap_or_else(|e| error_response(&ApiError::internal(e.to_string())))
+        .unwrap_or_else(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response())
 }
 
 /// Relays engine events as SSE until the sequence ends or the client leaves.
@@ -352,6 +333,7 @@ async fn pump(
     tx: mpsc::Sender<Chunk>,
 ) {
     let shape = &app.settings.shape;
+    let wire = app.dialect.wire();
     let (mut pending, mut pending_tokens, mut first) = (String::new(), 0, true);
     loop {
         let event = tokio::select! {
@@ -359,6 +341,7 @@ async fn pump(
             _ = tx.closed() => return,
         };
         let frame = match event {
+            Some(SeqEvent::Started) => continue,
             Some(SeqEvent::Token { index }) => match next_piece(&app, &mut job, index).await {
                 Ok(piece) => {
                     pending.push_str(piece);
@@ -372,7 +355,8 @@ async fn pump(
                         Endpoint::ChatCompletions => shape.field(index),
                         Endpoint::Completions => Field::Content,
                     };
-                    let frames = job.head.token_frames(
+                    let frames = wire.token_frames(
+                        &job.head,
                         &pending,
                         field,
                         first,
@@ -392,11 +376,8 @@ async fn pump(
             },
             Some(SeqEvent::Finished(done)) => {
                 guard.disarm();
-                let mut tail = String::new();
-                if job.include_usage && !shape.omit_usage {
-                    tail.push_str(&job.head.usage_frame(&done.usage));
-                }
-                tail.push_str(SSE_DONE);
+                let usage = (!shape.omit_usage).then_some(job.include_usage);
+                let tail = wire.closing_frames(&job.head, job.finish_reason, &done, usage);
                 let _ = tx.send(Ok(Bytes::from(tail))).await;
                 return;
             }
@@ -428,6 +409,7 @@ async fn collect_response(
     let (mut reasoning, mut text) = (String::new(), String::new());
     while let Some(event) = events.recv().await {
         match event {
+            SeqEvent::Started => {}
             SeqEvent::Token { index } => match next_piece(&app, &mut job, index).await {
                 Ok(piece) => match (job.head.endpoint, shape.field(index)) {
                     (Endpoint::ChatCompletions, Field::Reasoning) => reasoning.push_str(piece),
@@ -441,18 +423,22 @@ async fn collect_response(
             },
             SeqEvent::Finished(done) => {
                 guard.disarm();
-                let reasoning = (!reasoning.is_empty()).then_some(reasoning.as_str());
-                let usage = (!shape.omit_usage).then_some(&done.usage);
-                let body = job
-                    .head
-                    .response(reasoning, &text, job.finish_reason, usage);
+                let answer = Answer {
+                    reasoning: (!reasoning.is_empty()).then_some(reasoning.as_str()),
+                    text: &text,
+                    finish_reason: job.finish_reason,
+                };
+                let body = app
+                    .dialect
+                    .wire()
+                    .response(&job.head, answer, &done, !shape.omit_usage);
                 return ([(header::CONTENT_TYPE, "application/json")], body).into_response();
             }
             SeqEvent::Rejected(msg) => {
                 guard.disarm();
-                return error_response(&ApiError::bad_request(msg));
+                return app.dialect.error(&ApiError::bad_request(msg));
             }
         }
     }
-    error_response(&ApiError::internal("engine stopped"))
+    app.dialect.error(&ApiError::internal("engine stopped"))
 }

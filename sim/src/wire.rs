@@ -1,11 +1,98 @@
-//! Response bodies and stream chunks in the shape and field order vLLM 0.32 sends them
-//! (see `shared/reference/vllm-0.32/`).
+//! Response bodies and stream chunks: the [`Wire`] every dialect implements, and vLLM's, in the
+//! shape and field order vLLM 0.32 sends them (see `shared/reference/vllm-0.32/`).
 
 use serde::Serialize;
 use weir_core::openai::Endpoint;
 
-use crate::engine::Usage;
+use crate::engine::{Finished, Usage};
 use crate::shape::Field;
+
+/// How one engine lays its answers out on the wire.
+pub trait Wire: Send + Sync {
+    /// The SSE frames for one generated piece of `field`; `finish_reason` is set on the last.
+    fn token_frames(
+        &self,
+        head: &ResponseHead,
+        text: &str,
+        field: Field,
+        first: bool,
+        finish_reason: Option<&str>,
+    ) -> String;
+
+    /// The frames that close a finished stream, `[DONE]` last. `usage` is `None` when
+    /// `--omit-usage` hides it, else whether the client asked for it (`include_usage`).
+    fn closing_frames(
+        &self,
+        head: &ResponseHead,
+        finish_reason: &str,
+        done: &Finished,
+        usage: Option<bool>,
+    ) -> String;
+
+    /// A whole non-streamed response body; `usage` unless `--omit-usage` hides it.
+    fn response(
+        &self,
+        head: &ResponseHead,
+        answer: Answer<'_>,
+        done: &Finished,
+        usage: bool,
+    ) -> String;
+}
+
+/// The text of a finished, non-streamed answer (`reasoning` only for chat).
+pub struct Answer<'a> {
+    pub reasoning: Option<&'a str>,
+    pub text: &'a str,
+    pub finish_reason: &'a str,
+}
+
+/// vLLM's wire: the finish reason rides on the last token's chunk; usage comes in a trailing
+/// `"choices": []` chunk only when asked for.
+pub struct VllmWire;
+
+impl Wire for VllmWire {
+    fn token_frames(
+        &self,
+        head: &ResponseHead,
+        text: &str,
+        field: Field,
+        first: bool,
+        finish_reason: Option<&str>,
+    ) -> String {
+        head.token_frames(text, field, first, finish_reason)
+    }
+
+    fn closing_frames(
+        &self,
+        head: &ResponseHead,
+        _finish_reason: &str,
+        done: &Finished,
+        usage: Option<bool>,
+    ) -> String {
+        let mut frames = if usage == Some(true) {
+            head.usage_frame(&done.usage)
+        } else {
+            String::new()
+        };
+        frames.push_str(SSE_DONE);
+        frames
+    }
+
+    fn response(
+        &self,
+        head: &ResponseHead,
+        answer: Answer<'_>,
+        done: &Finished,
+        usage: bool,
+    ) -> String {
+        head.response(
+            answer.reasoning,
+            answer.text,
+            answer.finish_reason,
+            usage.then_some(&done.usage),
+        )
+    }
+}
 
 /// What every chunk and response of one request shares.
 pub struct ResponseHead {
@@ -138,7 +225,7 @@ impl ResponseHead {
 
     /// The SSE frames for one generated piece of `field`. A chat stream opens with an empty
     /// assistant delta, as vLLM does, so every later chunk carries only generated tokens.
-    pub fn token_frames(
+    fn token_frames(
         &self,
         text: &str,
         field: Field,
@@ -188,12 +275,12 @@ impl ResponseHead {
     }
 
     /// The trailing frame of `stream_options.include_usage`: no choices, only usage.
-    pub fn usage_frame(&self, usage: &Usage) -> String {
+    fn usage_frame(&self, usage: &Usage) -> String {
         sse_event(&self.encode(true, [(); 0], Some(usage)))
     }
 
     /// A whole non-streamed response body (`reasoning` only for chat).
-    pub fn response(
+    fn response(
         &self,
         reasoning: Option<&str>,
         text: &str,

@@ -422,3 +422,93 @@ async fn recording_keeps_what_arrived_only_when_asked() {
         .unwrap();
     assert_eq!(seen, json!([]));
 }
+
+/// Whether a request gets no answer at all (not even a status line) within `wait`.
+async fn goes_unanswered(sim: &Sim, wait: std::time::Duration) -> bool {
+    let body = chat("tiny", "are you there?", json!({"max_tokens": 3}));
+    let sent = sim
+        .http
+        .post(sim.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(body)
+        .timeout(wait)
+        .send()
+        .await;
+    matches!(sent, Err(e) if e.is_timeout())
+}
+
+#[tokio::test]
+async fn hang_holds_new_requests_until_switched_off() {
+    let sim = Sim::start(&["--preset", "tiny", "--time-scale", "5", "--hang"]);
+    assert_eq!(sim.get_json("/debug/faults").await["hang"], true);
+    let wait = std::time::Duration::from_millis(400);
+
+    // Held: no status line, while the probes still say healthy.
+    let pending = tokio::spawn({
+        let http = sim.http.clone();
+        let url = sim.url("/v1/chat/completions");
+        async move {
+            http.post(url)
+                .body(chat("tiny", "held", json!({"max_tokens": 3})))
+                .send()
+                .await
+        }
+    });
+    let mut held = json!(null);
+    for _ in 0..100 {
+        held = sim.get_json("/debug/faults").await;
+        if held["hung"] == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(held["hung"], 1, "{held}");
+    let health = sim.http.get(sim.url("/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    assert_eq!(sim.metric("vllm:num_requests_running").await, 0.0);
+    // The client goes away: the request is released.
+    pending.abort();
+    let mut released = json!(null);
+    for _ in 0..100 {
+        released = sim.get_json("/debug/faults").await;
+        if released["hung"] == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(released["hung"], 0, "{released}");
+    assert!(goes_unanswered(&sim, wait).await);
+
+    // Recovered: served again. A request already running rides out the next hang.
+    assert_eq!(sim.set_hang(false).await["hang"], false);
+    assert!(!goes_unanswered(&sim, std::time::Duration::from_secs(10)).await);
+    let body = chat(
+        "tiny",
+        "long",
+        json!({"stream": true, "max_tokens": 200, "ignore_eos": true}),
+    );
+    let mut running = sim.post("/v1/chat/completions", body).await;
+    assert_eq!(running.status(), 200);
+    running.chunk().await.unwrap().expect("a first chunk");
+    assert_eq!(sim.set_hang(true).await["hang"], true);
+    assert!(goes_unanswered(&sim, wait).await);
+    let mut rest = String::new();
+    while let Some(bytes) = running.chunk().await.unwrap() {
+        rest.push_str(&String::from_utf8_lossy(&bytes));
+    }
+    assert!(
+        rest.ends_with("data: [DONE]\n\n"),
+        "the running stream finished"
+    );
+    sim.set_hang(false).await;
+    assert!(!goes_unanswered(&sim, std::time::Duration::from_secs(10)).await);
+
+    let refused = sim
+        .http
+        .put(sim.url("/debug/faults/hang"))
+        .body("maybe")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 400);
+}

@@ -183,6 +183,7 @@ fn up(preset: &str, port: u16, time_scale: f64) -> anyhow::Result<()> {
     }
     println!("  Gateway metrics   {}/stats?filter=weir", envoy.admin);
     println!("  Sidecar metrics   {}/metrics", sidecar.admin);
+    println!("  Sidecar readiness {}/ready", sidecar.admin);
     for r in &replicas {
         println!("  Engine metrics    {}/metrics", r.url);
     }

@@ -1,6 +1,7 @@
 //! Starts the real `weir-sim` binary on a free loopback port for a test.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
+#![allow(dead_code)] // every test binary compiles this module and uses a part of it
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -50,22 +51,52 @@ impl Sim {
             .expect("request")
     }
 
-    /// The value of one unlabelled-beyond-engine series from `/metrics`.
-    pub async fn metric(&self, name: &str) -> f64 {
-        let text = self
-            .http
+    /// The text of `/metrics`.
+    pub async fn metrics(&self) -> String {
+        self.http
             .get(self.url("/metrics"))
             .send()
             .await
             .expect("metrics")
             .text()
             .await
-            .expect("metrics body");
-        text.lines()
-            .find(|l| l.starts_with(&format!("{name}{{")))
+            .expect("metrics body")
+    }
+
+    /// The value of the first series named `name` in `/metrics`, labelled or not.
+    pub async fn metric(&self, name: &str) -> f64 {
+        self.metrics()
+            .await
+            .lines()
+            .find(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("metric {name} missing"))
+    }
+
+    /// A GET answered with JSON.
+    pub async fn get_json(&self, path: &str) -> serde_json::Value {
+        self.http
+            .get(self.url(path))
+            .send()
+            .await
+            .expect("request")
+            .json()
+            .await
+            .expect("JSON body")
+    }
+
+    /// Switches the hang fault; returns what `/debug/faults` says afterwards.
+    pub async fn set_hang(&self, on: bool) -> serde_json::Value {
+        self.http
+            .put(self.url("/debug/faults/hang"))
+            .body(on.to_string())
+            .send()
+            .await
+            .expect("hang switch")
+            .json()
+            .await
+            .expect("fault state")
     }
 
     /// Polls a metric until `done` holds, for at most ten seconds of wall time.
