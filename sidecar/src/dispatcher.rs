@@ -528,8 +528,10 @@ impl Dispatcher {
             if !configured {
                 r.kv_budget = s.kv_tokens.unwrap_or(r.kv_budget);
             }
-            if s.waiting > 0 {
-                r.limiter.engine_queue(s.running, s.kv_usage);
+            // Without KV figures a queue in the engine is a shortage of slots; with them, of
+            // KV, which admission handles (see `crate::limiter`).
+            if r.kv_budget == 0 {
+                r.limiter.engine_scrape(s.waiting, s.running);
             }
         }
         let labels = vec![("replica", r.url.clone())];
@@ -757,10 +759,10 @@ impl Dispatcher {
 }
 
 /// The most requests one tenant may run at once in a pool of `slots` while others are active:
-/// all but the headroom's share of them (rounded down, at least one), yet at least one. Rounding
-/// the headroom down keeps a weighted tenant's fair share within reach on a pool of few slots.
+/// all but the headroom's share of them (rounded up: a slot is a whole request, however small),
+/// yet at least one.
 fn slot_share(slots: u64, headroom: f64) -> u64 {
-    let kept = ((headroom * slots as f64).floor() as u64).max(1);
+    let kept = ((headroom * slots as f64).ceil() as u64).max(1);
     slots.saturating_sub(kept).max(1)
 }
 
@@ -1165,8 +1167,7 @@ mod tests {
         // Even a pool of one slot serves everyone, one at a time.
         assert_eq!(slot_share(1, 0.2), 1);
         assert_eq!(slot_share(2, 0.2), 1);
-        assert_eq!(slot_share(6, 0.2), 5, "3:1 weights still within reach");
-        assert_eq!(slot_share(8, 0.2), 7);
+        assert_eq!(slot_share(8, 0.2), 6, "1.6 slots kept: two");
         assert_eq!(slot_share(10, 0.05), 9, "always one slot left");
     }
 
@@ -1196,25 +1197,34 @@ mod tests {
     }
 
     #[test]
-    fn an_engine_holding_a_queue_gets_nothing_more_and_its_limit_drops_to_what_it_runs() {
-        // No KV gauge (llama.cpp, TGI): a queue is a shortage of slots.
-        let (mut d, mut events) = slotted(1, 8);
-        let mut first = enqueue(&mut d, "t", 5);
-        let _running = assigned_of(&mut first);
+    fn an_engine_holding_a_queue_gets_nothing_more_and_without_kv_figures_its_limit_drops() {
         let busy = EngineSample {
             running: 3,
             waiting: 2,
             ..EngineSample::default()
         };
-        d.apply(Event::Sample {
+        let sample = || Event::Sample {
             pool: 0,
             replica: 0,
             sample: Some(busy),
-        });
-        assert_eq!(d.pools[0].replicas[0].limit(), 3);
+        };
+        // KV figures: weir's KV estimate fell short; the limit stays, nothing more goes.
+        let (mut d, mut events) = slotted(1, 8);
+        let mut first = enqueue(&mut d, "t", 5);
+        let _running = assigned_of(&mut first);
+        d.apply(sample());
+        assert_eq!(d.pools[0].replicas[0].limit(), 8);
         let mut more = enqueue(&mut d, "t", 1);
         settle(&mut d, &mut events);
         assert!(assigned_of(&mut more).is_empty());
+        // No KV figures (llama.cpp, TGI): a queue is a shortage of slots.
+        let (mut d, _events) = slotted(1, 8);
+        d.pools[0].replicas[0].kv_budget = 0;
+        let mut first = enqueue(&mut d, "t", 5);
+        let _running = assigned_of(&mut first);
+        d.apply(sample());
+        d.apply(sample());
+        assert_eq!(d.pools[0].replicas[0].limit(), 3);
     }
 
     #[test]

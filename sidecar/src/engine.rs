@@ -8,7 +8,7 @@
 //! | dialect | running | waiting | KV usage / capacity | concurrency limit |
 //! |---|---|---|---|---|
 //! | vLLM | `vllm:num_requests_running` | `vllm:num_requests_waiting` | `vllm:kv_cache_usage_perc` / `vllm:cache_config_info` | — (not in its metrics) |
-//! | SGLang | `sglang:num_running_reqs` | `sglang:num_queue_reqs` | `sglang:token_usage` / `sglang:max_total_num_tokens` | `GET /get_server_info` `max_running_requests` |
+//! | SGLang | `sglang:num_running_reqs` | `sglang:num_queue_reqs` | `sglang:token_usage` / `sglang:max_total_num_tokens` | `GET /get_server_info` `max_running_requests` (the scheduler's effective one where it says) |
 //! | llama.cpp | `llamacpp:requests_processing` | `llamacpp:requests_deferred` | — | `GET /props` `total_slots` |
 //! | TGI | `tgi_batch_current_size` | `tgi_queue_size` | — | — |
 //!
@@ -183,13 +183,17 @@ impl Dialect {
                 max_concurrency: positive(&v["total_slots"]),
                 kv_tokens: None,
             },
-            // The scheduler's own view (`internal_states`) is what it runs with; the top level
-            // holds the server arguments.
+            // The scheduler's own view (`internal_states`) is what it runs with: current SGLang
+            // says `effective_max_running_requests_per_dp` (per data-parallel rank); the top
+            // level holds the server arguments.
             Dialect::Sglang => {
                 let scheduler = &v["internal_states"][0];
                 let either = |key: &str| positive(&scheduler[key]).or_else(|| positive(&v[key]));
+                let ranks = positive(&v["dp_size"]).unwrap_or(1);
+                let effective = positive(&scheduler["effective_max_running_requests_per_dp"])
+                    .map(|n| n.saturating_mul(ranks));
                 EngineLimits {
-                    max_concurrency: either("max_running_requests"),
+                    max_concurrency: effective.or_else(|| either("max_running_requests")),
                     kv_tokens: either("max_total_num_tokens"),
                 }
             }
@@ -416,6 +420,14 @@ mod tests {
                 max_concurrency: Some(48),
                 kv_tokens: Some(900),
             })
+        );
+        let per_rank = r#"{"max_running_requests": 64, "dp_size": 2,
+            "internal_states": [{"effective_max_running_requests_per_dp": 24}]}"#;
+        assert_eq!(
+            Dialect::Sglang
+                .parse_limits(per_rank)
+                .and_then(|l| l.max_concurrency),
+            Some(48)
         );
         let top_only = r#"{"max_running_requests": 16}"#;
         assert_eq!(

@@ -26,11 +26,15 @@
 //!   as the engine serving, and the limit grows by one as for a stream started at once.
 //! - **No first byte within `relay.first_byte_ms`**: the engine accepted the request and did
 //!   not start it (hung, or a queue of someone else's): the limit halves ([`BACKOFF`]).
-//! - **The engine reports requests waiting with KV to spare** (under [`KV_FULL`] in use, or no
-//!   KV figures): it runs no more requests at once than it is running, so the limit drops to
-//!   that. A queue behind a full KV cache is a shortage of memory, not of slots: KV admission
-//!   holds that back (nothing more is dispatched while the engine holds a queue), and a slot
-//!   limit there would count a 250-token request as much as a 5,000-token one.
+//! - **An engine without KV figures reports requests waiting** (llama.cpp, TGI) in
+//!   [`QUEUE_SCRAPES`] scrapes in a row: it can only be out of slots, so it runs no more
+//!   requests at once than it is running, and the limit drops to that. One scrape is not
+//!   enough: a request that arrives as an answer ends can wait a step for the slot that answer
+//!   is freeing. Where weir admits by KV (the engine reports its capacity, or the config names it),
+//!   a queue means weir's KV estimate fell short: nothing more is dispatched there until it has
+//!   drained, and the limit stays, as a slot limit would count a 250-token request as much as a
+//!   5,000-token one. (The dispatcher makes that call: it feeds [`Limiter::engine_scrape`] only the scrapes of
+//!   replicas without KV figures.)
 //!
 //! One decrease per round: samples of requests dispatched before the last decrease measured the
 //! old limit and neither lower nor raise the new one (TCP's one reduction per window), and the
@@ -59,8 +63,8 @@ pub const MIN_GRADIENT: f64 = 0.5;
 pub const BACKOFF: f64 = 0.5;
 /// How much a class's floor rises with each sample above it.
 pub const FLOOR_DRIFT: f64 = 0.01;
-/// KV usage from which an engine's queue is put down to memory, not slots.
-pub const KV_FULL: f64 = 0.9;
+/// Scrapes in a row that must show an engine's queue before the limit drops to what it runs.
+pub const QUEUE_SCRAPES: u32 = 2;
 /// Prompt-length classes: ⌊log2(prompt tokens)⌋ + 1, the last one open-ended.
 const CLASSES: usize = 24;
 
@@ -79,6 +83,8 @@ pub struct Limiter {
     dispatched: u64,
     /// Tickets below this were dispatched before the last decrease.
     recovery: u64,
+    /// Scrapes in a row that showed the engine holding a queue.
+    queued_scrapes: u32,
 }
 
 impl Limiter {
@@ -91,6 +97,7 @@ impl Limiter {
             ratio: 1.0,
             dispatched: 0,
             recovery: 0,
+            queued_scrapes: 0,
         };
         limiter.restart(ceiling);
         limiter
@@ -168,11 +175,16 @@ impl Limiter {
         }
     }
 
-    /// The engine reports requests waiting while it runs `running` with `kv_usage` of its KV
-    /// in use (0 when it does not say).
-    pub fn engine_queue(&mut self, running: u64, kv_usage: f64) {
+    /// A scrape of an engine whose only shortage can be slots: `waiting` requests queued while
+    /// it runs `running`.
+    pub fn engine_scrape(&mut self, waiting: u64, running: u64) {
+        self.queued_scrapes = if waiting > 0 {
+            self.queued_scrapes + 1
+        } else {
+            0
+        };
         let running = running.max(1) as f64;
-        if kv_usage < KV_FULL && running < self.limit {
+        if self.queued_scrapes >= QUEUE_SCRAPES && running < self.limit {
             self.limit = running;
             self.new_round();
         }
@@ -311,7 +323,8 @@ mod tests {
     fn non_streamed_answers_raise_the_limit_but_never_lower_it() {
         let mut l = Limiter::new(Some(6));
         let before = l.dispatch();
-        l.engine_queue(2, 0.0);
+        l.engine_scrape(1, 2);
+        l.engine_scrape(1, 2);
         l.answered(before, 2);
         assert_eq!(l.limit(), 2, "dispatched before the drop: stale");
         for _ in 0..10 {
@@ -325,15 +338,18 @@ mod tests {
     }
 
     #[test]
-    fn an_engine_queue_with_kv_to_spare_brings_the_limit_down_to_what_it_runs() {
+    fn a_lasting_engine_queue_brings_the_limit_down_to_what_it_runs() {
         let mut l = Limiter::new(None);
-        l.engine_queue(6, 0.95);
-        assert_eq!(l.limit(), INITIAL_LIMIT, "out of memory, not of slots");
-        l.engine_queue(6, 0.4);
+        l.engine_scrape(1, 6);
+        assert_eq!(l.limit(), INITIAL_LIMIT, "one scrape: a slot being freed");
+        l.engine_scrape(0, 6);
+        l.engine_scrape(1, 6);
+        assert_eq!(l.limit(), INITIAL_LIMIT, "not in a row");
+        l.engine_scrape(2, 6);
         assert_eq!(l.limit(), 6);
-        l.engine_queue(9, 0.0);
+        l.engine_scrape(2, 9);
         assert_eq!(l.limit(), 6, "never raised by it");
-        l.engine_queue(0, 0.0);
+        l.engine_scrape(1, 0);
         assert_eq!(l.limit(), 1);
     }
 
