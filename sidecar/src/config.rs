@@ -111,8 +111,9 @@ pub struct QueueConfig {
     /// Past this share of `max_total` queued, free-tier requests are shed (429) before anyone
     /// else's: the cheapest work goes first when the pool is overloaded.
     pub shed_free_tier_above: f64,
-    /// Share of a pool's KV no single tenant may take while other tenants are active, so a
-    /// newcomer's request finds room at once instead of waiting for a flood to drain.
+    /// Share of a pool's KV, and of its slots (rounded up), no single tenant may take while
+    /// other tenants are active, so a newcomer's request finds room at once instead of waiting
+    /// for a flood to drain.
     pub kv_headroom: f64,
     /// A tenant counts as active this long after its last request arrived.
     pub active_window_ms: u64,

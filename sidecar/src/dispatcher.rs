@@ -1,4 +1,5 @@
-//! The dispatch loop: one task owns the fair queues and the pools' KV accounting. Handlers
+//! The dispatch loop: one task owns the fair queues, the pools' KV accounting and the replicas'
+//! concurrency limits. Handlers
 //! enqueue jobs and wait for an assignment; relays report tokens served and completion; probes
 //! report engine metrics and isolation modes. Nothing else mutates this state, so it needs no
 //! locks.

@@ -8,6 +8,9 @@
 //! request (the engine aborts and frees the KV) and the hold at once, not when hyper next polls
 //! the body; the client then gets an OpenAI-shaped error event and `[DONE]`. A replica that dies
 //! mid-stream, and the end of the shutdown grace period, end the stream the same way.
+//! A stream is answered only once the engine has started it (its first body bytes, which also
+//! time the replica's concurrency limiter); one not started within `relay.first_byte_ms` is
+//! dropped upstream and answered 503 `first_byte_deadline`, for the caller to retry.
 //! Every path ends in [`Flight::finish`]: one ledger record for the attempt, KV given back (the
 //! assignment is the hold on the replica, released when the flight finishes or is dropped), the
 //! idempotency claim settled (with the response, captured up to a bound, for replays).
