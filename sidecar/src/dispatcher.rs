@@ -1,8 +1,7 @@
 //! The dispatch loop: one task owns the fair queues, the pools' KV accounting and the replicas'
-//! concurrency limits. Handlers
-//! enqueue jobs and wait for an assignment; relays report tokens served and completion; probes
-//! report engine metrics and isolation modes. Nothing else mutates this state, so it needs no
-//! locks.
+//! concurrency limits. Handlers enqueue jobs and wait for an assignment; relays report tokens
+//! served, first bytes and completion; probes report engine metrics, limits and isolation
+//! modes. Nothing else mutates this state, so it needs no locks.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
