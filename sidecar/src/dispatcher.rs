@@ -691,13 +691,14 @@ impl Dispatcher {
         // active, (or a client gone) is passed over; the next job in fair order that does not
         // fit yet holds the line until room frees.
         let capacity = p.capacity();
-        let slots = slot_share(p.concurrency(), queue.kv_headroom);
+        let slots = p.concurrency();
         let judge = |t: &str, job: &Job| {
             let held = tenant_kv.get(t).copied().unwrap_or(0);
             let under_cap = job
                 .kv_cap
                 .is_none_or(|cap| held == 0 || held + job.kv_need <= cap);
-            let others_active = active.len() > usize::from(active.contains_key(t));
+            let others = active.len() - usize::from(active.contains_key(t));
+            let others_active = others > 0;
             let held_here = in_pool.get(t).copied().unwrap_or(0);
             // A pool without KV figures admits by concurrency alone: no share to keep.
             let share = (1.0 - queue.kv_headroom) * capacity as f64;
@@ -706,8 +707,10 @@ impl Dispatcher {
                 || held_here == 0
                 || capacity == 0
                 || (held_here + job.kv_need) as f64 <= share;
-            let within_slots =
-                !*fair || !others_active || running.get(t).copied().unwrap_or(0) < slots;
+            let within_slots = !*fair
+                || !others_active
+                || running.get(t).copied().unwrap_or(0)
+                    < slot_share(slots, queue.kv_headroom, others);
             if !under_cap || !within_share || !within_slots || job.reply.is_closed() {
                 Verdict::Skip
             } else if p.fits(job.kv_need) {
@@ -758,11 +761,12 @@ impl Dispatcher {
     }
 }
 
-/// The most requests one tenant may run at once in a pool of `slots` while others are active:
-/// all but the headroom's share of them (rounded up: a slot is a whole request, however small),
-/// yet at least one.
-fn slot_share(slots: u64, headroom: f64) -> u64 {
-    let kept = ((headroom * slots as f64).ceil() as u64).max(1);
+/// The most requests one tenant may run at once in a pool of `slots` while `others` tenants are
+/// active: all but the headroom's share of them (rounded up: a slot is a whole request, however
+/// small) and no fewer than one per other tenant, so each can start a request at once; yet at
+/// least one.
+fn slot_share(slots: u64, headroom: f64, others: usize) -> u64 {
+    let kept = ((headroom * slots as f64).ceil() as u64).max(others as u64);
     slots.saturating_sub(kept).max(1)
 }
 
@@ -1160,15 +1164,26 @@ mod tests {
         let mut next = enqueue(&mut d, "small", 1);
         assert_eq!(assigned_of(&mut next).len(), 1);
 
+        // Three others active: a slot kept for each.
+        let (mut d, _events) = slotted(2, 4);
+        let _smalls: Vec<Vec<Reply>> = ["s1", "s2", "s3"]
+            .map(|t| enqueue(&mut d, t, 1))
+            .into_iter()
+            .collect();
+        let mut noisy = enqueue(&mut d, "noisy", 10);
+        assert_eq!(assigned_of(&mut noisy).len(), 5);
+
         // Alone, a tenant may use the whole pool.
         let (mut d, _events) = slotted(2, 4);
         let mut alone = enqueue(&mut d, "noisy", 10);
         assert_eq!(assigned_of(&mut alone).len(), 8);
         // Even a pool of one slot serves everyone, one at a time.
-        assert_eq!(slot_share(1, 0.2), 1);
-        assert_eq!(slot_share(2, 0.2), 1);
-        assert_eq!(slot_share(8, 0.2), 6, "1.6 slots kept: two");
-        assert_eq!(slot_share(10, 0.05), 9, "always one slot left");
+        assert_eq!(slot_share(1, 0.2, 1), 1);
+        assert_eq!(slot_share(2, 0.2, 1), 1);
+        assert_eq!(slot_share(8, 0.2, 1), 6, "1.6 slots kept: two");
+        assert_eq!(slot_share(10, 0.05, 1), 9, "always one slot left");
+        assert_eq!(slot_share(8, 0.2, 3), 5, "one for each other active tenant");
+        assert_eq!(slot_share(8, 0.2, 30), 1);
     }
 
     #[test]
