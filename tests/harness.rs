@@ -167,6 +167,34 @@ impl Sim {
             .unwrap_or_else(|| panic!("{name} missing from {}/metrics", self.url))
     }
 
+    /// The sum of every series of a metric on the simulator's `/metrics`, labelled or not
+    /// (llama.cpp's are not); panics if there is none.
+    pub async fn gauge(&self, name: &str) -> f64 {
+        let text = reqwest::get(format!("{}/metrics", self.url))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let values: Vec<f64> = text
+            .lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(name)?;
+                let value = match rest.strip_prefix('{') {
+                    Some(labelled) => labelled.split_once("} ")?.1,
+                    None => rest.strip_prefix(' ')?,
+                };
+                value.split_whitespace().next()?.parse().ok()
+            })
+            .collect();
+        assert!(
+            !values.is_empty(),
+            "{name} missing from {}/metrics",
+            self.url
+        );
+        values.iter().sum()
+    }
+
     /// What the simulator received, newest last (needs `--record-requests`).
     pub async fn received(&self) -> Vec<serde_json::Value> {
         let v: serde_json::Value = reqwest::get(format!("{}/debug/requests", self.url))

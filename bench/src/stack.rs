@@ -52,6 +52,9 @@ impl Stack {
                     "model": model,
                     "replicas": replicas.iter().map(|r| r.url.clone()).collect::<Vec<_>>(),
                     "affinity_load_threshold": if spec.affinity { 0.85 } else { 0.0 },
+                    // The simulator's `--max-num-seqs` (its presets' default), which vLLM's
+                    // metrics do not say.
+                    "max_concurrency_per_replica": 256,
                 }],
             }),
         );

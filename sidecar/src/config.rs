@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+pub use crate::engine::EngineChoice;
 pub use crate::idempotency::IdempotencyConfig;
 use crate::isolation::CacheIsolation;
 
@@ -110,8 +111,9 @@ pub struct QueueConfig {
     /// Past this share of `max_total` queued, free-tier requests are shed (429) before anyone
     /// else's: the cheapest work goes first when the pool is overloaded.
     pub shed_free_tier_above: f64,
-    /// Share of a pool's KV no single tenant may take while other tenants are active, so a
-    /// newcomer's request finds room at once instead of waiting for a flood to drain.
+    /// Share of a pool's KV, and of its slots (rounded up), no single tenant may take while
+    /// other tenants are active, so a newcomer's request finds room at once instead of waiting
+    /// for a flood to drain.
     pub kv_headroom: f64,
     /// A tenant counts as active this long after its last request arrived.
     pub active_window_ms: u64,
@@ -144,6 +146,11 @@ pub struct RelayConfig {
     /// non-streamed request its whole answer: an engine that accepts a request and goes silent
     /// must not hold the replica for ever.
     pub max_response_ms: u64,
+    /// Longest an engine may take, from dispatch, to start a stream (its first body bytes):
+    /// past it the request is cancelled upstream and answered 503 `first_byte_deadline`, and
+    /// the replica's concurrency limit drops. A stream's first bytes come once the engine has
+    /// prefilled the prompt, so this bounds the longest prefill too.
+    pub first_byte_ms: u64,
 }
 
 impl Default for RelayConfig {
@@ -152,6 +159,7 @@ impl Default for RelayConfig {
             client_stall_ms: 30_000,
             max_stream_ms: 30 * 60_000,
             max_response_ms: 30 * 60_000,
+            first_byte_ms: 30_000,
         }
     }
 }
@@ -170,11 +178,19 @@ pub struct PoolConfig {
     /// Leading prompt bytes hashed (with the tenant) to pick the affine replica.
     #[serde(default = "default_affinity_prefix")]
     pub affinity_prefix_bytes: usize,
-    /// Requests each replica runs at once when its KV capacity is unknown (no
-    /// `kv_tokens_per_replica` and no `vllm:cache_config_info` from the engine): admission then
-    /// counts requests instead of KV tokens.
-    #[serde(default = "default_max_in_flight_without_kv")]
-    pub max_in_flight_without_kv: u64,
+    /// The most requests each replica runs at once when its engine does not say (llama.cpp
+    /// and SGLang do; vLLM and TGI do not): set it to the engine's `--max-num-seqs` or batch
+    /// size. Unset, the adaptive limit alone holds, from 16 up to 1024.
+    #[serde(default)]
+    pub max_concurrency_per_replica: Option<u64>,
+    /// The engine's metric dialect: `auto` (detected from `/metrics`), `vllm`, `sglang`,
+    /// `llamacpp` or `tgi`.
+    #[serde(default)]
+    pub engine: EngineChoice,
+    /// The old name of `max_concurrency_per_replica`, which now holds whatever the KV figures
+    /// say: refused with a message saying so, so no config changes meaning silently.
+    #[serde(default)]
+    pub max_in_flight_without_kv: Option<serde::de::IgnoredAny>,
     /// `probe` (default): each replica is probed for how its prefix cache can be kept per
     /// tenant, and gets no traffic until it is, nor if it cannot be. `shared`: not probed; the
     /// pool's tenants may share its replicas' prefix caches.
@@ -211,10 +227,6 @@ fn default_affinity_prefix() -> usize {
     1024
 }
 
-fn default_max_in_flight_without_kv() -> u64 {
-    16
-}
-
 impl SidecarConfig {
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
         let text =
@@ -238,15 +250,29 @@ impl SidecarConfig {
             if pool.replicas.is_empty() {
                 bail!("pools[{i}].replicas: at least one replica is needed");
             }
-            if pool.max_in_flight_without_kv == 0 {
-                bail!("pools[{i}].max_in_flight_without_kv: at least 1");
+            if pool.max_in_flight_without_kv.is_some() {
+                bail!(
+                    "pools[{i}].max_in_flight_without_kv was renamed max_concurrency_per_replica: \
+                     it now caps every replica, KV figures or not, and applies only when the \
+                     engine does not report its own limit"
+                );
+            }
+            if pool.max_concurrency_per_replica == Some(0) {
+                bail!("pools[{i}].max_concurrency_per_replica: at least 1");
             }
         }
-        if self.relay.client_stall_ms == 0
-            || self.relay.max_stream_ms == 0
-            || self.relay.max_response_ms == 0
+        let relay = &self.relay;
+        if [
+            relay.client_stall_ms,
+            relay.max_stream_ms,
+            relay.max_response_ms,
+            relay.first_byte_ms,
+        ]
+        .contains(&0)
         {
-            bail!("relay: client_stall_ms, max_stream_ms and max_response_ms must be above 0");
+            bail!(
+                "relay: client_stall_ms, max_stream_ms, max_response_ms and first_byte_ms must be above 0"
+            );
         }
         if self.signing.is_none() {
             bail!("signing: required (secret_file or secret_env with the filter's signing secret)");
@@ -308,5 +334,33 @@ mod tests {
                 .is_err()
         );
         let _ = std::fs::remove_file(&dir);
+    }
+
+    fn pool_config(pool: &str) -> anyhow::Result<SidecarConfig> {
+        let json = format!(
+            r#"{{"pools": [{{"model": "m", "replicas": ["http://r"]{pool}}}],
+                "signing": {{"secret_env": "WEIR_UNUSED"}}}}"#
+        );
+        let config: SidecarConfig = serde_json::from_str(&json)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    #[test]
+    fn a_pool_names_its_engine_and_concurrency_and_the_old_name_is_refused_clearly() {
+        let config =
+            pool_config(r#", "engine": "llamacpp", "max_concurrency_per_replica": 4"#).unwrap();
+        let pool = &config.pools[0];
+        assert_eq!(
+            (pool.engine, pool.max_concurrency_per_replica),
+            (EngineChoice::Llamacpp, Some(4))
+        );
+        assert_eq!(pool_config("").unwrap().pools[0].engine, EngineChoice::Auto);
+        assert!(pool_config(r#", "engine": "ollama""#).is_err());
+        assert!(pool_config(r#", "max_concurrency_per_replica": 0"#).is_err());
+        let old = pool_config(r#", "max_in_flight_without_kv": 16"#)
+            .unwrap_err()
+            .to_string();
+        assert!(old.contains("renamed max_concurrency_per_replica"), "{old}");
     }
 }

@@ -1,19 +1,21 @@
-//! The dispatch loop: one task owns the fair queues and the pools' KV accounting. Handlers
-//! enqueue jobs and wait for an assignment; relays report tokens served and completion; probes
-//! report engine metrics and isolation modes. Nothing else mutates this state, so it needs no
-//! locks.
+//! The dispatch loop: one task owns the fair queues, the pools' KV accounting and the replicas'
+//! concurrency limits. Handlers enqueue jobs and wait for an assignment; relays report tokens
+//! served, first bytes and completion; probes report engine metrics, limits and isolation
+//! modes. Nothing else mutates this state, so it needs no locks.
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 use weir_core::config::Priority;
 use weir_core::scheduler::{Policy, Scheduler, TokenWeights, Verdict};
 
 use crate::config::QueueConfig;
+use crate::engine::{EngineLimits, EngineSample};
 use crate::isolation::Isolation;
+use crate::limiter::Ticket;
 use crate::metrics::{Metrics, tenant};
-use crate::pool::{EngineSample, Pool, Replica};
+use crate::pool::{Pool, Replica};
 use crate::readiness::Readiness;
 
 /// A request waiting for a replica.
@@ -50,10 +52,43 @@ pub struct Assignment {
     tenant: String,
     kv_held: u64,
     released: bool,
+    /// Its place in the replica's dispatch order, for the replica's limiter.
+    ticket: Ticket,
+    dispatched: Instant,
     events: mpsc::UnboundedSender<Event>,
 }
 
 impl Assignment {
+    /// The engine started the request (its first body bytes came): a time-to-first-byte sample
+    /// for the replica's limiter.
+    pub fn started(&self, prompt_tokens: u64) {
+        let _ = self.events.send(Event::FirstByte {
+            pool: self.pool,
+            replica: self.replica,
+            ticket: self.ticket,
+            ttfb_ms: self.dispatched.elapsed().as_secs_f64() * 1e3,
+            prompt_tokens,
+        });
+    }
+
+    /// The engine answered a non-streamed request.
+    pub fn answered(&self) {
+        let _ = self.events.send(Event::Answered {
+            pool: self.pool,
+            replica: self.replica,
+            ticket: self.ticket,
+        });
+    }
+
+    /// The engine did not start the request within `relay.first_byte_ms`.
+    pub fn not_started(&self) {
+        let _ = self.events.send(Event::FirstByteTimeout {
+            pool: self.pool,
+            replica: self.replica,
+            ticket: self.ticket,
+        });
+    }
+
     /// KV tokens held on the replica for this request.
     pub fn kv_held(&self) -> u64 {
         self.kv_held
@@ -144,6 +179,33 @@ pub enum Event {
         pool: usize,
         replica: usize,
     },
+    /// A replica answered its probe for the first time or again after being unreachable, with
+    /// what its engine says of its limits; sent before that probe's [`Event::Sample`].
+    Joined {
+        pool: usize,
+        replica: usize,
+        limits: EngineLimits,
+    },
+    /// Sent by [`Assignment::started`].
+    FirstByte {
+        pool: usize,
+        replica: usize,
+        ticket: Ticket,
+        ttfb_ms: f64,
+        prompt_tokens: u64,
+    },
+    /// Sent by [`Assignment::answered`].
+    Answered {
+        pool: usize,
+        replica: usize,
+        ticket: Ticket,
+    },
+    /// Sent by [`Assignment::not_started`].
+    FirstByteTimeout {
+        pool: usize,
+        replica: usize,
+        ticket: Ticket,
+    },
     Sample {
         pool: usize,
         replica: usize,
@@ -171,9 +233,11 @@ pub struct Dispatcher {
     budget_configured: Vec<bool>,
     /// KV each tenant holds across pools, against its `active_kv_tokens` cap.
     tenant_kv: HashMap<String, u64>,
-    /// Per pool, KV each tenant holds there and when its last request for it arrived: the
-    /// headroom rule applies within a pool, so one pool's load never limits another's.
+    /// Per pool, KV each tenant holds there, requests it has running there, and when its last
+    /// request for it arrived: the headroom rule applies within a pool, so one pool's load never
+    /// limits another's.
     pool_kv: Vec<HashMap<String, u64>>,
+    pool_running: Vec<HashMap<String, u64>>,
     active: Vec<HashMap<String, u64>>,
     queue: QueueConfig,
     metrics: Metrics,
@@ -206,6 +270,7 @@ impl Dispatcher {
         }
         Dispatcher {
             pool_kv: per_pool(),
+            pool_running: per_pool(),
             active: per_pool(),
             schedulers: pools
                 .iter()
@@ -292,12 +357,69 @@ impl Dispatcher {
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.in_flight = r.in_flight.saturating_sub(1);
                 }
+                if let Some(n) = self.pool_running.get_mut(pool).and_then(|m| m.get_mut(&t)) {
+                    *n = n.saturating_sub(1);
+                }
                 self.adjust_hold(pool, replica, &t, 0, kv_need);
             }
             Event::ReplicaFailed { pool, replica } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.healthy = false;
                 }
+            }
+            Event::Joined {
+                pool,
+                replica,
+                limits,
+            } => {
+                let configured = self.budget_configured.get(pool).copied().unwrap_or(false);
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    r.join(limits);
+                    if !configured {
+                        r.kv_budget = limits.kv_tokens.unwrap_or(r.kv_budget);
+                    }
+                }
+                self.update_limits(pool, replica);
+            }
+            Event::FirstByte {
+                pool,
+                replica,
+                ticket,
+                ttfb_ms,
+                prompt_tokens,
+            } => {
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    let in_flight = r.in_flight;
+                    r.limiter
+                        .first_byte(ticket, ttfb_ms, prompt_tokens, in_flight);
+                }
+                self.update_limits(pool, replica);
+            }
+            Event::Answered {
+                pool,
+                replica,
+                ticket,
+            } => {
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    let in_flight = r.in_flight;
+                    r.limiter.answered(ticket, in_flight);
+                }
+                self.update_limits(pool, replica);
+            }
+            Event::FirstByteTimeout {
+                pool,
+                replica,
+                ticket,
+            } => {
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    r.limiter.timed_out(ticket);
+                    let labels = vec![("replica", r.url.clone())];
+                    self.metrics
+                        .replica_first_byte_timeouts
+                        .get_or_create(&labels)
+                        .inc();
+                }
+                self.update_limits(pool, replica);
             }
             Event::Sample {
                 pool,
@@ -318,6 +440,27 @@ impl Dispatcher {
             Event::Ready(reply) => {
                 let _ = reply.send(Readiness::of(&self.pools));
             }
+        }
+    }
+
+    /// Publishes a replica's limits: effective, adaptive, the engine's, and its TTFB floor.
+    fn update_limits(&self, pool: usize, replica: usize) {
+        let Some(r) = self.pools.get(pool).and_then(|p| p.replicas.get(replica)) else {
+            return;
+        };
+        let labels = vec![("replica", r.url.clone())];
+        let m = &self.metrics;
+        m.replica_limit.get_or_create(&labels).set(r.limit() as i64);
+        m.replica_adaptive_limit
+            .get_or_create(&labels)
+            .set(r.limiter.adaptive());
+        if let Some(limit) = r.engine_limit {
+            m.replica_engine_limit
+                .get_or_create(&labels)
+                .set(limit as i64);
+        }
+        if let Some(floor) = r.limiter.floor_ms() {
+            m.replica_ttfb_floor.get_or_create(&labels).set(floor / 1e3);
         }
     }
 
@@ -385,6 +528,11 @@ impl Dispatcher {
             if !configured {
                 r.kv_budget = s.kv_tokens.unwrap_or(r.kv_budget);
             }
+            // Without KV figures a queue in the engine is a shortage of slots; with them, of
+            // KV, which admission handles (see `crate::limiter`).
+            if r.kv_budget == 0 {
+                r.limiter.engine_scrape(s.waiting, s.running);
+            }
         }
         let labels = vec![("replica", r.url.clone())];
         self.metrics
@@ -403,6 +551,7 @@ impl Dispatcher {
             .replica_waiting
             .get_or_create(&labels)
             .set(r.engine.waiting as i64);
+        self.update_limits(pool, replica);
     }
 
     /// Requests waiting, in every pool.
@@ -523,29 +672,33 @@ impl Dispatcher {
             pools,
             tenant_kv,
             pool_kv,
+            pool_running,
             active,
             queue,
             fair,
             ..
         } = self;
-        let (Some(scheduler), Some(p), Some(in_pool), Some(active)) = (
+        let (Some(scheduler), Some(p), Some(in_pool), Some(running), Some(active)) = (
             schedulers.get_mut(pool),
             pools.get(pool),
             pool_kv.get(pool),
+            pool_running.get(pool),
             active.get(pool),
         ) else {
             return false;
         };
-        // A tenant over its own KV cap, or over its share while others are active, (or a
-        // client gone) is passed over; the next job in fair order that does not fit yet
-        // holds the line until room frees.
+        // A tenant over its own KV cap, or over its share of KV or of slots while others are
+        // active, (or a client gone) is passed over; the next job in fair order that does not
+        // fit yet holds the line until room frees.
         let capacity = p.capacity();
+        let slots = p.concurrency();
         let judge = |t: &str, job: &Job| {
             let held = tenant_kv.get(t).copied().unwrap_or(0);
             let under_cap = job
                 .kv_cap
                 .is_none_or(|cap| held == 0 || held + job.kv_need <= cap);
-            let others_active = active.len() > usize::from(active.contains_key(t));
+            let others = active.len() - usize::from(active.contains_key(t));
+            let others_active = others > 0;
             let held_here = in_pool.get(t).copied().unwrap_or(0);
             // A pool without KV figures admits by concurrency alone: no share to keep.
             let share = (1.0 - queue.kv_headroom) * capacity as f64;
@@ -554,7 +707,11 @@ impl Dispatcher {
                 || held_here == 0
                 || capacity == 0
                 || (held_here + job.kv_need) as f64 <= share;
-            if !under_cap || !within_share || job.reply.is_closed() {
+            let within_slots = !*fair
+                || !others_active
+                || running.get(t).copied().unwrap_or(0)
+                    < slot_share(slots, queue.kv_headroom, others);
+            if !under_cap || !within_share || !within_slots || job.reply.is_closed() {
                 Verdict::Skip
             } else if p.fits(job.kv_need) {
                 Verdict::Take
@@ -572,7 +729,9 @@ impl Dispatcher {
         };
         let r = &mut self.pools[pool].replicas[replica];
         r.in_flight += 1;
+        let ticket = r.limiter.dispatch();
         let (url, isolation) = (r.url.clone(), r.isolation);
+        *self.pool_running[pool].entry(t.clone()).or_default() += 1;
         self.adjust_hold(pool, replica, &t, job.kv_need, 0);
         self.schedulers[pool].charge(&t, job.input_tokens, 0);
         self.update_counter(pool, &t);
@@ -594,10 +753,21 @@ impl Dispatcher {
             tenant: t,
             kv_held: job.kv_need,
             released: false,
+            ticket,
+            dispatched: Instant::now(),
             events,
         }));
         true
     }
+}
+
+/// The most requests one tenant may run at once in a pool of `slots` while `others` tenants are
+/// active: all but the headroom's share of them (rounded up: a slot is a whole request, however
+/// small) and no fewer than one per other tenant, so each can start a request at once; yet at
+/// least one.
+fn slot_share(slots: u64, headroom: f64, others: usize) -> u64 {
+    let kept = ((headroom * slots as f64).ceil() as u64).max(others as u64);
+    slots.saturating_sub(kept).max(1)
 }
 
 #[cfg(test)]
@@ -614,7 +784,9 @@ mod tests {
             kv_tokens_per_replica: kv,
             affinity_load_threshold: 0.85,
             affinity_prefix_bytes: 64,
-            max_in_flight_without_kv: 2,
+            max_concurrency_per_replica: None,
+            engine: crate::engine::EngineChoice::Auto,
+            max_in_flight_without_kv: None,
             cache_isolation: Default::default(),
         }
     }
@@ -859,7 +1031,11 @@ mod tests {
 
     #[test]
     fn a_pool_without_kv_figures_admits_by_concurrency() {
-        let (mut d, mut events) = dispatcher_of(&[pool_config("unknown", None)], 100);
+        let config = PoolConfig {
+            max_concurrency_per_replica: Some(2),
+            ..pool_config("unknown", None)
+        };
+        let (mut d, mut events) = dispatcher_of(&[config], 100);
         let mut rx: Vec<_> = (0..3)
             .map(|_| {
                 let (j, r) = job("t", "standard", 5_000);
@@ -926,6 +1102,144 @@ mod tests {
         );
         rx = held.pop().unwrap();
         assert!(rx.try_recv().is_err(), "standard tier still queues");
+    }
+
+    /// A dispatcher over one pool of `replicas` replicas with room for `limit` requests each
+    /// (and KV to spare).
+    fn slotted(replicas: usize, limit: u64) -> (Dispatcher, Events) {
+        let config = PoolConfig {
+            replicas: (0..replicas).map(|i| format!("http://r{i}")).collect(),
+            max_concurrency_per_replica: Some(limit),
+            ..pool_config("slots", Some(1_000_000))
+        };
+        dispatcher_of(&[config], 100)
+    }
+
+    /// Enqueues `n` jobs of a tenant, dispatching after each (at most 3 wait per tenant);
+    /// returns their replies.
+    fn enqueue(d: &mut Dispatcher, tenant: &str, n: usize) -> Vec<Reply> {
+        (0..n)
+            .map(|_| {
+                let (j, rx) = job(tenant, "standard", 10);
+                d.apply(Event::Enqueue(j));
+                d.dispatch(0);
+                rx
+            })
+            .collect()
+    }
+
+    fn assigned_of(replies: &mut [Reply]) -> Vec<Assignment> {
+        replies
+            .iter_mut()
+            .filter_map(|rx| rx.try_recv().ok()?.ok())
+            .collect()
+    }
+
+    #[test]
+    fn a_replica_takes_no_more_than_the_slots_its_engine_says_it_has() {
+        let (mut d, _events) = slotted(1, 8);
+        d.apply(Event::Joined {
+            pool: 0,
+            replica: 0,
+            limits: EngineLimits {
+                max_concurrency: Some(3),
+                kv_tokens: None,
+            },
+        });
+        let mut replies = enqueue(&mut d, "t", 3);
+        replies.extend(enqueue(&mut d, "u", 3));
+        let running = assigned_of(&mut replies);
+        assert_eq!(running.len(), 3, "3 slots, whatever the KV says");
+    }
+
+    #[test]
+    fn while_others_are_active_no_tenant_takes_every_slot() {
+        let (mut d, _events) = slotted(2, 5);
+        let mut small = enqueue(&mut d, "small", 1);
+        let mut noisy = enqueue(&mut d, "noisy", 10);
+        let _small_running = assigned_of(&mut small);
+        let noisy_running = assigned_of(&mut noisy);
+        assert_eq!(noisy_running.len(), 8, "all but 20% of 10 slots");
+        // A slot is left for the others: a small tenant's next request starts at once.
+        let mut next = enqueue(&mut d, "small", 1);
+        assert_eq!(assigned_of(&mut next).len(), 1);
+
+        // Three others active: a slot kept for each.
+        let (mut d, _events) = slotted(2, 4);
+        let _smalls: Vec<Vec<Reply>> = ["s1", "s2", "s3"]
+            .map(|t| enqueue(&mut d, t, 1))
+            .into_iter()
+            .collect();
+        let mut noisy = enqueue(&mut d, "noisy", 10);
+        assert_eq!(assigned_of(&mut noisy).len(), 5);
+
+        // Alone, a tenant may use the whole pool.
+        let (mut d, _events) = slotted(2, 4);
+        let mut alone = enqueue(&mut d, "noisy", 10);
+        assert_eq!(assigned_of(&mut alone).len(), 8);
+        // Even a pool of one slot serves everyone, one at a time.
+        assert_eq!(slot_share(1, 0.2, 1), 1);
+        assert_eq!(slot_share(2, 0.2, 1), 1);
+        assert_eq!(slot_share(8, 0.2, 1), 6, "1.6 slots kept: two");
+        assert_eq!(slot_share(10, 0.05, 1), 9, "always one slot left");
+        assert_eq!(slot_share(8, 0.2, 3), 5, "one for each other active tenant");
+        assert_eq!(slot_share(8, 0.2, 30), 1);
+    }
+
+    #[test]
+    fn an_unstarted_request_lowers_the_replica_s_limit_and_started_ones_raise_it_again() {
+        let (mut d, mut events) = slotted(1, 4);
+        let mut first = enqueue(&mut d, "t", 4);
+        let running = assigned_of(&mut first);
+        assert_eq!(running.len(), 4);
+        running[0].not_started();
+        drop(running);
+        settle(&mut d, &mut events);
+        assert_eq!(d.pools[0].replicas[0].limit(), 2, "halved");
+        let metrics = d.metrics.replica_first_byte_timeouts.clone();
+        let labels = vec![("replica", "http://r0".to_owned())];
+        assert_eq!(metrics.get_or_create(&labels).get(), 1);
+        let mut again = enqueue(&mut d, "t", 4);
+        let running = assigned_of(&mut again);
+        assert_eq!(running.len(), 2, "two at once now");
+        // The engine starts them at once again: the limit climbs back to its slots.
+        for a in &running {
+            a.started(100);
+        }
+        settle(&mut d, &mut events);
+        assert_eq!(d.pools[0].replicas[0].limit(), 4);
+        assert_eq!(assigned_of(&mut again).len(), 2, "the other two go");
+    }
+
+    #[test]
+    fn an_engine_holding_a_queue_gets_nothing_more_and_without_kv_figures_its_limit_drops() {
+        let busy = EngineSample {
+            running: 3,
+            waiting: 2,
+            ..EngineSample::default()
+        };
+        let sample = || Event::Sample {
+            pool: 0,
+            replica: 0,
+            sample: Some(busy),
+        };
+        // KV figures: weir's KV estimate fell short; the limit stays, nothing more goes.
+        let (mut d, mut events) = slotted(1, 8);
+        let mut first = enqueue(&mut d, "t", 5);
+        let _running = assigned_of(&mut first);
+        d.apply(sample());
+        assert_eq!(d.pools[0].replicas[0].limit(), 8);
+        let mut more = enqueue(&mut d, "t", 1);
+        settle(&mut d, &mut events);
+        assert!(assigned_of(&mut more).is_empty());
+        // No KV figures (llama.cpp, TGI): a queue is a shortage of slots.
+        let (mut d, _events) = slotted(1, 8);
+        d.pools[0].replicas[0].kv_budget = 0;
+        let mut first = enqueue(&mut d, "t", 5);
+        let _running = assigned_of(&mut first);
+        d.apply(sample());
+        d.apply(sample());
+        assert_eq!(d.pools[0].replicas[0].limit(), 3);
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub struct UsageRecord {
     /// `engine` (usage reported) or `counted` (tokens seen streaming).
     pub source: String,
     /// `ok`, `cancelled`, `failed`, `upstream_error`, `slow_client`, `stream_deadline`,
-    /// `response_deadline`, `shutdown`.
+    /// `response_deadline`, `first_byte_deadline`, `shutdown`.
     pub outcome: String,
     pub queued_ms: u64,
     pub finished_at_ms: u64,

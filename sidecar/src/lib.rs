@@ -6,10 +6,12 @@
 
 pub mod config;
 pub mod dispatcher;
+pub mod engine;
 pub mod idempotency;
 pub mod isolation;
 pub mod isolation_probe;
 pub mod ledger;
+pub mod limiter;
 pub mod metrics;
 pub mod pool;
 pub mod readiness;

@@ -10,10 +10,11 @@ use tracing_subscriber::EnvFilter;
 use weir_core::scheduler::Policy;
 use weir_sidecar::config::SidecarConfig;
 use weir_sidecar::dispatcher::{Dispatcher, Event};
+use weir_sidecar::engine::{Dialect, EngineChoice, EngineLimits, EngineSample};
 use weir_sidecar::isolation_probe::Prober;
 use weir_sidecar::ledger::Ledger;
 use weir_sidecar::metrics::Metrics;
-use weir_sidecar::pool::{EngineSample, Pool};
+use weir_sidecar::pool::Pool;
 use weir_sidecar::server::{App, admin_router, router};
 
 /// weir's dispatcher sidecar: fair queues in front of engine pools.
@@ -98,6 +99,7 @@ async fn main() -> anyhow::Result<()> {
                 p,
                 r,
                 replica.url.clone(),
+                pool_config.engine,
                 isolation,
             ));
         }
@@ -227,32 +229,69 @@ async fn drain(
 }
 
 /// Reads a replica's metrics forever; an unreadable replica is reported unhealthy and ejected
-/// until it answers again. A replica that joins (healthy after unknown or unhealthy) has its
-/// prefix-cache isolation probed before it gets work.
+/// until it answers again. When it joins (answers after unknown or unreachable), what its
+/// engine says of its limits is read first ([`Event::Joined`]), so it never admits more than
+/// the engine's slots, and its prefix-cache isolation is probed before it gets work.
 async fn probe(
     http: reqwest::Client,
     events: mpsc::UnboundedSender<Event>,
     pool: usize,
     replica: usize,
     url: String,
+    engine: EngineChoice,
     mut isolation: Prober,
 ) {
     let mut tick = tokio::time::interval(PROBE_EVERY);
     // An isolation probe takes a while: no burst of catch-up reads after it.
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut joined = false;
+    // Odd engine output is logged once per replica, not ten times a second.
+    let mut warned = false;
     loop {
         tick.tick().await;
-        let read = async {
-            let resp = http
-                .get(format!("{url}/metrics"))
-                .timeout(Duration::from_secs(1))
-                .send()
-                .await
-                .ok()?;
-            let text = resp.error_for_status().ok()?.text().await.ok()?;
-            Some(EngineSample::parse(&text))
+        let sample = match get_text(&http, &format!("{url}/metrics")).await {
+            None => {
+                joined = false;
+                None
+            }
+            Some(text) => {
+                let dialect = engine.dialect(&text);
+                if !joined {
+                    let limits = read_limits(&http, &url, dialect).await;
+                    tracing::info!(
+                        replica = %url,
+                        engine = dialect.map_or("unknown", Dialect::name),
+                        concurrency = ?limits.max_concurrency,
+                        kv_tokens = ?limits.kv_tokens,
+                        "replica joined"
+                    );
+                    if events
+                        .send(Event::Joined {
+                            pool,
+                            replica,
+                            limits,
+                        })
+                        .is_err()
+                    {
+                        return;
+                    }
+                    joined = true;
+                }
+                Some(match dialect {
+                    Some(dialect) => dialect.parse(&text, |line| {
+                        if !std::mem::replace(&mut warned, true) {
+                            tracing::warn!(replica = %url, "ignoring a metrics line weir cannot read: {line:.200}");
+                        }
+                    }),
+                    None => {
+                        if !std::mem::replace(&mut warned, true) {
+                            tracing::warn!(replica = %url, "no metrics of a known engine: admitted by its concurrency limit alone");
+                        }
+                        EngineSample::default()
+                    }
+                })
+            }
         };
-        let sample = read.await;
         let healthy = sample.is_some();
         if events
             .send(Event::Sample {
@@ -276,4 +315,30 @@ async fn probe(
             return;
         }
     }
+}
+
+/// A successful answer's text, within a second.
+async fn get_text(http: &reqwest::Client, url: &str) -> Option<String> {
+    let resp = http
+        .get(url)
+        .timeout(Duration::from_secs(1))
+        .send()
+        .await
+        .ok()?;
+    resp.error_for_status().ok()?.text().await.ok()
+}
+
+/// What a replica's engine says of its limits: nothing for engines that do not say, or that
+/// say it in a way weir cannot read (logged).
+async fn read_limits(http: &reqwest::Client, url: &str, dialect: Option<Dialect>) -> EngineLimits {
+    let Some((dialect, path)) = dialect.and_then(|d| Some((d, d.limits_path()?))) else {
+        return EngineLimits::default();
+    };
+    let limits = get_text(http, &format!("{url}{path}"))
+        .await
+        .and_then(|body| dialect.parse_limits(&body));
+    limits.unwrap_or_else(|| {
+        tracing::warn!(replica = %url, "no concurrency limit readable at {path}: the configured or adaptive limit holds");
+        EngineLimits::default()
+    })
 }

@@ -36,6 +36,11 @@ pub struct Metrics {
     pub replica_healthy: Family<Labels, Gauge>,
     pub replica_reserved_kv: Family<Labels, Gauge>,
     pub replica_in_flight: Family<Labels, Gauge>,
+    pub replica_limit: Family<Labels, Gauge>,
+    pub replica_adaptive_limit: Family<Labels, Gauge<f64, AtomicU64>>,
+    pub replica_engine_limit: Family<Labels, Gauge>,
+    pub replica_ttfb_floor: Family<Labels, Gauge<f64, AtomicU64>>,
+    pub replica_first_byte_timeouts: Family<Labels, Counter>,
     pub replica_cache_isolation: Family<Labels, Gauge>,
 }
 
@@ -61,6 +66,11 @@ impl Metrics {
             replica_healthy: Family::default(),
             replica_reserved_kv: Family::default(),
             replica_in_flight: Family::default(),
+            replica_limit: Family::default(),
+            replica_adaptive_limit: Family::default(),
+            replica_engine_limit: Family::default(),
+            replica_ttfb_floor: Family::default(),
+            replica_first_byte_timeouts: Family::default(),
             replica_cache_isolation: Family::default(),
         };
         let mut r = Registry::with_prefix("weir");
@@ -134,6 +144,31 @@ impl Metrics {
             "replica_in_flight",
             "Requests weir dispatched to the replica and not finished",
             m.replica_in_flight.clone(),
+        );
+        r.register(
+            "replica_concurrency_limit",
+            "Requests weir may run on the replica at once: the engine's (or configured) limit, lowered while the engine is slow to start requests",
+            m.replica_limit.clone(),
+        );
+        r.register(
+            "replica_adaptive_limit",
+            "The adaptive concurrency limit before rounding down",
+            m.replica_adaptive_limit.clone(),
+        );
+        r.register(
+            "replica_engine_concurrency_limit",
+            "Requests the engine says it runs at once (llama.cpp slots, SGLang max_running_requests)",
+            m.replica_engine_limit.clone(),
+        );
+        r.register(
+            "replica_ttfb_floor_seconds",
+            "Least time from dispatch to a stream's first bytes seen on the replica",
+            m.replica_ttfb_floor.clone(),
+        );
+        r.register(
+            "replica_first_byte_timeouts",
+            "Requests the engine did not start within relay.first_byte_ms",
+            m.replica_first_byte_timeouts.clone(),
         );
         r.register(
             "replica_cache_isolation",

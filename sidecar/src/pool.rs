@@ -2,60 +2,21 @@
 //!
 //! Each replica has a KV token budget; the dispatcher reserves a request's KV need on the replica
 //! it picks and gives it back when the request ends, so work is only sent where it fits.
-//! Scraped engine metrics (`vllm:kv_cache_usage_perc`, `vllm:num_requests_waiting`) add what the
-//! engine itself reports: a replica with requests waiting inside the engine gets no more, so
-//! queueing happens here, in fair order, and not in the engine's arrival order.
+//! Scraped engine metrics ([`crate::engine`]) add what the engine itself reports: a replica with
+//! requests waiting inside the engine gets no more, so queueing happens here, in fair order, and
+//! not in the engine's arrival order.
 //!
-//! An engine that reports no KV capacity (no `vllm:cache_config_info`, as SGLang or llama.cpp)
-//! and has no `kv_tokens_per_replica` in the config is admitted by concurrency alone:
-//! `max_in_flight_without_kv` requests per replica at once, so such a pool is never stuck
-//! behind a KV budget of zero.
+//! Each replica also has a concurrency limit ([`crate::limiter`]): the engine's own (its slots),
+//! else the configured `max_concurrency_per_replica`, lowered while the engine is slow to start
+//! what it was sent. It holds whatever the KV figures say, so a replica whose engine reports no
+//! KV (llama.cpp, TGI) or no load at all never holds a queue of weir's work either.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use crate::config::PoolConfig;
+use crate::engine::{EngineLimits, EngineSample};
 use crate::isolation::Isolation;
-
-/// What a replica's `/metrics` said last.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct EngineSample {
-    pub kv_usage: f64,
-    pub waiting: u64,
-    pub running: u64,
-    /// KV capacity in tokens, from `vllm:cache_config_info`.
-    pub kv_tokens: Option<u64>,
-}
-
-impl EngineSample {
-    /// Reads the vLLM metrics weir needs from a Prometheus/OpenMetrics exposition.
-    pub fn parse(text: &str) -> EngineSample {
-        let mut sample = EngineSample::default();
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let value = || line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-            if line.starts_with("vllm:kv_cache_usage_perc") {
-                sample.kv_usage = value().unwrap_or(0.0);
-            } else if line.starts_with("vllm:num_requests_waiting{") {
-                sample.waiting = value().unwrap_or(0.0) as u64;
-            } else if line.starts_with("vllm:num_requests_running{") {
-                sample.running = value().unwrap_or(0.0) as u64;
-            } else if line.starts_with("vllm:cache_config_info") {
-                let blocks = line
-                    .split("num_gpu_blocks=\"")
-                    .nth(1)
-                    .and_then(|rest| rest.split('"').next())
-                    .and_then(|n| n.parse::<u64>().ok());
-                let block_size = line
-                    .split("block_size=\"")
-                    .nth(1)
-                    .and_then(|rest| rest.split('"').next())
-                    .and_then(|n| n.parse::<u64>().ok())
-                    .unwrap_or(16);
-                sample.kv_tokens = blocks.map(|b| b * block_size);
-            }
-        }
-        sample
-    }
-}
+use crate::limiter::Limiter;
 
 #[derive(Clone, Debug)]
 pub struct Replica {
@@ -65,23 +26,43 @@ pub struct Replica {
     /// KV tokens reserved by requests dispatched here and not finished.
     pub reserved: u64,
     pub in_flight: u64,
-    /// Requests at once while the KV budget is unknown (0).
-    pub max_in_flight_without_kv: u64,
     pub healthy: bool,
     /// How its prefix cache is kept per tenant; only some modes get work.
     pub isolation: Isolation,
     pub engine: EngineSample,
+    /// Requests the engine says it runs at once (read when the replica joins), if it says.
+    pub engine_limit: Option<u64>,
+    /// `max_concurrency_per_replica`: the limit when the engine does not say its own.
+    pub configured_limit: Option<u64>,
+    /// The adaptive limit, never above the engine's (or configured) one.
+    pub limiter: Limiter,
 }
 
 impl Replica {
-    /// Fraction of the replica in use, by weir's reservations or the engine's own count.
+    /// Requests weir may have running here at once: min(the engine's or configured limit, the
+    /// adaptive one), at least 1.
+    pub fn limit(&self) -> u64 {
+        self.limiter.limit()
+    }
+
+    /// The replica answered its probe for the first time, or again after being unreachable,
+    /// with its engine's `limits`: the adaptive limit starts over under them.
+    pub fn join(&mut self, limits: EngineLimits) {
+        self.engine_limit = limits.max_concurrency;
+        self.limiter
+            .restart(self.engine_limit.or(self.configured_limit));
+    }
+
+    /// Fraction of the replica in use: of its concurrency limit, of its KV by weir's
+    /// reservations, or by the engine's own count, whichever is fullest.
     pub fn load(&self) -> f64 {
-        let reserved = if self.kv_budget == 0 {
-            self.in_flight as f64 / self.max_in_flight_without_kv.max(1) as f64
+        let slots = self.in_flight as f64 / self.limit() as f64;
+        let kv = if self.kv_budget == 0 {
+            0.0
         } else {
             self.reserved as f64 / self.kv_budget as f64
         };
-        reserved.max(self.engine.kv_usage)
+        slots.max(kv).max(self.engine.kv_usage)
     }
 
     /// Whether tenants' work may go here at all: healthy, and its prefix cache kept per
@@ -91,12 +72,9 @@ impl Replica {
     }
 
     pub fn fits(&self, kv_need: u64) -> bool {
-        let room = if self.kv_budget == 0 {
-            self.in_flight < self.max_in_flight_without_kv
-        } else {
-            self.reserved + kv_need <= self.kv_budget || self.in_flight == 0
-        };
-        self.serves() && self.engine.waiting == 0 && room
+        let kv_room =
+            self.kv_budget == 0 || self.reserved + kv_need <= self.kv_budget || self.in_flight == 0;
+        self.serves() && self.engine.waiting == 0 && self.in_flight < self.limit() && kv_room
     }
 }
 
@@ -120,11 +98,13 @@ impl Pool {
                     kv_budget: config.kv_tokens_per_replica.unwrap_or(0),
                     reserved: 0,
                     in_flight: 0,
-                    max_in_flight_without_kv: config.max_in_flight_without_kv,
                     // Unknown until the first probe answers.
                     healthy: false,
                     isolation: Isolation::initial(config.cache_isolation),
                     engine: EngineSample::default(),
+                    engine_limit: None,
+                    configured_limit: config.max_concurrency_per_replica,
+                    limiter: Limiter::new(config.max_concurrency_per_replica),
                 })
                 .collect(),
             affinity_load_threshold: config.affinity_load_threshold,
@@ -134,6 +114,15 @@ impl Pool {
 
     pub fn fits(&self, kv_need: u64) -> bool {
         self.replicas.iter().any(|r| r.fits(kv_need))
+    }
+
+    /// Requests the replicas that serve may run at once, together.
+    pub fn concurrency(&self) -> u64 {
+        self.replicas
+            .iter()
+            .filter(|r| r.serves())
+            .map(Replica::limit)
+            .sum()
     }
 
     /// KV tokens across the replicas that serve.
@@ -189,6 +178,7 @@ pub fn affinity_key(tenant: &str, prompt_prefix: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::EngineChoice;
 
     fn pool(n: usize) -> Pool {
         let mut p = Pool::new(&PoolConfig {
@@ -197,7 +187,9 @@ mod tests {
             kv_tokens_per_replica: Some(1000),
             affinity_load_threshold: 0.8,
             affinity_prefix_bytes: 64,
-            max_in_flight_without_kv: 2,
+            max_concurrency_per_replica: Some(16),
+            engine: EngineChoice::Auto,
+            max_in_flight_without_kv: None,
             cache_isolation: Default::default(),
         });
         for r in &mut p.replicas {
@@ -205,19 +197,6 @@ mod tests {
             r.isolation = Isolation::Salt;
         }
         p
-    }
-
-    #[test]
-    fn parses_vllm_metrics() {
-        let text = "# TYPE x gauge\nvllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
-            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 3\n\
-            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 7\n\
-            vllm:cache_config_info{engine=\"0\",model_name=\"m\",block_size=\"16\",num_gpu_blocks=\"610\"} 1\n";
-        let s = EngineSample::parse(text);
-        assert_eq!(
-            (s.kv_usage, s.waiting, s.running, s.kv_tokens),
-            (0.25, 3, 7, Some(9760))
-        );
     }
 
     #[test]
@@ -280,8 +259,12 @@ mod tests {
     }
 
     #[test]
-    fn a_replica_without_kv_figures_is_admitted_by_concurrency() {
+    fn a_replica_runs_no_more_than_its_limit_whatever_its_kv_says() {
         let mut p = pool(1);
+        p.replicas[0].join(EngineLimits {
+            max_concurrency: Some(2),
+            kv_tokens: None,
+        });
         p.replicas[0].kv_budget = 0;
         assert!(p.fits(100_000), "no KV budget of 0 that blocks forever");
         p.replicas[0].in_flight = 1;
@@ -290,5 +273,22 @@ mod tests {
         p.replicas[0].in_flight = 2;
         assert!(!p.fits(1), "but no more than its concurrency at once");
         assert_eq!(p.replicas[0].load(), 1.0);
+        // With KV to spare, the same.
+        p.replicas[0].kv_budget = 1_000_000;
+        assert!(!p.fits(1));
+    }
+
+    #[test]
+    fn the_engine_s_limit_replaces_the_configured_one_when_it_joins() {
+        let mut p = pool(2);
+        p.replicas[0].join(EngineLimits {
+            max_concurrency: Some(4),
+            kv_tokens: None,
+        });
+        p.replicas[1].join(EngineLimits::default());
+        assert_eq!((p.replicas[0].limit(), p.replicas[1].limit()), (4, 16));
+        assert_eq!(p.concurrency(), 20);
+        p.replicas[1].healthy = false;
+        assert_eq!(p.concurrency(), 4, "serving replicas only");
     }
 }

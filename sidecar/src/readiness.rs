@@ -84,7 +84,9 @@ mod tests {
             kv_tokens_per_replica: None,
             affinity_load_threshold: 0.8,
             affinity_prefix_bytes: 64,
-            max_in_flight_without_kv: 2,
+            max_concurrency_per_replica: None,
+            engine: Default::default(),
+            max_in_flight_without_kv: None,
             cache_isolation: CacheIsolation::Probe,
         });
         for (r, mode) in p.replicas.iter_mut().zip(modes) {

@@ -8,6 +8,9 @@
 //! request (the engine aborts and frees the KV) and the hold at once, not when hyper next polls
 //! the body; the client then gets an OpenAI-shaped error event and `[DONE]`. A replica that dies
 //! mid-stream, and the end of the shutdown grace period, end the stream the same way.
+//! A stream is answered only once the engine has started it (its first body bytes, which also
+//! time the replica's concurrency limiter); one not started within `relay.first_byte_ms` is
+//! dropped upstream and answered 503 `first_byte_deadline`, for the caller to retry.
 //! Every path ends in [`Flight::finish`]: one ledger record for the attempt, KV given back (the
 //! assignment is the hold on the replica, released when the flight finishes or is dropped), the
 //! idempotency claim settled (with the response, captured up to a bound, for replays).
@@ -296,11 +299,20 @@ pub async fn relay(
 ) -> Response {
     let url = format!("{}{path}", flight.assignment.url);
     let app = flight.app.clone();
-    // Both count from dispatch: an engine that accepts the request and never answers (no
-    // headers, or a non-streamed body that never comes) must not hold the replica for ever.
+    // All count from dispatch: an engine that accepts the request and never answers (no
+    // headers, or a non-streamed body that never comes) must not hold the replica for ever,
+    // and one that does not start a stream within `first_byte_ms` is holding it in a queue.
     let dispatched = tokio::time::Instant::now();
     let deadline = dispatched + Duration::from_millis(app.relay.max_response_ms);
     let stream_deadline = dispatched + Duration::from_millis(app.relay.max_stream_ms);
+    let first_byte = dispatched + Duration::from_millis(app.relay.first_byte_ms);
+    // A stream's headers come by its first byte at the latest (llama.cpp sends those of a
+    // request it has not started only once it starts it).
+    let (headers_deadline, late): (_, fn(Flight) -> Response) = if stream && first_byte < deadline {
+        (first_byte, not_started)
+    } else {
+        (deadline, timed_out)
+    };
     if *app.cut.borrow() {
         // Dispatched after the grace period ended (it was queued): never sent.
         flight.nothing_ran = true;
@@ -314,7 +326,7 @@ pub async fn relay(
     let sent = tokio::select! {
         sent = request => sent,
         () = cut(&app) => return cut_short(flight),
-        () = tokio::time::sleep_until(deadline) => return timed_out(flight),
+        () = tokio::time::sleep_until(headers_deadline) => return late(flight),
     };
     let upstream = match sent {
         Ok(resp) => resp,
@@ -350,6 +362,9 @@ pub async fn relay(
         };
         return match bytes {
             Ok(bytes) => {
+                if status.is_success() {
+                    flight.assignment.answered();
+                }
                 let mut meter = BodyMeter::new(usize::MAX);
                 meter.feed(&bytes);
                 flight.capture(&bytes);
@@ -374,11 +389,19 @@ pub async fn relay(
             }
         };
     }
-    let body = Body::from_stream(relay_stream(
-        flight,
-        upstream.bytes_stream(),
-        stream_deadline,
-    ));
+    // The answer's status is settled only once the engine has started: a stream it holds
+    // unstarted past `first_byte_ms` is still a 503 the caller can retry, not a broken 200.
+    let mut upstream = upstream.bytes_stream();
+    let first = tokio::select! {
+        first = upstream.next() => first,
+        () = cut(&app) => return cut_short(flight),
+        () = tokio::time::sleep_until(first_byte) => return not_started(flight),
+    };
+    if matches!(first, Some(Ok(_))) {
+        flight.assignment.started(flight.who.input_tokens);
+    }
+    let upstream = futures::stream::iter(first).chain(upstream);
+    let body = Body::from_stream(relay_stream(flight, upstream, stream_deadline));
     let mut resp = Response::new(body);
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
@@ -431,6 +454,24 @@ fn timed_out(mut flight: Flight) -> Response {
             "the engine did not answer within the gateway's longest response time; retry",
         )
         .with_code("response_deadline"),
+    )
+}
+
+/// A stream the engine had not started (no body bytes) by the end of `relay.first_byte_ms`: the
+/// upstream request is dropped (the engine aborts it), the attempt recorded with nothing billed,
+/// the replica's concurrency limit lowered, and the caller told to retry.
+fn not_started(mut flight: Flight) -> Response {
+    flight.assignment.not_started();
+    flight.app.metrics.reject("first_byte_deadline");
+    flight.nothing_ran = true;
+    flight.finish("first_byte_deadline", None);
+    error_response(
+        &ApiError::new(
+            503,
+            "ServiceUnavailableError",
+            "the engine did not start the request within the gateway's first-byte deadline; retry",
+        )
+        .with_code("first_byte_deadline"),
     )
 }
 

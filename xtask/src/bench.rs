@@ -240,7 +240,9 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<()
         json!({
             "policy": "fair",
             "queue": {"max_per_tenant": 10000, "max_total": 20000, "deadline_ms": 600000},
-            "pools": [{"model": "glm-5.2", "replicas": [relayed_sim.url]}],
+            // vLLM's metrics do not say `--max-num-seqs`: the config does.
+            "pools": [{"model": "glm-5.2", "replicas": [relayed_sim.url],
+                "max_concurrency_per_replica": 8192}],
         }),
     );
     std::thread::sleep(Duration::from_millis(500));
