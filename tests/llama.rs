@@ -1,5 +1,5 @@
-//! llama.cpp's `llama-server`, a real engine for the engine-compatibility suite
-//! (`tests/llama_server.rs`) and for trying `cargo xtask up --engine` by hand.
+//! llama.cpp's `llama-server`: a real engine for the engine-compatibility suite
+//! (`tests/llama_server.rs`).
 //!
 //! Nothing of llama.cpp is committed: [`build`] fetches the PyPI sdist of `llama-cpp-python`
 //! (pinned by version and digest, which vendors llama.cpp's sources), builds only the
@@ -9,7 +9,7 @@
 //! the version, the build options and the model script, so only the first run pays for the
 //! build (minutes) and later ones start the server in about a second. `cargo xtask test` builds
 //! before any test runs, so no test's timeout includes the build; `cargo test` alone builds on
-//! demand. The tools come from the project venv (`cmake` and `numpy` from
+//! demand. The tools come from the project venv (`cmake`, `numpy` and `pyyaml` from
 //! `tests/python/requirements.txt`), or `cmake` from `PATH`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
@@ -54,7 +54,7 @@ pub struct LlamaBuild {
 
 /// `$WEIR_CACHE_DIR`, else `$XDG_CACHE_HOME/weir`, else `~/.cache/weir`: outside the clone, so a
 /// fresh clone (CI's) on the same machine reuses the build.
-pub fn cache_root() -> PathBuf {
+fn cache_root() -> PathBuf {
     let env = |var| std::env::var_os(var).filter(|v| !v.is_empty());
     if let Some(dir) = env("WEIR_CACHE_DIR") {
         return dir.into();
@@ -67,7 +67,7 @@ pub fn cache_root() -> PathBuf {
 }
 
 /// This build's directory: the version and a digest of the build options in its name.
-pub fn build_dir() -> PathBuf {
+fn build_dir() -> PathBuf {
     let options = weir_core::keys::hash_key(&CMAKE_OPTIONS.join(" "));
     cache_root().join(format!(
         "llama-server-{LLAMA_CPP_PYTHON}-{}",
@@ -264,11 +264,10 @@ impl Drop for FileLock {
 }
 
 /// A running `llama-server` on a free loopback port, serving the tiny model as [`MODEL`] with
-/// `--metrics --slots --jinja`; stopped when dropped. Its log is kept for failed checks.
+/// `--metrics --slots --jinja`; stopped when dropped. It logs into a temporary directory (where
+/// its address is read from), kept while it runs.
 pub struct LlamaServer {
     pub url: String,
-    pub port: u16,
-    pub log: PathBuf,
     child: Child,
     _dir: tempfile::TempDir,
 }
@@ -316,8 +315,6 @@ impl LlamaServer {
         .expect("llama-server healthy");
         LlamaServer {
             url: format!("http://{addr}"),
-            port: addr.rsplit(':').next().unwrap().parse().unwrap(),
-            log,
             child,
             _dir: dir,
         }
