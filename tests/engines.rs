@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json, wait_for};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, p95, post_json, wait_for};
 
 /// `relay.first_byte_ms` of both sidecars.
 const FIRST_BYTE_MS: u64 = 2_000;
@@ -342,12 +342,6 @@ async fn watch(engines: &Engines, sidecar: &Sidecar, done: &AtomicBool) -> Watch
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     w
-}
-
-fn p95(mut xs: Vec<f64>) -> f64 {
-    assert!(!xs.is_empty(), "no samples");
-    xs.sort_by(f64::total_cmp);
-    xs[(xs.len() - 1) * 95 / 100]
 }
 
 /// The noisy-neighbour scenario on one dialect's pool, fair (`/`) then FIFO (`/alt/`).

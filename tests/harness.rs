@@ -657,6 +657,7 @@ pub fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Opt
 
 /// The 95th percentile of `xs` (nearest rank below), for latency checks.
 pub fn p95(mut xs: Vec<f64>) -> f64 {
+    assert!(!xs.is_empty(), "no samples");
     xs.sort_by(f64::total_cmp);
     xs[(xs.len() - 1) * 95 / 100]
 }
