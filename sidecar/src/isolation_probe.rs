@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use crate::answer::{MAX_ANSWER_BYTES, read_bounded};
 use crate::isolation::{CacheIsolation, Gap, Isolation, OFF_SWITCH};
 
 /// Longest one probe request may take.
@@ -206,10 +207,11 @@ impl Run<'_> {
         if !status.is_success() {
             return Err(ProbeError::Status(status.as_u16()));
         }
-        let answer: Value = resp
-            .json()
+        let body = read_bounded(resp, MAX_ANSWER_BYTES)
             .await
-            .map_err(|_| ProbeError::Malformed("not JSON"))?;
+            .ok_or(ProbeError::Malformed("too long, or broken off"))?;
+        let answer: Value =
+            serde_json::from_slice(&body).map_err(|_| ProbeError::Malformed("not JSON"))?;
         cached_tokens(&answer)
     }
 }
