@@ -147,8 +147,9 @@ impl Dialect {
                 continue;
             };
             match figure {
-                Figure::Running => sample.running += value as u64,
-                Figure::Waiting => sample.waiting += value as u64,
+                // Saturating: an engine's absurd figures must not wrap (or panic) weir.
+                Figure::Running => sample.running = sample.running.saturating_add(value as u64),
+                Figure::Waiting => sample.waiting = sample.waiting.saturating_add(value as u64),
                 Figure::KvUsage => sample.kv_usage = sample.kv_usage.max(value.min(1.0)),
                 Figure::KvTokens => add(&mut sample.kv_tokens, value as u64),
                 Figure::VllmCacheConfig => {
@@ -393,6 +394,17 @@ mod tests {
             "a timestamp after the value and braces in quoted labels are read right"
         );
         assert_eq!(bad.len(), 5, "{bad:?}");
+    }
+
+    #[test]
+    fn huge_series_saturate_rather_than_overflow() {
+        let text = "vllm:num_requests_running{engine=\"0\"} 1e19\n\
+            vllm:num_requests_running{engine=\"1\"} 1e19\n\
+            vllm:num_requests_waiting{engine=\"0\"} 1e300\n\
+            vllm:num_requests_waiting{engine=\"1\"} 1e300\n";
+        let (s, bad) = parse(Dialect::Vllm, text);
+        assert!(bad.is_empty(), "{bad:?}");
+        assert_eq!((s.running, s.waiting), (u64::MAX, u64::MAX));
     }
 
     #[test]

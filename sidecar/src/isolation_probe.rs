@@ -6,9 +6,12 @@
 //! .cached_tokens` (absent counts as 0, as vLLM omits it when nothing was cached):
 //!
 //! 1. the prompt with salt A, to warm the cache;
-//! 2. the same with salt B. No hit: (3) salt A again must hit — then the salt is honoured
-//!    (`salt`); if it does not either, the engine showed no hit at all (it reports no cached
-//!    tokens, or caches nothing), so the miss in (2) proves nothing (`none`).
+//! 2. the same with salt B. No hit: (3) salt A again must hit, and right after it (4) a fresh
+//!    salt C must miss too — then the salt is honoured (`salt`). If A does not hit, the engine
+//!    showed no hit at all (it reports no cached tokens, or caches nothing), so the miss in (2)
+//!    proves nothing (`none`). If C hits, B's miss met a cold cache the prompt had not reached
+//!    yet (data-parallel ranks taken in turn, or several engines behind one URL: B warmed it),
+//!    and the salt is ignored: on to (3) below.
 //! 3. A hit in (2): the salt is ignored. Salt B with the off-switch (`cache_prompt: false`)
 //!    must miss, and (4) salt B again without it must still hit — then the switch works
 //!    (`cache_off`). A hit with the switch: `none`. A miss both times says nothing (the cache
@@ -29,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
+use crate::answer::{MAX_ANSWER_BYTES, read_bounded};
 use crate::isolation::{CacheIsolation, Gap, Isolation, OFF_SWITCH};
 
 /// Longest one probe request may take.
@@ -39,11 +43,12 @@ pub const RETRY_EVERY: Duration = Duration::from_secs(2);
 const FILLER: &str = "the quick brown fox jumps over the lazy dog while ";
 const FILLER_REPEATS: usize = 30;
 
-/// Which of the probe's two salts a request carries.
+/// Which of the probe's three salts a request carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Salt {
     A,
     B,
+    C,
 }
 
 /// One probe request.
@@ -97,11 +102,14 @@ where
 {
     ask_engine(ask(Salt::A, false)).await?;
     if ask_engine(ask(Salt::B, false)).await? == 0 {
-        return Ok(if ask_engine(ask(Salt::A, false)).await? > 0 {
-            Isolation::Salt
-        } else {
-            Isolation::Unisolated(Gap::NoHitSeen)
-        });
+        if ask_engine(ask(Salt::A, false)).await? == 0 {
+            return Ok(Isolation::Unisolated(Gap::NoHitSeen));
+        }
+        // B's miss may have met a cache the prompt had not reached (another data-parallel
+        // rank, taken in turn): a salt never seen must miss right after A's hit as well.
+        if ask_engine(ask(Salt::C, false)).await? == 0 {
+            return Ok(Isolation::Salt);
+        }
     }
     if ask_engine(ask(Salt::B, true)).await? > 0 {
         return Ok(Isolation::Unisolated(Gap::SaltIgnored));
@@ -138,7 +146,7 @@ struct Run<'a> {
     url: &'a str,
     model: &'a str,
     nonce: String,
-    salts: [String; 2],
+    salts: [String; 3],
 }
 
 /// 128 random bits as hex, from the standard library's randomly keyed hasher: unique per
@@ -160,6 +168,7 @@ impl Run<'_> {
         let salt = match ask.salt {
             Salt::A => &self.salts[0],
             Salt::B => &self.salts[1],
+            Salt::C => &self.salts[2],
         };
         let prompt = format!(
             "weir cache isolation probe {}: {}",
@@ -198,10 +207,11 @@ impl Run<'_> {
         if !status.is_success() {
             return Err(ProbeError::Status(status.as_u16()));
         }
-        let answer: Value = resp
-            .json()
+        let body = read_bounded(resp, MAX_ANSWER_BYTES)
             .await
-            .map_err(|_| ProbeError::Malformed("not JSON"))?;
+            .ok_or(ProbeError::Malformed("too long, or broken off"))?;
+        let answer: Value =
+            serde_json::from_slice(&body).map_err(|_| ProbeError::Malformed("not JSON"))?;
         cached_tokens(&answer)
     }
 }
@@ -217,7 +227,7 @@ pub async fn probe(
         url,
         model,
         nonce: random_hex(),
-        salts: [random_hex(), random_hex()],
+        salts: [random_hex(), random_hex(), random_hex()],
     };
     classify(|ask| run.send(ask)).await
 }
@@ -316,7 +326,10 @@ mod tests {
         empties_after: Option<usize>,
         /// Fails the request with this index (0-based).
         fails_at: Option<usize>,
-        cache: RefCell<HashSet<Option<Salt>>>,
+        /// Data-parallel ranks, each with its own cache, taken in turn (SGLang's default
+        /// round-robin with `--dp-size`, or several engines behind one URL); 0 counts as 1.
+        ranks: usize,
+        cache: RefCell<HashSet<(usize, Option<Salt>)>>,
         asked: RefCell<Vec<Ask>>,
     }
 
@@ -327,7 +340,7 @@ mod tests {
             if self.fails_at == Some(n) {
                 return Err(ProbeError::Status(500));
             }
-            let key = self.honours_salt.then_some(ask.salt);
+            let key = (n % self.ranks.max(1), self.honours_salt.then_some(ask.salt));
             let off = ask.off_switch && self.honours_off_switch;
             let hit = !off && self.cache.borrow().contains(&key);
             if self.empties_after.is_some_and(|last| n >= last) {
@@ -402,6 +415,35 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_miss_on_a_cold_rank_is_not_taken_for_an_honoured_salt() {
+        // Two ranks in turn: salt B lands on the cold one and misses, salt A on the warm one
+        // and hits, whether the salt is honoured or not.
+        let old_sglang = Engine {
+            reports: true,
+            ranks: 2,
+            ..Engine::default()
+        };
+        assert_eq!(
+            old_sglang.classify().await,
+            Ok(Isolation::Unisolated(Gap::SaltIgnored))
+        );
+        let llama = Engine {
+            reports: true,
+            honours_off_switch: true,
+            ranks: 2,
+            ..Engine::default()
+        };
+        assert_eq!(llama.classify().await, Ok(Isolation::CacheOff));
+        let vllm = Engine {
+            honours_salt: true,
+            reports: true,
+            ranks: 2,
+            ..Engine::default()
+        };
+        assert_eq!(vllm.classify().await, Ok(Isolation::Salt));
+    }
+
+    #[tokio::test]
     async fn a_cache_that_empties_meanwhile_is_inconclusive_not_isolated() {
         // Ignores the salt and the switch alike, but loses its cache right after the hit in
         // step two (evicted under someone else's load): the miss with the switch proves nothing.
@@ -463,9 +505,10 @@ mod tests {
             url: "http://r",
             model: "m",
             nonce: random_hex(),
-            salts: [random_hex(), random_hex()],
+            salts: [random_hex(), random_hex(), random_hex()],
         };
         assert_ne!(run.salts[0], run.salts[1]);
+        assert_ne!(run.salts[1], run.salts[2]);
         let a = run.body(ask(Salt::A, false));
         let b = run.body(ask(Salt::B, true));
         assert_eq!(

@@ -4,6 +4,7 @@
 //! off-switch where the salt is ignored), a streaming relay with cancellation, an idempotent
 //! usage ledger and Prometheus metrics.
 
+pub mod answer;
 pub mod config;
 pub mod dispatcher;
 pub mod engine;

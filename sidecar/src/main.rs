@@ -8,6 +8,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tracing_subscriber::EnvFilter;
 use weir_core::scheduler::Policy;
+use weir_sidecar::answer::{MAX_ANSWER_BYTES, read_bounded};
 use weir_sidecar::config::SidecarConfig;
 use weir_sidecar::dispatcher::{Dispatcher, Event};
 use weir_sidecar::engine::{Dialect, EngineChoice, EngineLimits, EngineSample};
@@ -317,7 +318,7 @@ async fn probe(
     }
 }
 
-/// A successful answer's text, within a second.
+/// A successful answer's text, within a second and [`MAX_ANSWER_BYTES`].
 async fn get_text(http: &reqwest::Client, url: &str) -> Option<String> {
     let resp = http
         .get(url)
@@ -325,7 +326,8 @@ async fn get_text(http: &reqwest::Client, url: &str) -> Option<String> {
         .send()
         .await
         .ok()?;
-    resp.error_for_status().ok()?.text().await.ok()
+    let body = read_bounded(resp.error_for_status().ok()?, MAX_ANSWER_BYTES).await?;
+    Some(String::from_utf8_lossy(&body).into_owned())
 }
 
 /// What a replica's engine says of its limits: nothing for engines that do not say, or that
@@ -341,4 +343,44 @@ async fn read_limits(http: &reqwest::Client, url: &str, dialect: Option<Dialect>
         tracing::warn!(replica = %url, "no concurrency limit readable at {path}: the configured or adaptive limit holds");
         EngineLimits::default()
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A one-shot engine that answers any request with `len` bytes of metric comments.
+    async fn engine_answering(len: usize) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let mut request = [0u8; 4096];
+            let _ = conn.read(&mut request).await;
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n");
+            let _ = conn.write_all(head.as_bytes()).await;
+            let line = b"# filler\n".repeat(1 << 16);
+            let mut sent = 0;
+            while sent < len {
+                let n = line.len().min(len - sent);
+                if conn.write_all(&line[..n]).await.is_err() {
+                    return;
+                }
+                sent += n;
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn an_engine_s_oversized_answer_is_not_read_whole() {
+        let http = reqwest::Client::new();
+        let small = engine_answering(1_000).await;
+        assert_eq!(get_text(&http, &small).await.map(|t| t.len()), Some(1_000));
+        let huge = engine_answering(256 << 20).await;
+        assert_eq!(get_text(&http, &huge).await.map(|t| t.len()), None);
+    }
 }

@@ -118,20 +118,23 @@ impl Pool {
 
     /// Requests the replicas that serve may run at once, together.
     pub fn concurrency(&self) -> u64 {
-        self.replicas
-            .iter()
-            .filter(|r| r.serves())
-            .map(Replica::limit)
-            .sum()
+        self.total(Replica::limit)
     }
 
     /// KV tokens across the replicas that serve.
     pub fn capacity(&self) -> u64 {
+        self.total(|r| r.kv_budget)
+    }
+
+    /// A figure summed over the replicas that serve, saturating: the figures come from the
+    /// engines (`/props`, `cache_config_info`), and an absurd one must not wrap the total (to a
+    /// small share for every tenant) or panic the dispatcher.
+    fn total(&self, figure: impl Fn(&Replica) -> u64) -> u64 {
         self.replicas
             .iter()
             .filter(|r| r.serves())
-            .map(|r| r.kv_budget)
-            .sum()
+            .map(figure)
+            .fold(0, u64::saturating_add)
     }
 
     /// The replica a tenant's prefix maps to (rendezvous hashing over the replicas that
@@ -290,5 +293,20 @@ mod tests {
         assert_eq!(p.concurrency(), 20);
         p.replicas[1].healthy = false;
         assert_eq!(p.concurrency(), 4, "serving replicas only");
+    }
+
+    #[test]
+    fn absurd_engine_figures_saturate_the_pool_s_totals() {
+        // Engines that claim u64::MAX slots (`/props`) and KV tokens (`cache_config_info`).
+        let mut p = pool(2);
+        for r in &mut p.replicas {
+            r.join(EngineLimits {
+                max_concurrency: Some(u64::MAX),
+                kv_tokens: None,
+            });
+            r.kv_budget = u64::MAX;
+        }
+        assert_eq!(p.concurrency(), u64::MAX);
+        assert_eq!(p.capacity(), u64::MAX);
     }
 }
