@@ -16,7 +16,8 @@
 
 use serde::Deserialize;
 
-use crate::openai::{ApiError, Endpoint};
+use crate::endpoint::Endpoint;
+use crate::error::ApiError;
 
 /// What a path is to the front door.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

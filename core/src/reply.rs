@@ -1,7 +1,7 @@
 //! Local replies the gateway sends instead of forwarding: OpenAI-shaped error bodies, with
 //! `Retry-After` and OpenAI-style `x-ratelimit-*` headers when quota ran out.
 
-use crate::openai::ApiError;
+use crate::error::ApiError;
 use crate::reservation::{Denial, LimitKind};
 
 /// A complete response to send back.

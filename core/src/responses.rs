@@ -1,0 +1,280 @@
+//! OpenAI's Responses API: what a request puts into the prompt — `instructions`, then `input`
+//! (a string, or items: messages with content parts, function calls and their outputs,
+//! reasoning), with `tools`, `text.format` schemas and any other text-bearing field counted in
+//! the first turn.
+//!
+//! State the engine would load from its own store is refused: `previous_response_id`,
+//! `conversation`, `item_reference` items and `prompt` templates bring a prompt weir cannot
+//! count, and stored responses are one namespace per engine, not per tenant — a tenant naming
+//! another's response id would read its conversation. `background` requests run detached from
+//! the connection weir meters, so they are refused too.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::error::ApiError;
+use crate::openai::MessageContent;
+use crate::prompt::{
+    OUTSIDE_PROMPT, Prompt, RawObject, borrowed, extra_texts, raw_array, raw_object,
+};
+use crate::request::{COMMON_FIELDS, field};
+use crate::tokens::ChatTurn;
+
+/// The prompt-bearing part of a Responses request.
+#[derive(Clone, Debug, Default)]
+pub struct ResponsesRequest {
+    pub instructions: Option<String>,
+    pub input: Option<ResponsesInput>,
+    /// Fields naming stored state or detached runs that were set (see the module doc).
+    pub stateful: Option<&'static str>,
+    pub extra: Vec<String>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ResponsesInput {
+    Text(String),
+    Items(Vec<ResponsesItem>),
+}
+
+/// One input item: a message (`type` may be omitted), a function call, its output, reasoning...
+#[derive(Clone, Debug, Deserialize)]
+pub struct ResponsesItem {
+    #[serde(rename = "type", default)]
+    pub kind: Option<String>,
+    #[serde(default)]
+    pub role: Option<String>,
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    /// The rendered text of the item's other fields (names, arguments, outputs, summaries).
+    #[serde(skip)]
+    pub extra: Vec<String>,
+}
+
+const ITEM_FIELDS: [&str; 3] = ["type", "role", "content"];
+
+/// Fields a Responses request carries that stay out of the prompt.
+const RESPONSES_OUTSIDE: [&str; 7] = [
+    "store",
+    "include",
+    "truncation",
+    "parallel_tool_calls",
+    "max_tool_calls",
+    "top_logprobs",
+    "background",
+];
+
+/// Fields [`ResponsesRequest`] reads itself (the stateful ones are refused).
+const REQUEST_FIELDS: [&str; 5] = [
+    "instructions",
+    "input",
+    "previous_response_id",
+    "conversation",
+    "prompt",
+];
+
+const MESSAGE_ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
+
+impl ResponsesItem {
+    /// The chat role the item is rendered as.
+    fn role(&self) -> &str {
+        match self.kind.as_deref() {
+            None | Some("message") => self.role.as_deref().unwrap_or("user"),
+            Some(kind) if kind.ends_with("_output") => "tool",
+            Some(_) => "assistant",
+        }
+    }
+}
+
+fn is_set(raw: Option<&&RawValue>) -> bool {
+    raw.is_some_and(|v| !matches!(v.get(), "null" | "false"))
+}
+
+impl ResponsesRequest {
+    pub fn from_fields(top: &RawObject<'_>) -> Result<Self, ApiError> {
+        let stateful = [
+            "previous_response_id",
+            "conversation",
+            "prompt",
+            "background",
+        ]
+        .into_iter()
+        .find(|f| is_set(top.get(*f)));
+        let mut req = ResponsesRequest {
+            instructions: field(top, "instructions")?,
+            input: field(top, "input")?,
+            stateful,
+            extra: extra_texts(
+                top,
+                &[
+                    &COMMON_FIELDS,
+                    &REQUEST_FIELDS,
+                    &RESPONSES_OUTSIDE,
+                    &OUTSIDE_PROMPT,
+                ],
+            ),
+        };
+        let raw_items = top.get("input").and_then(|i| raw_array(i));
+        if let (Some(ResponsesInput::Items(items)), Some(raw)) = (&mut req.input, raw_items) {
+            for (item, raw) in items.iter_mut().zip(raw) {
+                let Some(fields) = raw_object(raw) else {
+                    continue;
+                };
+                item.extra = extra_texts(&fields, &[&ITEM_FIELDS]);
+                if let Some(content) = &mut item.content {
+                    content.read_extras(fields.get("content").copied());
+                }
+            }
+        }
+        Ok(req)
+    }
+
+    pub fn validate(&self) -> Result<(), ApiError> {
+        if let Some(param) = self.stateful {
+            return Err(ApiError::bad_request(format!(
+                "{param} is not supported by this gateway: it runs state the engine keeps, \
+                 which weir can neither count nor keep within your tenant; send the whole \
+                 conversation in `input`"
+            ))
+            .with_param(param));
+        }
+        let items = match &self.input {
+            None => return Err(ApiError::bad_request("input is required").with_param("input")),
+            Some(ResponsesInput::Text(_)) => return Ok(()),
+            Some(ResponsesInput::Items(items)) => items,
+        };
+        if items.is_empty() {
+            return Err(ApiError::bad_request("input must not be empty").with_param("input"));
+        }
+        for (i, item) in items.iter().enumerate() {
+            if item.kind.as_deref() == Some("item_reference") {
+                return Err(ApiError::bad_request(format!(
+                    "input[{i}]: item_reference is not supported by this gateway (a stored item \
+                     weir cannot count); send the item itself"
+                ))
+                .with_param("input"));
+            }
+            if matches!(item.kind.as_deref(), None | Some("message"))
+                && !MESSAGE_ROLES.contains(&item.role())
+            {
+                return Err(ApiError::bad_request(format!(
+                    "input[{i}].role '{}' is not one of {}",
+                    item.role(),
+                    MESSAGE_ROLES.join(", ")
+                ))
+                .with_param("input"));
+            }
+            if let Some(kind) = item
+                .content
+                .as_ref()
+                .and_then(MessageContent::non_text_part)
+            {
+                return Err(ApiError::bad_request(format!(
+                    "input[{i}].content: only text parts are supported, got '{kind}'"
+                ))
+                .with_param("input"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Everything the engine puts into the prompt. Call after [`validate`](Self::validate).
+    pub fn prompt(&self) -> Prompt<'_> {
+        let mut turns: Vec<ChatTurn<'_>> = Vec::new();
+        if let Some(instructions) = &self.instructions {
+            turns.push(ChatTurn {
+                role: "system",
+                name: None,
+                content: vec![instructions.as_str().into()],
+            });
+        }
+        match &self.input {
+            Some(ResponsesInput::Text(text)) => turns.push(ChatTurn {
+                role: "user",
+                name: None,
+                content: vec![text.as_str().into()],
+            }),
+            Some(ResponsesInput::Items(items)) => turns.extend(items.iter().map(|item| {
+                let mut content = item.content.as_ref().map(|c| c.texts()).unwrap_or_default();
+                content.extend(borrowed(&item.extra));
+                ChatTurn {
+                    role: item.role(),
+                    name: None,
+                    content,
+                }
+            })),
+            None => {}
+        }
+        if let Some(first) = turns.first_mut() {
+            first.content.extend(borrowed(&self.extra));
+        }
+        Prompt::Chat(turns)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::endpoint::Endpoint;
+    use crate::error::ApiError;
+    use crate::request::InferenceRequest;
+    use crate::tokens::Encoding;
+
+    fn check(body: &str) -> Result<InferenceRequest, ApiError> {
+        let req = InferenceRequest::parse(Endpoint::Responses, body.as_bytes())?;
+        req.validate()?;
+        Ok(req)
+    }
+
+    fn tokens(body: &str) -> usize {
+        let req = check(body).unwrap();
+        req.prompt_tokens(Encoding::Cl100kBase).unwrap()[0].len()
+    }
+
+    #[test]
+    fn instructions_input_items_and_tools_are_all_in_the_prompt() {
+        let plain = tokens(r#"{"model":"m","input":"hello"}"#);
+        let instructed = tokens(r#"{"model":"m","instructions":"be brief","input":"hello"}"#);
+        assert!(instructed > plain + 2, "{instructed} vs {plain}");
+        let items = tokens(
+            r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_text","text":"hello"}]},
+                {"type":"function_call","call_id":"c1","name":"get_weather","arguments":"{\"city\":\"Paris\"}"},
+                {"type":"function_call_output","call_id":"c1","output":"sunny and warm"}]}"#,
+        );
+        assert!(items > plain + 15, "{items}");
+        let tools = tokens(
+            r#"{"model":"m","input":"hello","tools":[{"type":"function","name":"get_weather",
+                "description":"Look up the weather in a city","parameters":{"type":"object"}}]}"#,
+        );
+        assert!(tools > plain + 15, "{tools}");
+        let outside = tokens(
+            r#"{"model":"m","input":"hello","store":false,"truncation":"auto","include":["reasoning.encrypted_content"]}"#,
+        );
+        assert_eq!(outside, plain);
+    }
+
+    #[test]
+    fn state_kept_by_the_engine_is_refused() {
+        for body in [
+            r#"{"model":"m","input":"x","previous_response_id":"resp_1"}"#,
+            r#"{"model":"m","input":"x","conversation":"conv_1"}"#,
+            r#"{"model":"m","input":"x","background":true}"#,
+            r#"{"model":"m","input":"x","prompt":{"id":"pmpt_1"}}"#,
+            r#"{"model":"m","input":[{"type":"item_reference","id":"msg_1"}]}"#,
+        ] {
+            let err = check(body).err();
+            assert!(err.is_some_and(|e| e.status == 400), "{body}");
+        }
+        assert!(
+            check(r#"{"model":"m","input":"x","background":false,"previous_response_id":null}"#)
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn inputs_must_be_text() {
+        assert!(check(r#"{"model":"m"}"#).is_err());
+        assert!(check(r#"{"model":"m","input":[]}"#).is_err());
+        assert!(check(r#"{"model":"m","input":[{"role":"wizard","content":"x"}]}"#).is_err());
+        assert!(check(r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_image","image_url":"x"}]}]}"#).is_err());
+    }
+}
