@@ -573,6 +573,23 @@ fn check_level(
             format!("'{tier}': letters, digits, '-', '_', '.'"),
         ));
     }
+    if let Some(model) = policy
+        .models
+        .iter()
+        .flatten()
+        .find(|m| !trusted::is_model_name(m))
+    {
+        return Err(invalid(
+            format!("{at}.policy.models"),
+            format!("'{model}': 1 to 255 visible ASCII characters, no ','"),
+        ));
+    }
+    if policy.models.as_ref().is_some_and(Vec::is_empty) {
+        return Err(invalid(
+            format!("{at}.policy.models"),
+            "an empty list allows no model; leave it out to allow every model".to_owned(),
+        ));
+    }
     let zero = [
         ("requests_per_minute", limits.requests_per_minute),
         ("input_tokens_per_minute", limits.input_tokens_per_minute),
