@@ -475,9 +475,9 @@ async fn apis_weir_does_not_meter_and_unknown_paths_are_refused() {
         json!({"model": "tiny", "input": "hi", "messages": [{"role": "user", "content": "hi"}]})
             .to_string();
     for (i, path) in [
-        "/v1/responses",
-        "/v1/embeddings",
-        "/v1/messages",
+        "/v1/responses/resp_1",
+        "/v1/responses/resp_1/input_items",
+        "/v1/messages/count_tokens",
         "/invocations",
         "/v1/audio/transcriptions",
         "/tokenize",
@@ -485,9 +485,9 @@ async fn apis_weir_does_not_meter_and_unknown_paths_are_refused() {
         "/score",
         "/rerank",
         "/v1/rerank",
-        "/V1/Responses/",
-        "//v1//embeddings",
-        "/v1/x/../messages",
+        "/V1/Responses/resp_1/",
+        "//v1//messages//count_tokens",
+        "/v1/x/../responses/resp_1",
     ]
     .into_iter()
     .enumerate()
@@ -558,9 +558,9 @@ async fn apis_weir_does_not_meter_and_unknown_paths_are_refused() {
     // A shadow route never refuses: it passes the request on and says what enforcement would do.
     let shadow = http1(
         "POST",
-        "/shadow/v1/embeddings",
+        "/shadow/v1/messages/count_tokens",
         "free",
-        "shadow-embeddings",
+        "shadow-count-tokens",
         body.as_bytes(),
     )
     .await;
