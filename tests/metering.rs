@@ -16,7 +16,8 @@ const ANSWER_TOKENS: u64 = 30;
 const REASONING_TOKENS: &str = "8";
 
 struct Stack {
-    _sim: Sim,
+    /// Records what it receives, so tests can see what weir sent on (or did not).
+    sim: Sim,
     _silent: Sim,
     envoy: Envoy,
 }
@@ -46,11 +47,11 @@ fn stack() -> &'static Stack {
             "--tokens-per-chunk",
             "3",
         ];
-        let sim = Sim::start(&shape);
+        let sim = Sim::start(&[&shape[..], &["--record-requests", "1000"]].concat());
         let silent = Sim::start(&[&shape[..], &["--omit-usage"]].concat());
         let envoy = Envoy::start(&weir_config(), sim.port, silent.port);
         Stack {
-            _sim: sim,
+            sim,
             _silent: silent,
             envoy,
         }
@@ -78,7 +79,7 @@ async fn post_to(envoy: &Envoy, path: &str, key: &str, body: &Value, request_id:
 }
 
 /// A field `name=value ` of the request's access log line, once Envoy has written it.
-fn logged(request_id: &str, name: &str) -> u64 {
+fn logged_text(request_id: &str, name: &str) -> String {
     let line = stack()
         .envoy
         .access_log_for(request_id)
@@ -86,8 +87,16 @@ fn logged(request_id: &str, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("{request_id} not logged"));
     line.split_whitespace()
         .find_map(|f| f.strip_prefix(&format!("{name}=")))
-        .and_then(|v| v.parse().ok())
+        .map(str::to_owned)
         .unwrap_or_else(|| panic!("no {name} in {line}"))
+}
+
+/// A numeric field of the request's access log line.
+fn logged(request_id: &str, name: &str) -> u64 {
+    let value = logged_text(request_id, name);
+    value
+        .parse()
+        .unwrap_or_else(|_| panic!("{request_id}: {name}={value} is not a number"))
 }
 
 async fn events(resp: Response) -> Vec<String> {
@@ -101,8 +110,9 @@ async fn events(resp: Response) -> Vec<String> {
 
 const CHAT: &str = "/v1/chat/completions";
 
-/// Every way a client can say "no usage chunk": each is still billed the engine's count, and
-/// the usage chunk stays hidden from it.
+/// Every way a client can say "no usage chunk": the engine is asked for usage all the same
+/// (what it received is checked, since its count and weir's own fallback count agree), each is
+/// billed the engine's count, and the usage chunk stays hidden from the client.
 #[tokio::test]
 async fn clients_cannot_turn_off_the_engines_usage_report() {
     let refusals = [
@@ -120,6 +130,13 @@ async fn clients_cannot_turn_off_the_engines_usage_report() {
             .unwrap()
             .extend(options.as_object().unwrap().clone());
         let events = events(post(CHAT, "plain", &chat("think first", extra), &id).await).await;
+        let received = stack().sim.received_with_id(&id).await;
+        assert_eq!(received.len(), 1, "{options}: reached the engine once");
+        assert_eq!(
+            received[0]["body"]["stream_options"],
+            json!({"include_usage": true}),
+            "{options}: the engine must be asked for the usage chunk whatever the client sent"
+        );
         assert_eq!(events.last().map(String::as_str), Some("data: [DONE]"));
         assert!(
             events.iter().all(|e| !e.contains("\"usage\"")),
@@ -176,7 +193,8 @@ fn tools(n: usize) -> Value {
 
 /// One short message with about 100k tokens beside it, wherever an engine (or a chat template)
 /// would put them into the prompt: each is over the 4,096-token context, as the engine would
-/// find, and refused before it gets there.
+/// find, and refused before it gets there. The simulator would refuse it with the same 400, so
+/// the test checks that weir did: the engine never received it, and weir logged it rejected.
 #[tokio::test]
 async fn prompts_hidden_beside_the_messages_are_counted_against_the_context() {
     let bulk = tools(900);
@@ -212,10 +230,20 @@ async fn prompts_hidden_beside_the_messages_are_counted_against_the_context() {
         body.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        let resp = post(CHAT, "plain", &body, &format!("hidden-{what}")).await;
+        let id = format!("hidden-{}", what.replace(' ', "-"));
+        let resp = post(CHAT, "plain", &body, &id).await;
         assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{what}");
         let err = resp.json::<Value>().await.unwrap()["error"].clone();
         assert_eq!(err["code"], "context_length_exceeded", "{what}: {err}");
+        assert!(
+            stack().sim.received_with_id(&id).await.is_empty(),
+            "{what}: weir let it through to the engine (which refused it itself)"
+        );
+        assert_eq!(
+            logged_text(&id, "outcome"),
+            "rejected",
+            "{what}: refused by weir"
+        );
     }
 }
 
