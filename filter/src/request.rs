@@ -464,6 +464,8 @@ impl Request {
                     in_flight.insert(slot.id, r.clone());
                 }
                 self.reservation = Some(r);
+                #[cfg(feature = "fault-injection")]
+                crate::fault::trap_if_asked(crate::fault::TRAP_AFTER_RESERVE);
             }
             Err(denial) => {
                 let reason = match &denial {
