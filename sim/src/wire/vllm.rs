@@ -1,76 +1,31 @@
-//! Response bodies and stream chunks: the [`Wire`] every dialect implements, and vLLM's, in the
-//! shape and field order vLLM 0.32 sends them (see `shared/reference/vllm-0.32/`).
+//! vLLM's chat and completions answers, in the shape and field order vLLM 0.32 sends them (see
+//! `shared/reference/vllm-0.32/`): the finish reason rides on a choice's last chunk; usage
+//! comes in a trailing `"choices": []` chunk only when asked for, summed over a prompt batch.
 
 use serde::Serialize;
-use weir_core::openai::Endpoint;
+use weir_core::endpoint::Endpoint;
 
+use super::{Answer, Delta, Finish, Reply, ResponseHead, SSE_DONE, Wire, sse_event};
 use crate::engine::{Finished, Usage};
-use crate::shape::Field;
+use crate::tool_call::{ChatToolCall, ToolCallDelta};
 
-/// How one engine lays its answers out on the wire.
-pub trait Wire: Send + Sync {
-    /// The SSE frames for one generated piece of `field`; `finish_reason` is set on the last.
-    fn token_frames(
-        &self,
-        head: &ResponseHead,
-        text: &str,
-        field: Field,
-        first: bool,
-        finish_reason: Option<&str>,
-    ) -> String;
-
-    /// The frames that close a finished stream, `[DONE]` last. `usage` is `None` when
-    /// `--omit-usage` hides it, else whether the client asked for it (`include_usage`).
-    fn closing_frames(
-        &self,
-        head: &ResponseHead,
-        finish_reason: &str,
-        done: &Finished,
-        usage: Option<bool>,
-    ) -> String;
-
-    /// A whole non-streamed response body; `usage` unless `--omit-usage` hides it.
-    fn response(
-        &self,
-        head: &ResponseHead,
-        answer: Answer<'_>,
-        done: &Finished,
-        usage: bool,
-    ) -> String;
-}
-
-/// The text of a finished, non-streamed answer (`reasoning` only for chat).
-pub struct Answer<'a> {
-    pub reasoning: Option<&'a str>,
-    pub text: &'a str,
-    pub finish_reason: &'a str,
-}
-
-/// vLLM's wire: the finish reason rides on the last token's chunk; usage comes in a trailing
-/// `"choices": []` chunk only when asked for.
 pub struct VllmWire;
 
 impl Wire for VllmWire {
     fn token_frames(
         &self,
-        head: &ResponseHead,
-        text: &str,
-        field: Field,
+        reply: &Reply,
+        choice: u32,
+        delta: Delta<'_>,
         first: bool,
         finish_reason: Option<&str>,
     ) -> String {
-        head.token_frames(text, field, first, finish_reason)
+        reply.head.token_frames(choice, delta, first, finish_reason)
     }
 
-    fn closing_frames(
-        &self,
-        head: &ResponseHead,
-        _finish_reason: &str,
-        done: &Finished,
-        usage: Option<bool>,
-    ) -> String {
-        let mut frames = if usage == Some(true) {
-            head.usage_frame(&done.usage)
+    fn closing_frames(&self, reply: &Reply, _finishes: &[Finish], done: &Finished) -> String {
+        let mut frames = if reply.usage == Some(true) {
+            reply.head.usage_frame(&done.usage)
         } else {
             String::new()
         };
@@ -78,28 +33,10 @@ impl Wire for VllmWire {
         frames
     }
 
-    fn response(
-        &self,
-        head: &ResponseHead,
-        answer: Answer<'_>,
-        done: &Finished,
-        usage: bool,
-    ) -> String {
-        head.response(
-            answer.reasoning,
-            answer.text,
-            answer.finish_reason,
-            usage.then_some(&done.usage),
-        )
+    fn response(&self, reply: &Reply, answers: &[Answer], done: &Finished) -> String {
+        let usage = reply.usage.is_some().then_some(&done.usage);
+        reply.head.response(reply, answers, usage)
     }
-}
-
-/// What every chunk and response of one request shares.
-pub struct ResponseHead {
-    pub endpoint: Endpoint,
-    pub id: String,
-    pub created: u64,
-    pub model: String,
 }
 
 #[derive(Serialize)]
@@ -113,7 +50,7 @@ struct Envelope<'a, C> {
     usage: Option<UsageBody>,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct ChatDelta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
@@ -121,6 +58,8 @@ struct ChatDelta<'a> {
     content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<[ToolCallDelta<'a>; 1]>,
 }
 
 #[derive(Serialize)]
@@ -153,9 +92,9 @@ struct ChatMessage<'a> {
     role: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_content: Option<&'a str>,
-    content: &'a str,
+    content: Option<&'a str>,
     refusal: (),
-    tool_calls: [(); 0],
+    tool_calls: Vec<ChatToolCall<'a>>,
 }
 
 #[derive(Serialize)]
@@ -185,27 +124,11 @@ impl From<&Usage> for UsageBody {
 }
 
 impl ResponseHead {
-    pub fn new(endpoint: Endpoint, seq: u64, model: &str) -> Self {
-        let prefix = match endpoint {
-            Endpoint::ChatCompletions => "chatcmpl",
-            Endpoint::Completions => "cmpl",
-        };
-        let created = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        ResponseHead {
-            endpoint,
-            id: format!("{prefix}-{:016x}", seq.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
-            created,
-            model: model.to_owned(),
-        }
-    }
-
     fn encode<C: Serialize>(&self, streaming: bool, choices: C, usage: Option<&Usage>) -> String {
         let object = match (self.endpoint, streaming) {
             (Endpoint::ChatCompletions, true) => "chat.completion.chunk",
             (Endpoint::ChatCompletions, false) => "chat.completion",
-            (Endpoint::Completions, _) => "text_completion",
+            _ => "text_completion",
         };
         let envelope = Envelope {
             id: &self.id,
@@ -223,55 +146,67 @@ impl ResponseHead {
         sse_event(&self.encode(true, [choice], None))
     }
 
-    /// The SSE frames for one generated piece of `field`. A chat stream opens with an empty
-    /// assistant delta, as vLLM does, so every later chunk carries only generated tokens.
+    /// The SSE frames for one delta. A chat stream opens with an empty assistant delta, as vLLM
+    /// does, so every later chunk carries only generated tokens.
     fn token_frames(
         &self,
-        text: &str,
-        field: Field,
+        index: u32,
+        delta: Delta<'_>,
         first: bool,
         finish_reason: Option<&str>,
     ) -> String {
-        match self.endpoint {
-            Endpoint::ChatCompletions => {
-                let mut frames = if first {
-                    self.chunk(Choice::ChatChunk {
-                        index: 0,
-                        delta: ChatDelta {
-                            role: Some("assistant"),
-                            content: Some(""),
-                            reasoning_content: None,
-                        },
-                        logprobs: (),
-                        finish_reason: None,
-                    })
-                } else {
-                    String::new()
-                };
-                let (content, reasoning_content) = match field {
-                    Field::Content => (Some(text), None),
-                    Field::Reasoning => (None, Some(text)),
-                };
-                frames.push_str(&self.chunk(Choice::ChatChunk {
-                    index: 0,
-                    delta: ChatDelta {
-                        role: None,
-                        content,
-                        reasoning_content,
-                    },
-                    logprobs: (),
-                    finish_reason,
-                }));
-                frames
-            }
-            Endpoint::Completions => self.chunk(Choice::Text {
-                index: 0,
+        if self.endpoint != Endpoint::ChatCompletions {
+            let text = match delta {
+                Delta::Content(t) | Delta::Reasoning(t) | Delta::Arguments(t) => t,
+                Delta::ToolCall(_) => "",
+            };
+            return self.chunk(Choice::Text {
+                index,
                 text,
                 logprobs: (),
                 finish_reason,
                 stop_reason: (),
-            }),
+            });
         }
+        let mut frames = if first {
+            self.chunk(Choice::ChatChunk {
+                index,
+                delta: ChatDelta {
+                    role: Some("assistant"),
+                    content: Some(""),
+                    ..ChatDelta::default()
+                },
+                logprobs: (),
+                finish_reason: None,
+            })
+        } else {
+            String::new()
+        };
+        let delta = match delta {
+            Delta::Content(t) => ChatDelta {
+                content: Some(t),
+                ..ChatDelta::default()
+            },
+            Delta::Reasoning(t) => ChatDelta {
+                reasoning_content: Some(t),
+                ..ChatDelta::default()
+            },
+            Delta::ToolCall(call) => ChatDelta {
+                tool_calls: Some([call.opening_delta()]),
+                ..ChatDelta::default()
+            },
+            Delta::Arguments(t) => ChatDelta {
+                tool_calls: Some([ToolCallDelta::arguments(t)]),
+                ..ChatDelta::default()
+            },
+        };
+        frames.push_str(&self.chunk(Choice::ChatChunk {
+            index,
+            delta,
+            logprobs: (),
+            finish_reason,
+        }));
+        frames
     }
 
     /// The trailing frame of `stream_options.include_usage`: no choices, only usage.
@@ -279,63 +214,76 @@ impl ResponseHead {
         sse_event(&self.encode(true, [(); 0], Some(usage)))
     }
 
-    /// A whole non-streamed response body (`reasoning` only for chat).
-    fn response(
-        &self,
-        reasoning: Option<&str>,
-        text: &str,
-        finish_reason: &str,
-        usage: Option<&Usage>,
-    ) -> String {
-        let choice = match self.endpoint {
-            Endpoint::ChatCompletions => Choice::Chat {
-                index: 0,
-                message: ChatMessage {
-                    role: "assistant",
-                    reasoning_content: reasoning,
-                    content: text,
-                    refusal: (),
-                    tool_calls: [],
-                },
-                logprobs: (),
-                finish_reason,
-                stop_reason: (),
-            },
-            Endpoint::Completions => Choice::Text {
-                index: 0,
-                text,
-                logprobs: (),
-                finish_reason: Some(finish_reason),
-                stop_reason: (),
-            },
-        };
-        self.encode(false, [choice], usage)
+    /// A whole non-streamed body.
+    fn response(&self, reply: &Reply, answers: &[Answer], usage: Option<&Usage>) -> String {
+        let choices: Vec<Choice<'_>> = (0u32..)
+            .zip(answers)
+            .map(|(index, answer)| {
+                let finish_reason = reply.finish_reason(answer.finish);
+                match self.endpoint {
+                    Endpoint::ChatCompletions => Choice::Chat {
+                        index,
+                        message: ChatMessage {
+                            role: "assistant",
+                            reasoning_content: (!answer.reasoning.is_empty())
+                                .then_some(answer.reasoning.as_str()),
+                            content: answer.arguments.is_none().then_some(answer.text.as_str()),
+                            refusal: (),
+                            tool_calls: reply
+                                .tool
+                                .iter()
+                                .zip(&answer.arguments)
+                                .map(|(call, arguments)| call.message(arguments))
+                                .collect(),
+                        },
+                        logprobs: (),
+                        finish_reason,
+                        stop_reason: (),
+                    },
+                    _ => Choice::Text {
+                        index,
+                        text: &answer.text,
+                        logprobs: (),
+                        finish_reason: Some(finish_reason),
+                        stop_reason: (),
+                    },
+                }
+            })
+            .collect();
+        self.encode(false, choices, usage)
     }
 }
-
-/// One server-sent event carrying a JSON payload.
-pub fn sse_event(payload: &str) -> String {
-    format!("data: {payload}\n\n")
-}
-
-pub const SSE_DONE: &str = "data: [DONE]\n\n";
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::Params;
 
-    fn head(endpoint: Endpoint) -> ResponseHead {
-        ResponseHead {
-            endpoint,
-            id: "chatcmpl-1".into(),
-            created: 7,
-            model: "m".into(),
+    fn reply(endpoint: Endpoint) -> Reply {
+        Reply {
+            head: ResponseHead {
+                endpoint,
+                id: "chatcmpl-1".into(),
+                key: "1".into(),
+                created: 7,
+                model: "m".into(),
+            },
+            tool: None,
+            usage: Some(false),
+            prompt_tokens: 0,
+            params: Params::Plain,
         }
     }
 
     #[test]
     fn chat_chunks_follow_vllm_field_order() {
-        let frames = head(Endpoint::ChatCompletions).token_frames("co", Field::Content, true, None);
+        let frames = VllmWire.token_frames(
+            &reply(Endpoint::ChatCompletions),
+            0,
+            Delta::Content("co"),
+            true,
+            None,
+        );
         assert_eq!(
             frames,
             "data: {\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n\
@@ -350,18 +298,57 @@ mod tests {
             completion_tokens: 16,
             cached_tokens: 0,
         };
-        let frame = head(Endpoint::Completions).usage_frame(&usage);
+        let frame = reply(Endpoint::Completions).head.usage_frame(&usage);
         assert!(frame.contains("\"choices\":[],\"usage\":{\"prompt_tokens\":16,\"total_tokens\":32,\"completion_tokens\":16"), "{frame}");
     }
 
     #[test]
     fn full_response_carries_message_and_usage() {
-        let body =
-            head(Endpoint::ChatCompletions).response(None, "hi", "stop", Some(&Usage::default()));
+        let r = reply(Endpoint::ChatCompletions);
+        let answer = Answer {
+            text: "hi".into(),
+            ..Answer::default()
+        };
+        let body = r.head.response(&r, &[answer], Some(&Usage::default()));
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["object"], "chat.completion");
         assert_eq!(v["choices"][0]["message"]["content"], "hi");
+        assert_eq!(
+            v["choices"][0]["message"]["tool_calls"],
+            serde_json::json!([])
+        );
         assert_eq!(v["choices"][0]["finish_reason"], "stop");
         assert_eq!(v["usage"]["total_tokens"], 0);
+    }
+
+    #[test]
+    fn tool_calls_open_with_the_name_then_stream_arguments() {
+        let mut r = reply(Endpoint::ChatCompletions);
+        r.tool = Some(crate::tool_call::ToolCall {
+            id: "chatcmpl-tool-1".into(),
+            name: "search".into(),
+            argument: "query".into(),
+        });
+        let call = r.tool.as_ref().unwrap();
+        let open = VllmWire.token_frames(&r, 0, Delta::ToolCall(call), false, None);
+        assert!(
+            open.contains("\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"chatcmpl-tool-1\",\"type\":\"function\",\"function\":{\"name\":\"search\",\"arguments\":\"\"}}]}"),
+            "{open}"
+        );
+        let args = VllmWire.token_frames(&r, 0, Delta::Arguments("{\""), false, Some("tool_calls"));
+        assert!(
+            args.contains("\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"\"}}]},\"logprobs\":null,\"finish_reason\":\"tool_calls\""),
+            "{args}"
+        );
+        let answer = Answer {
+            arguments: Some("{}".into()),
+            ..Answer::default()
+        };
+        let v: serde_json::Value =
+            serde_json::from_str(&r.head.response(&r, &[answer], None)).unwrap();
+        let message = &v["choices"][0]["message"];
+        assert!(message["content"].is_null());
+        assert_eq!(message["tool_calls"][0]["function"]["name"], "search");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
     }
 }
