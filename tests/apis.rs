@@ -51,6 +51,7 @@ fn weir_config() -> Value {
         api_key_limited("capped", json!({"max_output_tokens": 50})),
         api_key_limited("leaver", json!({"concurrent_requests": 8})),
         api_key("plain"),
+        api_key("fair"),
     ]);
     json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [
@@ -354,6 +355,12 @@ async fn every_api_is_billed_the_engine_s_usage_and_moves_the_key_s_buckets_by_e
                 "{trace}: the estimate ({estimate}) must differ from the engine's count \
                  ({prompt}) by more than the refill ({refill}) for the buckets to tell them apart"
             );
+            eprintln!(
+                "{trace}: engine {prompt} in / {completion} out, estimate {estimate} in; \
+                 buckets moved {} in / {} out (refill up to {refill})",
+                in_before.saturating_sub(in_after),
+                out_before.saturating_sub(out_after)
+            );
             for (what, was, is, used) in [
                 ("input", in_before, in_after, prompt),
                 ("output", out_before, out_after, completion),
@@ -499,6 +506,55 @@ async fn a_client_leaving_mid_stream_settles_and_cancels_upstream_on_every_strea
     assert_eq!(
         resp.headers()["x-ratelimit-remaining-concurrent-requests"],
         "8"
+    );
+}
+
+/// The tenant's virtual token counter in the `tiny` pool.
+async fn counter(tenant: &str) -> f64 {
+    let metrics = stack().sidecar.metrics().await;
+    let series = format!("weir_vtc_counter{{tenant=\"acme/lab/apis/{tenant}\",pool=\"tiny\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no counter for {tenant}"))
+}
+
+#[tokio::test]
+async fn the_fair_share_charges_embeddings_their_input_only() {
+    let _turn = turn().await;
+    // A long chat first: the tenant's counter is then above everyone's, so no lift moves it.
+    let body = json!({"model": "tiny", "max_tokens": 20,
+        "messages": [{"role": "user", "content": prose(400)}]});
+    assert_eq!(
+        post("/v1/chat/completions", "fair", &body, "fair-chat")
+            .await
+            .status(),
+        200
+    );
+    let before = counter("fair").await;
+    let resp = post(
+        "/v1/embeddings",
+        "fair",
+        &body_for("embeddings", "tiny", false, 0),
+        "fair-embeddings",
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let prompt = resp.json::<Value>().await.unwrap()["usage"]["prompt_tokens"]
+        .as_u64()
+        .unwrap();
+    // Counted once the answer settles; weight 1, input weighs 1 (output 2, and there is none).
+    let mut moved = 0.0;
+    for _ in 0..50 {
+        moved = counter("fair").await - before;
+        if moved >= prompt as f64 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        moved, prompt as f64,
+        "the counter moves by the engine's input count only"
     );
 }
 
