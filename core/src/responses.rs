@@ -46,6 +46,10 @@ pub struct ResponsesItem {
     pub role: Option<String>,
     #[serde(default)]
     pub content: Option<MessageContent>,
+    /// What of a tool call's output is not text, if anything (see [`non_text_output`]); the
+    /// output itself is counted with the item's other fields.
+    #[serde(skip)]
+    pub non_text_output: Option<String>,
     /// The rendered text of the item's other fields (names, arguments, outputs, summaries).
     #[serde(skip)]
     pub extra: Vec<String>,
@@ -84,6 +88,35 @@ impl ResponsesItem {
             Some(_) => "assistant",
         }
     }
+
+    /// The first part of the item that carries no text, in its content or its tool output.
+    fn non_text_part(&self) -> Option<&str> {
+        self.content
+            .as_ref()
+            .and_then(MessageContent::non_text_part)
+            .or(self.non_text_output.as_deref())
+    }
+}
+
+/// What of a tool call's `output` is not text: a string is text, parts are as text as their
+/// kinds (an engine renders them as the tool message's content, an image part as an image of
+/// the prompt), anything else (a screenshot object) is not text.
+fn non_text_output(output: &RawValue) -> Option<String> {
+    match output.get().as_bytes().first() {
+        Some(b'"' | b'n') => None,
+        Some(b'[') => match serde_json::from_str::<MessageContent>(output.get()) {
+            Ok(parts) => parts.non_text_part().map(str::to_owned),
+            Err(_) => Some("output".to_owned()),
+        },
+        _ => Some(
+            raw_object(output)
+                .and_then(|o| {
+                    o.get("type")
+                        .and_then(|t| serde_json::from_str(t.get()).ok())
+                })
+                .unwrap_or_else(|| "output".to_owned()),
+        ),
+    }
 }
 
 fn is_set(raw: Option<&&RawValue>) -> bool {
@@ -121,6 +154,7 @@ impl ResponsesRequest {
                     continue;
                 };
                 item.extra = extra_texts(&fields, &[&ITEM_FIELDS]);
+                item.non_text_output = fields.get("output").and_then(|o| non_text_output(o));
                 if let Some(content) = &mut item.content {
                     content.read_extras(fields.get("content").copied());
                 }
@@ -164,11 +198,7 @@ impl ResponsesRequest {
                 ))
                 .with_param("input"));
             }
-            if let Some(kind) = item
-                .content
-                .as_ref()
-                .and_then(MessageContent::non_text_part)
-            {
+            if let Some(kind) = item.non_text_part() {
                 return Err(ApiError::bad_request(format!(
                     "input[{i}].content: only text parts are supported, got '{kind}'"
                 ))
@@ -276,5 +306,27 @@ mod tests {
         assert!(check(r#"{"model":"m","input":[]}"#).is_err());
         assert!(check(r#"{"model":"m","input":[{"role":"wizard","content":"x"}]}"#).is_err());
         assert!(check(r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_image","image_url":"x"}]}]}"#).is_err());
+    }
+
+    #[test]
+    fn a_tool_output_must_be_text_too() {
+        // vLLM renders a function call's output as the tool message's content: its parts are
+        // parts of the prompt, an image one included.
+        let output = |output: &str| {
+            format!(
+                r#"{{"model":"m","input":[{{"type":"function_call","call_id":"c1","name":"f","arguments":"{{}}"}},
+                    {{"type":"function_call_output","call_id":"c1","output":{output}}}]}}"#
+            )
+        };
+        for bad in [
+            r#"[{"type":"input_image","image_url":"https://example.com/a.png"}]"#,
+            r#"[{"type":"input_text","text":"see"},{"type":"input_file","file_url":"x"}]"#,
+            r#"{"type":"computer_screenshot","image_url":"https://example.com/a.png"}"#,
+        ] {
+            let err = check(&output(bad)).err();
+            assert!(err.is_some_and(|e| e.status == 400), "{bad}");
+        }
+        assert!(check(&output(r#""sunny""#)).is_ok());
+        assert!(check(&output(r#"[{"type":"input_text","text":"sunny"}]"#)).is_ok());
     }
 }
