@@ -27,6 +27,8 @@ pub struct ResponsesRequest {
     pub input: Option<ResponsesInput>,
     /// Fields naming stored state or detached runs that were set (see the module doc).
     pub stateful: Option<&'static str>,
+    /// The type of the first tool the engine would run itself (see [`CLIENT_TOOLS`]).
+    pub engine_tool: Option<String>,
     pub extra: Vec<String>,
 }
 
@@ -78,6 +80,33 @@ const REQUEST_FIELDS: [&str; 5] = [
 ];
 
 const MESSAGE_ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
+
+/// Tools the client runs, whose calls come back to it as output items: the only ones served.
+/// Every other type (`web_search`, `code_interpreter`, `mcp`, `file_search`, ...) the engine
+/// runs itself, in a loop in which vLLM lets each turn after the first generate up to the rest
+/// of the context, whatever `max_output_tokens` says, and calls out to tool servers: output no
+/// reservation bounds and work weir does not see. A `namespace` groups tools and is judged by
+/// them.
+const CLIENT_TOOLS: [&str; 2] = ["function", "custom"];
+
+/// The type of the first tool in `tools` (a raw array) that is not run by the client.
+fn engine_tool(tools: &RawValue) -> Option<String> {
+    let Some(tools) = raw_array(tools) else {
+        return (tools.get() != "null").then(|| "tools".to_owned());
+    };
+    tools.into_iter().find_map(|tool| {
+        let fields = raw_object(tool)?;
+        let kind: Option<String> = fields
+            .get("type")
+            .and_then(|t| serde_json::from_str(t.get()).ok());
+        match kind.as_deref() {
+            Some(kind) if CLIENT_TOOLS.contains(&kind) => None,
+            Some("namespace") => fields.get("tools").and_then(|t| engine_tool(t)),
+            Some(kind) => Some(kind.to_owned()),
+            None => Some("untyped".to_owned()),
+        }
+    })
+}
 
 impl ResponsesItem {
     /// The chat role the item is rendered as.
@@ -137,6 +166,7 @@ impl ResponsesRequest {
             instructions: field(top, "instructions")?,
             input: field(top, "input")?,
             stateful,
+            engine_tool: top.get("tools").and_then(|t| engine_tool(t)),
             extra: extra_texts(
                 top,
                 &[
@@ -171,6 +201,13 @@ impl ResponsesRequest {
                  conversation in `input`"
             ))
             .with_param(param));
+        }
+        if let Some(kind) = &self.engine_tool {
+            return Err(ApiError::bad_request(format!(
+                "tools of type '{kind}' are not supported by this gateway: the engine would run \
+                 them itself, past the output limit weir reserved; use function tools"
+            ))
+            .with_param("tools"));
         }
         let items = match &self.input {
             None => return Err(ApiError::bad_request("input is required").with_param("input")),
@@ -306,6 +343,32 @@ mod tests {
         assert!(check(r#"{"model":"m","input":[]}"#).is_err());
         assert!(check(r#"{"model":"m","input":[{"role":"wizard","content":"x"}]}"#).is_err());
         assert!(check(r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_image","image_url":"x"}]}]}"#).is_err());
+    }
+
+    #[test]
+    fn tools_the_engine_runs_itself_are_refused() {
+        // vLLM runs built-in tools in a loop of its own, each turn after the first allowed the
+        // rest of the context whatever max_output_tokens says.
+        for tool in [
+            r#"{"type":"code_interpreter","container":{"type":"auto"}}"#,
+            r#"{"type":"web_search_preview"}"#,
+            r#"{"type":"mcp","server_label":"python","server_url":"http://x"}"#,
+            r#"{"type":"namespace","name":"n","tools":[{"type":"web_search"}]}"#,
+            r#"{"name":"untyped"}"#,
+        ] {
+            let body =
+                format!(r#"{{"model":"m","input":"x","max_output_tokens":5,"tools":[{tool}]}}"#);
+            let err = check(&body).err();
+            assert!(
+                err.is_some_and(|e| e.status == 400 && e.param.as_deref() == Some("tools")),
+                "{tool}"
+            );
+        }
+        let client_run = r#"{"model":"m","input":"x","tools":[
+            {"type":"function","name":"f","parameters":{}},
+            {"type":"custom","name":"c"},
+            {"type":"namespace","name":"n","tools":[{"type":"function","name":"g"}]}]}"#;
+        assert!(check(client_run).is_ok());
     }
 
     #[test]
