@@ -120,6 +120,16 @@ fn generated_tokens<'a>(pieces: impl IntoIterator<Item = &'a str>) -> u64 {
         .sum()
 }
 
+/// Whether a response's `content-type` says it is an event stream. The answer's type, not the
+/// request's `stream` field, says how to read it: an engine may answer a stream as one JSON
+/// body, or stream on a spelling of `stream` it reads leniently.
+pub fn is_event_stream(content_type: &str) -> bool {
+    content_type
+        .trim_start()
+        .to_ascii_lowercase()
+        .starts_with("text/event-stream")
+}
+
 /// Meters a server-sent-event stream of one API's events.
 #[derive(Debug)]
 pub struct StreamMeter {
