@@ -1,17 +1,20 @@
-//! Attacks on the metered APIs through the front door alone: real Envoy with the filter in front
-//! of an upstream that behaves as weir must not assume engines do — one that puts its own
+//! Attacks on the metered APIs. Through the front door alone: real Envoy with the filter in
+//! front of an upstream that behaves as weir must not assume engines do — one that puts its own
 //! rate-limit headers on every answer (a hosted API's figures are its whole account's, every
 //! tenant's), and one that answers a stream as a single JSON body or a plain request as a stream.
+//! Through the whole gateway: a request that the engine runs as several sequences (a completions
+//! batch) in front of an engine with few slots.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use weir_e2e::{Envoy, api_key, api_key_limited};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, api_key_limited};
 
 /// What the upstream reports of its own account on every answer.
 const PLATFORM_REMAINING: &str = "424242";
@@ -215,5 +218,101 @@ async fn an_answer_in_the_other_shape_than_asked_is_billed_the_usage_it_reports(
         (log["tokens_in"].as_str(), log["tokens_out"].as_str()),
         (PROMPT.to_string().as_str(), COMPLETION.to_string().as_str()),
         "billed the usage the stream reports: {log:?}"
+    );
+}
+
+/// An engine with two slots (llama.cpp's, read by the sidecar from its `/props`) behind the
+/// sidecar, and the gateway in front.
+struct Slots {
+    sim: Sim,
+    _sidecar: Sidecar,
+    envoy: Envoy,
+}
+
+fn slots() -> &'static Slots {
+    static SLOTS: OnceLock<Slots> = OnceLock::new();
+    SLOTS.get_or_init(|| {
+        // An 8B model at real speed: a batch's 300 tokens take a few seconds.
+        let sim = Sim::start(&[
+            "--preset",
+            "llama-3.1-8b",
+            "--metrics-dialect",
+            "llamacpp",
+            "--slots",
+            "2",
+            "--served-model-name",
+            "two-slots",
+            "--output-len",
+            "fixed:300",
+        ]);
+        let sidecar = Sidecar::start(json!({
+            "policy": "fair",
+            "pools": [{"model": "two-slots", "replicas": [sim.url]}],
+        }));
+        let config = json!({
+            "orgs": [{"id": "acme", "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
+                api_key("batcher"), api_key("neighbour"),
+            ]}]}]}],
+            "models": {"two-slots": {"max_context_tokens": 4096}},
+        });
+        let envoy = Envoy::start(&config, sidecar.port, sidecar.port);
+        sidecar.wait_for_probes(1);
+        Slots {
+            sim,
+            _sidecar: sidecar,
+            envoy,
+        }
+    })
+}
+
+#[tokio::test]
+async fn a_batch_holds_a_slot_per_prompt_so_no_request_queues_inside_the_engine() {
+    let stack = slots();
+    let url = format!("{}/v1/completions", stack.envoy.url);
+    let client = reqwest::Client::new();
+    // One request, two prompts: two sequences, each in a slot of its own.
+    let batch = client
+        .post(&url)
+        .bearer_auth("key-batcher")
+        .json(
+            &json!({"model": "two-slots", "prompt": ["one", "two"], "max_tokens": 300,
+            "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(batch.status(), StatusCode::OK);
+    let started = Instant::now();
+    while stack.sim.gauge("llamacpp:requests_processing").await < 2.0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the batch runs"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Both slots are taken: the neighbour's request must wait in weir, not in the engine.
+    let neighbour = tokio::spawn(
+        client
+            .post(&url)
+            .bearer_auth("key-neighbour")
+            .json(&json!({"model": "two-slots", "prompt": "three", "max_tokens": 5}))
+            .send(),
+    );
+    let mut most_deferred = 0.0f64;
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_millis(800) {
+        most_deferred = most_deferred.max(stack.sim.gauge("llamacpp:requests_deferred").await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        most_deferred, 0.0,
+        "a request waited inside the engine behind a batch counted as one sequence"
+    );
+    drop(batch);
+    let neighbour = neighbour.await.unwrap().unwrap();
+    assert_eq!(
+        neighbour.status(),
+        StatusCode::OK,
+        "served once the batch is gone"
     );
 }
