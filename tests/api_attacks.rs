@@ -12,6 +12,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use weir_e2e::{Envoy, Sidecar, Sim, api_key, api_key_limited};
@@ -225,7 +226,7 @@ async fn an_answer_in_the_other_shape_than_asked_is_billed_the_usage_it_reports(
 /// sidecar, and the gateway in front.
 struct Slots {
     sim: Sim,
-    _sidecar: Sidecar,
+    sidecar: Sidecar,
     envoy: Envoy,
 }
 
@@ -251,7 +252,7 @@ fn slots() -> &'static Slots {
         }));
         let config = json!({
             "orgs": [{"id": "acme", "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
-                api_key("batcher"), api_key("neighbour"),
+                api_key("batcher"), api_key("neighbour"), api_key("leaver"),
             ]}]}]}],
             "models": {"two-slots": {"max_context_tokens": 4096}},
         });
@@ -259,7 +260,7 @@ fn slots() -> &'static Slots {
         sidecar.wait_for_probes(1);
         Slots {
             sim,
-            _sidecar: sidecar,
+            sidecar,
             envoy,
         }
     })
@@ -314,5 +315,61 @@ async fn a_batch_holds_a_slot_per_prompt_so_no_request_queues_inside_the_engine(
         neighbour.status(),
         StatusCode::OK,
         "served once the batch is gone"
+    );
+}
+
+// Several threads: the ledger is read blocking while the runtime closes the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_stream_left_before_its_message_delta_is_billed_what_streamed() {
+    let stack = slots();
+    // `message_start` carries the prompt's count and a placeholder output of 0; the output's
+    // count comes only in `message_delta`, at the end.
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/messages", stack.envoy.url))
+        .header("x-api-key", "key-leaver")
+        .header("anthropic-version", "2023-06-01")
+        .header("idempotency-key", "leave-messages")
+        .header("x-request-id", "leave-messages")
+        .json(
+            &json!({"model": "two-slots", "max_tokens": 300, "stream": true,
+            "messages": [{"role": "user", "content": "hello"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut stream = resp.bytes_stream();
+    let mut text = String::new();
+    while text.matches("text_delta").count() < 10 {
+        text.push_str(&String::from_utf8_lossy(
+            &stream.next().await.unwrap().unwrap(),
+        ));
+    }
+    drop(stream);
+    let mut rows = Vec::new();
+    for _ in 0..100 {
+        rows = stack.sidecar.attempts("leave-messages");
+        if !rows.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let [row] = rows.as_slice() else {
+        panic!("one record: {rows:?}")
+    };
+    assert_eq!(row.outcome, "cancelled", "{row:?}");
+    assert!(
+        (10..300).contains(&row.completion_tokens),
+        "the ledger bills what streamed: {row:?}"
+    );
+    let line = stack.envoy.access_log_for("leave-messages");
+    let tokens_out: u64 = line
+        .first()
+        .and_then(|l| l.split(' ').find_map(|f| f.strip_prefix("tokens_out=")))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        tokens_out >= 10,
+        "the filter charges what streamed: {line:?}"
     );
 }
