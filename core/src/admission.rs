@@ -75,6 +75,7 @@ pub fn admit(
     let req = InferenceRequest::parse(endpoint, body).map_err(|e| reject("malformed_body", e))?;
     req.validate().map_err(|e| reject("invalid_request", e))?;
     refuse_request_templates(&fields)?;
+    refuse_request_adapters(&fields)?;
 
     if !tenant.may_use(&req.model) {
         return Err(reject(
@@ -162,6 +163,31 @@ fn refuse_request_templates(fields: &TopLevel) -> Result<(), Rejection> {
             ApiError::bad_request(format!(
                 "{field} is not accepted: the prompt is rendered with the model's own template, \
                  so that what is admitted is what the engine runs"
+            ))
+            .with_param(field),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Body fields by which a request applies adapters the engine has loaded — llama.cpp's `lora`
+/// (adapters by id, with a scale), SGLang's `lora_path` (by name) — so that a model other than
+/// the one it names runs: one the key's `models` policy never allowed, another tenant's
+/// fine-tune among them. The model name is what selects an adapter (vLLM serves each as a model
+/// of its own).
+pub const REQUEST_ADAPTER_FIELDS: [&str; 2] = ["lora", "lora_path"];
+
+/// Refuses a request that names adapters of its own (see [`REQUEST_ADAPTER_FIELDS`]).
+fn refuse_request_adapters(fields: &TopLevel) -> Result<(), Rejection> {
+    let named = REQUEST_ADAPTER_FIELDS
+        .into_iter()
+        .find(|f| fields.get(f).is_some_and(|v| v.get() != "null"));
+    match named {
+        Some(field) => Err(reject(
+            "invalid_request",
+            ApiError::bad_request(format!(
+                "{field} is not accepted: adapters are chosen by the model name, which this key \
+                 may use as its policy allows; name the adapter's model instead"
             ))
             .with_param(field),
         )),
@@ -328,6 +354,24 @@ mod tests {
         let rej = run(&c, &body).unwrap_err();
         assert_eq!(rej.error.param.as_deref(), Some("chat_template"));
         assert!(run(&c, &format!("{HELLO},\"chat_template\":null}}")).is_ok());
+    }
+
+    #[test]
+    fn per_request_adapters_are_refused_on_every_api() {
+        // llama.cpp applies the server's LoRA adapters a request names by id, SGLang by name:
+        // a model the key's `models` policy never allowed (another tenant's fine-tune, say).
+        let c = config("{}", r#"{"models":["big"]}"#);
+        for (endpoint, body) in [
+            (Endpoint::ChatCompletions, format!("{HELLO},\"lora\":[{{\"id\":0,\"scale\":1.0}}]}}")),
+            (Endpoint::Completions, r#"{"model":"big","prompt":"x","lora_path":"tenant-b"}"#.to_owned()),
+            (Endpoint::Messages, r#"{"model":"big","max_tokens":5,"messages":[{"role":"user","content":"x"}],"lora":[{"id":1,"scale":1}]}"#.to_owned()),
+            (Endpoint::Embeddings, r#"{"model":"big","input":"x","lora_path":["tenant-b"]}"#.to_owned()),
+        ] {
+            let rej = run_on(&c, endpoint, &body).unwrap_err();
+            assert_eq!(rej.error.status, 400, "{endpoint:?}");
+            assert!(matches!(rej.error.param.as_deref(), Some("lora" | "lora_path")), "{endpoint:?}");
+        }
+        assert!(run(&c, &format!("{HELLO},\"lora\":null}}")).is_ok());
     }
 
     #[test]

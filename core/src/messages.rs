@@ -45,6 +45,10 @@ pub struct Block {
     pub text: Option<String>,
     #[serde(default)]
     pub thinking: Option<String>,
+    /// What a block holds inside (a tool result's content): read only to check that it is
+    /// text, as it is counted with the block's other fields.
+    #[serde(default)]
+    pub content: Option<Content>,
     #[serde(skip)]
     pub extra: Vec<String>,
 }
@@ -99,13 +103,18 @@ impl Content {
         }
     }
 
+    /// The first block that carries no text, at any depth (an image inside a tool result is
+    /// an image of the prompt too).
     fn non_text_block(&self) -> Option<&str> {
         match self {
             Content::Text(_) => None,
-            Content::Blocks(blocks) => blocks
-                .iter()
-                .map(|b| b.kind.as_str())
-                .find(|k| NON_TEXT_BLOCKS.contains(k)),
+            Content::Blocks(blocks) => blocks.iter().find_map(|b| {
+                if NON_TEXT_BLOCKS.contains(&b.kind.as_str()) {
+                    Some(b.kind.as_str())
+                } else {
+                    b.content.as_ref().and_then(Content::non_text_block)
+                }
+            }),
         }
     }
 }
@@ -261,5 +270,27 @@ mod tests {
                 .is_err()
         );
         assert!(check(r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":[{"type":"image","source":{}}]}]}"#).is_err());
+    }
+
+    #[test]
+    fn content_nested_in_a_tool_result_must_be_text_too() {
+        // vLLM turns a tool result's image into an image of the prompt (fetching a URL source).
+        let nested = |item: &str| {
+            format!(
+                r#"{{"model":"m","max_tokens":5,"messages":[{{"role":"user","content":[
+                    {{"type":"tool_result","tool_use_id":"t1","content":[{item}]}}]}}]}}"#
+            )
+        };
+        for item in [
+            r#"{"type":"image","source":{"type":"url","url":"https://example.com/a.png"}}"#,
+            r#"{"type":"text","text":"see"},{"type":"document","source":{}}"#,
+        ] {
+            let err = check(&nested(item)).err();
+            assert!(err.is_some_and(|e| e.status == 400), "{item}");
+        }
+        assert!(check(&nested(r#"{"type":"text","text":"sunny"}"#)).is_ok());
+        let text = r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":[
+            {"type":"tool_result","tool_use_id":"t1","content":"sunny"}]}]}"#;
+        assert!(check(text).is_ok());
     }
 }

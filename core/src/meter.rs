@@ -86,6 +86,9 @@ impl Reported {
 #[derive(Debug, Default)]
 struct Observed {
     usage: Option<Reported>,
+    /// The usage's output count is a placeholder (a Messages stream's `message_start`), not the
+    /// engine's count of what it generated.
+    provisional_output: bool,
     /// Output tokens in the generated text it carries (see [`generated_tokens`]).
     generated: u64,
     error: bool,
@@ -120,6 +123,16 @@ fn generated_tokens<'a>(pieces: impl IntoIterator<Item = &'a str>) -> u64 {
         .sum()
 }
 
+/// Whether a response's `content-type` says it is an event stream. The answer's type, not the
+/// request's `stream` field, says how to read it: an engine may answer a stream as one JSON
+/// body, or stream on a spelling of `stream` it reads leniently.
+pub fn is_event_stream(content_type: &str) -> bool {
+    content_type
+        .trim_start()
+        .to_ascii_lowercase()
+        .starts_with("text/event-stream")
+}
+
 /// Meters a server-sent-event stream of one API's events.
 #[derive(Debug)]
 pub struct StreamMeter {
@@ -127,6 +140,8 @@ pub struct StreamMeter {
     hide_usage_event: bool,
     held: Vec<u8>,
     reported: Option<Reported>,
+    /// An event reported the output count (not only a placeholder for it).
+    output_reported: bool,
     generated_tokens: u64,
     error_events: u64,
     done: bool,
@@ -141,15 +156,25 @@ impl StreamMeter {
             hide_usage_event,
             held: Vec::new(),
             reported: None,
+            output_reported: false,
             generated_tokens: 0,
             error_events: 0,
             done: false,
         }
     }
 
-    /// The engine's usage, once the events that report it have passed.
+    /// The engine's usage, once the events that report it have passed. A stream cut after the
+    /// engine reported its prompt but before it reported its output (a Messages stream left
+    /// before its `message_delta`) is the engine's prompt count and the output that streamed.
     pub fn usage(&self) -> Option<Usage> {
-        self.reported.as_ref().and_then(Reported::usage)
+        let usage = self.reported.as_ref().and_then(Reported::usage)?;
+        if self.output_reported {
+            return Some(usage);
+        }
+        Some(Usage {
+            completion_tokens: usage.completion_tokens.max(self.generated_tokens),
+            ..usage
+        })
     }
 
     /// Output tokens counted in the generated text that passed (every field, not events): the
@@ -204,6 +229,7 @@ impl StreamMeter {
         self.done |= seen.terminal;
         self.generated_tokens += seen.generated;
         if let Some(newer) = seen.usage {
+            self.output_reported |= !seen.provisional_output;
             self.reported.get_or_insert_default().merge(newer);
         }
         !(self.hide_usage_event && seen.usage_only)
@@ -622,6 +648,40 @@ mod tests {
             true,
         );
         assert_eq!(error.error_events(), 1);
+    }
+
+    #[test]
+    fn a_messages_stream_cut_before_its_message_delta_is_billed_what_streamed() {
+        // `message_start` reports the prompt and a placeholder output (0 in vLLM's and the
+        // simulator's streams, 1 in Anthropic's); the output count comes in `message_delta`.
+        let stream = sse(&[
+            (
+                "message_start",
+                r#"{"type":"message_start","message":{"id":"m","type":"message","role":"assistant","content":[],"usage":{"input_tokens":9,"output_tokens":0}}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" the model keeps on writing a long answer"}}"#,
+            ),
+        ]);
+        let mut meter = StreamMeter::new(Endpoint::Messages, false);
+        meter.feed(stream.as_bytes(), true);
+        let streamed = generated_tokens([" the model keeps on writing a long answer"]);
+        assert_eq!(
+            meter.usage(),
+            Some(Usage {
+                prompt_tokens: 9,
+                completion_tokens: streamed
+            }),
+            "the engine's prompt count, and the output that streamed"
+        );
+        // Once message_delta reports, the engine's count stands, even below what was counted.
+        let delta = sse(&[(
+            "message_delta",
+            r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":2}}"#,
+        )]);
+        meter.feed(delta.as_bytes(), true);
+        assert_eq!(meter.usage().map(|u| u.completion_tokens), Some(2));
     }
 
     #[test]

@@ -28,12 +28,20 @@ pub const OUTPUT_LIMIT_FIELDS: [&str; 4] = [
     "n_predict",
 ];
 
+/// How many answers a request asks the engine for, by every name an engine reads: OpenAI's `n`,
+/// llama.cpp's `n_cmpl` (which it reads before `n`, running each answer in a slot of its own),
+/// `best_of` (vLLM's older engine, TGI: sequences generated to return the best). Only one answer
+/// is served, on every API: each of them multiplies a request's output past its reservation.
+pub const ANSWER_COUNT_FIELDS: [&str; 3] = ["n", "n_cmpl", "best_of"];
+
 /// Fields read here for every API; each API's model reads the rest.
-pub const COMMON_FIELDS: [&str; 11] = [
+pub const COMMON_FIELDS: [&str; 13] = [
     "model",
     "stream",
     "stream_options",
     "n",
+    "n_cmpl",
+    "best_of",
     "seed",
     "ignore_eos",
     "cache_salt",
@@ -68,7 +76,8 @@ pub struct InferenceRequest {
     pub stream_options: Option<StreamOptions>,
     /// Output limits the body sets, by field name (see [`OUTPUT_LIMIT_FIELDS`]).
     pub output_limits: Vec<(&'static str, u32)>,
-    pub n: Option<u32>,
+    /// Counts of answers the body asks for, by field name (see [`ANSWER_COUNT_FIELDS`]).
+    pub answer_counts: Vec<(&'static str, u32)>,
     pub seed: Option<u64>,
     /// vLLM extension: generate exactly the token limit.
     pub ignore_eos: Option<bool>,
@@ -116,6 +125,12 @@ impl InferenceRequest {
                 output_limits.push((name, limit));
             }
         }
+        let mut answer_counts = Vec::new();
+        for name in ANSWER_COUNT_FIELDS {
+            if let Some(count) = field::<u32>(&top, name)? {
+                answer_counts.push((name, count));
+            }
+        }
         let api = match endpoint {
             Endpoint::ChatCompletions | Endpoint::Completions => {
                 ApiRequest::Completion(CompletionRequest::from_fields(endpoint, &top)?)
@@ -131,7 +146,7 @@ impl InferenceRequest {
             stream: field(&top, "stream")?,
             stream_options: field(&top, "stream_options")?,
             output_limits,
-            n: field(&top, "n")?,
+            answer_counts,
             seed: field(&top, "seed")?,
             ignore_eos: field(&top, "ignore_eos")?,
             cache_salt: field(&top, "cache_salt")?,
@@ -205,11 +220,11 @@ impl InferenceRequest {
 
     /// Checks the parameters every engine rejects, independent of the model.
     pub fn validate(&self) -> Result<(), ApiError> {
-        if let Some(n) = self.n.filter(|&n| n != 1) {
+        if let Some(&(param, n)) = self.answer_counts.iter().find(|&&(_, n)| n != 1) {
             return Err(ApiError::bad_request(format!(
-                "n={n} is not supported; only n=1 is served"
+                "{param}={n} is not supported; only {param}=1 is served"
             ))
-            .with_param("n"));
+            .with_param(param));
         }
         if let Some(&(param, _)) = self.output_limits.iter().find(|&&(_, l)| l == 0) {
             return Err(
@@ -289,6 +304,35 @@ mod tests {
         assert!(msg.contains("messages[0]"), "{msg}");
         let err = chat(r#"{"model":"m","stream":"true","messages":[]}"#).err();
         assert!(err.is_some_and(|e| e.param.as_deref() == Some("stream")));
+    }
+
+    #[test]
+    fn every_engine_s_count_of_answers_other_than_one_is_rejected() {
+        // llama.cpp reads `n_cmpl` (before `n`) and runs that many sequences, each in a slot of
+        // its own; vLLM's older engine and TGI read `best_of`. Each multiplies the output of a
+        // request reserved for one answer.
+        for field in ["n_cmpl", "best_of"] {
+            for endpoint in Endpoint::ALL {
+                let body = match endpoint {
+                    Endpoint::ChatCompletions => {
+                        r#"{"model":"m","messages":[{"role":"user","content":"x"}]"#
+                    }
+                    Endpoint::Completions => r#"{"model":"m","prompt":"x""#,
+                    Endpoint::Responses => r#"{"model":"m","input":"x""#,
+                    Endpoint::Messages => {
+                        r#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"x"}]"#
+                    }
+                    Endpoint::Embeddings => r#"{"model":"m","input":"x""#,
+                };
+                let err = parse(endpoint, &format!("{body},\"{field}\":4}}")).err();
+                assert_eq!(
+                    err.and_then(|e| e.param).as_deref(),
+                    Some(field),
+                    "{endpoint:?} {field}"
+                );
+                assert!(parse(endpoint, &format!("{body},\"{field}\":1}}")).is_ok());
+            }
+        }
     }
 
     #[test]

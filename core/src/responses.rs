@@ -27,6 +27,8 @@ pub struct ResponsesRequest {
     pub input: Option<ResponsesInput>,
     /// Fields naming stored state or detached runs that were set (see the module doc).
     pub stateful: Option<&'static str>,
+    /// The type of the first tool the engine would run itself (see [`CLIENT_TOOLS`]).
+    pub engine_tool: Option<String>,
     pub extra: Vec<String>,
 }
 
@@ -46,6 +48,10 @@ pub struct ResponsesItem {
     pub role: Option<String>,
     #[serde(default)]
     pub content: Option<MessageContent>,
+    /// What of a tool call's output is not text, if anything (see [`non_text_output`]); the
+    /// output itself is counted with the item's other fields.
+    #[serde(skip)]
+    pub non_text_output: Option<String>,
     /// The rendered text of the item's other fields (names, arguments, outputs, summaries).
     #[serde(skip)]
     pub extra: Vec<String>,
@@ -75,6 +81,33 @@ const REQUEST_FIELDS: [&str; 5] = [
 
 const MESSAGE_ROLES: [&str; 4] = ["user", "assistant", "system", "developer"];
 
+/// Tools the client runs, whose calls come back to it as output items: the only ones served.
+/// Every other type (`web_search`, `code_interpreter`, `mcp`, `file_search`, ...) the engine
+/// runs itself, in a loop in which vLLM lets each turn after the first generate up to the rest
+/// of the context, whatever `max_output_tokens` says, and calls out to tool servers: output no
+/// reservation bounds and work weir does not see. A `namespace` groups tools and is judged by
+/// them.
+const CLIENT_TOOLS: [&str; 2] = ["function", "custom"];
+
+/// The type of the first tool in `tools` (a raw array) that is not run by the client.
+fn engine_tool(tools: &RawValue) -> Option<String> {
+    let Some(tools) = raw_array(tools) else {
+        return (tools.get() != "null").then(|| "tools".to_owned());
+    };
+    tools.into_iter().find_map(|tool| {
+        let fields = raw_object(tool)?;
+        let kind: Option<String> = fields
+            .get("type")
+            .and_then(|t| serde_json::from_str(t.get()).ok());
+        match kind.as_deref() {
+            Some(kind) if CLIENT_TOOLS.contains(&kind) => None,
+            Some("namespace") => fields.get("tools").and_then(|t| engine_tool(t)),
+            Some(kind) => Some(kind.to_owned()),
+            None => Some("untyped".to_owned()),
+        }
+    })
+}
+
 impl ResponsesItem {
     /// The chat role the item is rendered as.
     fn role(&self) -> &str {
@@ -83,6 +116,35 @@ impl ResponsesItem {
             Some(kind) if kind.ends_with("_output") => "tool",
             Some(_) => "assistant",
         }
+    }
+
+    /// The first part of the item that carries no text, in its content or its tool output.
+    fn non_text_part(&self) -> Option<&str> {
+        self.content
+            .as_ref()
+            .and_then(MessageContent::non_text_part)
+            .or(self.non_text_output.as_deref())
+    }
+}
+
+/// What of a tool call's `output` is not text: a string is text, parts are as text as their
+/// kinds (an engine renders them as the tool message's content, an image part as an image of
+/// the prompt), anything else (a screenshot object) is not text.
+fn non_text_output(output: &RawValue) -> Option<String> {
+    match output.get().as_bytes().first() {
+        Some(b'"' | b'n') => None,
+        Some(b'[') => match serde_json::from_str::<MessageContent>(output.get()) {
+            Ok(parts) => parts.non_text_part().map(str::to_owned),
+            Err(_) => Some("output".to_owned()),
+        },
+        _ => Some(
+            raw_object(output)
+                .and_then(|o| {
+                    o.get("type")
+                        .and_then(|t| serde_json::from_str(t.get()).ok())
+                })
+                .unwrap_or_else(|| "output".to_owned()),
+        ),
     }
 }
 
@@ -104,6 +166,7 @@ impl ResponsesRequest {
             instructions: field(top, "instructions")?,
             input: field(top, "input")?,
             stateful,
+            engine_tool: top.get("tools").and_then(|t| engine_tool(t)),
             extra: extra_texts(
                 top,
                 &[
@@ -121,6 +184,7 @@ impl ResponsesRequest {
                     continue;
                 };
                 item.extra = extra_texts(&fields, &[&ITEM_FIELDS]);
+                item.non_text_output = fields.get("output").and_then(|o| non_text_output(o));
                 if let Some(content) = &mut item.content {
                     content.read_extras(fields.get("content").copied());
                 }
@@ -137,6 +201,13 @@ impl ResponsesRequest {
                  conversation in `input`"
             ))
             .with_param(param));
+        }
+        if let Some(kind) = &self.engine_tool {
+            return Err(ApiError::bad_request(format!(
+                "tools of type '{kind}' are not supported by this gateway: the engine would run \
+                 them itself, past the output limit weir reserved; use function tools"
+            ))
+            .with_param("tools"));
         }
         let items = match &self.input {
             None => return Err(ApiError::bad_request("input is required").with_param("input")),
@@ -164,11 +235,7 @@ impl ResponsesRequest {
                 ))
                 .with_param("input"));
             }
-            if let Some(kind) = item
-                .content
-                .as_ref()
-                .and_then(MessageContent::non_text_part)
-            {
+            if let Some(kind) = item.non_text_part() {
                 return Err(ApiError::bad_request(format!(
                     "input[{i}].content: only text parts are supported, got '{kind}'"
                 ))
@@ -276,5 +343,53 @@ mod tests {
         assert!(check(r#"{"model":"m","input":[]}"#).is_err());
         assert!(check(r#"{"model":"m","input":[{"role":"wizard","content":"x"}]}"#).is_err());
         assert!(check(r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_image","image_url":"x"}]}]}"#).is_err());
+    }
+
+    #[test]
+    fn tools_the_engine_runs_itself_are_refused() {
+        // vLLM runs built-in tools in a loop of its own, each turn after the first allowed the
+        // rest of the context whatever max_output_tokens says.
+        for tool in [
+            r#"{"type":"code_interpreter","container":{"type":"auto"}}"#,
+            r#"{"type":"web_search_preview"}"#,
+            r#"{"type":"mcp","server_label":"python","server_url":"http://x"}"#,
+            r#"{"type":"namespace","name":"n","tools":[{"type":"web_search"}]}"#,
+            r#"{"name":"untyped"}"#,
+        ] {
+            let body =
+                format!(r#"{{"model":"m","input":"x","max_output_tokens":5,"tools":[{tool}]}}"#);
+            let err = check(&body).err();
+            assert!(
+                err.is_some_and(|e| e.status == 400 && e.param.as_deref() == Some("tools")),
+                "{tool}"
+            );
+        }
+        let client_run = r#"{"model":"m","input":"x","tools":[
+            {"type":"function","name":"f","parameters":{}},
+            {"type":"custom","name":"c"},
+            {"type":"namespace","name":"n","tools":[{"type":"function","name":"g"}]}]}"#;
+        assert!(check(client_run).is_ok());
+    }
+
+    #[test]
+    fn a_tool_output_must_be_text_too() {
+        // vLLM renders a function call's output as the tool message's content: its parts are
+        // parts of the prompt, an image one included.
+        let output = |output: &str| {
+            format!(
+                r#"{{"model":"m","input":[{{"type":"function_call","call_id":"c1","name":"f","arguments":"{{}}"}},
+                    {{"type":"function_call_output","call_id":"c1","output":{output}}}]}}"#
+            )
+        };
+        for bad in [
+            r#"[{"type":"input_image","image_url":"https://example.com/a.png"}]"#,
+            r#"[{"type":"input_text","text":"see"},{"type":"input_file","file_url":"x"}]"#,
+            r#"{"type":"computer_screenshot","image_url":"https://example.com/a.png"}"#,
+        ] {
+            let err = check(&output(bad)).err();
+            assert!(err.is_some_and(|e| e.status == 400), "{bad}");
+        }
+        assert!(check(&output(r#""sunny""#)).is_ok());
+        assert!(check(&output(r#"[{"type":"input_text","text":"sunny"}]"#)).is_ok());
     }
 }

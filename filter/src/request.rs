@@ -520,6 +520,7 @@ impl Request {
         self.upstream_status = host::header(Side::Response, ":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
+        self.meter_as_answered();
         let encoded =
             host::header(Side::Response, "content-encoding").is_some_and(|e| !is_identity(&e));
         if encoded && !matches!(self.meter, Meter::None) {
@@ -538,12 +539,11 @@ impl Request {
         Action::Continue
     }
 
-    /// Puts the key's rate-limit headers on the answer, in place of any the upstream sent (a
-    /// hosted API's figures are the platform's account, not the tenant's).
+    /// Puts the key's rate-limit headers on the answer, in place of any the upstream sent: a
+    /// hosted API's figures are the platform's account, every tenant's usage, so they never
+    /// reach a tenant, also when weir has none of its own to report (a key without limits, a
+    /// shadow route).
     fn report_standing(&self) {
-        if self.standing.is_empty() {
-            return;
-        }
         for name in host::header_names(Side::Response) {
             if reply::is_quota_header(&name) {
                 host::set_header(Side::Response, &name, None);
@@ -551,6 +551,31 @@ impl Request {
         }
         for (name, value) in reply::quota_headers(&self.standing, self.shape, host::now_ms()) {
             host::set_header(Side::Response, name, Some(&value));
+        }
+    }
+
+    /// Meters the answer in the shape it came in, which its content type says: a stream asked
+    /// for may come as one JSON body (a stream meter would find no event in it and charge no
+    /// output), a plain request may be streamed (a body meter could not read it).
+    fn meter_as_answered(&mut self) {
+        let Some(admitted) = &self.admitted else {
+            return;
+        };
+        let Some(content_type) = host::header(Side::Response, "content-type") else {
+            return;
+        };
+        let streamed = weir_core::meter::is_event_stream(&content_type);
+        match (&self.meter, streamed) {
+            (Meter::Stream(_), false) => {
+                self.meter = Meter::Body(BodyMeter::new(admitted.endpoint, MAX_METERED_BODY));
+            }
+            (Meter::Body(_), true) => {
+                self.meter = Meter::Stream(StreamMeter::new(
+                    admitted.endpoint,
+                    admitted.hide_usage_event,
+                ));
+            }
+            _ => {}
         }
     }
 

@@ -434,10 +434,7 @@ pub async fn relay(
 /// sidecar would not read as true); the request decides only when the engine names no type.
 fn streamed(headers: &reqwest::header::HeaderMap, asked: bool) -> bool {
     match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
-        Some(Ok(content_type)) => content_type
-            .trim_start()
-            .to_ascii_lowercase()
-            .starts_with("text/event-stream"),
+        Some(Ok(content_type)) => weir_core::meter::is_event_stream(content_type),
         _ => asked,
     }
 }

@@ -201,6 +201,32 @@ fn cache_salt(key: &[u8], tenant: &str) -> String {
     digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
+/// How many sequences the engine runs for a request at once, each in a slot of its own: one per
+/// prompt of a completions batch and per input of an embeddings batch (vLLM and llama.cpp run
+/// each as a request of its own), times the answers asked for per prompt (`n`, llama.cpp's
+/// `n_cmpl`, `best_of`: the filter refuses more than one where it meters, off-mode requests
+/// come as sent). At least 1.
+fn engine_sequences(endpoint: Endpoint, body: &Value) -> u64 {
+    let batch = match endpoint {
+        Endpoint::Completions => &body["prompt"],
+        Endpoint::Embeddings => &body["input"],
+        _ => &Value::Null,
+    };
+    let prompts = match batch.as_array() {
+        // A list of strings or of token lists is a batch; a list of token ids is one prompt.
+        Some(items) if items.first().is_some_and(|i| i.is_string() || i.is_array()) => {
+            items.len() as u64
+        }
+        _ => 1,
+    };
+    let answers = ["n", "n_cmpl", "best_of"]
+        .iter()
+        .filter_map(|f| body[*f].as_u64())
+        .max()
+        .unwrap_or(1);
+    prompts.saturating_mul(answers).max(1)
+}
+
 /// The fields a request's prompt starts with, for prefix affinity.
 fn prompt_fields(endpoint: Endpoint) -> &'static [&'static str] {
     match endpoint {
@@ -262,7 +288,12 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
     let stream = value["stream"].as_bool().unwrap_or(false);
     let usage_is_optional = matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions);
     let hide_usage = stream && usage_is_optional && ask_stream_usage(&mut value);
-    let kv_need = who.input_tokens + who.reserved_output.min(EXPECTED_OUTPUT_TOKENS);
+    // Each sequence the engine runs for the request takes a slot, and may produce output.
+    let sequences = engine_sequences(endpoint, &value);
+    let kv_need = who.input_tokens
+        + who
+            .reserved_output
+            .min(EXPECTED_OUTPUT_TOKENS.saturating_mul(sequences));
 
     let (reply, assigned) = oneshot::channel();
     let job = Job {
@@ -273,6 +304,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         pool,
         input_tokens: who.input_tokens,
         kv_need,
+        sequences,
         kv_cap: who.kv_cap,
         affinity,
         arrived_ms: now_ms(),
@@ -423,6 +455,24 @@ fn replayed(stored: StoredResponse) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_is_as_many_sequences_as_it_has_prompts_or_inputs() {
+        let seqs = |endpoint, body: Value| engine_sequences(endpoint, &body);
+        let completions = Endpoint::Completions;
+        assert_eq!(seqs(completions, json!({"prompt": "a"})), 1);
+        assert_eq!(
+            seqs(completions, json!({"prompt": [1, 2, 3]})),
+            1,
+            "one token prompt"
+        );
+        assert_eq!(seqs(completions, json!({"prompt": ["a", "b", "c"]})), 3);
+        assert_eq!(seqs(completions, json!({"prompt": [[1], [2]], "n": 2})), 4);
+        assert_eq!(seqs(Endpoint::Embeddings, json!({"input": ["a", "b"]})), 2);
+        assert_eq!(seqs(Endpoint::ChatCompletions, json!({"n_cmpl": 3})), 3);
+        assert_eq!(seqs(Endpoint::ChatCompletions, json!({"n": 0})), 1);
+        assert_eq!(seqs(Endpoint::Messages, json!({"messages": ["a", "b"]})), 1);
+    }
 
     #[test]
     fn salts_differ_per_tenant_and_secret() {

@@ -114,5 +114,6 @@ pub(super) fn observe(data: &[u8]) -> Option<Observed> {
         generated: generated_tokens(choices.iter().flat_map(Choice::texts)),
         error: event.error.is_some(),
         terminal: false,
+        provisional_output: false,
     })
 }

@@ -71,6 +71,8 @@ pub(super) fn observe(data: &[u8]) -> Option<Observed> {
         .chain(event.content.iter().flatten());
     Some(Observed {
         usage,
+        // Its output count is 0 or 1 before anything was generated: message_delta says.
+        provisional_output: kind == "message_start",
         generated: generated_tokens(blocks.flat_map(Block::texts)),
         error: kind == "error",
         terminal: kind == "message_stop",
