@@ -13,6 +13,7 @@ use crate::error::ApiError;
 use crate::estimate::{self, Method};
 use crate::json::{self, TopLevel};
 use crate::request::InferenceRequest;
+use crate::trusted;
 
 /// Output tokens reserved when neither the request, the tenant nor the model bounds the answer.
 /// Only the reservation uses it; settlement charges what the engine reports.
@@ -120,7 +121,10 @@ pub fn admit(
     };
     let at_least = u64::from(generates);
     if let Some(cap) = context_cap
-        && estimate.longest + per_answer.unwrap_or(at_least) > cap
+        && estimate
+            .longest
+            .saturating_add(per_answer.unwrap_or(at_least))
+            > cap
     {
         return Err(reject(
             "context_length_exceeded",
@@ -130,6 +134,17 @@ pub fn admit(
     let per_answer = per_answer
         .or_else(|| context_cap.map(|cap| cap - estimate.longest))
         .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION);
+    let reserved_output = per_answer.saturating_mul(req.answers());
+    if reserved_output > trusted::MAX_TOKENS {
+        return Err(reject(
+            "max_tokens_over_limit",
+            ApiError::bad_request(format!(
+                "the request asks for {reserved_output} output tokens in all, more than the \
+                 {} one request may reserve",
+                trusted::MAX_TOKENS
+            )),
+        ));
+    }
 
     let stream = req.is_streaming();
     let ask_usage = stream && req.usage_is_optional() && !req.wants_stream_usage();
@@ -140,7 +155,7 @@ pub fn admit(
         model: req.model.clone(),
         prompt_tokens: estimate.tokens,
         method: estimate.method,
-        reserved_output: per_answer.saturating_mul(req.answers()),
+        reserved_output,
         stream,
         hide_usage_event: ask_usage,
         rewritten_body,
@@ -540,5 +555,30 @@ mod tests {
         .unwrap();
         assert!(a.stream && !a.hide_usage_event);
         assert_eq!(a.rewritten_body, None);
+    }
+
+    #[test]
+    fn no_request_reserves_more_than_can_be_vouched_for() {
+        let c = config("{}", "{}");
+        let body = r#"{"model":"big","prompt":["a","b"],"max_tokens":4294967295}"#;
+        let rej = run_on(&c, Endpoint::Completions, body).unwrap_err();
+        assert_eq!(
+            (rej.reason, rej.error.status),
+            ("max_tokens_over_limit", 400)
+        );
+    }
+
+    #[test]
+    fn token_caps_past_what_can_be_vouched_for_are_refused_in_config() {
+        let err = Config::from_json(
+            br#"{"orgs":[{"id":"o","policy":{"default_max_tokens":18446744073709551615}}]}"#,
+        )
+        .err()
+        .map(|e| e.to_string());
+        assert!(
+            err.as_ref()
+                .is_some_and(|e| e.contains("orgs[0].policy.default_max_tokens")),
+            "{err:?}"
+        );
     }
 }

@@ -605,6 +605,21 @@ fn check_level(
             "0 would reject every request; remove the key or the limit instead",
         ));
     }
+    // Token counts past this cannot be vouched for to the sidecar (nor are they any model's).
+    let huge = [
+        ("limits.max_context_tokens", limits.max_context_tokens),
+        ("limits.max_output_tokens", limits.max_output_tokens),
+        ("limits.active_kv_tokens", limits.active_kv_tokens),
+        ("policy.default_max_tokens", policy.default_max_tokens),
+    ]
+    .into_iter()
+    .find(|(_, v)| v.is_some_and(|v| v > trusted::MAX_TOKENS));
+    if let Some((name, _)) = huge {
+        return Err(invalid(
+            format!("{at}.{name}"),
+            format!("at most {} tokens", trusted::MAX_TOKENS),
+        ));
+    }
     Ok(())
 }
 
