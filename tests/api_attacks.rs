@@ -7,7 +7,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
-use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -137,17 +136,6 @@ fn chat(stream: bool) -> Value {
         "messages": [{"role": "user", "content": "hello"}]})
 }
 
-/// `name=value` fields of the access-log line of the request with trace id `trace`.
-fn logged(trace: &str) -> HashMap<String, String> {
-    let lines = envoy().access_log_for(trace);
-    assert_eq!(lines.len(), 1, "{trace}: {lines:?}");
-    lines[0]
-        .split(' ')
-        .filter_map(|f| f.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
-}
-
 #[tokio::test]
 async fn an_upstream_s_own_rate_limit_figures_never_reach_a_tenant() {
     let messages = json!({"model": "m", "max_tokens": 50,
@@ -194,7 +182,7 @@ async fn an_answer_in_the_other_shape_than_asked_is_billed_the_usage_it_reports(
         chat_answer(),
         "passed on untouched"
     );
-    let log = logged("asked-a-stream");
+    let log = envoy().access_log_fields("asked-a-stream");
     assert_eq!(
         (log["tokens_in"].as_str(), log["tokens_out"].as_str()),
         (PROMPT.to_string().as_str(), COMPLETION.to_string().as_str()),
@@ -214,7 +202,7 @@ async fn an_answer_in_the_other_shape_than_asked_is_billed_the_usage_it_reports(
         chat_stream(),
         "passed on untouched"
     );
-    let log = logged("asked-a-body");
+    let log = envoy().access_log_fields("asked-a-body");
     assert_eq!(
         (log["tokens_in"].as_str(), log["tokens_out"].as_str()),
         (PROMPT.to_string().as_str(), COMPLETION.to_string().as_str()),

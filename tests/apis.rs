@@ -7,7 +7,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
-use std::collections::HashMap;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -287,17 +286,6 @@ fn record(idempotency_key: &str) -> weir_sidecar::ledger::UsageRecord {
     rows.into_iter().next().unwrap()
 }
 
-/// `name=value` fields of the access-log line of the request with trace id `trace`.
-fn logged(trace: &str) -> HashMap<String, String> {
-    let lines = stack().envoy.access_log_for(trace);
-    assert_eq!(lines.len(), 1, "{trace}: {lines:?}");
-    lines[0]
-        .split(' ')
-        .filter_map(|f| f.split_once('='))
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
-}
-
 #[tokio::test]
 async fn every_api_is_billed_the_engine_s_usage_and_moves_the_key_s_buckets_by_exactly_that() {
     let _turn = turn().await;
@@ -342,7 +330,7 @@ async fn every_api_is_billed_the_engine_s_usage_and_moves_the_key_s_buckets_by_e
                 (prompt, completion, "engine"),
                 "{trace}: the ledger bills the engine's usage"
             );
-            let log = logged(&trace);
+            let log = stack().envoy.access_log_fields(&trace);
             assert_eq!(log["api"], api, "{trace}");
             assert_eq!(log["tokens_in"], prompt.to_string(), "{trace}");
             assert_eq!(log["tokens_out"], completion.to_string(), "{trace}");

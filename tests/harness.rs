@@ -558,6 +558,18 @@ impl Envoy {
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(": ")?.parse().ok())
     }
 
+    /// The `name=value` fields of the one access-log line of a request id (waiting for it as
+    /// [`Envoy::access_log_for`] does).
+    pub fn access_log_fields(&self, request_id: &str) -> HashMap<String, String> {
+        let lines = self.access_log_for(request_id);
+        assert_eq!(lines.len(), 1, "{request_id}: {lines:?}");
+        lines[0]
+            .split_whitespace()
+            .filter_map(|f| f.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+
     /// Access log lines of a request id, waiting (up to five seconds) for Envoy to flush them.
     pub fn access_log_for(&self, request_id: &str) -> Vec<String> {
         let lines = || {

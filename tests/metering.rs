@@ -80,15 +80,11 @@ async fn post_to(envoy: &Envoy, path: &str, key: &str, body: &Value, request_id:
 
 /// A field `name=value ` of the request's access log line, once Envoy has written it.
 fn logged_text(request_id: &str, name: &str) -> String {
-    let line = stack()
-        .envoy
-        .access_log_for(request_id)
-        .pop()
-        .unwrap_or_else(|| panic!("{request_id} not logged"));
-    line.split_whitespace()
-        .find_map(|f| f.strip_prefix(&format!("{name}=")))
-        .map(str::to_owned)
-        .unwrap_or_else(|| panic!("no {name} in {line}"))
+    let fields = stack().envoy.access_log_fields(request_id);
+    fields
+        .get(name)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {name} in {fields:?}"))
 }
 
 /// A numeric field of the request's access log line.

@@ -347,18 +347,7 @@ fn build_filter() -> anyhow::Result<PathBuf> {
         "rustup target add wasm32-wasip1",
         Command::new("rustup").args(["target", "add", "wasm32-wasip1"]),
     )?;
-    run(
-        "building the filter (wasm32-wasip1)",
-        cargo().args([
-            "build",
-            "-p",
-            "weir-filter",
-            "--target",
-            "wasm32-wasip1",
-            "--profile",
-            "wasm",
-        ]),
-    )?;
+    build_wasm("building the filter (wasm32-wasip1)", "wasm", &[])?;
     Ok(root().join(FILTER_WASM))
 }
 
@@ -369,21 +358,21 @@ const FAULT_FILTER_WASM: &str = "target/wasm32-wasip1/fault-injection/weir_filte
 /// The filter with its `fault-injection` feature (`filter/src/fault.rs`), for the end-to-end
 /// tests that make its VMs trap.
 fn build_fault_filter() -> anyhow::Result<PathBuf> {
-    run(
+    build_wasm(
         "building the filter's fault-injection build (tests only)",
-        cargo().args([
-            "build",
-            "-p",
-            "weir-filter",
-            "--target",
-            "wasm32-wasip1",
-            "--profile",
-            "fault-injection",
-            "--features",
-            "fault-injection",
-        ]),
+        "fault-injection",
+        &["--features", "fault-injection"],
     )?;
     Ok(root().join(FAULT_FILTER_WASM))
+}
+
+/// `cargo build` of the filter for wasm32-wasip1 with a profile and extra arguments.
+fn build_wasm(what: &str, profile: &str, extra: &[&str]) -> anyhow::Result<()> {
+    let mut cmd = cargo();
+    cmd.args(["build", "-p", "weir-filter", "--target", "wasm32-wasip1"])
+        .args(["--profile", profile])
+        .args(extra);
+    run(what, &mut cmd)
 }
 
 fn test(lint: bool) -> anyhow::Result<()> {
