@@ -354,10 +354,10 @@ async fn noisy_neighbour(dialect: &str) {
         ("/v1/chat/completions", &s.sidecar, "fair"),
         ("/alt/v1/chat/completions", &s.fifo, "fifo"),
     ] {
-        let quiet = small_and_noisy(&engines.model, path, false, Duration::from_secs(3)).await;
+        let quiet = small_and_noisy(&engines.model, path, false, Duration::from_secs(5)).await;
         let done = AtomicBool::new(false);
         let flooded = async {
-            let run = small_and_noisy(&engines.model, path, true, Duration::from_secs(5)).await;
+            let run = small_and_noisy(&engines.model, path, true, Duration::from_secs(8)).await;
             done.store(true, Ordering::SeqCst);
             run
         };

@@ -17,11 +17,11 @@ struct Stack {
     envoy: Envoy,
 }
 
-/// Usage the compressing upstream reports inside its gzip body.
+/// Usage the compressing upstream reports inside its gzip bodies.
 const HIDDEN_COMPLETION_TOKENS: u64 = 3;
 
-/// An upstream that ignores `accept-encoding` and answers every request with a gzip-encoded
-/// chat completion; returns its port.
+/// An upstream that ignores `accept-encoding` and answers every request gzip-encoded: a chat
+/// completion, or for a streamed request [`compressed_stream`]; returns its port.
 fn compressing_upstream() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
@@ -36,7 +36,7 @@ fn compressing_upstream() -> u16 {
 fn serve_compressed(mut conn: std::net::TcpStream) {
     let mut request = Vec::new();
     let mut buf = [0u8; 65536];
-    loop {
+    let body = loop {
         let Ok(n) = conn.read(&mut buf) else { return };
         if n == 0 {
             return;
@@ -52,15 +52,30 @@ fn serve_compressed(mut conn: std::net::TcpStream) {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(0);
         if request.len() >= split + 4 + length {
-            break;
+            break &request[split + 4..split + 4 + length];
         }
+    };
+    let streamed = serde_json::from_slice::<Value>(body).is_ok_and(|b| b["stream"] == true);
+    if streamed {
+        // Chunked, in small pieces: the filter sees the stream over several body callbacks.
+        let mut wire = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                         content-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n"
+            .to_vec();
+        for piece in compressed_stream().chunks(40) {
+            wire.extend(format!("{:x}\r\n", piece.len()).bytes());
+            wire.extend_from_slice(piece);
+            wire.extend(b"\r\n");
+        }
+        wire.extend(b"0\r\n\r\n");
+        let _ = conn.write_all(&wire);
+        return;
     }
     let answer = json!({
         "id": "cmpl-1", "object": "chat.completion", "model": "tiny",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 10, "completion_tokens": HIDDEN_COMPLETION_TOKENS, "total_tokens": 13},
     });
-    let body = gzip_stored(answer.to_string().as_bytes());
+    let body = gzip(answer.to_string().as_bytes());
     let head = format!(
         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-encoding: gzip\r\n\
          content-length: {}\r\n\r\n",
@@ -70,14 +85,77 @@ fn serve_compressed(mut conn: std::net::TcpStream) {
     let _ = conn.write_all(&body);
 }
 
-/// A valid gzip member holding `data` in one stored (uncompressed) deflate block.
-fn gzip_stored(data: &[u8]) -> Vec<u8> {
-    let len = u16::try_from(data.len()).unwrap();
-    let mut out = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff];
-    out.push(1); // final block, stored
-    out.extend(len.to_le_bytes());
-    out.extend((!len).to_le_bytes());
-    out.extend_from_slice(data);
+/// The compressing upstream's streamed answer: an SSE stream of two content chunks, the usage
+/// chunk and `[DONE]`, gzip-encoded as a whole (so no event can be read without inflating it).
+fn compressed_stream() -> Vec<u8> {
+    let chunk = |choices: Value, usage: Value| {
+        json!({"id": "cmpl-2", "object": "chat.completion.chunk", "model": "tiny",
+               "choices": choices, "usage": usage})
+    };
+    let delta = |content: &str| json!([{"index": 0, "delta": {"content": content}}]);
+    let usage = json!({"prompt_tokens": 10, "completion_tokens": HIDDEN_COMPLETION_TOKENS,
+                       "total_tokens": 13});
+    let events = [
+        chunk(delta("hi"), Value::Null),
+        chunk(delta(" there"), Value::Null),
+        chunk(json!([]), usage),
+    ];
+    let mut sse: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
+    sse.push_str("data: [DONE]\n\n");
+    gzip(sse.as_bytes())
+}
+
+/// A deflate bit stream: fields are written least significant bit first, Huffman codes most
+/// significant bit first.
+struct Bits {
+    out: Vec<u8>,
+    acc: u32,
+    len: u32,
+}
+
+impl Bits {
+    fn field(&mut self, value: u32, len: u32) {
+        self.acc |= value << self.len;
+        self.len += len;
+        while self.len >= 8 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.len -= 8;
+        }
+    }
+
+    fn code(&mut self, code: u32, len: u32) {
+        for i in (0..len).rev() {
+            self.field((code >> i) & 1, 1);
+        }
+    }
+
+    /// The bytes, the last one padded with zero bits.
+    fn finish(mut self) -> Vec<u8> {
+        if self.len > 0 {
+            self.out.push(self.acc as u8);
+        }
+        self.out
+    }
+}
+
+/// A valid gzip member holding `data` in one deflate block of fixed Huffman codes, literals
+/// only: compressed for real (no byte of `data` appears as itself), without a deflate crate.
+fn gzip(data: &[u8]) -> Vec<u8> {
+    let mut bits = Bits {
+        out: vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 0xff],
+        acc: 0,
+        len: 0,
+    };
+    bits.field(0b011, 3); // BFINAL = 1, BTYPE = 01: fixed Huffman codes
+    for &b in data {
+        match b {
+            0..=143 => bits.code(0b0011_0000 + u32::from(b), 8),
+            _ => bits.code(0b1_1001_0000 + u32::from(b - 144), 9),
+        }
+    }
+    bits.code(0, 7); // end of block
+    let mut out = bits.finish();
     let crc = data.iter().fold(!0u32, |mut crc, &b| {
         crc ^= u32::from(b);
         for _ in 0..8 {
@@ -475,9 +553,9 @@ async fn apis_weir_does_not_meter_and_unknown_paths_are_refused() {
         json!({"model": "tiny", "input": "hi", "messages": [{"role": "user", "content": "hi"}]})
             .to_string();
     for (i, path) in [
-        "/v1/responses",
-        "/v1/embeddings",
-        "/v1/messages",
+        "/v1/responses/resp_1",
+        "/v1/responses/resp_1/input_items",
+        "/v1/messages/count_tokens",
         "/invocations",
         "/v1/audio/transcriptions",
         "/tokenize",
@@ -485,9 +563,9 @@ async fn apis_weir_does_not_meter_and_unknown_paths_are_refused() {
         "/score",
         "/rerank",
         "/v1/rerank",
-        "/V1/Responses/",
-        "//v1//embeddings",
-        "/v1/x/../messages",
+        "/V1/Responses/resp_1/",
+        "//v1//messages//count_tokens",
+        "/v1/x/../responses/resp_1",
     ]
     .into_iter()
     .enumerate()
@@ -558,9 +636,9 @@ async fn apis_weir_does_not_meter_and_unknown_paths_are_refused() {
     // A shadow route never refuses: it passes the request on and says what enforcement would do.
     let shadow = http1(
         "POST",
-        "/shadow/v1/embeddings",
+        "/shadow/v1/messages/count_tokens",
         "free",
-        "shadow-embeddings",
+        "shadow-count-tokens",
         body.as_bytes(),
     )
     .await;
@@ -679,7 +757,7 @@ async fn envoys_own_refusals_are_openai_shaped_too() {
 
 #[tokio::test]
 async fn compressed_request_bodies_are_refused_clearly() {
-    let body = gzip_stored(chat("hi", json!({"max_tokens": 5})).to_string().as_bytes());
+    let body = gzip(chat("hi", json!({"max_tokens": 5})).to_string().as_bytes());
     for encoding in ["gzip", "br", "deflate, gzip"] {
         let id = format!("compressed-{encoding}");
         let wire = [
@@ -725,6 +803,11 @@ async fn metered_responses_are_readable_or_charged_their_reservation() {
 
     // An upstream that compresses anyway: its usage cannot be read, so the reservation (7
     // output tokens), not zero, is what the request is charged.
+    let unreadable = || async {
+        let stats = stack().envoy.stats().await;
+        stats.get("weir.meter.unreadable").copied().unwrap_or(0)
+    };
+    let before = unreadable().await;
     let id = "compressed-answer";
     let resp = reqwest::Client::new()
         .post(format!("{}/alt{CHAT}", stack().envoy.url))
@@ -745,7 +828,37 @@ async fn metered_responses_are_readable_or_charged_their_reservation() {
         log.iter().any(|l| l.contains("tokens_out=7 ")),
         "charged the reservation: {log:?}"
     );
-    assert!(stack().envoy.stats().await["weir.meter.unreadable"] >= 1);
+    assert!(unreadable().await > before, "counted as unreadable");
+
+    // The same for a stream: scanned as SSE, gzip bytes hold no event (nor usage) to count, so
+    // it would be charged nothing; it is passed on byte for byte and charged its reservation.
+    let before = unreadable().await;
+    let id = "compressed-stream";
+    let body = chat("hi", json!({"max_tokens": 7, "stream": true})).to_string();
+    let wire = format!(
+        "POST /alt{CHAT} HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-free\r\n\
+         Content-Type: application/json\r\nAccept-Encoding: gzip\r\nX-Request-Id: {id}\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = tokio::task::spawn_blocking(move || raw_http1(wire.as_bytes()))
+        .await
+        .unwrap();
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.header("content-encoding"), Some("gzip"));
+    assert_eq!(answer.header("content-type"), Some("text/event-stream"));
+    assert!(
+        answer.body == compressed_stream(),
+        "the compressed stream reached the client untouched: {} bytes, {} sent",
+        answer.body.len(),
+        compressed_stream().len()
+    );
+    let log = stack().envoy.access_log_for(id);
+    assert!(
+        log.iter().any(|l| l.contains("tokens_out=7 ")),
+        "a compressed stream is charged its reservation (7 output tokens), never 0: {log:?}"
+    );
+    assert!(unreadable().await > before, "counted as unreadable");
 }
 
 #[tokio::test]

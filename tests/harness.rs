@@ -1,8 +1,9 @@
 //! Starts weir's real parts on loopback, for the end-to-end tests and `cargo xtask up`: the
 //! simulator, the sidecar, Envoy with the built filter, and llama.cpp's `llama-server`
 //! ([`llama`]). Binaries come from the workspace's target directory (built by `cargo xtask
-//! test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM` and `ENVOY_BIN`; llama-server from its
-//! cache.
+//! test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM`, `WEIR_FAULT_FILTER_WASM` (the filter's
+//! fault-injection build, for tests that make its VMs trap) and `ENVOY_BIN`; llama-server from
+//! its cache.
 //!
 //! Every child process is started from one long-lived thread with `PR_SET_PDEATHSIG`, so the
 //! whole stack dies with the test binary, however it exits.
@@ -55,6 +56,15 @@ pub fn filter_wasm() -> PathBuf {
     from_env_or(
         "WEIR_FILTER_WASM",
         workspace_root().join("target/wasm32-wasip1/wasm/weir_filter.wasm"),
+    )
+}
+
+/// The filter built with its `fault-injection` feature (`filter/src/fault.rs`), in its own
+/// profile directory so it is never taken for the shipped build.
+pub fn fault_filter_wasm() -> PathBuf {
+    from_env_or(
+        "WEIR_FAULT_FILTER_WASM",
+        workspace_root().join("target/wasm32-wasip1/fault-injection/weir_filter.wasm"),
     )
 }
 
@@ -429,6 +439,23 @@ impl Envoy {
         })
     }
 
+    /// [`Envoy::start`] with the filter's fault-injection build ([`fault_filter_wasm`]), for
+    /// tests that make its VMs trap.
+    pub fn start_fault_injecting(
+        weir_config: &serde_json::Value,
+        upstream_port: u16,
+        alt_port: u16,
+    ) -> Envoy {
+        let opts = EnvoyOptions {
+            weir_config,
+            upstream_port,
+            alt_port,
+            listen_port: 0,
+            with_filter: true,
+        };
+        Envoy::launch_with(opts, &fault_filter_wasm(), |template| template)
+    }
+
     pub fn launch(opts: EnvoyOptions<'_>) -> Envoy {
         Envoy::launch_edited(opts, |template| template)
     }
@@ -436,10 +463,18 @@ impl Envoy {
     /// [`Envoy::launch`] with the shipped template changed by `edit` first (a shorter timeout,
     /// say), for tests of what the template sets.
     pub fn launch_edited(opts: EnvoyOptions<'_>, edit: impl FnOnce(String) -> String) -> Envoy {
+        Envoy::launch_with(opts, &filter_wasm(), edit)
+    }
+
+    fn launch_with(
+        opts: EnvoyOptions<'_>,
+        wasm: &Path,
+        edit: impl FnOnce(String) -> String,
+    ) -> Envoy {
         let dir = tempfile::tempdir().unwrap();
         let access_log = dir.path().join("access.log");
         let admin_path = dir.path().join("admin.address");
-        let config_path = render(&opts, dir.path(), &access_log, edit);
+        let config_path = render(&opts, wasm, dir.path(), &access_log, edit);
         let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")
             .arg(&config_path)
@@ -510,6 +545,31 @@ impl Envoy {
             .collect()
     }
 
+    /// One of Envoy's own stats (`server.uptime`, `wasm.weir.vm_reload_success`, ...), if it
+    /// has it.
+    pub async fn stat(&self, name: &str) -> Option<u64> {
+        let text = reqwest::get(format!("{}/stats?filter=^{name}$", self.admin))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(": ")?.parse().ok())
+    }
+
+    /// The `name=value` fields of the one access-log line of a request id (waiting for it as
+    /// [`Envoy::access_log_for`] does).
+    pub fn access_log_fields(&self, request_id: &str) -> HashMap<String, String> {
+        let lines = self.access_log_for(request_id);
+        assert_eq!(lines.len(), 1, "{request_id}: {lines:?}");
+        lines[0]
+            .split_whitespace()
+            .filter_map(|f| f.split_once('='))
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect()
+    }
+
     /// Access log lines of a request id, waiting (up to five seconds) for Envoy to flush them.
     pub fn access_log_for(&self, request_id: &str) -> Vec<String> {
         let lines = || {
@@ -527,10 +587,11 @@ impl Envoy {
     }
 }
 
-/// Writes `envoy/envoy.yaml.tmpl` filled in for `opts` into `dir`; returns its path.
-/// The shipped template, changed by `edit`, filled in for `opts`; returns the config's path.
+/// Writes the shipped template (`envoy/envoy.yaml.tmpl`), changed by `edit`, filled in for
+/// `opts` with the filter `wasm`, into `dir`; returns the config's path.
 fn render(
     opts: &EnvoyOptions<'_>,
+    wasm: &Path,
     dir: &Path,
     access_log: &Path,
     edit: impl FnOnce(String) -> String,
@@ -552,7 +613,7 @@ fn render(
         .replace("@@LISTEN_PORT@@", &opts.listen_port.to_string())
         .replace("@@ACCESS_LOG@@", &access_log.display().to_string())
         .replace("@@WEIR_CONFIG@@", &config_json)
-        .replace("@@FILTER_WASM@@", &filter_wasm().display().to_string())
+        .replace("@@FILTER_WASM@@", &wasm.display().to_string())
         .replace("@@UPSTREAM_PORT@@", &opts.upstream_port.to_string())
         .replace("@@ALT_PORT@@", &opts.alt_port.to_string());
     let config_path = dir.join("envoy.yaml");
@@ -573,7 +634,8 @@ impl Envoy {
             listen_port: 0,
             with_filter: true,
         };
-        let config_path = render(&opts, dir.path(), &dir.path().join("access.log"), |t| t);
+        let access_log = dir.path().join("access.log");
+        let config_path = render(&opts, &filter_wasm(), dir.path(), &access_log, |t| t);
         let log = dir.path().join("envoy.log");
         let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")

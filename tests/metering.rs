@@ -16,7 +16,8 @@ const ANSWER_TOKENS: u64 = 30;
 const REASONING_TOKENS: &str = "8";
 
 struct Stack {
-    _sim: Sim,
+    /// Records what it receives, so tests can see what weir sent on (or did not).
+    sim: Sim,
     _silent: Sim,
     envoy: Envoy,
 }
@@ -46,11 +47,11 @@ fn stack() -> &'static Stack {
             "--tokens-per-chunk",
             "3",
         ];
-        let sim = Sim::start(&shape);
+        let sim = Sim::start(&[&shape[..], &["--record-requests", "1000"]].concat());
         let silent = Sim::start(&[&shape[..], &["--omit-usage"]].concat());
         let envoy = Envoy::start(&weir_config(), sim.port, silent.port);
         Stack {
-            _sim: sim,
+            sim,
             _silent: silent,
             envoy,
         }
@@ -78,16 +79,20 @@ async fn post_to(envoy: &Envoy, path: &str, key: &str, body: &Value, request_id:
 }
 
 /// A field `name=value ` of the request's access log line, once Envoy has written it.
+fn logged_text(request_id: &str, name: &str) -> String {
+    let fields = stack().envoy.access_log_fields(request_id);
+    fields
+        .get(name)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {name} in {fields:?}"))
+}
+
+/// A numeric field of the request's access log line.
 fn logged(request_id: &str, name: &str) -> u64 {
-    let line = stack()
-        .envoy
-        .access_log_for(request_id)
-        .pop()
-        .unwrap_or_else(|| panic!("{request_id} not logged"));
-    line.split_whitespace()
-        .find_map(|f| f.strip_prefix(&format!("{name}=")))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in {line}"))
+    let value = logged_text(request_id, name);
+    value
+        .parse()
+        .unwrap_or_else(|_| panic!("{request_id}: {name}={value} is not a number"))
 }
 
 async fn events(resp: Response) -> Vec<String> {
@@ -101,8 +106,9 @@ async fn events(resp: Response) -> Vec<String> {
 
 const CHAT: &str = "/v1/chat/completions";
 
-/// Every way a client can say "no usage chunk": each is still billed the engine's count, and
-/// the usage chunk stays hidden from it.
+/// Every way a client can say "no usage chunk": the engine is asked for usage all the same
+/// (what it received is checked, since its count and weir's own fallback count agree), each is
+/// billed the engine's count, and the usage chunk stays hidden from the client.
 #[tokio::test]
 async fn clients_cannot_turn_off_the_engines_usage_report() {
     let refusals = [
@@ -120,6 +126,13 @@ async fn clients_cannot_turn_off_the_engines_usage_report() {
             .unwrap()
             .extend(options.as_object().unwrap().clone());
         let events = events(post(CHAT, "plain", &chat("think first", extra), &id).await).await;
+        let received = stack().sim.received_with_id(&id).await;
+        assert_eq!(received.len(), 1, "{options}: reached the engine once");
+        assert_eq!(
+            received[0]["body"]["stream_options"],
+            json!({"include_usage": true}),
+            "{options}: the engine must be asked for the usage chunk whatever the client sent"
+        );
         assert_eq!(events.last().map(String::as_str), Some("data: [DONE]"));
         assert!(
             events.iter().all(|e| !e.contains("\"usage\"")),
@@ -176,7 +189,8 @@ fn tools(n: usize) -> Value {
 
 /// One short message with about 100k tokens beside it, wherever an engine (or a chat template)
 /// would put them into the prompt: each is over the 4,096-token context, as the engine would
-/// find, and refused before it gets there.
+/// find, and refused before it gets there. The simulator would refuse it with the same 400, so
+/// the test checks that weir did: the engine never received it, and weir logged it rejected.
 #[tokio::test]
 async fn prompts_hidden_beside_the_messages_are_counted_against_the_context() {
     let bulk = tools(900);
@@ -212,10 +226,20 @@ async fn prompts_hidden_beside_the_messages_are_counted_against_the_context() {
         body.as_object_mut()
             .unwrap()
             .extend(extra.as_object().unwrap().clone());
-        let resp = post(CHAT, "plain", &body, &format!("hidden-{what}")).await;
+        let id = format!("hidden-{}", what.replace(' ', "-"));
+        let resp = post(CHAT, "plain", &body, &id).await;
         assert_eq!(resp.status(), StatusCode::BAD_REQUEST, "{what}");
         let err = resp.json::<Value>().await.unwrap()["error"].clone();
         assert_eq!(err["code"], "context_length_exceeded", "{what}: {err}");
+        assert!(
+            stack().sim.received_with_id(&id).await.is_empty(),
+            "{what}: weir let it through to the engine (which refused it itself)"
+        );
+        assert_eq!(
+            logged_text(&id, "outcome"),
+            "rejected",
+            "{what}: refused by weir"
+        );
     }
 }
 
@@ -248,17 +272,17 @@ async fn tool_definitions_that_fit_are_charged() {
     );
 }
 
-/// An Envoy of its own for the test that traps its VMs, so no other test's requests are in
-/// flight on them: exact token counts up to 2 MiB, and slot leases of two seconds.
-fn trap_stack() -> &'static (Sim, Envoy) {
+/// An Envoy of its own for the tests that hold a stream while something else runs beside it:
+/// exact token counts up to 2 MiB (so the exact tokenizer meets [`poison`]), and slot leases of
+/// two seconds.
+fn lease_stack() -> &'static (Sim, Envoy) {
     static STACK: OnceLock<(Sim, Envoy)> = OnceLock::new();
     STACK.get_or_init(|| {
         let sim = Sim::start(&["--preset", "tiny", "--time-scale", "5"]);
         let key = api_key_limited;
         let config = json!({
-            "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "trap", "keys": [
+            "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "lease", "keys": [
                 key("plain", json!({})),
-                key("leaky", json!({"concurrent_requests": 1})),
                 key("long", json!({"concurrent_requests": 1})),
             ]}]}]}],
             "models": {"tiny": {"max_context_tokens": 4096}},
@@ -284,8 +308,8 @@ fn poison() -> Value {
 /// any other (here, over the context), and the streams in flight beside it run to the end.
 #[tokio::test]
 async fn a_prompt_the_tokenizer_cannot_handle_disturbs_nothing() {
-    let _alone = TRAP_STACK_TURN.lock().await;
-    let (_, envoy) = trap_stack();
+    let _alone = LEASE_STACK_TURN.lock().await;
+    let (_, envoy) = lease_stack();
     let body = chat(
         "go on",
         json!({"stream": true, "max_tokens": 300, "ignore_eos": true}),
@@ -310,8 +334,8 @@ async fn a_prompt_the_tokenizer_cannot_handle_disturbs_nothing() {
     assert!(!seen.contains("\"usage\""), "and stayed metered");
 }
 
-/// The trap stack's tests take turns: a trapped VM would take the other test's requests along.
-static TRAP_STACK_TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+/// The lease stack's tests take turns: each times a stream that the other's load would slow.
+static LEASE_STACK_TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Whether a one-token request of `key` gets through (a slot is free) within ten seconds.
 async fn slot_comes_back(envoy: &Envoy, key: &str) -> bool {
@@ -326,41 +350,100 @@ async fn slot_comes_back(envoy: &Envoy, key: &str) -> bool {
     false
 }
 
-/// A VM that traps takes its requests' contexts with it: no `on_log`, no settle. Whatever kills
-/// it (here, before the tokenizer was fixed, a prompt the exact tokenizer could not handle, on
-/// which tiktoken panicked), the slots those requests held must come back rather than stay
-/// taken until Envoy restarts.
+/// `slot_lease_ms` of [`fault_stack`].
+const FAULT_STACK_LEASE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// An Envoy of its own running the filter's fault-injection build (`filter/src/fault.rs`), so
+/// the VMs it traps hold no other test's requests: one key with a single concurrency slot, and
+/// slot leases of [`FAULT_STACK_LEASE`].
+fn fault_stack() -> &'static (Sim, Envoy) {
+    static STACK: OnceLock<(Sim, Envoy)> = OnceLock::new();
+    STACK.get_or_init(|| {
+        let sim = Sim::start(&["--preset", "tiny", "--time-scale", "5"]);
+        let key = api_key_limited;
+        let config = json!({
+            "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "fault", "keys": [
+                key("leaky", json!({"concurrent_requests": 1})),
+            ]}]}]}],
+            "models": {"tiny": {"max_context_tokens": 4096}},
+            "slot_lease_ms": FAULT_STACK_LEASE.as_millis() as u64,
+        });
+        let envoy = Envoy::start_fault_injecting(&config, sim.port, sim.port);
+        (sim, envoy)
+    })
+}
+
+/// A VM that traps takes its requests' contexts with it: no `on_log`, no settle, no renewal.
+/// The fault-injection build traps on `weir-fault: trap-after-reserve` right after the request
+/// took the key's only slot; Envoy (`FAIL_RELOAD`) replaces the VM. The slot stays taken — the
+/// next request is refused on `concurrent_requests` — until its lease lapses, then comes back
+/// without Envoy restarting.
 #[tokio::test]
 async fn a_slot_whose_holder_died_with_its_vm_comes_back() {
-    let _alone = TRAP_STACK_TURN.lock().await;
-    let (_, envoy) = trap_stack();
-    let body = chat(
-        "go on",
-        json!({"stream": true, "max_tokens": 1000, "ignore_eos": true}),
+    let (_, envoy) = fault_stack();
+    let ping = chat("ping", json!({"max_tokens": 1}));
+    let url = format!("{}{CHAT}", envoy.url);
+    let trapped = post_json(
+        &url,
+        Some("leaky"),
+        ping.to_string(),
+        &[
+            ("x-request-id", "trapped"),
+            ("weir-fault", "trap-after-reserve"),
+        ],
+    )
+    .await;
+    let trapped_at = std::time::Instant::now();
+    assert_eq!(
+        trapped.status(),
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the request's VM trapped (Envoy fails the stream)"
     );
-    let mut held = post_to(envoy, CHAT, "leaky", &body, "held-1").await;
-    assert_eq!(held.status(), StatusCode::OK);
-    let mut seen = String::new();
-    for _ in 0..2 {
-        seen.push_str(&String::from_utf8_lossy(
-            &held.chunk().await.unwrap().unwrap(),
-        ));
-    }
-    for i in 0..12 {
-        let _ = post_to(envoy, CHAT, "plain", &poison(), &format!("poison-{i}")).await;
-    }
-    while let Ok(Some(chunk)) = held.chunk().await {
-        seen.push_str(&String::from_utf8_lossy(&chunk));
-    }
-    eprintln!(
-        "the held stream: {} bytes, usage chunk shown: {}, [DONE]: {}",
-        seen.len(),
-        seen.contains("\"usage\""),
-        seen.contains("[DONE]")
+
+    // A request on the trapped worker before Envoy replaced its VM is failed (503) too; the
+    // first one a live VM judges finds the slot taken.
+    let mut attempt = 0;
+    let (status, body) = loop {
+        attempt += 1;
+        let resp = post_to(envoy, CHAT, "leaky", &ping, &format!("taken-{attempt}")).await;
+        if resp.status() == StatusCode::SERVICE_UNAVAILABLE
+            && trapped_at.elapsed() < FAULT_STACK_LEASE / 2
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        }
+        break (resp.status(), resp.json::<Value>().await.unwrap());
+    };
+    assert_eq!(
+        status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "the trapped request's slot is still taken: {body}"
     );
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("concurrent_requests"), "{body}");
+    assert!(
+        trapped_at.elapsed() < FAULT_STACK_LEASE,
+        "refused within the lease"
+    );
+
     assert!(
         slot_comes_back(envoy, "leaky").await,
-        "the single slot is free again once its stream is over"
+        "the slot of a request whose VM trapped must come back once its lease ({} ms) lapses",
+        FAULT_STACK_LEASE.as_millis()
+    );
+    let back_after = trapped_at.elapsed();
+    eprintln!(
+        "the slot came back {} ms after the trap",
+        back_after.as_millis()
+    );
+    // Measured from the trapped request's answer, a little after its lease was taken.
+    assert!(
+        back_after >= FAULT_STACK_LEASE * 3 / 4,
+        "back when its lease lapsed, not before: {back_after:?}"
+    );
+    assert!(
+        envoy.stat("wasm.weir.vm_reload_success").await >= Some(1),
+        "the same Envoy replaced the trapped VM"
     );
 }
 
@@ -368,8 +451,8 @@ async fn a_slot_whose_holder_died_with_its_vm_comes_back() {
 /// request lives, and gives it back when the stream ends.
 #[tokio::test]
 async fn a_long_stream_keeps_its_slot_past_the_lease_time() {
-    let _alone = TRAP_STACK_TURN.lock().await;
-    let (_, envoy) = trap_stack();
+    let _alone = LEASE_STACK_TURN.lock().await;
+    let (_, envoy) = lease_stack();
     let body = chat(
         "go on",
         json!({"stream": true, "max_tokens": 3000, "ignore_eos": true}),

@@ -147,6 +147,9 @@ async fn tenant_prefixes_stick_to_one_replica_and_never_cross_tenants() {
     let before = [hits(0).await, hits(1).await];
     let mut cached = Vec::new();
     for _ in 0..4 {
+        // The previous request's hold is given back before the next is placed: a replica still
+        // counted busy would send it elsewhere, which is the load rule, not affinity.
+        replicas_idle().await;
         let v: Value = post("aff-a", chat(&shared, json!({"max_tokens": 1})), None)
             .await
             .json()
@@ -398,6 +401,22 @@ async fn weights_divide_service_three_to_one_and_returning_tenants_are_lifted() 
         (ratio / 3.0 - 1.0).abs() <= 0.10,
         "heavy:light = {ratio:.2} ({heavy} vs {light} tokens)"
     );
+}
+
+/// Waits (up to two seconds) until the sidecar holds nothing on any replica.
+async fn replicas_idle() {
+    for _ in 0..40 {
+        let metrics = stack().sidecar.metrics().await;
+        let held: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("weir_replica_in_flight{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        if held == 0.0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 async fn vtc_counters() -> HashMap<String, f64> {

@@ -177,6 +177,7 @@ mod tests {
                 attempt: 1,
                 tenant: tenant.into(),
                 model: "m".into(),
+                api: "chat_completions".into(),
                 replica: "r".into(),
                 prompt_tokens: 1,
                 completion_tokens: 2,

@@ -1,14 +1,19 @@
-//! The front door's decision on a request body: is it well-formed and allowed, how many tokens
-//! does it bring and may it take, and what the upstream receives instead of it.
+//! The front door's decision on a request body, whatever API it was sent to: is it
+//! well-formed and allowed, how many tokens does it bring and may it take, and what the upstream
+//! receives instead of it.
 //!
 //! Nothing is silently downgraded: a request over a limit is rejected with the limit named.
-//! The only value weir fills in is `max_tokens` when the request sets none and the tenant's
-//! config states a cap (`default_max_tokens`, else the `max_output_tokens` limit).
+//! The only value weir fills in is the API's own output limit (`max_tokens`, the Responses
+//! API's `max_output_tokens`) when the request sets none and the tenant's config states a cap
+//! (`default_max_tokens`, else the `max_output_tokens` limit).
 
 use crate::config::{Config, Tenant};
+use crate::endpoint::Endpoint;
+use crate::error::ApiError;
 use crate::estimate::{self, Method};
 use crate::json::{self, TopLevel};
-use crate::openai::{ApiError, CompletionRequest, Endpoint};
+use crate::request::InferenceRequest;
+use crate::trusted;
 
 /// Output tokens reserved when neither the request, the tenant nor the model bounds the answer.
 /// Only the reservation uses it; settlement charges what the engine reports.
@@ -17,14 +22,17 @@ pub const UNBOUNDED_OUTPUT_RESERVATION: u64 = 1024;
 /// A request that may proceed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Admitted {
+    pub endpoint: Endpoint,
     pub model: String,
     pub prompt_tokens: u64,
     pub method: Method,
-    /// Output tokens to reserve: the request's cap, or the cap weir filled in.
+    /// Output tokens to reserve: the request's cap, or the cap weir filled in, for every answer
+    /// it asks for (each prompt of a completions batch); 0 for embeddings.
     pub reserved_output: u64,
     pub stream: bool,
-    /// The client asked for the usage chunk (weir always asks the engine for it).
-    pub client_wants_usage: bool,
+    /// weir asked the engine for a usage event the client did not ask for: the meter removes
+    /// it again.
+    pub hide_usage_event: bool,
     /// The body to send upstream, when it differs from the client's.
     pub rewritten_body: Option<Vec<u8>>,
 }
@@ -53,28 +61,22 @@ pub fn admit(
             ApiError::payload_too_large(config.max_body_bytes),
         ));
     }
-    let malformed = |e: serde_json::Error| {
+    json::check_unique_keys(body).map_err(|e| {
         reject(
             "malformed_body",
             ApiError::bad_request(format!("malformed JSON: {e}")),
         )
-    };
-    json::check_unique_keys(body).map_err(malformed)?;
+    })?;
     let fields = TopLevel::parse(body).map_err(|e| {
         reject(
             "malformed_body",
             ApiError::bad_request(format!("the request body must be a JSON object: {e}")),
         )
     })?;
-    let req = CompletionRequest::from_body(body).map_err(|e| {
-        reject(
-            "malformed_body",
-            ApiError::bad_request(format!("invalid request: {e}")),
-        )
-    })?;
-    req.validate(endpoint)
-        .map_err(|e| reject("invalid_request", e))?;
+    let req = InferenceRequest::parse(endpoint, body).map_err(|e| reject("malformed_body", e))?;
+    req.validate().map_err(|e| reject("invalid_request", e))?;
     refuse_request_templates(&fields)?;
+    refuse_request_adapters(&fields)?;
 
     if !tenant.may_use(&req.model) {
         return Err(reject(
@@ -89,50 +91,73 @@ pub fn admit(
         ));
     }
 
+    let generates = endpoint.generates();
     let output_cap = tenant.tightest(|l| l.max_output_tokens);
-    if let Some(cap) = output_cap {
+    if let (Some(cap), true) = (output_cap, generates) {
         check_output_limits(&req, cap)?;
     }
-    // weir fills in `max_tokens` only when the request sets no OpenAI output limit; a request
-    // with only llama.cpp's `n_predict` still gets it, for engines that ignore `n_predict`.
-    let filled_in = match req.max_output_tokens() {
-        Some(_) => None,
-        None => tenant.default_max_tokens.or(output_cap),
+    // weir fills in the API's own limit only when the request sets none; a request with only
+    // another engine's (`n_predict`) still gets it, for engines that ignore that one.
+    let filled_in = match (req.max_output_tokens(), req.fill_in_field()) {
+        (None, Some(field)) => tenant
+            .default_max_tokens
+            .or(output_cap)
+            .map(|cap| (field, cap)),
+        _ => None,
     };
     let requested = req.largest_output_limit().map(u64::from);
 
     let (encoding, model_context) = config.model(&req.model);
-    let (prompt_tokens, method) =
-        estimate::prompt_tokens(&req, endpoint, encoding, config.estimator.exact_below_bytes);
+    let estimate = estimate::prompt_tokens(&req, encoding, config.estimator.exact_below_bytes);
 
     let context_cap = [model_context, tenant.tightest(|l| l.max_context_tokens)]
         .into_iter()
         .flatten()
         .min();
-    let output = requested.max(filled_in);
+    let per_answer = if generates {
+        requested.max(filled_in.map(|(_, cap)| cap))
+    } else {
+        Some(0)
+    };
+    let at_least = u64::from(generates);
     if let Some(cap) = context_cap
-        && prompt_tokens + output.unwrap_or(1) > cap
+        && estimate
+            .longest
+            .saturating_add(per_answer.unwrap_or(at_least))
+            > cap
     {
         return Err(reject(
             "context_length_exceeded",
-            ApiError::context_length_exceeded(cap, prompt_tokens, output.unwrap_or(0)),
+            ApiError::context_length_exceeded(cap, estimate.longest, per_answer.unwrap_or(0)),
         ));
     }
-    let reserved_output = output
-        .or_else(|| context_cap.map(|cap| cap - prompt_tokens))
+    let per_answer = per_answer
+        .or_else(|| context_cap.map(|cap| cap - estimate.longest))
         .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION);
+    let reserved_output = per_answer.saturating_mul(req.answers());
+    if reserved_output > trusted::MAX_TOKENS {
+        return Err(reject(
+            "max_tokens_over_limit",
+            ApiError::bad_request(format!(
+                "the request asks for {reserved_output} output tokens in all, more than the \
+                 {} one request may reserve",
+                trusted::MAX_TOKENS
+            )),
+        ));
+    }
 
     let stream = req.is_streaming();
-    let client_wants_usage = req.wants_stream_usage();
-    let rewritten_body = rewrite(fields, stream && !client_wants_usage, filled_in)
+    let ask_usage = stream && req.usage_is_optional() && !req.wants_stream_usage();
+    let rewritten_body = rewrite(fields, ask_usage, filled_in)
         .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
     Ok(Admitted {
-        model: req.model,
-        prompt_tokens,
-        method,
+        endpoint,
+        model: req.model.clone(),
+        prompt_tokens: estimate.tokens,
+        method: estimate.method,
         reserved_output,
         stream,
-        client_wants_usage,
+        hide_usage_event: ask_usage,
         rewritten_body,
     })
 }
@@ -160,11 +185,36 @@ fn refuse_request_templates(fields: &TopLevel) -> Result<(), Rejection> {
     }
 }
 
+/// Body fields by which a request applies adapters the engine has loaded — llama.cpp's `lora`
+/// (adapters by id, with a scale), SGLang's `lora_path` (by name) — so that a model other than
+/// the one it names runs: one the key's `models` policy never allowed, another tenant's
+/// fine-tune among them. The model name is what selects an adapter (vLLM serves each as a model
+/// of its own).
+pub const REQUEST_ADAPTER_FIELDS: [&str; 2] = ["lora", "lora_path"];
+
+/// Refuses a request that names adapters of its own (see [`REQUEST_ADAPTER_FIELDS`]).
+fn refuse_request_adapters(fields: &TopLevel) -> Result<(), Rejection> {
+    let named = REQUEST_ADAPTER_FIELDS
+        .into_iter()
+        .find(|f| fields.get(f).is_some_and(|v| v.get() != "null"));
+    match named {
+        Some(field) => Err(reject(
+            "invalid_request",
+            ApiError::bad_request(format!(
+                "{field} is not accepted: adapters are chosen by the model name, which this key \
+                 may use as its policy allows; name the adapter's model instead"
+            ))
+            .with_param(field),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Refuses a request when any output limit it sets, whichever an engine reads, is over the
 /// key's per-request cap.
-fn check_output_limits(req: &CompletionRequest, cap: u64) -> Result<(), Rejection> {
-    match req.output_limits().find(|&(_, l)| u64::from(l) > cap) {
-        Some((param, asked)) => Err(reject(
+fn check_output_limits(req: &InferenceRequest, cap: u64) -> Result<(), Rejection> {
+    match req.output_limits.iter().find(|&&(_, l)| u64::from(l) > cap) {
+        Some(&(param, asked)) => Err(reject(
             "max_tokens_over_limit",
             ApiError::bad_request(format!(
                 "{param} {asked} exceeds this key's limit of {cap} output tokens per request"
@@ -184,12 +234,12 @@ fn check_output_limits(req: &CompletionRequest, cap: u64) -> Result<(), Rejectio
 pub const ENGINE_CONTROL_FIELDS: [&str; 4] =
     ["cache_salt", "priority", "kv_transfer_params", "request_id"];
 
-/// Strips the [`ENGINE_CONTROL_FIELDS`], asks the engine for stream usage, and fills in
-/// `max_tokens`; returns the new body if anything changed.
+/// Strips the [`ENGINE_CONTROL_FIELDS`], asks the engine for stream usage, and fills in the
+/// output limit; returns the new body if anything changed.
 fn rewrite(
     mut fields: TopLevel,
     ask_usage: bool,
-    max_tokens: Option<u64>,
+    output_limit: Option<(&str, u64)>,
 ) -> Result<Option<Vec<u8>>, serde_json::Error> {
     let mut changed = false;
     for field in ENGINE_CONTROL_FIELDS {
@@ -204,8 +254,8 @@ fn rewrite(
         fields.set_raw("stream_options", options.to_raw()?);
         changed = true;
     }
-    if let Some(n) = max_tokens {
-        fields.set("max_tokens", n)?;
+    if let Some((field, n)) = output_limit {
+        fields.set(field, n)?;
         changed = true;
     }
     changed.then(|| fields.to_vec()).transpose()
@@ -227,13 +277,17 @@ mod tests {
     }
 
     fn run(config: &Config, body: &str) -> Result<Admitted, Rejection> {
+        run_on(config, Endpoint::ChatCompletions, body)
+    }
+
+    fn run_on(config: &Config, endpoint: Endpoint, body: &str) -> Result<Admitted, Rejection> {
         let tenant = config
             .directory()
             .lookup(&"a".repeat(64))
             .unwrap()
             .as_ref()
             .clone();
-        admit(config, &tenant, Endpoint::ChatCompletions, body.as_bytes())
+        admit(config, &tenant, endpoint, body.as_bytes())
     }
 
     fn reason(r: Result<Admitted, Rejection>) -> (&'static str, u16) {
@@ -318,6 +372,24 @@ mod tests {
     }
 
     #[test]
+    fn per_request_adapters_are_refused_on_every_api() {
+        // llama.cpp applies the server's LoRA adapters a request names by id, SGLang by name:
+        // a model the key's `models` policy never allowed (another tenant's fine-tune, say).
+        let c = config("{}", r#"{"models":["big"]}"#);
+        for (endpoint, body) in [
+            (Endpoint::ChatCompletions, format!("{HELLO},\"lora\":[{{\"id\":0,\"scale\":1.0}}]}}")),
+            (Endpoint::Completions, r#"{"model":"big","prompt":"x","lora_path":"tenant-b"}"#.to_owned()),
+            (Endpoint::Messages, r#"{"model":"big","max_tokens":5,"messages":[{"role":"user","content":"x"}],"lora":[{"id":1,"scale":1}]}"#.to_owned()),
+            (Endpoint::Embeddings, r#"{"model":"big","input":"x","lora_path":["tenant-b"]}"#.to_owned()),
+        ] {
+            let rej = run_on(&c, endpoint, &body).unwrap_err();
+            assert_eq!(rej.error.status, 400, "{endpoint:?}");
+            assert!(matches!(rej.error.param.as_deref(), Some("lora" | "lora_path")), "{endpoint:?}");
+        }
+        assert!(run(&c, &format!("{HELLO},\"lora\":null}}")).is_ok());
+    }
+
+    #[test]
     fn repeated_keys_are_malformed() {
         let c = config("{}", "{}");
         let body = format!("{HELLO},\"max_tokens\":20,\"max_tokens\":5}}");
@@ -354,7 +426,7 @@ mod tests {
         let c = config("{}", "{}");
         let body = format!("{HELLO},\"stream\":true,\"max_tokens\":5,\"cache_salt\":\"steal\"}}");
         let a = run(&c, &body).unwrap();
-        assert!(a.stream && !a.client_wants_usage);
+        assert!(a.stream && a.hide_usage_event);
         let sent: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
         assert_eq!(sent["stream_options"]["include_usage"], true);
         assert!(sent.get("cache_salt").is_none());
@@ -371,7 +443,7 @@ mod tests {
         ] {
             let body = format!("{HELLO},\"stream\":true,\"stream_options\":{options}}}");
             let a = run(&c, &body).unwrap();
-            assert!(!a.client_wants_usage, "{options}");
+            assert!(a.hide_usage_event, "{options}");
             let sent: Value = serde_json::from_slice(&a.rewritten_body.unwrap()).unwrap();
             assert_eq!(sent["stream_options"]["include_usage"], true, "{options}");
         }
@@ -379,7 +451,134 @@ mod tests {
         let asked =
             format!("{HELLO},\"stream\":true,\"stream_options\":{{\"include_usage\":true}}}}");
         let a = run(&c, &asked).unwrap();
-        assert!(a.client_wants_usage);
+        assert!(!a.hide_usage_event);
         assert_eq!(a.rewritten_body, None);
+    }
+
+    fn sent(a: &Admitted) -> Value {
+        serde_json::from_slice(a.rewritten_body.as_deref().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn each_api_reserves_and_fills_in_its_own_output_limit() {
+        let c = config(
+            r#"{"max_output_tokens":50}"#,
+            r#"{"default_max_tokens":20}"#,
+        );
+        let responses = run_on(&c, Endpoint::Responses, r#"{"model":"big","input":"hi"}"#).unwrap();
+        assert_eq!(responses.reserved_output, 20);
+        assert_eq!(sent(&responses)["max_output_tokens"], 20);
+        assert!(sent(&responses).get("max_tokens").is_none());
+        let over = run_on(
+            &c,
+            Endpoint::Responses,
+            r#"{"model":"big","input":"hi","max_output_tokens":51}"#,
+        );
+        assert_eq!(
+            over.unwrap_err().error.param.as_deref(),
+            Some("max_output_tokens")
+        );
+
+        let messages =
+            r#"{"model":"big","max_tokens":30,"messages":[{"role":"user","content":"hi"}]}"#;
+        let a = run_on(&c, Endpoint::Messages, messages).unwrap();
+        assert_eq!((a.reserved_output, a.rewritten_body), (30, None));
+        let missing = r#"{"model":"big","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(
+            reason(run_on(&c, Endpoint::Messages, missing)),
+            ("invalid_request", 400)
+        );
+
+        let batch = run_on(
+            &c,
+            Endpoint::Completions,
+            r#"{"model":"big","prompt":["a","b","c"],"max_tokens":10}"#,
+        );
+        assert_eq!(
+            batch.unwrap().reserved_output,
+            30,
+            "each prompt of a batch is answered"
+        );
+    }
+
+    #[test]
+    fn embeddings_reserve_no_output_and_each_input_meets_the_context() {
+        let c = config("{}", "{}");
+        let word = "word ".repeat(60);
+        let inputs = serde_json::json!([word, word, word]).to_string();
+        let body = format!(r#"{{"model":"small","input":{inputs},"max_tokens":9999}}"#);
+        let a = run_on(&c, Endpoint::Embeddings, &body).unwrap();
+        assert_eq!(a.reserved_output, 0);
+        assert!(
+            a.prompt_tokens > 100,
+            "all of the inputs are charged: {}",
+            a.prompt_tokens
+        );
+        let long = format!(r#"{{"model":"small","input":["{}"]}}"#, "word ".repeat(120));
+        let rej = run_on(&c, Endpoint::Embeddings, &long).unwrap_err();
+        assert_eq!(rej.error.code, Some("context_length_exceeded"));
+    }
+
+    #[test]
+    fn engine_control_fields_are_stripped_on_every_api() {
+        let c = config("{}", "{}");
+        for (endpoint, body) in [
+            (
+                Endpoint::Responses,
+                r#"{"model":"big","input":"hi","cache_salt":"x","priority":-9}"#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"model":"big","max_tokens":5,"messages":[{"role":"user","content":"hi"}],"cache_salt":"x"}"#,
+            ),
+            (
+                Endpoint::Embeddings,
+                r#"{"model":"big","input":"hi","request_id":"x"}"#,
+            ),
+        ] {
+            let a = run_on(&c, endpoint, body).unwrap();
+            let sent = sent(&a);
+            for field in ENGINE_CONTROL_FIELDS {
+                assert!(sent.get(field).is_none(), "{endpoint:?} {field}");
+            }
+        }
+    }
+
+    #[test]
+    fn only_chat_and_completions_streams_are_asked_for_usage() {
+        let c = config("{}", "{}");
+        let a = run_on(
+            &c,
+            Endpoint::Responses,
+            r#"{"model":"big","input":"hi","stream":true,"max_output_tokens":5}"#,
+        )
+        .unwrap();
+        assert!(a.stream && !a.hide_usage_event);
+        assert_eq!(a.rewritten_body, None);
+    }
+
+    #[test]
+    fn no_request_reserves_more_than_can_be_vouched_for() {
+        let c = config("{}", "{}");
+        let body = r#"{"model":"big","prompt":["a","b"],"max_tokens":4294967295}"#;
+        let rej = run_on(&c, Endpoint::Completions, body).unwrap_err();
+        assert_eq!(
+            (rej.reason, rej.error.status),
+            ("max_tokens_over_limit", 400)
+        );
+    }
+
+    #[test]
+    fn token_caps_past_what_can_be_vouched_for_are_refused_in_config() {
+        let err = Config::from_json(
+            br#"{"orgs":[{"id":"o","policy":{"default_max_tokens":18446744073709551615}}]}"#,
+        )
+        .err()
+        .map(|e| e.to_string());
+        assert!(
+            err.as_ref()
+                .is_some_and(|e| e.contains("orgs[0].policy.default_max_tokens")),
+            "{err:?}"
+        );
     }
 }

@@ -573,6 +573,23 @@ fn check_level(
             format!("'{tier}': letters, digits, '-', '_', '.'"),
         ));
     }
+    if let Some(model) = policy
+        .models
+        .iter()
+        .flatten()
+        .find(|m| !trusted::is_model_name(m))
+    {
+        return Err(invalid(
+            format!("{at}.policy.models"),
+            format!("'{model}': 1 to 255 visible ASCII characters, no ','"),
+        ));
+    }
+    if policy.models.as_ref().is_some_and(Vec::is_empty) {
+        return Err(invalid(
+            format!("{at}.policy.models"),
+            "an empty list allows no model; leave it out to allow every model".to_owned(),
+        ));
+    }
     let zero = [
         ("requests_per_minute", limits.requests_per_minute),
         ("input_tokens_per_minute", limits.input_tokens_per_minute),
@@ -586,6 +603,21 @@ fn check_level(
         return Err(invalid(
             format!("{at}.limits.{name}"),
             "0 would reject every request; remove the key or the limit instead",
+        ));
+    }
+    // Token counts past this cannot be vouched for to the sidecar (nor are they any model's).
+    let huge = [
+        ("limits.max_context_tokens", limits.max_context_tokens),
+        ("limits.max_output_tokens", limits.max_output_tokens),
+        ("limits.active_kv_tokens", limits.active_kv_tokens),
+        ("policy.default_max_tokens", policy.default_max_tokens),
+    ]
+    .into_iter()
+    .find(|(_, v)| v.is_some_and(|v| v > trusted::MAX_TOKENS));
+    if let Some((name, _)) = huge {
+        return Err(invalid(
+            format!("{at}.{name}"),
+            format!("at most {} tokens", trusted::MAX_TOKENS),
         ));
     }
     Ok(())

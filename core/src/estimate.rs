@@ -7,7 +7,8 @@
 //! the tests below and by `cargo xtask bench`; the engine's reported usage replaces it at
 //! settlement either way.
 
-use crate::openai::{CompletionRequest, Endpoint, Prompt};
+use crate::prompt::Prompt;
+use crate::request::InferenceRequest;
 use crate::tokens::Encoding;
 
 /// Framing tokens per chat message, and for priming the reply (see [`crate::tokens`]).
@@ -30,31 +31,53 @@ impl Method {
     }
 }
 
-/// Counts everything the request puts into the prompt ([`CompletionRequest::prompt`]: the
+/// A prompt's size in tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Estimate {
+    /// All of it: what is charged.
+    pub tokens: u64,
+    /// Its longest sequence: what must fit the model's context (a batch's prompts or embedding
+    /// inputs each run on their own).
+    pub longest: u64,
+    pub method: Method,
+}
+
+/// Counts everything the request puts into the prompt ([`InferenceRequest::prompt`]: the
 /// messages, and tools, schemas and any other text-bearing field): exactly when that text is at
 /// most `exact_below_bytes` (and the tokenizer copes with it), otherwise with [`fast_count`].
 pub fn prompt_tokens(
-    req: &CompletionRequest,
-    endpoint: Endpoint,
+    req: &InferenceRequest,
     encoding: Encoding,
     exact_below_bytes: usize,
-) -> (u64, Method) {
-    let prompt = req.prompt(endpoint);
+) -> Estimate {
+    let prompt = req.prompt();
     let bytes: usize = prompt.texts().map(str::len).sum();
     if bytes <= exact_below_bytes
-        && let Ok(ids) = prompt.encode(encoding)
+        && let Ok(seqs) = prompt.encode(encoding)
     {
-        return (ids.len() as u64, Method::Exact);
+        let lens = seqs.iter().map(|s| s.len() as u64);
+        return Estimate {
+            tokens: lens.clone().sum(),
+            longest: lens.max().unwrap_or(0),
+            method: Method::Exact,
+        };
     }
-    let (given, framing) = match &prompt {
+    let lens: Vec<u64> = match &prompt {
         Prompt::Chat(turns) => {
             let names = turns.iter().filter(|t| t.name.is_some()).count() as u64;
-            (0, turns.len() as u64 * PER_MESSAGE + names + REPLY_PRIMING)
+            let framing = turns.len() as u64 * PER_MESSAGE + names + REPLY_PRIMING;
+            vec![prompt.texts().map(fast_count).sum::<u64>() + framing]
         }
-        Prompt::Completion { ids, .. } => (ids.len() as u64, 0),
+        Prompt::Sequences(seqs) => seqs
+            .iter()
+            .map(|s| s.ids.len() as u64 + s.texts.iter().map(|t| fast_count(t)).sum::<u64>())
+            .collect(),
     };
-    let n = prompt.texts().map(fast_count).sum::<u64>() + given + framing;
-    (n, Method::Fast)
+    Estimate {
+        tokens: lens.iter().sum(),
+        longest: lens.iter().copied().max().unwrap_or(0),
+        method: Method::Fast,
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -124,6 +147,7 @@ pub fn fast_count(text: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Endpoint;
 
     /// Texts of different kinds, and how far the fast estimate may stray from exact on each.
     const SAMPLES: [(&str, &str, f64); 5] = [
@@ -167,19 +191,13 @@ mod tests {
                 .replace('\n', " ")
                 .replace('"', "'")
         );
-        let req = CompletionRequest::parse(body.as_bytes()).unwrap();
-        let (exact, m1) = prompt_tokens(
-            &req,
-            Endpoint::ChatCompletions,
-            Encoding::Cl100kBase,
-            usize::MAX,
-        );
-        let (fast, m2) = prompt_tokens(&req, Endpoint::ChatCompletions, Encoding::Cl100kBase, 0);
-        assert_eq!((m1, m2), (Method::Exact, Method::Fast));
-        let exact_ids = req
-            .prompt_tokens(Endpoint::ChatCompletions, Encoding::Cl100kBase)
-            .unwrap();
-        assert_eq!(exact, exact_ids.len() as u64);
+        let req = chat(&body);
+        let exact = prompt_tokens(&req, Encoding::Cl100kBase, usize::MAX);
+        let fast = prompt_tokens(&req, Encoding::Cl100kBase, 0);
+        assert_eq!((exact.method, fast.method), (Method::Exact, Method::Fast));
+        let exact_ids = req.prompt_tokens(Encoding::Cl100kBase).unwrap();
+        assert_eq!(exact.tokens, exact_ids[0].len() as u64);
+        let (exact, fast) = (exact.tokens, fast.tokens);
         assert!(
             (fast as f64 / exact as f64 - 1.0).abs() < 0.15,
             "{fast} vs {exact}"
@@ -192,39 +210,45 @@ mod tests {
             r#"{{"model":"m","messages":[{{"role":"user","content":"{}x"}}]}}"#,
             " ".repeat(1_000_000)
         );
-        let req = CompletionRequest::parse(body.as_bytes()).unwrap();
-        let (n, method) = prompt_tokens(
-            &req,
-            Endpoint::ChatCompletions,
-            Encoding::Cl100kBase,
-            usize::MAX,
-        );
-        assert_eq!(method, Method::Fast);
-        assert!(n > 100_000, "{n}");
+        let estimate = prompt_tokens(&chat(&body), Encoding::Cl100kBase, usize::MAX);
+        assert_eq!(estimate.method, Method::Fast);
+        assert!(estimate.tokens > 100_000, "{estimate:?}");
     }
 
     #[test]
     fn token_prompts_are_counted_as_given() {
-        let req = CompletionRequest::parse(br#"{"model":"m","prompt":[1,2,3,4]}"#).unwrap();
-        let n = prompt_tokens(&req, Endpoint::Completions, Encoding::Cl100kBase, 0);
-        assert_eq!(n, (4, Method::Exact));
-        let with_suffix =
-            CompletionRequest::parse(br#"{"model":"m","prompt":[1,2,3,4],"suffix":"the end"}"#)
-                .unwrap();
-        let n = prompt_tokens(&with_suffix, Endpoint::Completions, Encoding::Cl100kBase, 0);
-        assert_eq!(n, (6, Method::Fast), "given ids plus the suffix's words");
+        let completion =
+            |body: &str| InferenceRequest::parse(Endpoint::Completions, body.as_bytes()).unwrap();
+        let n = prompt_tokens(
+            &completion(r#"{"model":"m","prompt":[1,2,3,4]}"#),
+            Encoding::Cl100kBase,
+            0,
+        );
+        assert_eq!((n.tokens, n.method), (4, Method::Exact));
+        let with_suffix = completion(r#"{"model":"m","prompt":[1,2,3,4],"suffix":"the end"}"#);
+        let n = prompt_tokens(&with_suffix, Encoding::Cl100kBase, 0);
+        assert_eq!(
+            (n.tokens, n.method),
+            (6, Method::Fast),
+            "given ids plus the suffix's words"
+        );
+        let batch = completion(r#"{"model":"m","prompt":[[1,2,3],[4]]}"#);
+        let n = prompt_tokens(&batch, Encoding::Cl100kBase, 0);
+        assert_eq!(
+            (n.tokens, n.longest),
+            (4, 3),
+            "the batch is charged, its longest fits"
+        );
+    }
+
+    fn chat(body: &str) -> InferenceRequest {
+        let req = InferenceRequest::parse(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+        req.validate().unwrap();
+        req
     }
 
     fn count(body: &str, exact_below_bytes: usize) -> u64 {
-        let req = CompletionRequest::parse(body.as_bytes()).unwrap();
-        req.validate(Endpoint::ChatCompletions).unwrap();
-        prompt_tokens(
-            &req,
-            Endpoint::ChatCompletions,
-            Encoding::Cl100kBase,
-            exact_below_bytes,
-        )
-        .0
+        prompt_tokens(&chat(body), Encoding::Cl100kBase, exact_below_bytes).tokens
     }
 
     /// A JSON value of about `words` words of prose, shaped like a tool definition.

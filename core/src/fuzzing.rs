@@ -7,13 +7,16 @@
 
 use crate::admission::{self, Rejection};
 use crate::config::Config;
+use crate::endpoint::Endpoint;
 use crate::meter::{BodyMeter, MAX_HELD_BYTES, StreamMeter};
-use crate::openai::Endpoint;
+use crate::request::InferenceRequest;
 use crate::signature;
 
 /// The SSE and JSON meters: never panic; with the usage event asked for, forward exactly the
 /// bytes given; otherwise forward them minus whole events only (a subsequence); give the same
 /// answer however the stream is cut into chunks.
+///
+/// Every API's meter reads the same input.
 ///
 /// Input: one byte of flags (bit 0: hide the usage event; the rest: chunk size), then the stream.
 pub fn check_meter(data: &[u8]) {
@@ -22,10 +25,15 @@ pub fn check_meter(data: &[u8]) {
     };
     let hide = flags & 1 == 1;
     let chunk = usize::from(flags >> 1) + 1;
+    for endpoint in Endpoint::ALL {
+        check_meter_of(endpoint, hide, chunk, stream);
+    }
+}
 
-    let mut whole = StreamMeter::new(hide);
+fn check_meter_of(endpoint: Endpoint, hide: bool, chunk: usize, stream: &[u8]) {
+    let mut whole = StreamMeter::new(endpoint, hide);
     let all_at_once = whole.feed(stream, true);
-    let mut cut = StreamMeter::new(hide);
+    let mut cut = StreamMeter::new(endpoint, hide);
     let mut forwarded = Vec::new();
     let mut pieces = stream.chunks(chunk).peekable();
     while let Some(piece) = pieces.next() {
@@ -49,7 +57,7 @@ pub fn check_meter(data: &[u8]) {
     }
     assert!(whole.generated_tokens() <= stream.len() as u64);
 
-    let mut body = BodyMeter::new(MAX_HELD_BYTES);
+    let mut body = BodyMeter::new(endpoint, MAX_HELD_BYTES);
     body.feed(stream);
     let _ = body.finish();
 }
@@ -81,11 +89,7 @@ pub fn check_admit(data: &[u8]) {
     let Some((&which, body)) = data.split_first() else {
         return;
     };
-    let endpoint = if which & 1 == 0 {
-        Endpoint::ChatCompletions
-    } else {
-        Endpoint::Completions
-    };
+    let endpoint = Endpoint::ALL[usize::from(which) % Endpoint::ALL.len()];
     let config = Config::from_json(ADMIT_CONFIG.as_bytes()).expect("the check's config is valid");
     let directory = config.directory();
     let tenant = directory.lookup(&"a".repeat(64)).expect("the check's key");
@@ -98,20 +102,31 @@ pub fn check_admit(data: &[u8]) {
             );
         }
         Ok(a) => {
-            assert!(a.reserved_output >= 1);
-            assert!(a.reserved_output <= 4000, "over the output cap");
+            let req = InferenceRequest::parse(endpoint, body).expect("an admitted body parses");
+            let answers = req.answers();
             let cap = if a.model == "small" { 2048 } else { 3000 };
-            assert!(
-                a.prompt_tokens + a.reserved_output <= cap,
-                "over the context"
-            );
+            match a.reserved_output.checked_div(answers) {
+                None => assert_eq!(a.reserved_output, 0, "embeddings generate nothing"),
+                Some(per_answer) => {
+                    assert_eq!(per_answer * answers, a.reserved_output);
+                    assert!(per_answer >= 1);
+                    assert!(per_answer <= 4000, "over the output cap");
+                    assert!(per_answer <= cap, "over the context");
+                }
+            }
+            if answers == 1 {
+                assert!(
+                    a.prompt_tokens + a.reserved_output <= cap,
+                    "over the context"
+                );
+            }
             assert!(
                 a.prompt_tokens <= 4 * body.len() as u64 + 8,
                 "estimate out of bounds"
             );
             let sent = a.rewritten_body.clone().unwrap_or_else(|| body.to_vec());
             let value: serde_json::Value = serde_json::from_slice(&sent).expect("sent JSON");
-            if a.stream {
+            if a.stream && req.usage_is_optional() {
                 assert_eq!(
                     value["stream_options"]["include_usage"], true,
                     "usage forced"

@@ -6,6 +6,9 @@
 pub mod admission;
 pub mod bucket;
 pub mod config;
+pub mod embeddings;
+pub mod endpoint;
+pub mod error;
 pub mod estimate;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
@@ -13,11 +16,15 @@ pub mod json;
 pub mod keys;
 pub mod kv_profile;
 pub mod lease;
+pub mod messages;
 pub mod meter;
 pub mod openai;
 pub mod path;
+pub mod prompt;
 pub mod reply;
+pub mod request;
 pub mod reservation;
+pub mod responses;
 pub mod scheduler;
 pub mod signature;
 pub mod tokens;

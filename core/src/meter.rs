@@ -1,151 +1,180 @@
-//! Metering a response as it passes: the engine's usage when it reports one, a count of the
-//! tokens seen when it does not.
+//! Metering a response as it passes, in the shape of the API that was called (one submodule
+//! per API's events and bodies): the engine's usage when it reports one, a count of the tokens
+//! seen when it does not.
 //!
 //! Streams are scanned event by event across chunk boundaries. Only the bytes of an incomplete
 //! trailing event are held back (never more than [`MAX_HELD_BYTES`]); everything else is
 //! forwarded at once. The usage-only event that weir asks the engine for is removed again
 //! when the client did not ask for it.
 
+mod chat;
+mod messages;
+mod responses;
+
 use serde::Deserialize;
+
+use crate::endpoint::Endpoint;
 
 /// An event larger than this is forwarded unparsed rather than held.
 pub const MAX_HELD_BYTES: usize = 64 * 1024;
 
 /// Token counts of a finished response.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Usage {
-    #[serde(default)]
     pub prompt_tokens: u64,
-    #[serde(default)]
     pub completion_tokens: u64,
 }
 
-#[derive(Deserialize)]
-struct Event {
+/// A usage object as any of the APIs spells it: OpenAI's `prompt_tokens`/`completion_tokens`,
+/// the Responses and Messages APIs' `input_tokens`/`output_tokens`. Anthropic counts cache
+/// reads and writes apart from `input_tokens`, so the prompt is their sum. Fields a later event
+/// reports replace earlier ones (a Messages stream gives input in `message_start` and the output
+/// so far in each `message_delta`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+struct Reported {
     #[serde(default)]
-    choices: Option<Vec<Choice>>,
+    prompt_tokens: Option<u64>,
     #[serde(default)]
-    usage: Option<Usage>,
+    completion_tokens: Option<u64>,
     #[serde(default)]
-    error: Option<serde::de::IgnoredAny>,
+    input_tokens: Option<u64>,
+    #[serde(default)]
+    output_tokens: Option<u64>,
+    #[serde(default)]
+    cache_read_input_tokens: Option<u64>,
+    #[serde(default)]
+    cache_creation_input_tokens: Option<u64>,
 }
 
-#[derive(Deserialize)]
-struct Choice {
-    #[serde(default)]
-    delta: Option<Generated>,
-    #[serde(default)]
-    message: Option<Generated>,
-    /// The completions endpoint's output.
-    #[serde(default)]
-    text: Option<String>,
+impl Reported {
+    fn merge(&mut self, newer: Reported) {
+        let fields = [
+            (&mut self.prompt_tokens, newer.prompt_tokens),
+            (&mut self.completion_tokens, newer.completion_tokens),
+            (&mut self.input_tokens, newer.input_tokens),
+            (&mut self.output_tokens, newer.output_tokens),
+            (
+                &mut self.cache_read_input_tokens,
+                newer.cache_read_input_tokens,
+            ),
+            (
+                &mut self.cache_creation_input_tokens,
+                newer.cache_creation_input_tokens,
+            ),
+        ];
+        for (field, value) in fields {
+            if value.is_some() {
+                *field = value;
+            }
+        }
+    }
+
+    /// The counts, once the prompt's is known.
+    fn usage(&self) -> Option<Usage> {
+        let anthropic_input = self.input_tokens.map(|i| {
+            i.saturating_add(self.cache_read_input_tokens.unwrap_or(0))
+                .saturating_add(self.cache_creation_input_tokens.unwrap_or(0))
+        });
+        Some(Usage {
+            prompt_tokens: self.prompt_tokens.or(anthropic_input)?,
+            completion_tokens: self.completion_tokens.or(self.output_tokens).unwrap_or(0),
+        })
+    }
 }
 
-/// Every field of a message or delta the engine generates, each billed as output: the answer,
-/// the reasoning (`reasoning_content` in vLLM until 0.10, `reasoning` after), a refusal, and
-/// tool calls (names and arguments), current and legacy.
-#[derive(Deserialize)]
-struct Generated {
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    reasoning_content: Option<String>,
-    #[serde(default)]
-    reasoning: Option<String>,
-    #[serde(default)]
-    refusal: Option<String>,
-    #[serde(default)]
-    tool_calls: Option<Vec<ToolCall>>,
-    #[serde(default)]
-    function_call: Option<FunctionCall>,
+/// What one event (or a whole body) of some API says.
+#[derive(Debug, Default)]
+struct Observed {
+    usage: Option<Reported>,
+    /// The usage's output count is a placeholder (a Messages stream's `message_start`), not the
+    /// engine's count of what it generated.
+    provisional_output: bool,
+    /// Output tokens in the generated text it carries (see [`generated_tokens`]).
+    generated: u64,
+    error: bool,
+    /// The API's last event (`[DONE]`, `response.completed`, `message_stop`).
+    terminal: bool,
+    /// An event that carries nothing but the usage weir asked for (chat and completions).
+    usage_only: bool,
+    /// A body that is an answer of the API (not an error): without usage, its generated text is
+    /// what is charged.
+    answer: bool,
 }
 
-#[derive(Deserialize)]
-struct ToolCall {
-    #[serde(default)]
-    function: Option<FunctionCall>,
+/// Reads one event's data, or a whole body, in the shape of `endpoint`; `None` when it is not
+/// JSON of that shape.
+fn observe(endpoint: Endpoint, data: &[u8]) -> Option<Observed> {
+    match endpoint {
+        Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Embeddings => {
+            chat::observe(data)
+        }
+        Endpoint::Responses => responses::observe(data),
+        Endpoint::Messages => messages::observe(data),
+    }
 }
 
-#[derive(Deserialize)]
-struct FunctionCall {
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default)]
-    arguments: Option<String>,
-}
-
-impl Generated {
-    fn texts(&self) -> impl Iterator<Item = &str> {
-        let calls = self
-            .tool_calls
-            .iter()
-            .flatten()
-            .filter_map(|c| c.function.as_ref());
-        let functions = calls.chain(self.function_call.as_ref());
-        [
-            &self.content,
-            &self.reasoning_content,
-            &self.reasoning,
-            &self.refusal,
-        ]
+/// Output tokens in some generated text: a fast count of every piece, and at least one token
+/// for any non-empty piece (an engine sends no empty token).
+fn generated_tokens<'a>(pieces: impl IntoIterator<Item = &'a str>) -> u64 {
+    pieces
         .into_iter()
-        .flatten()
-        .map(String::as_str)
-        .chain(functions.flat_map(|f| {
-            [&f.name, &f.arguments]
-                .into_iter()
-                .flatten()
-                .map(String::as_str)
-        }))
-    }
-}
-
-impl Choice {
-    /// Every piece of generated text in the choice.
-    fn texts(&self) -> impl Iterator<Item = &str> {
-        self.delta
-            .iter()
-            .chain(self.message.iter())
-            .flat_map(Generated::texts)
-            .chain(self.text.as_deref())
-    }
-}
-
-/// Output tokens in the generated text of some choices: a fast count of every generated field,
-/// and at least one token for any non-empty piece (an engine sends no empty token).
-fn generated_tokens(choices: &[Choice]) -> u64 {
-    choices
-        .iter()
-        .flat_map(Choice::texts)
         .filter(|t| !t.is_empty())
         .map(|t| crate::estimate::fast_count(t).max(1))
         .sum()
 }
 
-/// Meters a server-sent-event stream of chat or text completion chunks.
-#[derive(Debug, Default)]
+/// Whether a response's `content-type` says it is an event stream. The answer's type, not the
+/// request's `stream` field, says how to read it: an engine may answer a stream as one JSON
+/// body, or stream on a spelling of `stream` it reads leniently.
+pub fn is_event_stream(content_type: &str) -> bool {
+    content_type
+        .trim_start()
+        .to_ascii_lowercase()
+        .starts_with("text/event-stream")
+}
+
+/// Meters a server-sent-event stream of one API's events.
+#[derive(Debug)]
 pub struct StreamMeter {
+    endpoint: Endpoint,
     hide_usage_event: bool,
     held: Vec<u8>,
-    usage: Option<Usage>,
+    reported: Option<Reported>,
+    /// An event reported the output count (not only a placeholder for it).
+    output_reported: bool,
     generated_tokens: u64,
     error_events: u64,
     done: bool,
 }
 
 impl StreamMeter {
-    /// `hide_usage_event`: the client did not ask for `include_usage`, so the usage-only
-    /// event is metered and then dropped.
-    pub fn new(hide_usage_event: bool) -> Self {
+    /// `hide_usage_event`: weir asked for the usage event and the client did not (chat and
+    /// completions), so it is metered and then dropped.
+    pub fn new(endpoint: Endpoint, hide_usage_event: bool) -> Self {
         StreamMeter {
+            endpoint,
             hide_usage_event,
-            ..StreamMeter::default()
+            held: Vec::new(),
+            reported: None,
+            output_reported: false,
+            generated_tokens: 0,
+            error_events: 0,
+            done: false,
         }
     }
 
-    /// The engine's usage, once its usage event has passed.
+    /// The engine's usage, once the events that report it have passed. A stream cut after the
+    /// engine reported its prompt but before it reported its output (a Messages stream left
+    /// before its `message_delta`) is the engine's prompt count and the output that streamed.
     pub fn usage(&self) -> Option<Usage> {
-        self.usage
+        let usage = self.reported.as_ref().and_then(Reported::usage)?;
+        if self.output_reported {
+            return Some(usage);
+        }
+        Some(Usage {
+            completion_tokens: usage.completion_tokens.max(self.generated_tokens),
+            ..usage
+        })
     }
 
     /// Output tokens counted in the generated text that passed (every field, not events): the
@@ -154,13 +183,14 @@ impl StreamMeter {
         self.generated_tokens
     }
 
-    /// Events that carried an error object (an engine failing mid-stream).
+    /// Events that carried an error (an engine failing mid-stream).
     pub fn error_events(&self) -> u64 {
         self.error_events
     }
 
-    /// Whether the stream's closing `data: [DONE]` has passed: a stream that ends without it
-    /// was cut short, however cleanly its connection closed.
+    /// Whether the API's last event (`data: [DONE]`, `response.completed`, `message_stop`) has
+    /// passed: a stream that ends without it was cut short, however cleanly its connection
+    /// closed.
     pub fn saw_done(&self) -> bool {
         self.done
     }
@@ -192,28 +222,17 @@ impl StreamMeter {
 
     /// Meters one event; returns whether to forward it.
     fn observe(&mut self, event: &[u8]) -> bool {
-        let Some(data) = event_data(event) else {
+        let Some(seen) = event_data(event).and_then(|data| observe(self.endpoint, &data)) else {
             return true;
         };
-        if data.trim_ascii() == b"[DONE]" {
-            self.done = true;
-            return true;
+        self.error_events += u64::from(seen.error);
+        self.done |= seen.terminal;
+        self.generated_tokens += seen.generated;
+        if let Some(newer) = seen.usage {
+            self.output_reported |= !seen.provisional_output;
+            self.reported.get_or_insert_default().merge(newer);
         }
-        let Ok(parsed) = serde_json::from_slice::<Event>(&data) else {
-            return true;
-        };
-        if parsed.error.is_some() {
-            self.error_events += 1;
-        }
-        let choices = parsed.choices.unwrap_or_default();
-        self.generated_tokens += generated_tokens(&choices);
-        match parsed.usage {
-            Some(usage) => {
-                self.usage = Some(usage);
-                !(self.hide_usage_event && choices.is_empty())
-            }
-            None => true,
-        }
+        !(self.hide_usage_event && seen.usage_only)
     }
 }
 
@@ -278,6 +297,7 @@ fn event_data(event: &[u8]) -> Option<Vec<u8>> {
 /// read once it is complete.
 #[derive(Debug)]
 pub struct BodyMeter {
+    endpoint: Endpoint,
     body: Vec<u8>,
     limit: usize,
     overflowed: bool,
@@ -296,8 +316,9 @@ pub enum BodyUsage {
 }
 
 impl BodyMeter {
-    pub fn new(limit: usize) -> Self {
+    pub fn new(endpoint: Endpoint, limit: usize) -> Self {
         BodyMeter {
+            endpoint,
             body: Vec::new(),
             limit,
             overflowed: false,
@@ -318,17 +339,18 @@ impl BodyMeter {
         if self.overflowed {
             return BodyUsage::Unknown;
         }
-        let Ok(parsed) = serde_json::from_slice::<Event>(&self.body) else {
+        let Some(seen) = observe(self.endpoint, &self.body) else {
             return BodyUsage::Unknown;
         };
-        if let Some(usage) = parsed.usage {
+        if let Some(usage) = seen.usage.as_ref().and_then(Reported::usage) {
             return BodyUsage::Reported(usage);
         }
-        match parsed.choices {
-            Some(choices) if parsed.error.is_none() => BodyUsage::Estimated {
-                completion_tokens: generated_tokens(&choices),
-            },
-            _ => BodyUsage::Unknown,
+        if seen.answer {
+            BodyUsage::Estimated {
+                completion_tokens: seen.generated,
+            }
+        } else {
+            BodyUsage::Unknown
         }
     }
 }
@@ -347,7 +369,7 @@ mod tests {
 
     #[test]
     fn usage_event_is_read_and_hidden_when_not_asked_for() {
-        let mut meter = StreamMeter::new(true);
+        let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
         let out = meter.feed(stream().as_bytes(), true);
         assert_eq!(
             String::from_utf8(out).unwrap(),
@@ -365,7 +387,7 @@ mod tests {
 
     #[test]
     fn the_closing_done_is_noticed() {
-        let mut meter = StreamMeter::new(true);
+        let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
         meter.feed(format!("{CHUNK}{CHUNK}").as_bytes(), false);
         assert!(!meter.saw_done(), "cut short so far");
         meter.feed(DONE.as_bytes(), true);
@@ -374,7 +396,7 @@ mod tests {
 
     #[test]
     fn usage_event_passes_when_asked_for() {
-        let mut meter = StreamMeter::new(false);
+        let mut meter = StreamMeter::new(Endpoint::ChatCompletions, false);
         let out = meter.feed(stream().as_bytes(), true);
         assert_eq!(String::from_utf8(out).unwrap(), stream());
     }
@@ -383,7 +405,7 @@ mod tests {
     fn events_split_anywhere_are_reassembled_without_holding_complete_ones() {
         let whole = stream();
         for split in 1..whole.len() {
-            let mut meter = StreamMeter::new(true);
+            let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
             let (a, b) = whole.as_bytes().split_at(split);
             let first = meter.feed(a, false);
             // Whatever was forwarded first is a prefix of complete events.
@@ -407,7 +429,7 @@ mod tests {
 
     #[test]
     fn crlf_events_and_multiline_data_are_understood() {
-        let mut meter = StreamMeter::new(true);
+        let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
         let usage = "data: {\"choices\":[],\r\ndata: \"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}\r\n\r\n";
         let chunk = "data: {\"choices\":[{\"text\":\"a\"}]}\r\n\r\n";
         let out = meter.feed(format!("{chunk}{usage}{chunk}").as_bytes(), false);
@@ -430,7 +452,7 @@ mod tests {
             r#"{"choices":[{"delta":{"content":""},"finish_reason":"stop"}]}"#,
         ];
         let stream: String = events.iter().map(|e| format!("data: {e}\n\n")).collect();
-        let mut meter = StreamMeter::new(true);
+        let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
         meter.feed(stream.as_bytes(), true);
         let pieces = [
             " the model runs",
@@ -453,7 +475,7 @@ mod tests {
 
     #[test]
     fn non_streamed_fallback_counts_reasoning_and_tool_calls() {
-        let mut m = BodyMeter::new(4096);
+        let mut m = BodyMeter::new(Endpoint::ChatCompletions, 4096);
         m.feed(
             br#"{"choices":[{"message":{"content":null,"reasoning_content":"think hard",
                 "tool_calls":[{"function":{"name":"f","arguments":"{\"a\":1}"}}]}}]}"#,
@@ -472,14 +494,14 @@ mod tests {
 
     #[test]
     fn huge_events_are_forwarded_not_hoarded() {
-        let mut meter = StreamMeter::new(true);
+        let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
         let blob = vec![b'x'; MAX_HELD_BYTES + 1];
         assert_eq!(meter.feed(&blob, false).len(), blob.len());
     }
 
     #[test]
     fn error_events_are_counted() {
-        let mut meter = StreamMeter::new(true);
+        let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
         meter.feed(
             b"data: {\"error\":{\"message\":\"replica lost\"}}\n\n",
             false,
@@ -489,7 +511,7 @@ mod tests {
 
     #[test]
     fn non_streamed_bodies_report_or_estimate() {
-        let mut m = BodyMeter::new(1024);
+        let mut m = BodyMeter::new(Endpoint::ChatCompletions, 1024);
         m.feed(br#"{"choices":[{"message":{"content":"hello"}}],"#);
         m.feed(br#""usage":{"prompt_tokens":5,"completion_tokens":1}}"#);
         assert_eq!(
@@ -500,7 +522,7 @@ mod tests {
             })
         );
 
-        let mut m = BodyMeter::new(1024);
+        let mut m = BodyMeter::new(Endpoint::ChatCompletions, 1024);
         m.feed(br#"{"choices":[{"text":"hello world"}]}"#);
         assert_eq!(
             m.finish(),
@@ -509,8 +531,220 @@ mod tests {
             }
         );
 
-        let mut m = BodyMeter::new(8);
+        let mut m = BodyMeter::new(Endpoint::ChatCompletions, 8);
         m.feed(br#"{"choices":[]}"#);
         assert_eq!(m.finish(), BodyUsage::Unknown);
+    }
+
+    fn sse(events: &[(&str, &str)]) -> String {
+        events
+            .iter()
+            .map(|(kind, data)| format!("event: {kind}\ndata: {data}\n\n"))
+            .collect()
+    }
+
+    #[test]
+    fn responses_streams_report_usage_in_their_terminal_event() {
+        let stream = sse(&[
+            (
+                "response.created",
+                r#"{"type":"response.created","sequence_number":0,"response":{"status":"in_progress","usage":null}}"#,
+            ),
+            (
+                "response.output_text.delta",
+                r#"{"type":"response.output_text.delta","delta":" the model","output_index":0}"#,
+            ),
+            (
+                "response.reasoning_text.delta",
+                r#"{"type":"response.reasoning_text.delta","delta":" think"}"#,
+            ),
+            (
+                "response.function_call_arguments.delta",
+                r#"{"type":"response.function_call_arguments.delta","delta":"{\"a\":1}"}"#,
+            ),
+            (
+                "response.audio.delta",
+                r#"{"type":"response.audio.delta","delta":"UklGRiQAAABXQVZF"}"#,
+            ),
+            (
+                "response.completed",
+                r#"{"type":"response.completed","response":{"status":"completed","usage":{"input_tokens":12,"input_tokens_details":{"cached_tokens":4},"output_tokens":7,"total_tokens":19}}}"#,
+            ),
+        ]);
+        let mut meter = StreamMeter::new(Endpoint::Responses, false);
+        let out = meter.feed(stream.as_bytes(), true);
+        assert_eq!(String::from_utf8(out).unwrap(), stream, "nothing is hidden");
+        assert_eq!(
+            meter.usage(),
+            Some(Usage {
+                prompt_tokens: 12,
+                completion_tokens: 7
+            })
+        );
+        let expected = generated_tokens([" the model", " think", "{\"a\":1}"]);
+        assert_eq!(meter.generated_tokens(), expected);
+        assert!(meter.saw_done() && meter.error_events() == 0);
+
+        let mut cut = StreamMeter::new(Endpoint::Responses, false);
+        cut.feed(stream.as_bytes().split_at(stream.len() / 2).0, true);
+        assert!(!cut.saw_done() && cut.usage().is_none());
+
+        let mut failed = StreamMeter::new(Endpoint::Responses, false);
+        failed.feed(sse(&[("response.failed", r#"{"type":"response.failed","response":{"status":"failed","error":{"code":"server_error"}}}"#)]).as_bytes(), true);
+        assert_eq!(failed.error_events(), 1);
+    }
+
+    #[test]
+    fn messages_streams_add_up_input_and_output_usage_across_events() {
+        let stream = sse(&[
+            (
+                "message_start",
+                r#"{"type":"message_start","message":{"id":"m","type":"message","role":"assistant","content":[],"usage":{"input_tokens":3,"cache_read_input_tokens":8,"output_tokens":1}}}"#,
+            ),
+            (
+                "content_block_start",
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" hello there"}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"thinking_delta","thinking":" hmm"}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":2,"delta":{"type":"input_json_delta","partial_json":"{\"city\":"}}"#,
+            ),
+            (
+                "message_delta",
+                r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":5}}"#,
+            ),
+            ("message_stop", r#"{"type":"message_stop"}"#),
+        ]);
+        let mut meter = StreamMeter::new(Endpoint::Messages, false);
+        meter.feed(stream.as_bytes(), true);
+        assert_eq!(
+            meter.usage(),
+            Some(Usage {
+                prompt_tokens: 11,
+                completion_tokens: 5
+            }),
+            "cache reads are part of the prompt; the last delta's output stands"
+        );
+        assert_eq!(
+            meter.generated_tokens(),
+            generated_tokens([" hello there", " hmm", "{\"city\":"])
+        );
+        assert!(meter.saw_done());
+        let mut error = StreamMeter::new(Endpoint::Messages, false);
+        error.feed(
+            sse(&[(
+                "error",
+                r#"{"type":"error","error":{"type":"overloaded_error","message":"x"}}"#,
+            )])
+            .as_bytes(),
+            true,
+        );
+        assert_eq!(error.error_events(), 1);
+    }
+
+    #[test]
+    fn a_messages_stream_cut_before_its_message_delta_is_billed_what_streamed() {
+        // `message_start` reports the prompt and a placeholder output (0 in vLLM's and the
+        // simulator's streams, 1 in Anthropic's); the output count comes in `message_delta`.
+        let stream = sse(&[
+            (
+                "message_start",
+                r#"{"type":"message_start","message":{"id":"m","type":"message","role":"assistant","content":[],"usage":{"input_tokens":9,"output_tokens":0}}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" the model keeps on writing a long answer"}}"#,
+            ),
+        ]);
+        let mut meter = StreamMeter::new(Endpoint::Messages, false);
+        meter.feed(stream.as_bytes(), true);
+        let streamed = generated_tokens([" the model keeps on writing a long answer"]);
+        assert_eq!(
+            meter.usage(),
+            Some(Usage {
+                prompt_tokens: 9,
+                completion_tokens: streamed
+            }),
+            "the engine's prompt count, and the output that streamed"
+        );
+        // Once message_delta reports, the engine's count stands, even below what was counted.
+        let delta = sse(&[(
+            "message_delta",
+            r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":2}}"#,
+        )]);
+        meter.feed(delta.as_bytes(), true);
+        assert_eq!(meter.usage().map(|u| u.completion_tokens), Some(2));
+    }
+
+    #[test]
+    fn each_api_s_bodies_report_or_estimate() {
+        let finish = |endpoint, body: &str| {
+            let mut m = BodyMeter::new(endpoint, 1 << 16);
+            m.feed(body.as_bytes());
+            m.finish()
+        };
+        assert_eq!(
+            finish(
+                Endpoint::Responses,
+                r#"{"object":"response","status":"completed","output":[{"type":"message","content":[{"type":"output_text","text":"hi"}]}],"usage":{"input_tokens":9,"output_tokens":1}}"#
+            ),
+            BodyUsage::Reported(Usage {
+                prompt_tokens: 9,
+                completion_tokens: 1
+            })
+        );
+        assert_eq!(
+            finish(
+                Endpoint::Responses,
+                r#"{"object":"response","status":"completed","output":[{"type":"function_call","name":"f","arguments":"{}"},{"type":"reasoning","summary":[{"type":"summary_text","text":"so"}]}]}"#
+            ),
+            BodyUsage::Estimated {
+                completion_tokens: generated_tokens(["f", "{}", "so"])
+            }
+        );
+        assert_eq!(
+            finish(
+                Endpoint::Messages,
+                r#"{"type":"message","content":[{"type":"text","text":"hi there"},{"type":"tool_use","name":"f","input":{"a":1}}],"usage":{"input_tokens":4,"cache_creation_input_tokens":2,"output_tokens":6}}"#
+            ),
+            BodyUsage::Reported(Usage {
+                prompt_tokens: 6,
+                completion_tokens: 6
+            })
+        );
+        assert_eq!(
+            finish(
+                Endpoint::Messages,
+                r#"{"type":"message","content":[{"type":"text","text":"hi there"}]}"#
+            ),
+            BodyUsage::Estimated {
+                completion_tokens: 2
+            }
+        );
+        assert_eq!(
+            finish(
+                Endpoint::Messages,
+                r#"{"type":"error","error":{"type":"api_error","message":"x"}}"#
+            ),
+            BodyUsage::Unknown
+        );
+        assert_eq!(
+            finish(
+                Endpoint::Embeddings,
+                r#"{"object":"list","data":[{"embedding":[0.1]}],"usage":{"prompt_tokens":8,"total_tokens":8}}"#
+            ),
+            BodyUsage::Reported(Usage {
+                prompt_tokens: 8,
+                completion_tokens: 0
+            })
+        );
     }
 }

@@ -16,7 +16,8 @@
 
 use serde::Deserialize;
 
-use crate::openai::{ApiError, Endpoint};
+use crate::endpoint::Endpoint;
+use crate::error::ApiError;
 
 /// What a path is to the front door.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,19 +40,21 @@ pub struct PathError(&'static str);
 /// Paths allowed on enforced routes when the config names none.
 pub const DEFAULT_ALLOWED: [&str; 2] = ["/v1/models", "/health"];
 
-const METERED: [(&str, Endpoint); 2] = [
+const METERED: [(&str, Endpoint); 5] = [
     ("/v1/chat/completions", Endpoint::ChatCompletions),
     ("/v1/completions", Endpoint::Completions),
+    ("/v1/responses", Endpoint::Responses),
+    ("/v1/messages", Endpoint::Messages),
+    ("/v1/embeddings", Endpoint::Embeddings),
 ];
 
 /// Inference APIs of vLLM, SGLang, TGI and hosted APIs: a path equal to one of these, or under
-/// one ending in `/`, is refused as not metered rather than as unknown.
-const NOT_METERED: [(&str, &str); 22] = [
-    ("/v1/responses", "Responses"),
-    ("/v1/responses/", "Responses"),
-    ("/v1/messages", "Anthropic Messages"),
-    ("/v1/messages/", "Anthropic Messages"),
-    ("/v1/embeddings", "Embeddings"),
+/// one ending in `/`, is refused as not metered rather than as unknown. Under the metered APIs:
+/// stored responses (`/v1/responses/{id}`, its cancel and input items: one namespace per engine,
+/// not per tenant) and Anthropic's token counting.
+const NOT_METERED: [(&str, &str); 19] = [
+    ("/v1/responses/", "stored Responses"),
+    ("/v1/messages/", "Anthropic Messages token counting"),
     ("/invocations", "SageMaker invocations"),
     ("/v1/audio/", "Audio"),
     ("/v1/images/", "Images"),
@@ -198,8 +201,9 @@ pub fn route(raw_path: &str, method: &str, allowed: &AllowedPaths) -> Result<Rou
             return Err(refuse(
                 "not_metered",
                 ApiError::not_found(format!(
-                    "The {name} API ({path}) is not metered by this gateway yet, so it is not \
-                     served here; use /v1/chat/completions or /v1/completions."
+                    "The {name} API ({path}) is not metered by this gateway, so it is not \
+                     served here; it meters {}.",
+                    metered_paths()
                 )),
             ));
         }
@@ -207,8 +211,8 @@ pub fn route(raw_path: &str, method: &str, allowed: &AllowedPaths) -> Result<Rou
             return Err(refuse(
                 "unknown_path",
                 ApiError::not_found(format!(
-                    "Unknown path {path}: this gateway serves /v1/chat/completions and \
-                     /v1/completions, and {} without metering.",
+                    "Unknown path {path}: this gateway meters {}, and serves {} without metering.",
+                    metered_paths(),
                     allowed.as_slice().join(", ")
                 )),
             ));
@@ -226,6 +230,10 @@ pub fn route(raw_path: &str, method: &str, allowed: &AllowedPaths) -> Result<Rou
         });
     }
     Ok(route)
+}
+
+fn metered_paths() -> String {
+    METERED.map(|(p, _)| p).join(", ")
 }
 
 /// Whether a configured allow-list entry is already canonical (so it can match at all).
@@ -298,16 +306,23 @@ mod tests {
             assert_eq!(api(raw), Api::Metered(Endpoint::ChatCompletions), "{raw}");
         }
         assert_eq!(api("/v1/completions"), Api::Metered(Endpoint::Completions));
+        assert_eq!(api("//v1/Responses/"), Api::Metered(Endpoint::Responses));
+        assert_eq!(
+            api("/shadow/v1/messages?beta=true"),
+            Api::Metered(Endpoint::Messages)
+        );
+        assert_eq!(api("/v1/embeddings"), Api::Metered(Endpoint::Embeddings));
     }
 
     #[test]
     fn inference_apis_weir_cannot_meter_are_named() {
         for (raw, name) in [
-            ("/v1/responses", "Responses"),
-            ("/v1/responses/resp_1/cancel", "Responses"),
-            ("/v1/messages", "Anthropic Messages"),
-            ("/v1/messages/count_tokens", "Anthropic Messages"),
-            ("/v1/embeddings", "Embeddings"),
+            ("/v1/responses/resp_1", "stored Responses"),
+            ("/v1/responses/resp_1/cancel", "stored Responses"),
+            (
+                "/v1/messages/count_tokens",
+                "Anthropic Messages token counting",
+            ),
             ("/INVOCATIONS", "SageMaker invocations"),
             ("/v1/audio/transcriptions", "Audio"),
             ("/tokenize", "Tokenize"),
@@ -346,6 +361,7 @@ mod tests {
         let wide = vec![
             "/v1/chat/completions".to_owned(),
             "/v1/embeddings".to_owned(),
+            "/v1/responses/resp_1".to_owned(),
         ];
         assert_eq!(
             classify("/v1/chat/completions", &wide),
@@ -353,7 +369,11 @@ mod tests {
         );
         assert_eq!(
             classify("/v1/embeddings", &wide),
-            Api::NotMetered("Embeddings")
+            Api::Metered(Endpoint::Embeddings)
+        );
+        assert_eq!(
+            classify("/v1/responses/resp_1", &wide),
+            Api::NotMetered("stored Responses")
         );
     }
 
@@ -402,10 +422,10 @@ mod tests {
             refusal("/v1/models", "POST").and_then(|r| r.allow),
             Some("GET, HEAD")
         );
-        let embeddings = refusal("/v1/embeddings", "POST");
-        assert!(embeddings.is_some_and(|r| r.error.status == 404
+        let stored = refusal("/v1/responses/resp_1", "GET");
+        assert!(stored.is_some_and(|r| r.error.status == 404
             && r.error.code == Some("not_metered")
-            && r.error.message.contains("Embeddings API")));
+            && r.error.message.contains("stored Responses API")));
         let unknown = refusal("/v1/nope", "GET");
         assert!(unknown.is_some_and(|r| r.error.code == Some("unknown_path")
             && r.error.message.contains("/v1/models, /health")));

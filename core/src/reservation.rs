@@ -103,6 +103,36 @@ pub struct Reservation {
     held: Vec<Counter>,
     pub demand: Demand,
     pub slot: SlotLease,
+    /// Where each limit stood once the reservation was taken.
+    pub standing: Vec<Standing>,
+}
+
+/// Where one limit on a request's path stands: what the rate-limit headers report.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Standing {
+    pub kind: LimitKind,
+    pub limit: u64,
+    pub remaining: u64,
+    /// Until the counter is back to its limit (a bucket refilled), or, for a refusal, until the
+    /// request would fit; 0 for concurrency slots, which come back when requests end.
+    pub reset_ms: u64,
+}
+
+impl Standing {
+    fn of_bucket(bucket: Bucket, limit: u64) -> Standing {
+        let missing = (limit as f64 - bucket.level).max(0.0);
+        let per_ms = limit as f64 / 60_000.0;
+        Standing {
+            kind: LimitKind::InputTokens,
+            limit,
+            remaining: bucket.level.max(0.0) as u64,
+            reset_ms: if per_ms > 0.0 {
+                (missing / per_ms).ceil() as u64
+            } else {
+                0
+            },
+        }
+    }
 }
 
 /// Why a reservation was refused.
@@ -172,8 +202,8 @@ fn initial(c: &Counter, now_ms: u64) -> Vec<u8> {
 }
 
 /// Outcome of one compare-and-swap update.
-enum Update<T> {
-    Done,
+enum Update<T, D = ()> {
+    Done(D),
     Refused(T),
     Contended,
 }
@@ -191,7 +221,7 @@ fn update<T>(
             Err(refusal) => return Update::Refused(refusal),
         };
         match store.store(key, &next, current.map(|(_, cas)| cas)) {
-            Ok(()) => return Update::Done,
+            Ok(()) => return Update::Done(()),
             Err(StoreError::CasMismatch) => continue,
             Err(StoreError::Failed) => return Update::Contended,
         }
@@ -214,29 +244,63 @@ impl Counter {
             .unwrap_or_default()
     }
 
-    /// Takes this counter's share of `demand`, or reports the shortfall.
+    /// Where the counter stands in the state `current` (see [`Standing`]).
+    fn standing(&self, current: Option<&[u8]>, slot: SlotLease, now_ms: u64) -> Standing {
+        let standing = match self.kind {
+            LimitKind::Concurrency => {
+                let held = Self::leases(current, now_ms, slot).held(now_ms) as u64;
+                Standing {
+                    kind: self.kind,
+                    limit: self.limit,
+                    remaining: self.limit.saturating_sub(held),
+                    reset_ms: 0,
+                }
+            }
+            _ => Standing::of_bucket(
+                current
+                    .and_then(Bucket::decode)
+                    .unwrap_or_else(|| Bucket::full(self.limit, now_ms))
+                    .refilled(self.limit, now_ms),
+                self.limit,
+            ),
+        };
+        Standing {
+            kind: self.kind,
+            ..standing
+        }
+    }
+
+    /// Takes this counter's share of `demand` (and says where the counter then stands), or
+    /// reports the shortfall.
     fn take(
         &self,
         store: &impl SharedStore,
         demand: Demand,
         slot: SlotLease,
         now_ms: u64,
-    ) -> Update<Denial> {
+    ) -> Update<Denial, Standing> {
         let amount = self.amount(demand);
-        update(store, &self.key, |current| match self.kind {
-            LimitKind::Concurrency => Self::leases(current, now_ms, slot)
-                .acquire(slot.id, self.limit, now_ms, slot.ttl_ms)
-                .map(|l| l.encode())
-                .map_err(|_| (0, 1_000)),
-            _ => {
-                let bucket = current
-                    .and_then(Bucket::decode)
-                    .unwrap_or_else(|| Bucket::full(self.limit, now_ms));
-                bucket
-                    .take(self.limit, amount, now_ms)
-                    .map(|b| b.encode().to_vec())
-                    .map_err(|s| (s.remaining, s.retry_after_ms))
+        let mut taken = None;
+        let outcome = update(store, &self.key, |current| {
+            let next = match self.kind {
+                LimitKind::Concurrency => Self::leases(current, now_ms, slot)
+                    .acquire(slot.id, self.limit, now_ms, slot.ttl_ms)
+                    .map(|l| l.encode())
+                    .map_err(|_| (0, 1_000)),
+                _ => {
+                    let bucket = current
+                        .and_then(Bucket::decode)
+                        .unwrap_or_else(|| Bucket::full(self.limit, now_ms));
+                    bucket
+                        .take(self.limit, amount, now_ms)
+                        .map(|b| b.encode().to_vec())
+                        .map_err(|s| (s.remaining, s.retry_after_ms))
+                }
+            };
+            if let Ok(next) = &next {
+                taken = Some(self.standing(Some(next), slot, now_ms));
             }
+            next
         })
         .map_refusal(|(remaining, retry_after_ms)| Denial::Limit {
             level: level_of(&self.key),
@@ -244,7 +308,13 @@ impl Counter {
             limit: self.limit,
             remaining,
             retry_after_ms,
-        })
+        });
+        match (outcome, taken) {
+            (Update::Done(()), Some(standing)) => Update::Done(standing),
+            (Update::Done(()), None) => Update::Contended,
+            (Update::Refused(d), _) => Update::Refused(d),
+            (Update::Contended, _) => Update::Contended,
+        }
     }
 
     /// Gives back `refund` tokens (negative: charges more) or releases the slot.
@@ -268,14 +338,14 @@ impl Counter {
                     .to_vec(),
             })
         });
-        matches!(result, Update::Done)
+        matches!(result, Update::Done(()))
     }
 }
 
 impl<T> Update<T> {
     fn map_refusal<U>(self, f: impl FnOnce(T) -> U) -> Update<U> {
         match self {
-            Update::Done => Update::Done,
+            Update::Done(()) => Update::Done(()),
             Update::Refused(t) => Update::Refused(f(t)),
             Update::Contended => Update::Contended,
         }
@@ -301,21 +371,47 @@ pub fn reserve(
     slot: SlotLease,
     now_ms: u64,
 ) -> Result<Reservation, Denial> {
-    let mut held: Vec<Counter> = Vec::new();
+    let mut taken = Reservation {
+        held: Vec::new(),
+        demand,
+        slot,
+        standing: Vec::new(),
+    };
     for counter in counters(tenant, ledger) {
         let denial = match counter.take(store, demand, slot, now_ms) {
-            Update::Done => {
-                held.push(counter);
+            Update::Done(standing) => {
+                taken.held.push(counter);
+                taken.standing.push(standing);
                 continue;
             }
             Update::Refused(denial) => denial,
             Update::Contended => Denial::Contended,
         };
-        let taken = Reservation { held, demand, slot };
         release(store, &taken, Demand::default(), now_ms, true);
         return Err(denial);
     }
-    Ok(Reservation { held, demand, slot })
+    Ok(taken)
+}
+
+/// Where every limit on the tenant's path stands, read without taking anything (for answers
+/// that are not metered, such as the model list).
+pub fn standing(
+    store: &impl SharedStore,
+    tenant: &Tenant,
+    ledger: Ledger,
+    now_ms: u64,
+) -> Vec<Standing> {
+    // A count written before leases is read as slots held for good: never under-reported.
+    let slot = SlotLease {
+        id: 0,
+        ttl_ms: u64::MAX,
+    };
+    counters(tenant, ledger)
+        .map(|c| {
+            let current = store.load(&c.key);
+            c.standing(current.as_ref().map(|(v, _)| v.as_slice()), slot, now_ms)
+        })
+        .collect()
 }
 
 /// Extends the reservation's slot leases; the holder calls it well within the lease's time to
@@ -332,7 +428,7 @@ pub fn renew(store: &impl SharedStore, reservation: &Reservation, now_ms: u64) -
                     .renew(slot.id, c.limit, now_ms, slot.ttl_ms)
                     .encode())
             });
-            !matches!(renewed, Update::Done)
+            !matches!(renewed, Update::Done(()))
         })
         .count()
 }

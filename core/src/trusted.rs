@@ -26,6 +26,9 @@ pub const RESERVED_OUTPUT: &str = "x-weir-reserved-output";
 pub const KV_LIMIT: &str = "x-weir-kv-limit";
 /// `exact` or `fast`: how the prompt was counted.
 pub const ESTIMATE: &str = "x-weir-estimate";
+/// The models the key may use (`policy.models`), comma-separated; absent when it may use any.
+/// The sidecar's model list shows only these.
+pub const MODELS: &str = "x-weir-models";
 /// On responses of shadow routes: what enforcement would have done.
 pub const SHADOW_DECISION: &str = "x-weir-shadow";
 
@@ -75,6 +78,19 @@ pub fn is_id(id: &str) -> bool {
     !id.is_empty() && id.len() <= MAX_ID_LEN && id.bytes().all(|b| b.is_ascii_graphic())
 }
 
+/// A model name: 1–255 visible ASCII characters other than `,` (the list separator).
+pub fn is_model_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_ID_LEN
+        && name.bytes().all(|b| b.is_ascii_graphic() && b != b',')
+}
+
+/// A list of model names as [`MODELS`] carries it.
+pub fn parse_models(value: &str) -> Option<Vec<String>> {
+    let names: Vec<String> = value.split(',').map(str::to_owned).collect();
+    names.iter().all(|n| is_model_name(n)).then_some(names)
+}
+
 /// Whether a header is in weir's namespace (and must not come from a caller).
 pub fn is_reserved(name: &str) -> bool {
     // Byte-wise: a name with a multi-byte character where the prefix ends must not panic.
@@ -96,6 +112,18 @@ mod tests {
             "no panic mid-character"
         );
         assert!(!super::is_reserved("x-wei\u{e9}"));
+    }
+
+    #[test]
+    fn model_lists_are_comma_separated_visible_names() {
+        use super::parse_models;
+        assert_eq!(
+            parse_models("llama-3.1-8b,org/model:v2"),
+            Some(vec!["llama-3.1-8b".to_owned(), "org/model:v2".to_owned()])
+        );
+        for bad in ["", "a,,b", "a b", "a,", "é"] {
+            assert_eq!(parse_models(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

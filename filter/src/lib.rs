@@ -2,6 +2,8 @@
 //! data, and streamed settlement. The decisions live in `weir-core`; this crate is the glue to
 //! Envoy's callbacks.
 
+#[cfg(feature = "fault-injection")]
+mod fault;
 mod host;
 mod request;
 mod signer;

@@ -19,12 +19,13 @@ use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use weir_core::admission::{self, Admitted};
 use weir_core::config::{Mode, Tenant};
+use weir_core::endpoint::Endpoint;
+use weir_core::error::{ApiError, ErrorShape};
 use weir_core::keys::{hash_key, key_from_headers};
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
-use weir_core::openai::{ApiError, Endpoint};
 use weir_core::path::{self, Route};
-use weir_core::reply::Reply;
-use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation, SlotLease};
+use weir_core::reply::{self, Reply};
+use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation, SlotLease, Standing};
 use weir_core::trusted;
 
 use crate::Gateway;
@@ -36,6 +37,10 @@ const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
 
 /// Set on a response the sidecar (or a hosted API) answered from completed work.
 const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// Sent by Anthropic's SDKs on every request: such a client gets Anthropic-shaped errors and
+/// rate-limit headers on any path.
+const ANTHROPIC_VERSION_HEADER: &str = "anthropic-version";
 
 /// Non-streamed response bodies larger than this are not parsed for usage.
 const MAX_METERED_BODY: usize = 4 * 1024 * 1024;
@@ -84,6 +89,11 @@ pub struct Request {
     vouched: Vec<(&'static str, String)>,
     /// The upstream answered from completed work (an idempotency replay): nothing ran.
     replayed: bool,
+    /// The error body and rate-limit headers the caller's API uses.
+    shape: ErrorShape,
+    /// Where the limits on the key's path stood when the request was let through: reported on
+    /// the answer.
+    standing: Vec<Standing>,
 }
 
 impl Request {
@@ -103,7 +113,14 @@ impl Request {
             usage: Demand::default(),
             vouched: Vec::new(),
             replayed: false,
+            shape: ErrorShape::OpenAi,
+            standing: Vec::new(),
         }
+    }
+
+    /// A local error reply in the caller's API's shape.
+    fn error_reply(&self, error: &ApiError) -> Reply {
+        Reply::error(error, self.shape)
     }
 
     /// The route's mode for this request, after its rollout share. The share is drawn from
@@ -168,6 +185,9 @@ impl Request {
         if let Some(cap) = tenant.tightest(|l| l.active_kv_tokens) {
             self.vouch(trusted::KV_LIMIT, cap.to_string());
         }
+        if let Some(models) = &tenant.models {
+            self.vouch(trusted::MODELS, models.join(","));
+        }
         self.tenant = Some(tenant);
     }
 
@@ -203,7 +223,7 @@ impl Request {
         tenant.ok_or(match key {
             None => (
                 "missing_api_key",
-                "Missing API key: send `Authorization: Bearer <key>`.",
+                "Missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
             ),
             Some(_) => ("invalid_api_key", "Incorrect API key provided."),
         })
@@ -229,6 +249,7 @@ impl Request {
                 host::set_header(Side::Request, &name, None);
             }
         }
+        self.shape = self.error_shape();
         // The caller's x-request-id is a trace id (a mesh propagates it across calls): it is
         // passed on untouched and never identifies an attempt.
         let attempt_id = host::unique_id();
@@ -252,12 +273,12 @@ impl Request {
             Err((reason, message)) => {
                 let error =
                     ApiError::new(401, "AuthenticationError", message).with_code("invalid_api_key");
-                return self.refuse(Reply::error(&error), reason, Stage::Passthrough);
+                return self.refuse(self.error_reply(&error), reason, Stage::Passthrough);
             }
         };
         if let Err(error) = idempotency_key {
             return self.refuse(
-                Reply::error(&error),
+                self.error_reply(&error),
                 "invalid_idempotency_key",
                 Stage::Passthrough,
             );
@@ -265,6 +286,21 @@ impl Request {
         self.withhold_api_key();
         self.identify(tenant);
         self.route_to_api(end_of_stream)
+    }
+
+    /// Anthropic's shape for the Messages API and for Anthropic's SDKs (which say so in every
+    /// request), OpenAI's for everything else.
+    fn error_shape(&self) -> ErrorShape {
+        let raw = host::header(Side::Request, ":path").unwrap_or_default();
+        let messages = path::canonical(&raw).is_ok_and(|p| {
+            path::classify(&p, self.gw.config.allowed_paths.as_slice())
+                == path::Api::Metered(Endpoint::Messages)
+        });
+        if messages || host::header(Side::Request, ANTHROPIC_VERSION_HEADER).is_some() {
+            ErrorShape::Anthropic
+        } else {
+            ErrorShape::OpenAi
+        }
     }
 
     /// The key stops at the gateway unless the config forwards it. Routes where weir is not in
@@ -288,12 +324,17 @@ impl Request {
                 self.await_body(end_of_stream)
             }
             Ok(Route::Unmetered) => {
-                // Not a completion (models, health, ...): authenticated, nothing to meter.
+                // Not inference (models, health, ...): authenticated, nothing to meter; the
+                // answer still says where the key's limits stand.
+                if let (Some(tenant), false) = (&self.tenant, self.shadow) {
+                    self.standing =
+                        reservation::standing(&SharedData, tenant, Ledger::Enforce, host::now_ms());
+                }
                 self.stage = Stage::Forwarded;
                 self.forward()
             }
             Err(refusal) => {
-                let mut reply = Reply::error(&refusal.error);
+                let mut reply = self.error_reply(&refusal.error);
                 if let Some(allow) = refusal.allow {
                     reply.headers.push(("allow", allow.to_owned()));
                 }
@@ -317,7 +358,7 @@ impl Request {
             )
             .with_code("unsupported_content_encoding");
             return self.refuse(
-                Reply::error(&error),
+                self.error_reply(&error),
                 "unsupported_encoding",
                 Stage::Passthrough,
             );
@@ -328,11 +369,15 @@ impl Request {
         let declared = host::header(Side::Request, "content-length").and_then(|v| v.parse().ok());
         if declared.is_some_and(|len: usize| len > limit) {
             let error = ApiError::payload_too_large(limit);
-            return self.refuse(Reply::error(&error), "body_too_large", Stage::Passthrough);
+            return self.refuse(
+                self.error_reply(&error),
+                "body_too_large",
+                Stage::Passthrough,
+            );
         }
         if end_of_stream {
             let error = ApiError::bad_request("a JSON request body is required");
-            return self.refuse(Reply::error(&error), "missing_body", Stage::Passthrough);
+            return self.refuse(self.error_reply(&error), "missing_body", Stage::Passthrough);
         }
         self.stage = Stage::AwaitingBody;
         Action::Pause
@@ -345,7 +390,11 @@ impl Request {
         let limit = self.gw.config.max_body_bytes;
         if size > limit {
             let error = ApiError::payload_too_large(limit);
-            return self.refuse(Reply::error(&error), "body_too_large", Stage::Passthrough);
+            return self.refuse(
+                self.error_reply(&error),
+                "body_too_large",
+                Stage::Passthrough,
+            );
         }
         if !end_of_stream {
             return Action::Pause;
@@ -364,7 +413,11 @@ impl Request {
         let limit = self.gw.config.max_body_bytes;
         if body.len() > limit {
             let error = ApiError::payload_too_large(limit);
-            return self.refuse(Reply::error(&error), "body_too_large", Stage::Passthrough);
+            return self.refuse(
+                self.error_reply(&error),
+                "body_too_large",
+                Stage::Passthrough,
+            );
         }
         self.admit_body(body)
     }
@@ -375,16 +428,16 @@ impl Request {
         let size = body.len();
         if body.is_empty() {
             let error = ApiError::bad_request("a JSON request body is required");
-            return self.refuse(Reply::error(&error), "missing_body", Stage::Passthrough);
+            return self.refuse(self.error_reply(&error), "missing_body", Stage::Passthrough);
         }
         let (Some(tenant), Some(endpoint)) = (self.tenant.clone(), self.endpoint) else {
             let error = ApiError::internal("the request lost its admission state");
-            return self.refuse(Reply::error(&error), "internal", Stage::Passthrough);
+            return self.refuse(self.error_reply(&error), "internal", Stage::Passthrough);
         };
         let admitted = match admission::admit(&self.gw.config, &tenant, endpoint, &body) {
             Ok(admitted) => admitted,
             Err(rejection) => {
-                let reply = Reply::error(&rejection.error);
+                let reply = self.error_reply(&rejection.error);
                 return self.refuse(reply, rejection.reason, Stage::Passthrough);
             }
         };
@@ -404,10 +457,15 @@ impl Request {
         match reservation::reserve(&SharedData, &tenant, demand, ledger, slot, host::now_ms()) {
             Ok(r) => {
                 self.gw.metrics.add(telemetry::RESERVED, total(demand));
+                if !self.shadow {
+                    self.standing = r.standing.clone();
+                }
                 if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
                     in_flight.insert(slot.id, r.clone());
                 }
                 self.reservation = Some(r);
+                #[cfg(feature = "fault-injection")]
+                crate::fault::trap_if_asked(crate::fault::TRAP_AFTER_RESERVE);
             }
             Err(denial) => {
                 let reason = match &denial {
@@ -415,7 +473,8 @@ impl Request {
                     Denial::Contended => "contended",
                 };
                 // In shadow mode the request goes on, metered but holding no reservation.
-                let action = self.refuse(Reply::denied(&denial), reason, Stage::AwaitingBody);
+                let reply = Reply::denied(&denial, self.shape, host::now_ms());
+                let action = self.refuse(reply, reason, Stage::AwaitingBody);
                 if self.stage == Stage::Replied {
                     return action;
                 }
@@ -437,9 +496,12 @@ impl Request {
         );
         self.vouch(trusted::ESTIMATE, admitted.method.as_str());
         self.meter = if admitted.stream {
-            Meter::Stream(StreamMeter::new(!admitted.client_wants_usage))
+            Meter::Stream(StreamMeter::new(
+                admitted.endpoint,
+                admitted.hide_usage_event,
+            ))
         } else {
-            Meter::Body(BodyMeter::new(MAX_METERED_BODY))
+            Meter::Body(BodyMeter::new(admitted.endpoint, MAX_METERED_BODY))
         };
         self.admitted = Some(admitted);
         self.stage = Stage::Forwarded;
@@ -454,9 +516,11 @@ impl Request {
         if self.stage != Stage::Forwarded {
             return Action::Continue;
         }
+        self.report_standing();
         self.upstream_status = host::header(Side::Response, ":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
+        self.meter_as_answered();
         let encoded =
             host::header(Side::Response, "content-encoding").is_some_and(|e| !is_identity(&e));
         if encoded && !matches!(self.meter, Meter::None) {
@@ -473,6 +537,46 @@ impl Request {
             self.finish(self.completed_outcome());
         }
         Action::Continue
+    }
+
+    /// Puts the key's rate-limit headers on the answer, in place of any the upstream sent: a
+    /// hosted API's figures are the platform's account, every tenant's usage, so they never
+    /// reach a tenant, also when weir has none of its own to report (a key without limits, a
+    /// shadow route).
+    fn report_standing(&self) {
+        for name in host::header_names(Side::Response) {
+            if reply::is_quota_header(&name) {
+                host::set_header(Side::Response, &name, None);
+            }
+        }
+        for (name, value) in reply::quota_headers(&self.standing, self.shape, host::now_ms()) {
+            host::set_header(Side::Response, name, Some(&value));
+        }
+    }
+
+    /// Meters the answer in the shape it came in, which its content type says: a stream asked
+    /// for may come as one JSON body (a stream meter would find no event in it and charge no
+    /// output), a plain request may be streamed (a body meter could not read it).
+    fn meter_as_answered(&mut self) {
+        let Some(admitted) = &self.admitted else {
+            return;
+        };
+        let Some(content_type) = host::header(Side::Response, "content-type") else {
+            return;
+        };
+        let streamed = weir_core::meter::is_event_stream(&content_type);
+        match (&self.meter, streamed) {
+            (Meter::Stream(_), false) => {
+                self.meter = Meter::Body(BodyMeter::new(admitted.endpoint, MAX_METERED_BODY));
+            }
+            (Meter::Body(_), true) => {
+                self.meter = Meter::Stream(StreamMeter::new(
+                    admitted.endpoint,
+                    admitted.hide_usage_event,
+                ));
+            }
+            _ => {}
+        }
     }
 
     fn on_response_body(&mut self, size: usize, end_of_stream: bool) -> Action {
@@ -587,6 +691,7 @@ impl Request {
         if let Some(tenant) = &self.tenant {
             AccessRecord {
                 tenant: tenant.path(),
+                api: self.endpoint.map_or("-", Endpoint::name),
                 model: self.admitted.as_ref().map_or("-", |a| a.model.as_str()),
                 tokens_in: self.usage.input_tokens,
                 tokens_out: self.usage.output_tokens,

@@ -81,6 +81,8 @@ pub fn define() -> Metrics {
 /// One request's record for the access log, read as `%FILTER_STATE(wasm.weir.<field>:PLAIN)%`.
 pub struct AccessRecord<'a> {
     pub tenant: &'a str,
+    /// The API called (`chat_completions`, `responses`, `messages`, ...), `-` if none.
+    pub api: &'a str,
     pub model: &'a str,
     pub tokens_in: u64,
     pub tokens_out: u64,
@@ -91,6 +93,7 @@ pub struct AccessRecord<'a> {
 impl AccessRecord<'_> {
     pub fn publish(&self) {
         host::set_filter_state("weir.tenant", self.tenant);
+        host::set_filter_state("weir.api", self.api);
         host::set_filter_state("weir.model", self.model);
         host::set_filter_state("weir.tokens_in", &self.tokens_in.to_string());
         host::set_filter_state("weir.tokens_out", &self.tokens_out.to_string());

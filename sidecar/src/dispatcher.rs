@@ -28,6 +28,10 @@ pub struct Job {
     pub input_tokens: u64,
     /// KV tokens to reserve: the prompt plus the output it may still produce.
     pub kv_need: u64,
+    /// Sequences the engine runs for it at once (a completions batch: one per prompt), each
+    /// in a slot of its own: what it takes of a replica's concurrency limit and of the
+    /// tenant's share of slots. At least 1.
+    pub sequences: u64,
     /// The tenant's active-KV cap (`active_kv_tokens`), if it has one.
     pub kv_cap: Option<u64>,
     pub affinity: u64,
@@ -51,6 +55,8 @@ pub struct Assignment {
     pub queued_ms: u64,
     tenant: String,
     kv_held: u64,
+    /// Slots held on the replica (the job's sequences).
+    sequences: u64,
     released: bool,
     /// Its place in the replica's dispatch order, for the replica's limiter.
     ticket: Ticket,
@@ -119,6 +125,7 @@ impl Assignment {
             replica: self.replica,
             tenant: std::mem::take(&mut self.tenant),
             kv_need: self.kv_held,
+            sequences: self.sequences,
         });
     }
 }
@@ -174,6 +181,7 @@ pub enum Event {
         replica: usize,
         tenant: String,
         kv_need: u64,
+        sequences: u64,
     },
     ReplicaFailed {
         pool: usize,
@@ -353,12 +361,13 @@ impl Dispatcher {
                 replica,
                 tenant: t,
                 kv_need,
+                sequences,
             } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
-                    r.in_flight = r.in_flight.saturating_sub(1);
+                    r.in_flight = r.in_flight.saturating_sub(sequences);
                 }
                 if let Some(n) = self.pool_running.get_mut(pool).and_then(|m| m.get_mut(&t)) {
-                    *n = n.saturating_sub(1);
+                    *n = n.saturating_sub(sequences);
                 }
                 self.adjust_hold(pool, replica, &t, 0, kv_need);
             }
@@ -599,7 +608,7 @@ impl Dispatcher {
         let saturated = self
             .pools
             .get(job.pool)
-            .is_none_or(|p| !p.fits(job.kv_need));
+            .is_none_or(|p| !p.fits_for(job.kv_need, job.sequences));
         if saturated && self.rate > 0.0 {
             let projected_ms = pool_queued as f64 / self.rate * 1_000.0;
             if now as f64 + projected_ms > job.deadline_ms as f64 {
@@ -707,13 +716,18 @@ impl Dispatcher {
                 || held_here == 0
                 || capacity == 0
                 || (held_here + job.kv_need) as f64 <= share;
+            // A job of several sequences takes as many of the share; one larger than the share
+            // runs only while the tenant has nothing else running, as a prompt larger than
+            // the KV share does.
+            let running_here = running.get(t).copied().unwrap_or(0);
             let within_slots = !*fair
                 || !others_active
-                || running.get(t).copied().unwrap_or(0)
-                    < slot_share(slots, queue.kv_headroom, others);
+                || running_here == 0
+                || running_here.saturating_add(job.sequences)
+                    <= slot_share(slots, queue.kv_headroom, others);
             if !under_cap || !within_share || !within_slots || job.reply.is_closed() {
                 Verdict::Skip
-            } else if p.fits(job.kv_need) {
+            } else if p.fits_for(job.kv_need, job.sequences) {
                 Verdict::Take
             } else {
                 Verdict::Wait
@@ -723,15 +737,17 @@ impl Dispatcher {
             return false;
         };
         let (t, job) = (d.tenant.to_owned(), d.item);
-        let Some(replica) = self.pools[pool].route(job.affinity, job.kv_need) else {
+        let Some(replica) = self.pools[pool].route_for(job.affinity, job.kv_need, job.sequences)
+        else {
             let _ = job.reply.send(Err(Refusal::NoReplica));
             return true;
         };
         let r = &mut self.pools[pool].replicas[replica];
-        r.in_flight += 1;
+        r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
         let (url, isolation) = (r.url.clone(), r.isolation);
-        *self.pool_running[pool].entry(t.clone()).or_default() += 1;
+        let running = self.pool_running[pool].entry(t.clone()).or_default();
+        *running = running.saturating_add(job.sequences);
         self.adjust_hold(pool, replica, &t, job.kv_need, 0);
         self.schedulers[pool].charge(&t, job.input_tokens, 0);
         self.update_counter(pool, &t);
@@ -752,6 +768,7 @@ impl Dispatcher {
             queued_ms,
             tenant: t,
             kv_held: job.kv_need,
+            sequences: job.sequences,
             released: false,
             ticket,
             dispatched: Instant::now(),
@@ -854,6 +871,7 @@ mod tests {
             pool,
             input_tokens: kv_need,
             kv_need,
+            sequences: 1,
             kv_cap: None,
             affinity: 0,
             arrived_ms: 0,

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use axum::body::Bytes;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-use weir_core::openai::ApiError;
+use weir_core::error::ApiError;
 
 use crate::ledger::KeyHistory;
 

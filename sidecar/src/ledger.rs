@@ -6,7 +6,8 @@
 //! The idempotency key is the caller's `Idempotency-Key`, or weir's own id of the attempt when
 //! it sent none (then every request is its own key, attempt 1). A ledger written before
 //! attempts were recorded (primary key `request_id`) is migrated in place when opened: each old
-//! row becomes attempt 1 of a key equal to its request id.
+//! row becomes attempt 1 of a key equal to its request id. A ledger written before the API was
+//! recorded gets the column, its old rows `unknown`.
 
 use std::path::Path;
 use std::sync::mpsc;
@@ -25,6 +26,9 @@ pub struct UsageRecord {
     /// weir's id of this attempt (`x-weir-request-id`).
     pub request_id: String,
     pub model: String,
+    /// The API called: `chat_completions`, `completions`, `responses`, `messages`,
+    /// `embeddings` (`unknown` in rows written before it was recorded).
+    pub api: String,
     pub replica: String,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
@@ -51,6 +55,7 @@ const SCHEMA: &str = "
         outcome           TEXT NOT NULL,
         queued_ms         INTEGER NOT NULL,
         finished_at_ms    INTEGER NOT NULL,
+        api               TEXT NOT NULL DEFAULT 'unknown',
         PRIMARY KEY (tenant, idempotency_key, attempt)
     );
     CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage (tenant, finished_at_ms);";
@@ -61,8 +66,11 @@ const MIGRATE_FROM_REQUEST_IDS: &str = "
     DROP INDEX IF EXISTS usage_by_tenant;";
 const COPY_FROM_REQUEST_IDS: &str = "
     INSERT INTO usage SELECT tenant, request_id, 1, request_id, model, replica, prompt_tokens,
-        completion_tokens, source, outcome, queued_ms, finished_at_ms FROM usage_by_request_id;
+        completion_tokens, source, outcome, queued_ms, finished_at_ms, 'unknown'
+        FROM usage_by_request_id;
     DROP TABLE usage_by_request_id;";
+/// Adds the API column to a ledger written before it was recorded.
+const ADD_API: &str = "ALTER TABLE usage ADD COLUMN api TEXT NOT NULL DEFAULT 'unknown';";
 
 pub fn open(path: &Path) -> rusqlite::Result<Connection> {
     let mut conn = Connection::open(path)?;
@@ -73,9 +81,12 @@ pub fn open(path: &Path) -> rusqlite::Result<Connection> {
         .prepare("SELECT name FROM pragma_table_info('usage')")?
         .query_map([], |row| row.get(0))?
         .collect::<rusqlite::Result<_>>()?;
-    let old = !columns.is_empty() && !columns.iter().any(|c| c == "attempt");
+    let has = |name: &str| columns.iter().any(|c| c == name);
+    let old = !columns.is_empty() && !has("attempt");
     if old {
         tx.execute_batch(MIGRATE_FROM_REQUEST_IDS)?;
+    } else if !columns.is_empty() && !has("api") {
+        tx.execute_batch(ADD_API)?;
     }
     tx.execute_batch(SCHEMA)?;
     if old {
@@ -114,7 +125,9 @@ pub fn append(conn: &Connection, r: &UsageRecord) -> rusqlite::Result<bool> {
 
 fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<bool> {
     let inserted = conn.execute(
-        "INSERT OR IGNORE INTO usage VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+        "INSERT OR IGNORE INTO usage (tenant, idempotency_key, attempt, request_id, model, replica,
+             prompt_tokens, completion_tokens, source, outcome, queued_ms, finished_at_ms, api)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
         params![
             r.tenant,
             r.idempotency_key,
@@ -128,6 +141,7 @@ fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<
             r.outcome,
             r.queued_ms as i64,
             r.finished_at_ms as i64,
+            r.api,
         ],
     )?;
     Ok(inserted == 1)
@@ -163,7 +177,7 @@ pub fn query(
 ) -> rusqlite::Result<Vec<UsageRecord>> {
     let mut stmt = conn.prepare(
         "SELECT tenant, idempotency_key, attempt, request_id, model, replica, prompt_tokens,
-                completion_tokens, source, outcome, queued_ms, finished_at_ms
+                completion_tokens, source, outcome, queued_ms, finished_at_ms, api
          FROM usage WHERE (?1 IS NULL OR tenant = ?1) AND finished_at_ms >= ?2
          ORDER BY finished_at_ms",
     )?;
@@ -181,6 +195,7 @@ pub fn query(
             outcome: row.get(9)?,
             queued_ms: row.get::<_, i64>(10)? as u64,
             finished_at_ms: row.get::<_, i64>(11)? as u64,
+            api: row.get(12)?,
         })
     })?;
     rows.collect()
@@ -188,7 +203,7 @@ pub fn query(
 
 /// What the writer thread is sent: records, in order, and flush requests behind them.
 enum Entry {
-    Record(UsageRecord),
+    Record(Box<UsageRecord>),
     /// Answered once every record sent before it is written.
     Flush(mpsc::Sender<()>),
 }
@@ -224,7 +239,7 @@ impl Ledger {
     }
 
     pub fn record(&self, record: UsageRecord) {
-        let _ = self.tx.send(Entry::Record(record));
+        let _ = self.tx.send(Entry::Record(Box::new(record)));
     }
 
     /// Waits (blocking, up to `within`) until every record sent so far is written; false if
@@ -246,6 +261,7 @@ mod tests {
             attempt,
             request_id: format!("weir-{key}-{attempt}"),
             model: "m".into(),
+            api: "chat_completions".into(),
             replica: "r".into(),
             prompt_tokens: 10,
             completion_tokens: 5,
@@ -338,6 +354,36 @@ mod tests {
             "opening twice is harmless"
         );
         drop(again);
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_ledger_without_the_api_column_gets_it() {
+        let path = temp("add-api");
+        let _ = std::fs::remove_file(&path);
+        let old = Connection::open(&path).unwrap();
+        old.execute_batch(
+            "CREATE TABLE usage (tenant TEXT NOT NULL, idempotency_key TEXT NOT NULL,
+                attempt INTEGER NOT NULL, request_id TEXT NOT NULL, model TEXT NOT NULL,
+                replica TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
+                completion_tokens INTEGER NOT NULL, source TEXT NOT NULL, outcome TEXT NOT NULL,
+                queued_ms INTEGER NOT NULL, finished_at_ms INTEGER NOT NULL,
+                PRIMARY KEY (tenant, idempotency_key, attempt));
+             INSERT INTO usage VALUES ('a', 'k', 1, 'r1', 'm', 'x', 7, 3, 'engine', 'ok', 1, 100);",
+        )
+        .unwrap();
+        drop(old);
+        let conn = open(&path).unwrap();
+        let mut new = record("k2", 1, "a", 200);
+        new.api = "embeddings".into();
+        assert!(append(&conn, &new).unwrap());
+        let apis: Vec<String> = query(&conn, None, 0)
+            .unwrap()
+            .into_iter()
+            .map(|r| r.api)
+            .collect();
+        assert_eq!(apis, ["unknown", "embeddings"]);
+        drop(conn);
         let _ = std::fs::remove_file(&path);
     }
 

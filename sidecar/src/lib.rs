@@ -18,4 +18,5 @@ pub mod pool;
 pub mod readiness;
 pub mod relay;
 pub mod server;
+pub mod stream_end;
 pub mod trust;

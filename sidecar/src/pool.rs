@@ -71,10 +71,19 @@ impl Replica {
         self.healthy && self.isolation.serves()
     }
 
+    /// Whether a request of one sequence needing `kv_need` KV tokens fits now.
     pub fn fits(&self, kv_need: u64) -> bool {
-        let kv_room =
-            self.kv_budget == 0 || self.reserved + kv_need <= self.kv_budget || self.in_flight == 0;
-        self.serves() && self.engine.waiting == 0 && self.in_flight < self.limit() && kv_room
+        self.fits_for(kv_need, 1)
+    }
+
+    /// Whether a request the engine runs as `sequences` sequences (a completions batch: one
+    /// per prompt, each in a slot of its own) fits now: each takes a slot of the limit. One
+    /// larger than the whole limit runs alone, as a prompt larger than the KV budget does.
+    pub fn fits_for(&self, kv_need: u64, sequences: u64) -> bool {
+        let idle = self.in_flight == 0;
+        let kv_room = self.kv_budget == 0 || self.reserved + kv_need <= self.kv_budget || idle;
+        let slot_room = idle || self.in_flight.saturating_add(sequences) <= self.limit();
+        self.serves() && self.engine.waiting == 0 && slot_room && kv_room
     }
 }
 
@@ -113,7 +122,12 @@ impl Pool {
     }
 
     pub fn fits(&self, kv_need: u64) -> bool {
-        self.replicas.iter().any(|r| r.fits(kv_need))
+        self.fits_for(kv_need, 1)
+    }
+
+    /// [`Replica::fits_for`] on some replica.
+    pub fn fits_for(&self, kv_need: u64, sequences: u64) -> bool {
+        self.replicas.iter().any(|r| r.fits_for(kv_need, sequences))
     }
 
     /// Requests the replicas that serve may run at once, together.
@@ -155,16 +169,21 @@ impl Pool {
     /// The affine replica unless it is over the load threshold or full; then the least
     /// loaded replica that fits.
     pub fn route(&self, affinity: u64, kv_need: u64) -> Option<usize> {
+        self.route_for(affinity, kv_need, 1)
+    }
+
+    /// [`route`](Self::route) for a request of `sequences` sequences.
+    pub fn route_for(&self, affinity: u64, kv_need: u64, sequences: u64) -> Option<usize> {
         if let Some(i) = self.affine(affinity) {
             let r = &self.replicas[i];
-            if r.fits(kv_need) && r.load() < self.affinity_load_threshold {
+            if r.fits_for(kv_need, sequences) && r.load() < self.affinity_load_threshold {
                 return Some(i);
             }
         }
         self.replicas
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.fits(kv_need))
+            .filter(|(_, r)| r.fits_for(kv_need, sequences))
             .min_by(|(_, a), (_, b)| a.load().total_cmp(&b.load()))
             .map(|(i, _)| i)
     }
@@ -259,6 +278,25 @@ mod tests {
             p.replicas[affine].isolation = mode;
             assert_eq!(p.route(key, 10), Some(affine), "{mode:?}");
         }
+    }
+
+    #[test]
+    fn a_request_of_several_sequences_takes_a_slot_for_each() {
+        let mut p = pool(1);
+        p.replicas[0].join(EngineLimits {
+            max_concurrency: Some(4),
+            kv_tokens: None,
+        });
+        p.replicas[0].kv_budget = 0;
+        assert!(
+            p.fits_for(1, 9),
+            "larger than the limit: alone on an idle replica"
+        );
+        p.replicas[0].in_flight = 2;
+        assert!(p.fits_for(1, 2));
+        assert!(!p.fits_for(1, 3), "two slots left, not three");
+        assert_eq!(p.route_for(0, 1, 3), None);
+        assert!(p.fits(1));
     }
 
     #[test]

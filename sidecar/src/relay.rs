@@ -23,14 +23,16 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
+use weir_core::endpoint::Endpoint;
+use weir_core::error::ApiError;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
-use weir_core::openai::ApiError;
 
 use crate::dispatcher::{Assignment, Event, now_ms};
 use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
 use crate::metrics::tenant;
 use crate::server::{App, Trusted, error_response};
+use crate::stream_end::Ending;
 
 /// Longest silence from a replica before the stream is declared lost.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -43,6 +45,8 @@ const EVENT_STREAM: &str = "text/event-stream; charset=utf-8";
 /// A request from dispatch to settlement.
 pub struct Flight {
     app: Arc<App>,
+    /// The API called: how its answer is metered, its errors shaped, its record labelled.
+    endpoint: Endpoint,
     who: Trusted,
     model: String,
     assignment: Assignment,
@@ -65,8 +69,10 @@ pub struct Flight {
 }
 
 impl Flight {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         app: Arc<App>,
+        endpoint: Endpoint,
         who: Trusted,
         model: String,
         assignment: Assignment,
@@ -76,11 +82,12 @@ impl Flight {
     ) -> Flight {
         Flight {
             app,
+            endpoint,
             who,
             model,
             assignment,
             arrived,
-            meter: StreamMeter::new(hide_usage),
+            meter: StreamMeter::new(endpoint, hide_usage),
             hide_usage,
             last_chunk: None,
             charged: 0,
@@ -90,6 +97,11 @@ impl Flight {
             claim,
             nothing_ran: false,
         }
+    }
+
+    /// An error reply to the caller, in its API's shape.
+    fn refusal(&self, error: ApiError) -> Response {
+        error_response(&error, self.endpoint.error_shape())
     }
 
     /// Keeps a copy of response bytes for replays, up to the bound of what is kept.
@@ -270,6 +282,7 @@ impl Flight {
             request_id: self.who.request_id.clone(),
             tenant: self.who.tenant.clone(),
             model: self.model.clone(),
+            api: self.endpoint.name().to_owned(),
             replica: self.assignment.url.clone(),
             prompt_tokens: prompt,
             completion_tokens: completion,
@@ -338,7 +351,7 @@ pub async fn relay(
             });
             flight.nothing_ran = true;
             flight.finish("failed", Some(BodyUsage::Unknown));
-            return error_response(&ApiError::new(
+            return flight.refusal(ApiError::new(
                 502,
                 "ServiceUnavailableError",
                 "the engine replica could not be reached; retry",
@@ -348,6 +361,11 @@ pub async fn relay(
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     flight.nothing_ran = !status.is_success();
+    // An engine's own `Retry-After` (a throttling or overloaded engine) is the caller's to obey.
+    let retry_after = upstream
+        .headers()
+        .get(header::RETRY_AFTER)
+        .and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok());
     let stream = streamed(upstream.headers(), stream);
     if !status.is_success() || !stream {
         let bytes = tokio::select! {
@@ -365,14 +383,17 @@ pub async fn relay(
                 if status.is_success() {
                     flight.assignment.answered();
                 }
-                let mut meter = BodyMeter::new(usize::MAX);
+                let mut meter = BodyMeter::new(flight.endpoint, usize::MAX);
                 meter.feed(&bytes);
                 flight.capture(&bytes);
                 let response = (status.as_u16(), JSON);
                 flight.finish_with(outcome, Some(meter.finish()), Some(response));
                 let mut resp = (status, bytes).into_response();
-                resp.headers_mut()
-                    .insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+                let headers = resp.headers_mut();
+                headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
+                if let Some(retry_after) = retry_after {
+                    headers.insert(header::RETRY_AFTER, retry_after);
+                }
                 resp
             }
             Err(_) => {
@@ -381,7 +402,7 @@ pub async fn relay(
                     replica: flight.assignment.replica,
                 });
                 flight.finish("failed", Some(BodyUsage::Unknown));
-                error_response(&ApiError::new(
+                flight.refusal(ApiError::new(
                     502,
                     "ServiceUnavailableError",
                     "the engine replica failed mid-response; retry",
@@ -413,10 +434,7 @@ pub async fn relay(
 /// sidecar would not read as true); the request decides only when the engine names no type.
 fn streamed(headers: &reqwest::header::HeaderMap, asked: bool) -> bool {
     match headers.get(header::CONTENT_TYPE).map(|v| v.to_str()) {
-        Some(Ok(content_type)) => content_type
-            .trim_start()
-            .to_ascii_lowercase()
-            .starts_with("text/event-stream"),
+        Some(Ok(content_type)) => weir_core::meter::is_event_stream(content_type),
         _ => asked,
     }
 }
@@ -432,8 +450,8 @@ async fn cut(app: &App) {
 /// A request still running when the shutdown grace period ends: recorded, then refused.
 fn cut_short(mut flight: Flight) -> Response {
     flight.finish("shutdown", None);
-    error_response(
-        &ApiError::new(
+    flight.refusal(
+        ApiError::new(
             503,
             "ServiceUnavailableError",
             "the gateway's scheduler is restarting; retry",
@@ -447,8 +465,8 @@ fn cut_short(mut flight: Flight) -> Response {
 /// frees the KV), the attempt recorded, and the caller told to retry.
 fn timed_out(mut flight: Flight) -> Response {
     flight.finish("response_deadline", None);
-    error_response(
-        &ApiError::new(
+    flight.refusal(
+        ApiError::new(
             504,
             "TimeoutError",
             "the engine did not answer within the gateway's longest response time; retry",
@@ -465,8 +483,8 @@ fn not_started(mut flight: Flight) -> Response {
     flight.app.metrics.reject("first_byte_deadline");
     flight.nothing_ran = true;
     flight.finish("first_byte_deadline", None);
-    error_response(
-        &ApiError::new(
+    flight.refusal(
+        ApiError::new(
             503,
             "ServiceUnavailableError",
             "the engine did not start the request within the gateway's first-byte deadline; retry",
@@ -491,65 +509,22 @@ enum Delivery {
     ClientStalled,
 }
 
-/// A stream's last event when weir ends it: OpenAI's error shape, then `[DONE]`.
-fn closing_event(status: u16, kind: &'static str, code: &'static str, message: &str) -> Bytes {
-    let err = ApiError::new(status, kind, message)
-        .with_code(code)
-        .to_json();
-    Bytes::from(format!("data: {err}\n\ndata: [DONE]\n\n"))
-}
-
-fn lost_replica_event() -> Bytes {
-    closing_event(
-        503,
-        "ServiceUnavailableError",
-        "replica_lost",
-        "the engine replica failed mid-stream; the partial answer was billed as streamed",
-    )
-}
-
-fn deadline_event() -> Bytes {
-    closing_event(
-        408,
-        "TimeoutError",
-        "stream_deadline",
-        "the stream reached the gateway's longest stream duration and was ended; the partial answer was billed as streamed",
-    )
-}
-
-fn shutdown_event() -> Bytes {
-    closing_event(
-        503,
-        "ServiceUnavailableError",
-        "shutting_down",
-        "the gateway's scheduler restarted mid-stream; the partial answer was billed as streamed",
-    )
-}
-
-fn slow_client_event() -> Bytes {
-    closing_event(
-        408,
-        "TimeoutError",
-        "slow_client",
-        "the stream was read too slowly and was ended to free the engine; the partial answer was billed as streamed",
-    )
-}
-
 fn relay_stream(
     flight: Flight,
     upstream: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
     deadline: tokio::time::Instant,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
     let (tx, rx) = mpsc::channel(1);
+    let endpoint = flight.endpoint;
     tokio::spawn(pump(flight, upstream, tx, deadline));
-    futures::stream::unfold(Some(rx), |rx| async move {
+    futures::stream::unfold(Some(rx), move |rx| async move {
         let mut rx: mpsc::Receiver<Piece> = rx?;
         match rx.recv().await {
             Some(Piece::Chunk(chunk)) => Some((Ok(chunk), Some(rx))),
             Some(Piece::Last(event)) => Some((Ok(event), None)),
             Some(Piece::End) => None,
             // The pump gave up on this client: say so if it is still there to read it.
-            None => Some((Ok(slow_client_event()), None)),
+            None => Some((Ok(Ending::SlowClient.event(endpoint)), None)),
         }
     })
 }
@@ -585,13 +560,13 @@ async fn pump(
             () = tokio::time::sleep_until(deadline) => {
                 drop(upstream);
                 flight.finish("stream_deadline", None);
-                deliver(Piece::Last(deadline_event())).await;
+                deliver(Piece::Last(Ending::Deadline.event(flight.endpoint))).await;
                 return;
             }
             () = cut(&app) => {
                 drop(upstream);
                 flight.finish("shutdown", None);
-                deliver(Piece::Last(shutdown_event())).await;
+                deliver(Piece::Last(Ending::Shutdown.event(flight.endpoint))).await;
                 return;
             }
         };
@@ -631,7 +606,7 @@ async fn pump(
                 });
                 drop(upstream);
                 flight.finish("failed", None);
-                deliver(Piece::Last(lost_replica_event())).await;
+                deliver(Piece::Last(Ending::LostReplica.event(flight.endpoint))).await;
                 return;
             }
         }

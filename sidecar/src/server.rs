@@ -16,7 +16,8 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
 use weir_core::admission::ENGINE_CONTROL_FIELDS;
-use weir_core::openai::{ApiError, Endpoint};
+use weir_core::endpoint::Endpoint;
+use weir_core::error::{ApiError, ErrorShape};
 
 use crate::dispatcher::{Event, Job, Refusal, now_ms};
 use crate::idempotency::{self, Claimed, Idempotency, StoredResponse};
@@ -55,14 +56,39 @@ pub struct App {
     pub cut: tokio::sync::watch::Receiver<bool>,
 }
 
-/// The serving port, where Envoy routes: the inference API only. Whatever a tenant sends
-/// through the gateway lands here, so nothing on it may show another tenant's figures.
+/// Sent by Anthropic's SDKs on every request.
+const ANTHROPIC_VERSION: &str = "anthropic-version";
+
+/// The serving port, where Envoy routes: the inference APIs and the tenant's model list only.
+/// Whatever a tenant sends through the gateway lands here, so nothing on it may show another
+/// tenant's figures.
 pub fn router(app: Arc<App>) -> Router {
-    Router::new()
-        .route("/v1/chat/completions", post(chat))
-        .route("/v1/completions", post(completions))
-        .fallback(|| async { error_response(&ApiError::not_found("no such route")) })
+    let mut router = Router::new().route("/v1/models", get(models));
+    for endpoint in Endpoint::ALL {
+        router = router.route(
+            endpoint.path(),
+            post(
+                move |State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes| {
+                    serve(app, endpoint, headers, body)
+                },
+            ),
+        );
+    }
+    router
+        .fallback(|headers: HeaderMap| async move {
+            error_response(&ApiError::not_found("no such route"), shape_of(&headers))
+        })
         .with_state(app)
+}
+
+/// Anthropic's error shape for Anthropic's SDKs, OpenAI's otherwise (for paths that are not an
+/// API's own).
+fn shape_of(headers: &HeaderMap) -> ErrorShape {
+    if headers.contains_key(ANTHROPIC_VERSION) {
+        ErrorShape::Anthropic
+    } else {
+        ErrorShape::OpenAi
+    }
 }
 
 /// The admin port (`admin_listen`), never routed to by the gateway: metrics of every tenant,
@@ -72,7 +98,9 @@ pub fn admin_router(app: Arc<App>) -> Router {
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
-        .fallback(|| async { error_response(&ApiError::not_found("no such route")) })
+        .fallback(|| async {
+            error_response(&ApiError::not_found("no such route"), ErrorShape::OpenAi)
+        })
         .with_state(app)
 }
 
@@ -107,9 +135,9 @@ async fn ready(State(app): State<Arc<App>>) -> Response {
     }
 }
 
-pub fn error_response(e: &ApiError) -> Response {
+pub fn error_response(e: &ApiError, shape: ErrorShape) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut resp = (status, axum::Json(e.to_json())).into_response();
+    let mut resp = (status, axum::Json(e.to_json_in(shape))).into_response();
     if matches!(e.status, 429 | 502 | 503) {
         resp.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
@@ -117,12 +145,49 @@ pub fn error_response(e: &ApiError) -> Response {
     resp
 }
 
-async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(app, Endpoint::ChatCompletions, headers, body).await
-}
-
-async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes) -> Response {
-    serve(app, Endpoint::Completions, headers, body).await
+/// The models this sidecar serves that the caller's key may use, as OpenAI's model list (or
+/// Anthropic's, for Anthropic's SDKs).
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    let shape = shape_of(&headers);
+    let who = match app
+        .trust
+        .check(&headers, 0, now_ms(), app.queue_deadline_ms)
+    {
+        Ok(who) => who,
+        Err(refusal) => {
+            app.metrics.reject("untrusted");
+            return error_response(&refusal, shape);
+        }
+    };
+    let allowed = |m: &str| {
+        who.models
+            .as_ref()
+            .is_none_or(|ms| ms.iter().any(|a| a == m))
+    };
+    let ids: Vec<&str> = app
+        .pools
+        .iter()
+        .map(|(model, _)| model.as_str())
+        .filter(|m| allowed(m))
+        .collect();
+    let list = match shape {
+        ErrorShape::OpenAi => json!({
+            "object": "list",
+            "data": ids.iter().map(|id| json!({
+                "id": id, "object": "model", "created": 0, "owned_by": "weir",
+            })).collect::<Vec<_>>(),
+        }),
+        ErrorShape::Anthropic => json!({
+            "data": ids.iter().map(|id| json!({
+                "type": "model", "id": id, "display_name": id,
+                "created_at": "1970-01-01T00:00:00Z",
+            })).collect::<Vec<_>>(),
+            "has_more": false,
+            "first_id": ids.first(),
+            "last_id": ids.last(),
+        }),
+    };
+    axum::Json(list).into_response()
 }
 
 /// The tenant's prefix-cache scope: a salt only weir can derive, so no tenant can name another's.
@@ -136,8 +201,47 @@ fn cache_salt(key: &[u8], tenant: &str) -> String {
     digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
+/// How many sequences the engine runs for a request at once, each in a slot of its own: one per
+/// prompt of a completions batch and per input of an embeddings batch (vLLM and llama.cpp run
+/// each as a request of its own), times the answers asked for per prompt (`n`, llama.cpp's
+/// `n_cmpl`, `best_of`: the filter refuses more than one where it meters, off-mode requests
+/// come as sent). At least 1.
+fn engine_sequences(endpoint: Endpoint, body: &Value) -> u64 {
+    let batch = match endpoint {
+        Endpoint::Completions => &body["prompt"],
+        Endpoint::Embeddings => &body["input"],
+        _ => &Value::Null,
+    };
+    let prompts = match batch.as_array() {
+        // A list of strings or of token lists is a batch; a list of token ids is one prompt.
+        Some(items) if items.first().is_some_and(|i| i.is_string() || i.is_array()) => {
+            items.len() as u64
+        }
+        _ => 1,
+    };
+    let answers = ["n", "n_cmpl", "best_of"]
+        .iter()
+        .filter_map(|f| body[*f].as_u64())
+        .max()
+        .unwrap_or(1);
+    prompts.saturating_mul(answers).max(1)
+}
+
+/// The fields a request's prompt starts with, for prefix affinity.
+fn prompt_fields(endpoint: Endpoint) -> &'static [&'static str] {
+    match endpoint {
+        Endpoint::ChatCompletions => &["messages"],
+        Endpoint::Completions => &["prompt"],
+        Endpoint::Responses => &["instructions", "input"],
+        Endpoint::Messages => &["system", "messages"],
+        Endpoint::Embeddings => &["input"],
+    }
+}
+
 async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
     let arrived = Instant::now();
+    let shape = endpoint.error_shape();
+    let error_response = |e: &ApiError| error_response(e, shape);
     let who = match app
         .trust
         .check(&headers, body.len(), now_ms(), app.queue_deadline_ms)
@@ -159,11 +263,10 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         );
     };
     let prefix_bytes = app.pools[pool].1;
-    let prompt = match endpoint {
-        Endpoint::ChatCompletions => &value["messages"],
-        Endpoint::Completions => &value["prompt"],
-    };
-    let prompt = prompt.to_string();
+    let prompt: String = prompt_fields(endpoint)
+        .iter()
+        .map(|f| value[*f].to_string())
+        .collect();
     let affinity = affinity_key(
         &who.tenant,
         &prompt.as_bytes()[..prompt.len().min(prefix_bytes)],
@@ -178,10 +281,19 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         }
     };
     strip_engine_control(&mut value);
-    value["cache_salt"] = json!(cache_salt(&app.cache_salt_key, &who.tenant));
+    // Embedding models have no prefix cache to scope (vLLM ignores the field there).
+    if endpoint.generates() {
+        value["cache_salt"] = json!(cache_salt(&app.cache_salt_key, &who.tenant));
+    }
     let stream = value["stream"].as_bool().unwrap_or(false);
-    let hide_usage = stream && ask_stream_usage(&mut value);
-    let kv_need = who.input_tokens + who.reserved_output.min(EXPECTED_OUTPUT_TOKENS);
+    let usage_is_optional = matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions);
+    let hide_usage = stream && usage_is_optional && ask_stream_usage(&mut value);
+    // Each sequence the engine runs for the request takes a slot, and may produce output.
+    let sequences = engine_sequences(endpoint, &value);
+    let kv_need = who.input_tokens
+        + who
+            .reserved_output
+            .min(EXPECTED_OUTPUT_TOKENS.saturating_mul(sequences));
 
     let (reply, assigned) = oneshot::channel();
     let job = Job {
@@ -192,6 +304,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         pool,
         input_tokens: who.input_tokens,
         kv_need,
+        sequences,
         kv_cap: who.kv_cap,
         affinity,
         arrived_ms: now_ms(),
@@ -253,13 +366,15 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
     assignment.isolation.apply(&mut value);
     let body = serde_json::to_vec(&value).unwrap_or_default();
     let who_request_id = who.request_id.clone();
-    let flight = Flight::new(app, who, model, assignment, arrived, claim, hide_usage);
+    let flight = Flight::new(
+        app, endpoint, who, model, assignment, arrived, claim, hide_usage,
+    );
     // The caller's trace id goes back to the caller and, suffixed with weir's attempt id, to
     // the engine: engines such as vLLM take `x-request-id` as their own request id, so two
     // calls of one mesh trace (or another tenant's copy of the id) must not meet there.
     let trace_id = headers.get(TRACE_ID).cloned();
     let engine_request_id = engine_request_id(trace_id.as_ref(), &who_request_id);
-    let mut resp = relay(flight, path(endpoint), body, stream, engine_request_id).await;
+    let mut resp = relay(flight, endpoint.path(), body, stream, engine_request_id).await;
     if let Some(trace_id) = trace_id {
         resp.headers_mut().insert(TRACE_ID, trace_id);
     }
@@ -307,13 +422,6 @@ fn ask_stream_usage(value: &mut Value) -> bool {
     true
 }
 
-fn path(endpoint: Endpoint) -> &'static str {
-    match endpoint {
-        Endpoint::ChatCompletions => "/v1/chat/completions",
-        Endpoint::Completions => "/v1/completions",
-    }
-}
-
 /// Claims the caller's idempotency key before the request is queued ([`crate::idempotency`]);
 /// `None` when it sent none.
 fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Claimed> {
@@ -324,7 +432,7 @@ fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Cl
             .ok()
             .and_then(|conn| crate::ledger::history(&conn, &who.tenant, key).ok())
     };
-    let fingerprint = idempotency::fingerprint(path(endpoint), body);
+    let fingerprint = idempotency::fingerprint(endpoint.path(), body);
     Some(
         app.idempotency
             .claim(&who.tenant, key, fingerprint, now_ms(), history),
@@ -347,6 +455,24 @@ fn replayed(stored: StoredResponse) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_is_as_many_sequences_as_it_has_prompts_or_inputs() {
+        let seqs = |endpoint, body: Value| engine_sequences(endpoint, &body);
+        let completions = Endpoint::Completions;
+        assert_eq!(seqs(completions, json!({"prompt": "a"})), 1);
+        assert_eq!(
+            seqs(completions, json!({"prompt": [1, 2, 3]})),
+            1,
+            "one token prompt"
+        );
+        assert_eq!(seqs(completions, json!({"prompt": ["a", "b", "c"]})), 3);
+        assert_eq!(seqs(completions, json!({"prompt": [[1], [2]], "n": 2})), 4);
+        assert_eq!(seqs(Endpoint::Embeddings, json!({"input": ["a", "b"]})), 2);
+        assert_eq!(seqs(Endpoint::ChatCompletions, json!({"n_cmpl": 3})), 3);
+        assert_eq!(seqs(Endpoint::ChatCompletions, json!({"n": 0})), 1);
+        assert_eq!(seqs(Endpoint::Messages, json!({"messages": ["a", "b"]})), 1);
+    }
 
     #[test]
     fn salts_differ_per_tenant_and_secret() {

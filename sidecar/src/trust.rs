@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use axum::http::HeaderMap;
 use weir_core::config::Priority;
-use weir_core::openai::ApiError;
+use weir_core::error::ApiError;
 use weir_core::signature::{self, SignatureError};
 use weir_core::trusted;
 
@@ -36,6 +36,8 @@ pub struct Trusted {
     pub input_tokens: u64,
     pub reserved_output: u64,
     pub kv_cap: Option<u64>,
+    /// The models the key may use, when it may not use all.
+    pub models: Option<Vec<String>>,
     pub deadline_ms: u64,
 }
 
@@ -190,6 +192,12 @@ fn parse(headers: &[(&str, &str)], body_len: usize, deadline_ms: u64) -> Result<
         input_tokens: tokens(trusted::INPUT_TOKENS)?.unwrap_or(body_len as u64 / BYTES_PER_TOKEN),
         reserved_output: tokens(trusted::RESERVED_OUTPUT)?.unwrap_or(UNMETERED_OUTPUT_TOKENS),
         kv_cap: tokens(trusted::KV_LIMIT)?,
+        models: get(trusted::MODELS)
+            .map(|v| {
+                trusted::parse_models(v)
+                    .ok_or_else(|| invalid(trusted::MODELS, "is not a model list"))
+            })
+            .transpose()?,
         deadline_ms,
     })
 }

@@ -15,11 +15,14 @@ use crate::engine::{Engine, Finished, SeqId, SeqSpec, StepReport};
 use crate::metrics::{EngineMetrics, THROUGHPUT_WINDOW};
 use crate::profile::Profile;
 
-/// What a request's handler hears from the engine.
+/// What a request's handler hears from the engine about one of its sequences.
 #[derive(Debug)]
 pub enum SeqEvent {
-    /// The engine scheduled the sequence for the first time (a slot took it).
-    Started,
+    /// The engine scheduled the sequence for the first time (a slot took it), finding
+    /// `cached_tokens` of its prompt in the prefix cache.
+    Started {
+        cached_tokens: u64,
+    },
     /// The sequence produced its token number `index` (0-based).
     Token {
         index: u32,
@@ -29,11 +32,15 @@ pub enum SeqEvent {
     Rejected(String),
 }
 
+/// Events of every sequence of one request arrive on one channel, each with its sequence.
+pub type Events = UnboundedReceiver<(SeqId, SeqEvent)>;
+pub type EventSender = UnboundedSender<(SeqId, SeqEvent)>;
+
 enum Command {
     Submit {
         spec: SeqSpec,
         finish_reason: &'static str,
-        events: UnboundedSender<SeqEvent>,
+        events: EventSender,
     },
     Abort(SeqId),
 }
@@ -66,25 +73,23 @@ impl EngineHandle {
         Ok(EngineHandle { commands: tx })
     }
 
-    /// Queues a sequence; its tokens arrive on the returned channel.
+    /// A channel for the events of one request's sequences.
+    pub fn events() -> (EventSender, Events) {
+        unbounded_channel()
+    }
+
+    /// Queues a sequence; its events arrive on `events`, tagged with its id.
     /// `finish_reason` is what the sequence reports when it generates all its tokens.
-    pub fn submit(
-        &self,
-        spec: SeqSpec,
-        finish_reason: &'static str,
-    ) -> UnboundedReceiver<SeqEvent> {
-        let (events, rx) = unbounded_channel();
+    pub fn submit(&self, spec: SeqSpec, finish_reason: &'static str, events: &EventSender) {
+        let id = spec.id;
         let cmd = Command::Submit {
             spec,
             finish_reason,
-            events,
+            events: events.clone(),
         };
-        if let Err(rejected) = self.commands.send(cmd)
-            && let Command::Submit { events, .. } = rejected.0
-        {
-            let _ = events.send(SeqEvent::Rejected("engine stopped".into()));
+        if self.commands.send(cmd).is_err() {
+            let _ = events.send((id, SeqEvent::Rejected("engine stopped".into())));
         }
-        rx
     }
 
     pub fn abort(&self, id: SeqId) {
@@ -93,7 +98,7 @@ impl EngineHandle {
 }
 
 struct Subscriber {
-    events: UnboundedSender<SeqEvent>,
+    events: EventSender,
     finish_reason: &'static str,
     arrival: f64,
     last_token: f64,
@@ -170,7 +175,7 @@ impl Driver {
                         );
                     }
                     Err(e) => {
-                        let _ = events.send(SeqEvent::Rejected(e.to_string()));
+                        let _ = events.send((id, SeqEvent::Rejected(e.to_string())));
                     }
                 }
             }
@@ -199,9 +204,12 @@ impl Driver {
         }
 
         let mut gone = Vec::new();
-        for &id in &report.started {
+        for &(id, cached_tokens) in &report.started {
             if let Some(sub) = self.subscribers.get(&id)
-                && sub.events.send(SeqEvent::Started).is_err()
+                && sub
+                    .events
+                    .send((id, SeqEvent::Started { cached_tokens }))
+                    .is_err()
             {
                 gone.push(id);
             }
@@ -217,7 +225,7 @@ impl Driver {
             }
             sub.last_token = report.end;
             m.generation_tokens.inc();
-            if sub.events.send(SeqEvent::Token { index }).is_err() {
+            if sub.events.send((id, SeqEvent::Token { index })).is_err() {
                 gone.push(id);
             }
         }
@@ -226,7 +234,7 @@ impl Driver {
                 continue;
             };
             m.record_finished(&done, sub.finish_reason);
-            let _ = sub.events.send(SeqEvent::Finished(done));
+            let _ = sub.events.send((done.id, SeqEvent::Finished(done)));
         }
         for id in gone {
             warn!(seq = id, "receiver gone; aborting");

@@ -23,7 +23,8 @@ pub struct SeqSpec {
     pub prompt_len: u64,
     /// Chained hashes of the prompt's full blocks (see [`crate::kv_cache::block_hashes`]).
     pub block_hashes: Vec<BlockHash>,
-    /// Tokens to generate before the sequence ends.
+    /// Tokens to generate before the sequence ends; 0 runs the prompt only (an embedding) and
+    /// finishes when its prefill does.
     pub output_len: u32,
 }
 
@@ -56,8 +57,9 @@ pub struct StepReport {
     pub batched_tokens: u64,
     /// Sequences in the batch.
     pub batched_sequences: usize,
-    /// Sequences scheduled for the first time this step: the engine has started them.
-    pub started: Vec<SeqId>,
+    /// Sequences scheduled for the first time this step (the engine has started them), with the
+    /// prompt tokens they found in the prefix cache.
+    pub started: Vec<(SeqId, u64)>,
     /// `(sequence, index of the token it just produced)`.
     pub tokens: Vec<(SeqId, u32)>,
     pub finished: Vec<Finished>,
@@ -97,8 +99,8 @@ pub enum SubmitError {
     Duplicate(SeqId),
     #[error("{needed} tokens of context can never fit in a KV cache of {capacity} tokens")]
     TooLarge { needed: u64, capacity: u64 },
-    #[error("a sequence must generate at least one token")]
-    NoOutput,
+    #[error("a sequence must have at least one prompt token")]
+    EmptyPrompt,
 }
 
 pub struct Engine {
@@ -167,8 +169,8 @@ impl Engine {
         if self.seqs.contains_key(&spec.id) {
             return Err(SubmitError::Duplicate(spec.id));
         }
-        if spec.output_len == 0 {
-            return Err(SubmitError::NoOutput);
+        if spec.prompt_len == 0 {
+            return Err(SubmitError::EmptyPrompt);
         }
         let needed = spec.prompt_len + u64::from(spec.output_len);
         let capacity = self.profile.kv_capacity_tokens();
@@ -323,7 +325,7 @@ impl Engine {
             if first_admission {
                 report.prefix_queries += seq.spec.prompt_len;
                 report.prefix_hits += cached;
-                report.started.push(id);
+                report.started.push((id, cached));
             }
             let now = self.now;
             if let Some(seq) = self.seqs.get_mut(&id) {
@@ -394,11 +396,13 @@ impl Engine {
         if seq.computed < seq.known() {
             return;
         }
-        report.tokens.push((id, seq.generated));
-        seq.generated += 1;
-        seq.first_token.get_or_insert(now);
-        if seq.generated < seq.spec.output_len {
-            return;
+        if seq.spec.output_len > 0 {
+            report.tokens.push((id, seq.generated));
+            seq.generated += 1;
+            seq.first_token.get_or_insert(now);
+            if seq.generated < seq.spec.output_len {
+                return;
+            }
         }
         let finished = Finished {
             id,

@@ -6,11 +6,12 @@ use anyhow::{Context, bail};
 use axum::serve::ListenerExt;
 use clap::Parser;
 use tracing_subscriber::EnvFilter;
+use weir_sim::app::{App, Settings};
 use weir_sim::dialect::DialectName;
 use weir_sim::driver::EngineHandle;
 use weir_sim::faults::{FaultFlags, Faults};
 use weir_sim::profile::{OutputLength, Profile};
-use weir_sim::server::{App, Settings, router};
+use weir_sim::server::router;
 use weir_sim::shape::ShapeFlags;
 
 /// An OpenAI-compatible LLM engine simulator with vLLM's scheduling physics, playing vLLM,

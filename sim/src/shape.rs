@@ -1,18 +1,21 @@
 //! How an answer is laid out on the wire, for testing the meters in front of the simulator:
-//! reasoning before the answer (as vLLM's reasoning parsers stream it), several tokens per
-//! chunk (as engines that batch detokenized output do), or no usage at all (as engines that
-//! ignore `stream_options` do).
+//! reasoning before the answer (as vLLM's reasoning parsers stream it: chat's
+//! `reasoning_content`, a Responses `reasoning` item, a Messages `thinking` block), several
+//! tokens per chunk (as engines that batch detokenized output do), or no usage at all (as
+//! engines that ignore `stream_options` do).
 
 /// Wire-shape flags; the defaults are vLLM's: one token per chunk, no reasoning, usage on request.
 #[derive(Clone, Debug, clap::Args)]
 pub struct ShapeFlags {
-    /// Stream the first N tokens of a chat answer as `reasoning_content`, not `content`.
+    /// Generate the first N tokens of a chat, Responses or Messages answer as reasoning
+    /// (`reasoning_content`, a `reasoning` item, a `thinking` block), not as its text.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub reasoning_tokens: u32,
     /// Tokens per stream chunk.
     #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub tokens_per_chunk: u32,
-    /// Never report usage: no usage chunk in streams, no `usage` in bodies.
+    /// Never report usage: no usage chunk in streams, no `usage` in bodies or events
+    /// (`response.usage` is null, Messages carry no usage objects).
     #[arg(long)]
     pub omit_usage: bool,
 }

@@ -235,7 +235,30 @@ fn oversized_requests_are_refused_at_submission() {
     let mut engine = Engine::new(Profile::preset("tiny").unwrap());
     let capacity = engine.profile().kv_capacity_tokens() as u32;
     assert!(engine.submit(spec(1, capacity, 16)).is_err());
-    assert!(engine.submit(spec(2, 10, 0)).is_err());
+    assert!(engine.submit(spec(2, 0, 1)).is_err(), "an empty prompt");
     assert!(engine.submit(spec(3, 10, 1)).is_ok());
     assert!(engine.submit(spec(3, 10, 1)).is_err(), "duplicate id");
+}
+
+#[test]
+fn prompt_only_sequences_prefill_hold_kv_and_finish_without_tokens() {
+    let mut profile = llama_8b();
+    profile.engine.max_num_batched_tokens = 512;
+    let mut engine = Engine::new(profile);
+    // An embedding of 2,000 tokens: four prefill chunks, then done, with no token produced.
+    engine.submit(spec(1, 2000, 0)).unwrap();
+    let (mut steps, mut tokens, mut peak_kv, mut finished) = (0, 0, 0.0f64, Vec::new());
+    run(&mut engine, |e, r| {
+        steps += 1;
+        tokens += r.tokens.len();
+        peak_kv = peak_kv.max(e.kv_usage());
+        finished.extend(r.finished.iter().cloned());
+    });
+    assert_eq!((steps, tokens), (4, 0));
+    assert!(peak_kv > 0.0, "the prompt held KV blocks while it ran");
+    assert_eq!(engine.kv_usage(), 0.0, "and freed them at the end");
+    let done = &finished[0];
+    assert_eq!(done.usage.prompt_tokens, 2000);
+    assert_eq!(done.usage.completion_tokens, 0);
+    assert!(done.e2e_seconds > 0.0);
 }

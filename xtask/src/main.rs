@@ -347,24 +347,38 @@ fn build_filter() -> anyhow::Result<PathBuf> {
         "rustup target add wasm32-wasip1",
         Command::new("rustup").args(["target", "add", "wasm32-wasip1"]),
     )?;
-    run(
-        "building the filter (wasm32-wasip1)",
-        cargo().args([
-            "build",
-            "-p",
-            "weir-filter",
-            "--target",
-            "wasm32-wasip1",
-            "--profile",
-            "wasm",
-        ]),
-    )?;
+    build_wasm("building the filter (wasm32-wasip1)", "wasm", &[])?;
     Ok(root().join(FILTER_WASM))
+}
+
+/// Where the filter's fault-injection build lands: its own profile directory, never the
+/// shipped path.
+const FAULT_FILTER_WASM: &str = "target/wasm32-wasip1/fault-injection/weir_filter.wasm";
+
+/// The filter with its `fault-injection` feature (`filter/src/fault.rs`), for the end-to-end
+/// tests that make its VMs trap.
+fn build_fault_filter() -> anyhow::Result<PathBuf> {
+    build_wasm(
+        "building the filter's fault-injection build (tests only)",
+        "fault-injection",
+        &["--features", "fault-injection"],
+    )?;
+    Ok(root().join(FAULT_FILTER_WASM))
+}
+
+/// `cargo build` of the filter for wasm32-wasip1 with a profile and extra arguments.
+fn build_wasm(what: &str, profile: &str, extra: &[&str]) -> anyhow::Result<()> {
+    let mut cmd = cargo();
+    cmd.args(["build", "-p", "weir-filter", "--target", "wasm32-wasip1"])
+        .args(["--profile", profile])
+        .args(extra);
+    run(what, &mut cmd)
 }
 
 fn test(lint: bool) -> anyhow::Result<()> {
     let python = python_env()?;
     let wasm = build_filter()?;
+    let fault_wasm = build_fault_filter()?;
     if lint {
         run(
             "cargo fmt --check",
@@ -391,26 +405,34 @@ fn test(lint: bool) -> anyhow::Result<()> {
     c_toolchain()?;
     let llama = weir_e2e::llama::build()?;
     eprintln!("xtask: llama-server ready: {}", llama.server.display());
-    run(
-        "cargo clippy (filter for wasm32-wasip1)",
-        cargo().args([
+    for features in [None, Some("fault-injection")] {
+        let mut clippy = cargo();
+        clippy.args([
             "clippy",
             "-p",
             "weir-filter",
             "--target",
             "wasm32-wasip1",
             "--quiet",
-            "--",
-            "-D",
-            "warnings",
-        ]),
-    )?;
+        ]);
+        if let Some(features) = features {
+            clippy.args(["--features", features]);
+        }
+        run(
+            &format!(
+                "cargo clippy (filter for wasm32-wasip1{})",
+                features.map_or(String::new(), |f| format!(", {f}"))
+            ),
+            clippy.args(["--", "-D", "warnings"]),
+        )?;
+    }
     let envoy = venv_bin("envoy");
     run(
         "cargo test",
         cargo()
             .args(["test", "--workspace"])
             .env("WEIR_FILTER_WASM", &wasm)
+            .env("WEIR_FAULT_FILTER_WASM", &fault_wasm)
             .env(
                 "ENVOY_BIN",
                 std::env::var_os("ENVOY_BIN").unwrap_or(envoy.into()),

@@ -14,7 +14,9 @@ use axum::Router;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use prometheus_client::registry::Registry;
-use weir_core::openai::{ApiError, CompletionRequest};
+use serde_json::{Map, Value};
+use weir_core::error::{ApiError, ErrorShape};
+use weir_core::request::InferenceRequest;
 
 use crate::metrics::{EngineMetrics, render};
 use crate::profile::Profile;
@@ -57,6 +59,37 @@ pub enum CacheScope<'r> {
     Off,
 }
 
+/// Why a request is not served: the error, and any fields the engine adds to its own error
+/// body (llama.cpp's `n_prompt_tokens` and `n_ctx`).
+#[derive(Clone, Debug)]
+pub struct Refusal {
+    pub error: ApiError,
+    pub details: Map<String, Value>,
+}
+
+impl From<ApiError> for Refusal {
+    fn from(error: ApiError) -> Self {
+        Refusal {
+            error,
+            details: Map::new(),
+        }
+    }
+}
+
+impl Refusal {
+    /// The refusal in the shape of the API that was called: Anthropic's envelope for the
+    /// Messages API whatever the engine, else the engine's own.
+    pub fn reply(&self, dialect: &dyn Dialect, shape: ErrorShape) -> Response {
+        match shape {
+            ErrorShape::Anthropic => with_retry_after(
+                self.error.status,
+                axum::Json(self.error.to_json_in(ErrorShape::Anthropic)),
+            ),
+            ErrorShape::OpenAi => dialect.error(self),
+        }
+    }
+}
+
 /// One engine's surface and admission rules.
 pub trait Dialect: Send + Sync {
     /// Health, models, metrics and the engine's own info endpoints.
@@ -74,48 +107,49 @@ pub trait Dialect: Send + Sync {
         .with_param("model"))
     }
 
-    /// How the request's prompt takes part in the prefix cache. vLLM scopes it by `cache_salt`.
-    fn cache_scope<'r>(&self, req: &'r CompletionRequest, _body: &[u8]) -> CacheScope<'r> {
+    /// How one of the request's prompts takes part in the prefix cache. vLLM scopes it by
+    /// `cache_salt`.
+    fn cache_scope<'r>(&self, req: &'r InferenceRequest, _body: &[u8]) -> CacheScope<'r> {
         CacheScope::Salted(req.cache_salt.as_deref())
     }
 
-    /// The most tokens the request may generate, or the refusal (boxed: errors are rare and a
-    /// response is large). vLLM refuses a prompt plus `max_tokens` over the model's length, and
-    /// fills the context when no limit is set.
+    /// The most tokens one sequence of the request may generate (0 for an API that generates
+    /// nothing), or the refusal. vLLM refuses a prompt plus `max_tokens` over the model's length,
+    /// and fills the context when no limit is set.
     fn output_budget(
         &self,
-        req: &CompletionRequest,
+        req: &InferenceRequest,
         prompt_len: u64,
         profile: &Profile,
-    ) -> Result<u32, Box<Response>> {
+    ) -> Result<u32, Refusal> {
         let max_len = profile.model.max_model_len;
-        let max_tokens = req
-            .max_output_tokens()
-            .map_or(max_len.saturating_sub(prompt_len), u64::from);
-        if max_tokens == 0 || prompt_len + max_tokens > max_len {
-            return Err(Box::new(self.error(&ApiError::context_length_exceeded(
-                max_len, prompt_len, max_tokens,
-            ))));
+        let generates = req.endpoint.generates();
+        let max_tokens = if generates {
+            req.max_output_tokens()
+                .map_or(max_len.saturating_sub(prompt_len), u64::from)
+        } else {
+            0
+        };
+        if (generates && max_tokens == 0) || prompt_len + max_tokens > max_len {
+            let error = ApiError::context_length_exceeded(max_len, prompt_len, max_tokens);
+            return Err(error.into());
         }
         let capacity = profile.kv_capacity_tokens();
         if prompt_len + max_tokens > capacity {
-            return Err(Box::new(
-                self.error(
-                    &ApiError::bad_request(format!(
-                        "{} tokens of context exceed the KV cache capacity of {capacity} tokens",
-                        prompt_len + max_tokens
-                    ))
-                    .with_param("max_tokens"),
-                ),
-            ));
+            let error = ApiError::bad_request(format!(
+                "{} tokens of context exceed the KV cache capacity of {capacity} tokens",
+                prompt_len + max_tokens
+            ))
+            .with_param("max_tokens");
+            return Err(error.into());
         }
         Ok(u32::try_from(max_tokens).unwrap_or(u32::MAX))
     }
 
     /// An error as this engine shapes it. vLLM: OpenAI's `{"error": {message, type, param,
     /// code}}`, with `Retry-After` on 429 and 503.
-    fn error(&self, e: &ApiError) -> Response {
-        with_retry_after(e.status, axum::Json(e.to_json()))
+    fn error(&self, refusal: &Refusal) -> Response {
+        with_retry_after(refusal.error.status, axum::Json(refusal.error.to_json()))
     }
 
     /// Whether a stream's response headers wait until the engine starts the request.

@@ -16,7 +16,7 @@ use axum::routing::get;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
-use weir_core::openai::ApiError;
+use weir_core::error::ApiError;
 
 use super::{Dialect, openmetrics, unix_now};
 use crate::metrics::{EngineMetrics, LatencyBuckets};

@@ -19,16 +19,20 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use weir_core::error::ApiError;
 use weir_core::kv_profile::BLOCK_TOKENS;
-use weir_core::openai::{ApiError, CompletionRequest};
+use weir_core::request::InferenceRequest;
 
-use super::{CacheScope, Dialect, unix_now, with_retry_after};
+use super::{CacheScope, Dialect, Refusal, unix_now, with_retry_after};
 use crate::metrics::{EngineMetrics, LatencyBuckets};
 use crate::profile::Profile;
 use crate::wire::Wire;
 
 /// What llama-server reports as its build, in `system_fingerprint` and `/props`.
 const BUILD_INFO: &str = "b1-weir-sim";
+
+/// The error type of a prompt that does not fit the slot.
+const EXCEED_CONTEXT: &str = "exceed_context_size_error";
 
 /// llama.cpp's default sampling parameters, as `/props` reports them.
 const DEFAULT_PARAMS: &str = include_str!("default_params.json");
@@ -327,7 +331,7 @@ impl Dialect for LlamaCpp {
     }
 
     /// `cache_salt` is ignored; `"cache_prompt": false` bypasses the cache.
-    fn cache_scope<'r>(&self, _req: &'r CompletionRequest, body: &[u8]) -> CacheScope<'r> {
+    fn cache_scope<'r>(&self, _req: &'r InferenceRequest, body: &[u8]) -> CacheScope<'r> {
         match serde_json::from_slice::<Extensions>(body) {
             Ok(Extensions {
                 cache_prompt: Some(false),
@@ -336,35 +340,47 @@ impl Dialect for LlamaCpp {
         }
     }
 
-    /// A prompt that fills the slot is refused; any output limit is cut to the slot's context.
+    /// A prompt that fills the slot is refused (an embedding's may fill it exactly); any output
+    /// limit is cut to the slot's context. `n_predict` is read before the API's own limit.
     fn output_budget(
         &self,
-        req: &CompletionRequest,
+        req: &InferenceRequest,
         prompt_len: u64,
         _profile: &Profile,
-    ) -> Result<u32, Box<Response>> {
-        if prompt_len >= self.n_ctx {
-            let body = json!({"error": {
-                "code": 400,
-                "message": "the request exceeds the available context size, try increasing it",
-                "type": "exceed_context_size_error",
-                "n_prompt_tokens": prompt_len,
-                "n_ctx": self.n_ctx,
-            }});
-            return Err(Box::new(with_retry_after(400, axum::Json(body))));
+    ) -> Result<u32, Refusal> {
+        let generates = req.endpoint.generates();
+        if prompt_len > self.n_ctx || (generates && prompt_len == self.n_ctx) {
+            let error = ApiError::new(
+                400,
+                EXCEED_CONTEXT,
+                "the request exceeds the available context size, try increasing it",
+            );
+            let mut details = serde_json::Map::new();
+            details.insert("n_prompt_tokens".into(), json!(prompt_len));
+            details.insert("n_ctx".into(), json!(self.n_ctx));
+            return Err(Refusal { error, details });
+        }
+        if !generates {
+            return Ok(0);
         }
         let room = self.n_ctx - prompt_len;
-        let limit = req
-            .n_predict
-            .or(req.max_completion_tokens)
-            .or(req.max_tokens)
+        let n_predict = req
+            .output_limits
+            .iter()
+            .find(|(name, _)| *name == "n_predict")
+            .map(|&(_, l)| l);
+        let limit = n_predict
+            .or(req.max_output_tokens())
             .map_or(room, |l| u64::from(l).min(room));
         Ok(u32::try_from(limit).unwrap_or(u32::MAX))
     }
 
-    /// `{"error": {"code", "message", "type"}}` with llama.cpp's type names.
-    fn error(&self, e: &ApiError) -> Response {
+    /// `{"error": {"code", "message", "type"}}` with llama.cpp's type names, and the fields
+    /// llama.cpp adds to some errors.
+    fn error(&self, refusal: &Refusal) -> Response {
+        let e = &refusal.error;
         let kind = match e.status {
+            _ if e.kind == EXCEED_CONTEXT => EXCEED_CONTEXT,
             400 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
@@ -374,8 +390,12 @@ impl Dialect for LlamaCpp {
             s if s < 500 => "invalid_request_error",
             _ => "server_error",
         };
-        let body = json!({"error": {"code": e.status, "message": e.message, "type": kind}});
-        with_retry_after(e.status, axum::Json(body))
+        let mut error = serde_json::Map::new();
+        error.insert("code".into(), json!(e.status));
+        error.insert("message".into(), json!(e.message));
+        error.insert("type".into(), json!(kind));
+        error.extend(refusal.details.clone());
+        with_retry_after(e.status, axum::Json(json!({ "error": error })))
     }
 
     fn defers_headers(&self) -> bool {

@@ -3,12 +3,12 @@
 //! chunk of its own with an empty delta, and llama.cpp's `timings` on the last chunk or body.
 
 use serde::Serialize;
-use weir_core::openai::Endpoint;
+use weir_core::endpoint::Endpoint;
 
 use super::BUILD_INFO;
 use crate::engine::Finished;
-use crate::shape::Field;
-use crate::wire::{Answer, ResponseHead, SSE_DONE, Wire, sse_event};
+use crate::tool_call::{ChatToolCall, ToolCallDelta};
+use crate::wire::{Answer, Delta, Finish, Reply, ResponseHead, SSE_DONE, Wire, sse_event};
 
 pub struct LlamaCppWire;
 
@@ -36,7 +36,7 @@ enum Choice<'a> {
     ChatChunk {
         finish_reason: Option<&'a str>,
         index: u32,
-        delta: Delta<'a>,
+        delta: ChunkDelta<'a>,
     },
     Chat {
         finish_reason: &'a str,
@@ -51,8 +51,9 @@ enum Choice<'a> {
     },
 }
 
+/// A chat chunk's delta as llama-server writes it.
 #[derive(Serialize, Default)]
-struct Delta<'a> {
+struct ChunkDelta<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
     /// `Some(None)` is the opening chunk's `"content": null`.
@@ -60,14 +61,18 @@ struct Delta<'a> {
     content: Option<Option<&'a str>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<[ToolCallDelta<'a>; 1]>,
 }
 
 #[derive(Serialize)]
 struct Message<'a> {
     role: &'static str,
-    content: &'a str,
+    content: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     reasoning_content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<ChatToolCall<'a>>,
 }
 
 #[derive(Serialize)]
@@ -146,7 +151,7 @@ fn encode<C: Serialize>(head: &ResponseHead, streaming: bool, choices: C, tail: 
     let object = match (head.endpoint, streaming) {
         (Endpoint::ChatCompletions, true) => "chat.completion.chunk",
         (Endpoint::ChatCompletions, false) => "chat.completion",
-        (Endpoint::Completions, _) => "text_completion",
+        _ => "text_completion",
     };
     let envelope = Envelope {
         choices,
@@ -170,72 +175,80 @@ fn frame<C: Serialize>(head: &ResponseHead, choices: C, tail: Tail) -> String {
 impl Wire for LlamaCppWire {
     fn token_frames(
         &self,
-        head: &ResponseHead,
-        text: &str,
-        field: Field,
+        reply: &Reply,
+        choice: u32,
+        delta: Delta<'_>,
         first: bool,
         _finish_reason: Option<&str>,
     ) -> String {
-        match head.endpoint {
-            Endpoint::ChatCompletions => {
-                let mut frames = String::new();
-                if first {
-                    let open = Choice::ChatChunk {
-                        finish_reason: None,
-                        index: 0,
-                        delta: Delta {
-                            role: Some("assistant"),
-                            content: Some(None),
-                            reasoning_content: None,
-                        },
-                    };
-                    frames.push_str(&frame(head, [open], Tail::default()));
-                }
-                let delta = match field {
-                    Field::Content => Delta {
-                        content: Some(Some(text)),
-                        ..Delta::default()
-                    },
-                    Field::Reasoning => Delta {
-                        reasoning_content: Some(text),
-                        ..Delta::default()
-                    },
-                };
-                let piece = Choice::ChatChunk {
-                    finish_reason: None,
-                    index: 0,
-                    delta,
-                };
-                frames.push_str(&frame(head, [piece], Tail::default()));
-                frames
-            }
-            Endpoint::Completions => {
-                let piece = Choice::Text {
-                    text,
-                    index: 0,
-                    logprobs: (),
-                    finish_reason: None,
-                };
-                frame(head, [piece], Tail::default())
-            }
+        let head = &reply.head;
+        if head.endpoint != Endpoint::ChatCompletions {
+            let text = match delta {
+                Delta::Content(t) | Delta::Reasoning(t) | Delta::Arguments(t) => t,
+                Delta::ToolCall(_) => "",
+            };
+            let piece = Choice::Text {
+                text,
+                index: choice,
+                logprobs: (),
+                finish_reason: None,
+            };
+            return frame(head, [piece], Tail::default());
         }
+        let mut frames = String::new();
+        if first {
+            let open = Choice::ChatChunk {
+                finish_reason: None,
+                index: choice,
+                delta: ChunkDelta {
+                    role: Some("assistant"),
+                    content: Some(None),
+                    ..ChunkDelta::default()
+                },
+            };
+            frames.push_str(&frame(head, [open], Tail::default()));
+        }
+        let delta = match delta {
+            Delta::Content(t) => ChunkDelta {
+                content: Some(Some(t)),
+                ..ChunkDelta::default()
+            },
+            Delta::Reasoning(t) => ChunkDelta {
+                reasoning_content: Some(t),
+                ..ChunkDelta::default()
+            },
+            Delta::ToolCall(call) => ChunkDelta {
+                tool_calls: Some([call.opening_delta()]),
+                ..ChunkDelta::default()
+            },
+            Delta::Arguments(t) => ChunkDelta {
+                tool_calls: Some([ToolCallDelta::arguments(t)]),
+                ..ChunkDelta::default()
+            },
+        };
+        let piece = Choice::ChatChunk {
+            finish_reason: None,
+            index: choice,
+            delta,
+        };
+        frames.push_str(&frame(head, [piece], Tail::default()));
+        frames
     }
 
     /// Chat: a finish chunk, then the usage chunk when asked for, `timings` on the last of them.
-    /// Completions: one final chunk with the finish reason, usage and timings.
-    fn closing_frames(
-        &self,
-        head: &ResponseHead,
-        finish_reason: &str,
-        done: &Finished,
-        usage: Option<bool>,
-    ) -> String {
+    /// Completions: one final chunk per choice with its finish reason, the last with the
+    /// request's usage and timings.
+    fn closing_frames(&self, reply: &Reply, finishes: &[Finish], done: &Finished) -> String {
+        let head = &reply.head;
+        let usage = reply.usage;
         let mut frames = match head.endpoint {
             Endpoint::ChatCompletions => {
+                let finish_reason =
+                    reply.finish_reason(finishes.first().copied().unwrap_or_default());
                 let finish = [Choice::ChatChunk {
                     finish_reason: Some(finish_reason),
                     index: 0,
-                    delta: Delta::default(),
+                    delta: ChunkDelta::default(),
                 }];
                 if usage == Some(true) {
                     frame(head, finish, Tail::default())
@@ -258,58 +271,71 @@ impl Wire for LlamaCppWire {
                     )
                 }
             }
-            Endpoint::Completions => {
-                let finish = [Choice::Text {
-                    text: "",
-                    index: 0,
-                    logprobs: (),
-                    finish_reason: Some(finish_reason),
-                }];
-                let tail = Tail {
-                    usage: usage.is_some().then(|| done.into()),
-                    timings: Some(done.into()),
-                };
-                frame(head, finish, tail)
+            _ => {
+                let last = finishes.len().saturating_sub(1);
+                (0u32..)
+                    .zip(finishes)
+                    .map(|(index, &finish)| {
+                        let choice = [Choice::Text {
+                            text: "",
+                            index,
+                            logprobs: (),
+                            finish_reason: Some(reply.finish_reason(finish)),
+                        }];
+                        let tail = if index as usize == last {
+                            Tail {
+                                usage: usage.is_some().then(|| done.into()),
+                                timings: Some(done.into()),
+                            }
+                        } else {
+                            Tail::default()
+                        };
+                        frame(head, choice, tail)
+                    })
+                    .collect()
             }
         };
         frames.push_str(SSE_DONE);
         frames
     }
 
-    fn response(
-        &self,
-        head: &ResponseHead,
-        answer: Answer<'_>,
-        done: &Finished,
-        usage: bool,
-    ) -> String {
+    fn response(&self, reply: &Reply, answers: &[Answer], done: &Finished) -> String {
+        let head = &reply.head;
         let tail = Tail {
-            usage: usage.then(|| done.into()),
+            usage: reply.usage.is_some().then(|| done.into()),
             timings: Some(done.into()),
         };
-        match head.endpoint {
-            Endpoint::ChatCompletions => {
-                let choice = Choice::Chat {
-                    finish_reason: answer.finish_reason,
-                    index: 0,
-                    message: Message {
-                        role: "assistant",
-                        content: answer.text,
-                        reasoning_content: answer.reasoning,
+        let choices: Vec<Choice<'_>> = (0u32..)
+            .zip(answers)
+            .map(|(index, answer)| {
+                let finish_reason = reply.finish_reason(answer.finish);
+                match head.endpoint {
+                    Endpoint::ChatCompletions => Choice::Chat {
+                        finish_reason,
+                        index,
+                        message: Message {
+                            role: "assistant",
+                            content: answer.arguments.is_none().then_some(answer.text.as_str()),
+                            reasoning_content: (!answer.reasoning.is_empty())
+                                .then_some(answer.reasoning.as_str()),
+                            tool_calls: reply
+                                .tool
+                                .iter()
+                                .zip(&answer.arguments)
+                                .map(|(call, arguments)| call.message(arguments))
+                                .collect(),
+                        },
                     },
-                };
-                encode(head, false, [choice], tail)
-            }
-            Endpoint::Completions => {
-                let choice = Choice::Text {
-                    text: answer.text,
-                    index: 0,
-                    logprobs: (),
-                    finish_reason: Some(answer.finish_reason),
-                };
-                encode(head, false, [choice], tail)
-            }
-        }
+                    _ => Choice::Text {
+                        text: &answer.text,
+                        index,
+                        logprobs: (),
+                        finish_reason: Some(finish_reason),
+                    },
+                }
+            })
+            .collect();
+        encode(head, false, choices, tail)
     }
 }
 
@@ -317,13 +343,21 @@ impl Wire for LlamaCppWire {
 mod tests {
     use super::*;
     use crate::engine::Usage as EngineUsage;
+    use crate::wire::Params;
 
-    fn head(endpoint: Endpoint) -> ResponseHead {
-        ResponseHead {
-            endpoint,
-            id: "chatcmpl-1".into(),
-            created: 7,
-            model: "tiny-llama".into(),
+    fn reply(endpoint: Endpoint, usage: Option<bool>) -> Reply {
+        Reply {
+            head: ResponseHead {
+                endpoint,
+                id: "chatcmpl-1".into(),
+                key: "1".into(),
+                created: 7,
+                model: "tiny-llama".into(),
+            },
+            tool: None,
+            usage,
+            prompt_tokens: 33,
+            params: Params::Plain,
         }
     }
 
@@ -346,14 +380,14 @@ mod tests {
     /// values that vary (text, ids, times).
     #[test]
     fn chat_stream_matches_the_capture() {
-        let h = head(Endpoint::ChatCompletions);
-        let frames = LlamaCppWire.token_frames(&h, "find", Field::Content, true, None);
+        let r = reply(Endpoint::ChatCompletions, Some(true));
+        let frames = LlamaCppWire.token_frames(&r, 0, Delta::Content("find"), true, None);
         assert_eq!(
             frames,
             "data: {\"choices\":[{\"finish_reason\":null,\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null}}],\"created\":7,\"id\":\"chatcmpl-1\",\"model\":\"tiny-llama\",\"system_fingerprint\":\"b1-weir-sim\",\"object\":\"chat.completion.chunk\"}\n\n\
              data: {\"choices\":[{\"finish_reason\":null,\"index\":0,\"delta\":{\"content\":\"find\"}}],\"created\":7,\"id\":\"chatcmpl-1\",\"model\":\"tiny-llama\",\"system_fingerprint\":\"b1-weir-sim\",\"object\":\"chat.completion.chunk\"}\n\n"
         );
-        let closing = LlamaCppWire.closing_frames(&h, "length", &done(), Some(true));
+        let closing = LlamaCppWire.closing_frames(&r, &[Finish::Length], &done());
         let events: Vec<&str> = closing.split("\n\n").collect();
         assert_eq!(
             events[0],
@@ -371,18 +405,30 @@ mod tests {
 
     #[test]
     fn chat_body_matches_the_capture() {
-        let h = head(Endpoint::ChatCompletions);
+        let r = reply(Endpoint::ChatCompletions, Some(false));
         let answer = Answer {
-            reasoning: None,
-            text: "hi",
-            finish_reason: "length",
+            text: "hi".into(),
+            finish: Finish::Length,
+            ..Answer::default()
         };
-        let body = LlamaCppWire.response(&h, answer, &done(), true);
+        let body = LlamaCppWire.response(&r, &[answer], &done());
         assert!(
             body.starts_with(
                 "{\"choices\":[{\"finish_reason\":\"length\",\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"hi\"}}],\"created\":7,\"model\":\"tiny-llama\",\"system_fingerprint\":\"b1-weir-sim\",\"object\":\"chat.completion\",\"usage\":{\"completion_tokens\":6,\"prompt_tokens\":33,\"total_tokens\":39,\"prompt_tokens_details\":{\"cached_tokens\":32}},\"id\":\"chatcmpl-1\",\"timings\":{\"cache_n\":32,"
             ),
             "{body}"
         );
+    }
+
+    #[test]
+    fn a_prompt_batch_ends_each_choice_and_reports_the_request_once() {
+        let r = reply(Endpoint::Completions, Some(false));
+        let closing = LlamaCppWire.closing_frames(&r, &[Finish::Stop, Finish::Length], &done());
+        let events: Vec<&str> = closing.split("\n\n").collect();
+        assert_eq!(events.len(), 4, "{closing}");
+        assert!(events[0].contains("\"index\":0,\"logprobs\":null,\"finish_reason\":\"stop\""));
+        assert!(!events[0].contains("usage"));
+        assert!(events[1].contains("\"index\":1,\"logprobs\":null,\"finish_reason\":\"length\""));
+        assert!(events[1].contains("\"usage\":{") && events[1].contains("\"timings\":{"));
     }
 }
