@@ -768,11 +768,62 @@ pub async fn post_json(
     req.send().await.unwrap()
 }
 
+/// Reads one HTTP/1.1 request: its head (request line and headers, lines ending in `\r\n`)
+/// and its body, framed by `content-length` or chunked (the filter sends a metered body
+/// chunked: it may rewrite it after the headers have gone on). `None` once the connection ends.
+pub fn read_http_request(reader: &mut impl BufRead) -> Option<(String, Vec<u8>)> {
+    let mut head = String::new();
+    let (mut length, mut chunked) = (0, false);
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).ok()? == 0 {
+            return None;
+        }
+        let lower = line.to_ascii_lowercase();
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            length = v.trim().parse().unwrap_or(0);
+        }
+        if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
+            chunked = true;
+        }
+        if line == "\r\n" {
+            break;
+        }
+        head.push_str(&line);
+    }
+    let mut body = Vec::new();
+    if !chunked {
+        body.resize(length, 0);
+        reader.read_exact(&mut body).ok()?;
+        return Some((head, body));
+    }
+    loop {
+        let mut size = String::new();
+        reader.read_line(&mut size).ok()?;
+        let size = usize::from_str_radix(size.trim().split(';').next()?, 16).ok()?;
+        let mut chunk = vec![0; size + 2];
+        reader.read_exact(&mut chunk).ok()?;
+        if size == 0 {
+            // Trailer fields, if any, until the blank line.
+            let mut rest = chunk;
+            while rest != b"\r\n" {
+                let mut line = String::new();
+                if reader.read_line(&mut line).ok()? == 0 {
+                    return None;
+                }
+                rest = line.into_bytes();
+            }
+            return Some((head, body));
+        }
+        body.extend_from_slice(&chunk[..size]);
+    }
+}
+
 /// Serves a minimal HTTP/1.1 engine on a free loopback port until the test binary exits; returns
 /// its URL. `answer` gets each request's head (request line and headers) and body, and returns
 /// the response's content type and body (always status 200).
 pub fn serve_engine(answer: fn(&str, &[u8]) -> (&'static str, String)) -> String {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     std::thread::spawn(move || {
@@ -780,26 +831,7 @@ pub fn serve_engine(answer: fn(&str, &[u8]) -> (&'static str, String)) -> String
             std::thread::spawn(move || {
                 let mut reader = BufReader::new(conn.try_clone().unwrap());
                 let mut conn = conn;
-                loop {
-                    let mut head = String::new();
-                    let mut length = 0;
-                    loop {
-                        let mut line = String::new();
-                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap_or(0);
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        head.push_str(&line);
-                    }
-                    let mut body = vec![0; length];
-                    if reader.read_exact(&mut body).is_err() {
-                        return;
-                    }
+                while let Some((head, body)) = read_http_request(&mut reader) {
                     let (content_type, answer) = answer(&head, &body);
                     let response = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ncontent-length: {}\r\n\r\n{answer}",

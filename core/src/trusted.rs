@@ -18,14 +18,8 @@ pub const REQUEST_ID: &str = "x-weir-request-id";
 pub const IDEMPOTENCY_KEY: &str = "x-weir-idempotency-key";
 /// `v1:<expires_ms>:<hex HMAC-SHA256>` over every other `x-weir-*` header.
 pub const SIGNATURE: &str = "x-weir-signature";
-/// Prompt tokens as the gateway estimated them.
-pub const INPUT_TOKENS: &str = "x-weir-input-tokens";
-/// Output tokens reserved for the answer.
-pub const RESERVED_OUTPUT: &str = "x-weir-reserved-output";
 /// The tenant's cap on KV tokens held by its running requests (`active_kv_tokens`), if any.
 pub const KV_LIMIT: &str = "x-weir-kv-limit";
-/// `exact` or `fast`: how the prompt was counted.
-pub const ESTIMATE: &str = "x-weir-estimate";
 /// The models the key may use (`policy.models`), comma-separated; absent when it may use any.
 /// The sidecar's model list shows only these.
 pub const MODELS: &str = "x-weir-models";

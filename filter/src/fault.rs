@@ -17,9 +17,15 @@ pub const HEADER: &str = "weir-fault";
 /// Trap right after the request's reservation (and so its slot lease) was taken.
 pub const TRAP_AFTER_RESERVE: &str = "trap-after-reserve";
 
-/// Traps the VM if the request asks for `fault` in its [`HEADER`].
-pub fn trap_if_asked(fault: &str) {
-    if host::header(Side::Request, HEADER).as_deref() == Some(fault) {
+/// The fault the request asks for in its [`HEADER`]; read in the request-headers callback, the
+/// only one in which request headers can be read.
+pub fn asked() -> Option<String> {
+    host::header(Side::Request, HEADER)
+}
+
+/// Traps the VM if the request asked for `fault`.
+pub fn trap_if(asked: Option<&str>, fault: &str) {
+    if asked == Some(fault) {
         log::warn!("weir: fault injection: {fault}");
         trap();
     }

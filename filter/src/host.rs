@@ -111,6 +111,11 @@ impl Metrics {
 }
 
 /// Which side of the exchange a header or body call is about.
+///
+/// A side's headers exist only until they go on: request headers may be read and written in
+/// the request-headers callback alone (weir sends them on at its end), response headers in the
+/// response-headers callback. Outside it Envoy answers `BadArgument`, on which the SDK's
+/// hostcall panics — a trapped VM — so header calls belong in those callbacks only.
 #[derive(Clone, Copy)]
 pub enum Side {
     Request,

@@ -1,16 +1,24 @@
 //! One HTTP exchange through the filter, from request headers to the access log.
 //!
 //! ```text
-//! headers ─► strip x-weir-*, new attempt id, pick route mode, authenticate ─► hold headers
-//! body    ─► admit (parse, limits, estimate) ─► reserve at every level ─► rewrite ─► forward
-//!            (at the end of the body, or at its trailers when the request ends in them)
-//! forward ─► write the trusted x-weir-* headers and sign them (every forward, whatever the
-//!            mode: off, shadow and out-of-rollout requests are scheduled too, as their
-//!            tenant when the key is valid, else as the configured default tenant)
+//! headers ─► strip x-weir-*, new attempt id, pick route mode, authenticate, route
+//!        ─► send the headers on with the trusted x-weir-* identity headers, signed (every
+//!           request, whatever the mode: off, shadow and out-of-rollout requests are scheduled
+//!           too, as their tenant when the key is valid, else as the configured default tenant)
+//! body    ─► held until complete (at its end, or at its trailers when it ends in them)
+//!        ─► admit (parse, limits, estimate) ─► reserve at every level ─► rewrite ─► let it go
+//!           (a refusal answers locally; the upstream, which had only the headers, is reset)
 //! response─► meter the stream/body as it passes (usage chunk hidden unless asked for)
 //! end     ─► settle: engine usage replaces the reservation   (on_log settles anything left:
 //!                                                             client gone, upstream reset)
 //! ```
+//!
+//! The headers go on before the body is read because that is all a mesh lets a module do:
+//! Istio's `WasmPlugin` and Envoy Gateway's `EnvoyExtensionPolicy` cannot set
+//! `allow_on_headers_stop_iteration`, without which a module that stops the headers never sees
+//! the body. Holding the body is enough to fail closed: no body, no work. So what the trusted
+//! headers carry is what authentication knows (the identity), and the sidecar derives the
+//! rest (the prompt's size, the output reserved) from the admitted body it receives.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -50,9 +58,9 @@ enum Stage {
     /// Not metered: the route is off or outside its rollout, or shadow let it through. Still
     /// forwarded with signed trusted headers.
     Passthrough,
-    /// Authenticated; headers held until the body is read.
+    /// Authenticated, headers sent on; the body is held until it is complete and admitted.
     AwaitingBody,
-    /// Sent upstream; waiting for the response.
+    /// Admitted and sent upstream whole; waiting for the response.
     Forwarded,
     Responding,
     /// Answered locally (rejected).
@@ -85,8 +93,10 @@ pub struct Request {
     outcome: &'static str,
     usage: Demand,
     /// The `x-weir-*` headers this request carries upstream, written and signed together when
-    /// it is forwarded.
+    /// its headers are sent on.
     vouched: Vec<(&'static str, String)>,
+    /// The headers have gone upstream: nothing more can be added to them.
+    headers_sent: bool,
     /// The upstream answered from completed work (an idempotency replay): nothing ran.
     replayed: bool,
     /// The error body and rate-limit headers the caller's API uses.
@@ -94,6 +104,9 @@ pub struct Request {
     /// Where the limits on the key's path stood when the request was let through: reported on
     /// the answer.
     standing: Vec<Standing>,
+    /// The fault a test asked this request for (`filter/src/fault.rs`).
+    #[cfg(feature = "fault-injection")]
+    fault: Option<String>,
 }
 
 impl Request {
@@ -112,9 +125,12 @@ impl Request {
             outcome: "passthrough",
             usage: Demand::default(),
             vouched: Vec::new(),
+            headers_sent: false,
             replayed: false,
             shape: ErrorShape::OpenAi,
             standing: Vec::new(),
+            #[cfg(feature = "fault-injection")]
+            fault: None,
         }
     }
 
@@ -160,9 +176,8 @@ impl Request {
             self.stage = shadow_stage;
             if shadow_stage == Stage::Passthrough {
                 self.outcome = "passthrough";
-                return self.forward();
             }
-            return Action::Continue;
+            return self.send_headers();
         }
         self.stage = Stage::Replied;
         self.outcome = "rejected";
@@ -191,11 +206,14 @@ impl Request {
         self.tenant = Some(tenant);
     }
 
-    /// Lets the request go upstream: writes every trusted header and, when signing is
-    /// configured, the signature over them. The only way a request leaves the filter; a
-    /// request with no identity yet (a route that does not enforce, no valid key) goes as the
-    /// default tenant.
-    fn forward(&mut self) -> Action {
+    /// Lets the request's headers go upstream: writes every trusted header and, when signing
+    /// is configured, the signature over them. The only way a request leaves the filter (its
+    /// body may still be held); a request with no identity yet (a route that does not enforce,
+    /// no valid key) goes as the default tenant. Once only.
+    fn send_headers(&mut self) -> Action {
+        if std::mem::replace(&mut self.headers_sent, true) {
+            return Action::Continue;
+        }
         if self.tenant.is_none() {
             // Every keyless caller shares the default tenant: an idempotency key there would
             // let one caller block, or be answered with, another's work.
@@ -250,6 +268,10 @@ impl Request {
             }
         }
         self.shape = self.error_shape();
+        #[cfg(feature = "fault-injection")]
+        {
+            self.fault = crate::fault::asked();
+        }
         // The caller's x-request-id is a trace id (a mesh propagates it across calls): it is
         // passed on untouched and never identifies an attempt.
         let attempt_id = host::unique_id();
@@ -263,7 +285,7 @@ impl Request {
             if let Ok(tenant) = self.authenticate() {
                 self.identify(tenant);
             }
-            return self.forward();
+            return self.send_headers();
         }
         self.shadow = mode == Mode::Shadow;
         self.outcome = "ok";
@@ -331,7 +353,7 @@ impl Request {
                         reservation::standing(&SharedData, tenant, Ledger::Enforce, host::now_ms());
                 }
                 self.stage = Stage::Forwarded;
-                self.forward()
+                self.send_headers()
             }
             Err(refusal) => {
                 let mut reply = self.error_reply(&refusal.error);
@@ -343,7 +365,8 @@ impl Request {
         }
     }
 
-    /// Holds the headers until the body is read, unless the body cannot be admitted anyway.
+    /// Sends the headers on and holds the body until it is read, unless the body cannot be
+    /// admitted anyway.
     fn await_body(&mut self, end_of_stream: bool) -> Action {
         if let Some(encoding) =
             host::header(Side::Request, "content-encoding").filter(|e| !is_identity(e))
@@ -379,8 +402,10 @@ impl Request {
             let error = ApiError::bad_request("a JSON request body is required");
             return self.refuse(self.error_reply(&error), "missing_body", Stage::Passthrough);
         }
+        // Admission may rewrite the body, whose length is not known until then.
+        host::set_header(Side::Request, "content-length", None);
         self.stage = Stage::AwaitingBody;
-        Action::Pause
+        self.send_headers()
     }
 
     fn on_body(&mut self, size: usize, end_of_stream: bool) -> Action {
@@ -404,7 +429,7 @@ impl Request {
 
     /// The request ended in trailers (HTTP/2 trailers frame, HTTP/1.1 chunked trailer fields):
     /// no body callback saw the end of the stream, so admission completes here with the body
-    /// Envoy buffered. Headers are still held, so the trusted ones can still be set.
+    /// Envoy buffered.
     fn on_trailers(&mut self) -> Action {
         if self.stage != Stage::AwaitingBody {
             return Action::Continue;
@@ -465,7 +490,7 @@ impl Request {
                 }
                 self.reservation = Some(r);
                 #[cfg(feature = "fault-injection")]
-                crate::fault::trap_if_asked(crate::fault::TRAP_AFTER_RESERVE);
+                crate::fault::trap_if(self.fault.as_deref(), crate::fault::TRAP_AFTER_RESERVE);
             }
             Err(denial) => {
                 let reason = match &denial {
@@ -483,18 +508,7 @@ impl Request {
 
         if let Some(new_body) = &admitted.rewritten_body {
             host::replace_body(Side::Request, size, new_body);
-            host::set_header(
-                Side::Request,
-                "content-length",
-                Some(&new_body.len().to_string()),
-            );
         }
-        self.vouch(trusted::INPUT_TOKENS, admitted.prompt_tokens.to_string());
-        self.vouch(
-            trusted::RESERVED_OUTPUT,
-            admitted.reserved_output.to_string(),
-        );
-        self.vouch(trusted::ESTIMATE, admitted.method.as_str());
         self.meter = if admitted.stream {
             Meter::Stream(StreamMeter::new(
                 admitted.endpoint,
@@ -505,7 +519,7 @@ impl Request {
         };
         self.admitted = Some(admitted);
         self.stage = Stage::Forwarded;
-        self.forward()
+        Action::Continue
     }
 
     fn on_response_headers(&mut self, end_of_stream: bool) -> Action {

@@ -9,6 +9,8 @@ use serde::Deserialize;
 pub use crate::engine::EngineChoice;
 pub use crate::idempotency::IdempotencyConfig;
 use crate::isolation::CacheIsolation;
+pub use weir_core::config::EstimatorConfig;
+use weir_core::tokens::Encoding;
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -41,6 +43,18 @@ pub struct SidecarConfig {
     /// Deduplication by `Idempotency-Key`: how completed responses are kept for replay.
     #[serde(default)]
     pub idempotency: IdempotencyConfig,
+    /// How a request's prompt is counted for fair-share charges and KV admission until the
+    /// engine reports its own count (the filter's rule: see its `estimator`).
+    #[serde(default)]
+    pub estimator: EstimatorConfig,
+    /// Request bodies larger than this are refused (413); above the filter's `max_body_bytes`
+    /// (4 MiB by default).
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: usize,
+}
+
+fn default_max_body_bytes() -> usize {
+    8 * 1024 * 1024
 }
 
 /// Where the signing secrets are read from: a file and/or an environment variable for the
@@ -196,6 +210,9 @@ pub struct PoolConfig {
     /// pool's tenants may share its replicas' prefix caches.
     #[serde(default)]
     pub cache_isolation: CacheIsolation,
+    /// The model's tokenizer, for counting prompts until the engine reports its own count.
+    #[serde(default)]
+    pub encoding: Encoding,
 }
 
 fn default_listen() -> SocketAddr {

@@ -805,6 +805,7 @@ mod tests {
             engine: crate::engine::EngineChoice::Auto,
             max_in_flight_without_kv: None,
             cache_isolation: Default::default(),
+            encoding: Default::default(),
         }
     }
 

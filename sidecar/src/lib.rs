@@ -6,6 +6,7 @@
 
 pub mod answer;
 pub mod config;
+pub mod demand;
 pub mod dispatcher;
 pub mod engine;
 pub mod idempotency;

@@ -16,7 +16,7 @@ use weir_sidecar::isolation_probe::Prober;
 use weir_sidecar::ledger::Ledger;
 use weir_sidecar::metrics::Metrics;
 use weir_sidecar::pool::Pool;
-use weir_sidecar::server::{App, admin_router, router};
+use weir_sidecar::server::{App, PoolRoute, admin_router, router};
 
 /// weir's dispatcher sidecar: fair queues in front of engine pools.
 ///
@@ -117,8 +117,14 @@ async fn main() -> anyhow::Result<()> {
         pools: config
             .pools
             .iter()
-            .map(|p| (p.model.clone(), p.affinity_prefix_bytes))
+            .map(|p| PoolRoute {
+                model: p.model.clone(),
+                affinity_prefix_bytes: p.affinity_prefix_bytes,
+                encoding: p.encoding,
+            })
             .collect(),
+        exact_below_bytes: config.estimator.exact_below_bytes,
+        max_body_bytes: config.max_body_bytes,
         // Salts are keyed with the signing secret: one secret fewer to manage, and a rotation
         // only costs one cold prefix cache.
         cache_salt_key: secrets.first().cloned().unwrap_or_default(),

@@ -213,6 +213,7 @@ mod tests {
             engine: EngineChoice::Auto,
             max_in_flight_without_kv: None,
             cache_isolation: Default::default(),
+            encoding: Default::default(),
         });
         for r in &mut p.replicas {
             r.healthy = true;

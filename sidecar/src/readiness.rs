@@ -88,6 +88,7 @@ mod tests {
             engine: Default::default(),
             max_in_flight_without_kv: None,
             cache_isolation: CacheIsolation::Probe,
+            encoding: Default::default(),
         });
         for (r, mode) in p.replicas.iter_mut().zip(modes) {
             r.healthy = true;

@@ -42,13 +42,26 @@ const JSON: &str = "application/json";
 pub const TRACE_ID: &str = "x-request-id";
 const EVENT_STREAM: &str = "text/event-stream; charset=utf-8";
 
+/// What a flight knows of the attempt it carries.
+pub struct Attempt {
+    /// The API called: how its answer is metered, its errors shaped, its record labelled.
+    pub endpoint: Endpoint,
+    pub who: Trusted,
+    pub model: String,
+    /// The prompt as counted before dispatch, until the engine reports its own count.
+    pub input_tokens: u64,
+    pub arrived: Instant,
+    /// weir asked the engine for the stream's usage chunk: the caller gets the stream without it.
+    pub hide_usage: bool,
+}
+
 /// A request from dispatch to settlement.
 pub struct Flight {
     app: Arc<App>,
-    /// The API called: how its answer is metered, its errors shaped, its record labelled.
     endpoint: Endpoint,
     who: Trusted,
     model: String,
+    input_tokens: u64,
     assignment: Assignment,
     arrived: Instant,
     meter: StreamMeter,
@@ -61,7 +74,6 @@ pub struct Flight {
     claim: Option<Claim>,
     /// The response so far, kept for replays while the claim wants it and it fits.
     captured: Option<Vec<u8>>,
-    /// weir asked the engine for the stream's usage chunk: the caller gets the stream without it.
     hide_usage: bool,
     /// The request never reached the engine, or the engine answered with an error status: it
     /// ran nothing, so nothing is billed.
@@ -69,26 +81,22 @@ pub struct Flight {
 }
 
 impl Flight {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         app: Arc<App>,
-        endpoint: Endpoint,
-        who: Trusted,
-        model: String,
+        attempt: Attempt,
         assignment: Assignment,
-        arrived: Instant,
         claim: Option<Claim>,
-        hide_usage: bool,
     ) -> Flight {
         Flight {
             app,
-            endpoint,
-            who,
-            model,
+            endpoint: attempt.endpoint,
+            who: attempt.who,
+            model: attempt.model,
+            input_tokens: attempt.input_tokens,
             assignment,
-            arrived,
-            meter: StreamMeter::new(endpoint, hide_usage),
-            hide_usage,
+            arrived: attempt.arrived,
+            meter: StreamMeter::new(attempt.endpoint, attempt.hide_usage),
+            hide_usage: attempt.hide_usage,
             last_chunk: None,
             charged: 0,
             reconciled: false,
@@ -197,7 +205,7 @@ impl Flight {
         if std::mem::replace(&mut self.reconciled, true) {
             return;
         }
-        let estimated = self.who.input_tokens;
+        let estimated = self.input_tokens;
         if prompt_tokens == estimated {
             return;
         }
@@ -242,7 +250,7 @@ impl Flight {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),
             // Nothing ran: the attempt is recorded, billed nothing (as the filter charges it).
             None if self.nothing_ran => (0, 0, "counted"),
-            None => (self.who.input_tokens, counted, "counted"),
+            None => (self.input_tokens, counted, "counted"),
         };
         if source == "engine" {
             self.reconcile(prompt);
@@ -419,7 +427,7 @@ pub async fn relay(
         () = tokio::time::sleep_until(first_byte) => return not_started(flight),
     };
     if matches!(first, Some(Ok(_))) {
-        flight.assignment.started(flight.who.input_tokens);
+        flight.assignment.started(flight.input_tokens);
     }
     let upstream = futures::stream::iter(first).chain(upstream);
     let body = Body::from_stream(relay_stream(flight, upstream, stream_deadline));

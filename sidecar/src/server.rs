@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -19,19 +19,28 @@ use weir_core::admission::ENGINE_CONTROL_FIELDS;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
 
+use crate::demand::{self, UNBOUNDED_OUTPUT_TOKENS};
 use crate::dispatcher::{Event, Job, Refusal, now_ms};
 use crate::idempotency::{self, Claimed, Idempotency, StoredResponse};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::affinity_key;
-use crate::relay::{Flight, TRACE_ID, relay};
+use crate::relay::{Attempt, Flight, TRACE_ID, relay};
+use crate::trust::Trust;
 pub use crate::trust::Trusted;
-use crate::trust::{Trust, UNMETERED_OUTPUT_TOKENS};
 
 /// Output tokens assumed for KV admission when the request may produce more: reserving the
 /// whole `max_tokens` would admit a fraction of what fits. The engine preempts if a guess is
 /// too low, and the per-tenant cap bounds the damage.
-const EXPECTED_OUTPUT_TOKENS: u64 = UNMETERED_OUTPUT_TOKENS;
+const EXPECTED_OUTPUT_TOKENS: u64 = UNBOUNDED_OUTPUT_TOKENS;
+
+/// A pool as requests are matched to it: its model, how much of a prompt picks the affine
+/// replica, and how its prompts are counted.
+pub struct PoolRoute {
+    pub model: String,
+    pub affinity_prefix_bytes: usize,
+    pub encoding: weir_core::tokens::Encoding,
+}
 
 pub struct App {
     pub events: mpsc::UnboundedSender<Event>,
@@ -41,8 +50,12 @@ pub struct App {
     pub metrics: Metrics,
     pub registry: Registry,
     pub ledger: Ledger,
-    /// Model name → pool index, with each pool's affinity prefix length.
-    pub pools: Vec<(String, usize)>,
+    /// What the front of each pool needs, in the dispatcher's pool order.
+    pub pools: Vec<PoolRoute>,
+    /// Prompts up to this many bytes are counted exactly (see [`crate::demand`]).
+    pub exact_below_bytes: usize,
+    /// Request bodies larger than this are refused (413).
+    pub max_body_bytes: usize,
     /// Keys each tenant's `cache_salt` (the current signing secret).
     pub cache_salt_key: Vec<u8>,
     pub queue_deadline_ms: u64,
@@ -68,7 +81,7 @@ pub fn router(app: Arc<App>) -> Router {
         router = router.route(
             endpoint.path(),
             post(
-                move |State(app): State<Arc<App>>, headers: HeaderMap, body: Bytes| {
+                move |State(app): State<Arc<App>>, headers: HeaderMap, body: Body| {
                     serve(app, endpoint, headers, body)
                 },
             ),
@@ -149,10 +162,7 @@ pub fn error_response(e: &ApiError, shape: ErrorShape) -> Response {
 /// Anthropic's, for Anthropic's SDKs).
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     let shape = shape_of(&headers);
-    let who = match app
-        .trust
-        .check(&headers, 0, now_ms(), app.queue_deadline_ms)
-    {
+    let who = match app.trust.check(&headers, now_ms(), app.queue_deadline_ms) {
         Ok(who) => who,
         Err(refusal) => {
             app.metrics.reject("untrusted");
@@ -167,7 +177,7 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     let ids: Vec<&str> = app
         .pools
         .iter()
-        .map(|(model, _)| model.as_str())
+        .map(|p| p.model.as_str())
         .filter(|m| allowed(m))
         .collect();
     let list = match shape {
@@ -238,31 +248,36 @@ fn prompt_fields(endpoint: Endpoint) -> &'static [&'static str] {
     }
 }
 
-async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let arrived = Instant::now();
     let shape = endpoint.error_shape();
     let error_response = |e: &ApiError| error_response(e, shape);
-    let who = match app
-        .trust
-        .check(&headers, body.len(), now_ms(), app.queue_deadline_ms)
-    {
+    // The signature first: the filter sends the headers on before the body, so they are
+    // checked on arrival, however long the body then takes.
+    let who = match app.trust.check(&headers, now_ms(), app.queue_deadline_ms) {
         Ok(who) => who,
         Err(refusal) => {
             app.metrics.reject("untrusted");
             return error_response(&refusal);
         }
     };
+    let Ok(body) = axum::body::to_bytes(body, app.max_body_bytes).await else {
+        // Too large, or cut off (the filter refused the body after sending the headers on).
+        return error_response(&ApiError::payload_too_large(app.max_body_bytes));
+    };
     let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
         return error_response(&ApiError::bad_request("malformed JSON"));
     };
     let model = value["model"].as_str().unwrap_or_default().to_owned();
-    let Some(pool) = app.pools.iter().position(|(m, _)| *m == model) else {
+    let Some(pool) = app.pools.iter().position(|p| p.model == model) else {
         return error_response(
             &ApiError::not_found(format!("The model `{model}` is not served here."))
                 .with_param("model"),
         );
     };
-    let prefix_bytes = app.pools[pool].1;
+    let route = &app.pools[pool];
+    let prefix_bytes = route.affinity_prefix_bytes;
+    let demand = demand::of(endpoint, &body, route.encoding, app.exact_below_bytes);
     let prompt: String = prompt_fields(endpoint)
         .iter()
         .map(|f| value[*f].to_string())
@@ -290,9 +305,9 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
     let hide_usage = stream && usage_is_optional && ask_stream_usage(&mut value);
     // Each sequence the engine runs for the request takes a slot, and may produce output.
     let sequences = engine_sequences(endpoint, &value);
-    let kv_need = who.input_tokens
-        + who
-            .reserved_output
+    let kv_need = demand.input_tokens
+        + demand
+            .output_tokens
             .min(EXPECTED_OUTPUT_TOKENS.saturating_mul(sequences));
 
     let (reply, assigned) = oneshot::channel();
@@ -302,7 +317,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         weight: who.weight,
         priority: who.priority,
         pool,
-        input_tokens: who.input_tokens,
+        input_tokens: demand.input_tokens,
         kv_need,
         sequences,
         kv_cap: who.kv_cap,
@@ -366,9 +381,15 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
     assignment.isolation.apply(&mut value);
     let body = serde_json::to_vec(&value).unwrap_or_default();
     let who_request_id = who.request_id.clone();
-    let flight = Flight::new(
-        app, endpoint, who, model, assignment, arrived, claim, hide_usage,
-    );
+    let attempt = Attempt {
+        endpoint,
+        who,
+        model,
+        input_tokens: demand.input_tokens,
+        arrived,
+        hide_usage,
+    };
+    let flight = Flight::new(app, attempt, assignment, claim);
     // The caller's trace id goes back to the caller and, suffixed with weir's attempt id, to
     // the engine: engines such as vLLM take `x-request-id` as their own request id, so two
     // calls of one mesh trace (or another tenant's copy of the id) must not meet there.

@@ -16,12 +16,6 @@ use weir_core::error::ApiError;
 use weir_core::signature::{self, SignatureError};
 use weir_core::trusted;
 
-/// Output tokens assumed for a request the filter did not meter (a pass-through route): the
-/// sidecar still needs a figure for KV admission.
-pub const UNMETERED_OUTPUT_TOKENS: u64 = 512;
-/// Bytes per token assumed when the filter sent no prompt estimate.
-const BYTES_PER_TOKEN: u64 = 4;
-
 /// What the filter established about a request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Trusted {
@@ -33,8 +27,6 @@ pub struct Trusted {
     pub tier: String,
     pub weight: f64,
     pub priority: Priority,
-    pub input_tokens: u64,
-    pub reserved_output: u64,
     pub kv_cap: Option<u64>,
     /// The models the key may use, when it may not use all.
     pub models: Option<Vec<String>>,
@@ -55,13 +47,11 @@ impl Trust {
         }
     }
 
-    /// The trusted facts of a request, or the reply that refuses it. `body_len` stands in for
-    /// the prompt estimate of requests the filter did not meter; `deadline_ms` is how long the
-    /// request may wait for dispatch.
+    /// The trusted facts of a request, or the reply that refuses it; `deadline_ms` is how long
+    /// the request may wait for dispatch.
     pub fn check(
         &self,
         headers: &HeaderMap,
-        body_len: usize,
         now_ms: u64,
         deadline_ms: u64,
     ) -> Result<Trusted, ApiError> {
@@ -81,7 +71,7 @@ impl Trust {
             .find(|(n, _)| *n == trusted::SIGNATURE)
             .and_then(|(_, v)| v.split(':').nth(1)?.parse().ok())
             .unwrap_or(now_ms);
-        let who = parse(&weir, body_len, now_ms + deadline_ms)?;
+        let who = parse(&weir, now_ms + deadline_ms)?;
         let fresh = self
             .used
             .lock()
@@ -148,7 +138,7 @@ fn invalid(header: &str, problem: &str) -> ApiError {
 }
 
 /// Parses the signed values strictly.
-fn parse(headers: &[(&str, &str)], body_len: usize, deadline_ms: u64) -> Result<Trusted, ApiError> {
+fn parse(headers: &[(&str, &str)], deadline_ms: u64) -> Result<Trusted, ApiError> {
     let get = |name: &str| headers.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
     let required = |name: &'static str| get(name).ok_or_else(|| invalid(name, "is missing"));
     let checked = |name: &'static str, ok: fn(&str) -> bool, problem: &str| {
@@ -189,8 +179,6 @@ fn parse(headers: &[(&str, &str)], body_len: usize, deadline_ms: u64) -> Result<
         tier: checked(trusted::TIER, trusted::is_level_id, "is not a tier name")?,
         weight,
         priority,
-        input_tokens: tokens(trusted::INPUT_TOKENS)?.unwrap_or(body_len as u64 / BYTES_PER_TOKEN),
-        reserved_output: tokens(trusted::RESERVED_OUTPUT)?.unwrap_or(UNMETERED_OUTPUT_TOKENS),
         kv_cap: tokens(trusted::KV_LIMIT)?,
         models: get(trusted::MODELS)
             .map(|v| {
@@ -248,27 +236,19 @@ mod tests {
     }
 
     #[test]
-    fn signed_values_are_trusted_and_defaults_only_fill_unmetered_estimates() {
+    fn signed_values_are_trusted() {
         let who = trust()
-            .check(&signed(SECRET, &base(), 2_000), 400, 1_000, 50)
+            .check(&signed(SECRET, &base(), 2_000), 1_000, 50)
             .unwrap();
         assert_eq!(
             (who.tenant.as_str(), who.weight, who.priority, who.kv_cap),
             ("acme/lab/e2e/k", 2.0, Priority::Batch, Some(5000))
         );
-        assert_eq!(
-            (who.input_tokens, who.reserved_output),
-            (100, UNMETERED_OUTPUT_TOKENS)
-        );
         assert_eq!(who.deadline_ms, 1_050);
         // The previous secret still verifies (rotation).
         let mut other = base();
         other[4].1 = "weir-2".into();
-        assert!(
-            trust()
-                .check(&signed(OLD, &other, 2_000), 0, 1_000, 0)
-                .is_ok()
-        );
+        assert!(trust().check(&signed(OLD, &other, 2_000), 1_000, 0).is_ok());
     }
 
     #[test]
@@ -277,31 +257,31 @@ mod tests {
         let mut unsigned = HeaderMap::new();
         unsigned.insert(trusted::TENANT, HeaderValue::from_static("acme/lab/e2e/k"));
         assert_eq!(
-            code(t.check(&unsigned, 0, 0, 0)),
+            code(t.check(&unsigned, 0, 0)),
             (401, "untrusted_request".into())
         );
 
         let mut forged = signed(SECRET, &base(), 2_000);
         forged.insert(trusted::WEIGHT, HeaderValue::from_static("1e300"));
         assert_eq!(
-            code(t.check(&forged, 0, 0, 0)),
+            code(t.check(&forged, 0, 0)),
             (401, "untrusted_request".into())
         );
 
         let stranger = signed(b"an attacker's guess at the secret!", &base(), 2_000);
         assert_eq!(
-            code(t.check(&stranger, 0, 0, 0)),
+            code(t.check(&stranger, 0, 0)),
             (401, "untrusted_request".into())
         );
 
         let h = signed(SECRET, &base(), 2_000);
         assert_eq!(
-            code(t.check(&h, 0, 2_001, 0)),
+            code(t.check(&h, 2_001, 0)),
             (401, "signature_expired".into())
         );
-        assert!(t.check(&h, 0, 1_000, 0).is_ok());
+        assert!(t.check(&h, 1_000, 0).is_ok());
         assert_eq!(
-            code(t.check(&h, 0, 1_001, 0)),
+            code(t.check(&h, 1_001, 0)),
             (401, "replayed_request".into())
         );
     }
@@ -318,14 +298,14 @@ mod tests {
             (trusted::TENANT, "../../etc"),
             (trusted::TENANT, "a/b/c/d/e"),
             (trusted::TIER, "gold tier"),
-            (trusted::INPUT_TOKENS, "1.5"),
+            (trusted::MODELS, "a,,b"),
             (trusted::IDEMPOTENCY_KEY, ""),
         ] {
             let mut fields = base();
             fields.retain(|(n, _)| *n != name);
             fields.push((name, bad.into()));
             assert_eq!(
-                code(trust().check(&signed(SECRET, &fields, 2_000), 0, 0, 0)),
+                code(trust().check(&signed(SECRET, &fields, 2_000), 0, 0)),
                 (400, "invalid_trusted_header".into()),
                 "{name}: {bad}"
             );
@@ -333,7 +313,7 @@ mod tests {
         let mut missing = base();
         missing.retain(|(n, _)| *n != trusted::WEIGHT);
         assert_eq!(
-            code(trust().check(&signed(SECRET, &missing, 2_000), 0, 0, 0)).0,
+            code(trust().check(&signed(SECRET, &missing, 2_000), 0, 0)).0,
             400
         );
     }

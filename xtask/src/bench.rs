@@ -170,8 +170,6 @@ fn signed(
             "x-weir-request-id",
             format!("relay-{n}-{i}-{}", start.elapsed().as_nanos()),
         ),
-        ("x-weir-input-tokens", "10".to_owned()),
-        ("x-weir-reserved-output", RELAY_TOKENS.to_string()),
     ];
     let view: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let expires_ms = std::time::SystemTime::now()
