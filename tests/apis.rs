@@ -710,3 +710,15 @@ async fn envoy_s_own_refusals_reach_each_client_in_its_api_s_shape() {
     let error: Value = denied.json().await.unwrap();
     assert_eq!(error["error"]["type"], "authentication_error", "{error}");
 }
+
+#[tokio::test]
+async fn a_body_the_filter_admits_is_never_too_large_for_the_sidecar() {
+    let _turn = turn().await;
+    // 3 MiB of a field that stays out of the prompt: under the filter's 4 MiB limit (axum's
+    // default limit of 2 MB refused such bodies at the sidecar).
+    let body = json!({"model": "tiny", "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}],
+        "metadata": {"note": "x".repeat(3 << 20)}});
+    let resp = post("/v1/chat/completions", "plain", &body, "large-body").await;
+    assert_eq!(resp.status(), StatusCode::OK, "{}", resp.text().await.unwrap());
+}
