@@ -2,8 +2,8 @@
 //! simulator, the sidecar, Envoy with the built filter, and llama.cpp's `llama-server`
 //! ([`llama`]). Binaries come from the workspace's target directory (built by `cargo xtask
 //! test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM`, `WEIR_FAULT_FILTER_WASM` (the filter's
-//! fault-injection build, for tests that make its VMs trap) and `ENVOY_BIN`; llama-server from
-//! its cache.
+//! fault-injection build, for tests that make its VMs trap), `ENVOY_BIN` and `WEIR_XTASK_BIN`
+//! (the `cargo xtask` binary, whose OCI image the tests pull back); llama-server from its cache.
 //!
 //! Every child process is started from one long-lived thread with `PR_SET_PDEATHSIG`, so the
 //! whole stack dies with the test binary, however it exits.
@@ -70,6 +70,14 @@ pub fn fault_filter_wasm() -> PathBuf {
 
 pub fn envoy_bin() -> PathBuf {
     from_env_or("ENVOY_BIN", workspace_root().join(".weir/venv/bin/envoy"))
+}
+
+/// The `cargo xtask` binary (built by any `cargo xtask` command), for tests of what it makes.
+pub fn xtask_bin() -> PathBuf {
+    from_env_or(
+        "WEIR_XTASK_BIN",
+        workspace_root().join("target/debug/xtask"),
+    )
 }
 
 /// The environment variable both the filter (through Envoy's `host_env_keys`) and the sidecar
@@ -398,13 +406,14 @@ impl Sidecar {
     }
 }
 
-/// A running Envoy with the weir filter, from `envoy/envoy.yaml.tmpl`; stopped when dropped.
+/// A running Envoy with the weir filter, from `envoy/envoy.yaml.tmpl` (or a config of the
+/// caller's, [`Envoy::launch_config`]); stopped when dropped.
 pub struct Envoy {
     pub url: String,
     pub admin: String,
     pub access_log: PathBuf,
     child: Child,
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
 }
 
 impl Drop for Envoy {
@@ -473,11 +482,42 @@ impl Envoy {
     ) -> Envoy {
         let dir = tempfile::tempdir().unwrap();
         let access_log = dir.path().join("access.log");
-        let admin_path = dir.path().join("admin.address");
         let config_path = render(&opts, wasm, dir.path(), &access_log, edit);
+        Envoy::run(&config_path, dir, access_log, &[], Stdio::null())
+    }
+
+    /// Runs Envoy with a config file of the caller's (a shipped one filled in, say) as
+    /// [`Envoy::launch`] runs the template: `--concurrency 2`, the signing secret in its
+    /// environment, the admin and listener ports read back (so the config may ask for port 0;
+    /// one listener). Envoy's stdout, where such a config logs access (`/dev/stdout`), is
+    /// [`Envoy::access_log`]. Its log ([`Envoy::log`]) is at `warning` but for the `config`
+    /// component, at `debug`: that is what says why a remote data source (a module fetched over
+    /// HTTP) was refused.
+    pub fn launch_config(config: &Path) -> Envoy {
+        let dir = tempfile::tempdir().unwrap();
+        let access_log = dir.path().join("stdout.log");
+        let stdout = std::fs::File::create(&access_log).unwrap();
+        Envoy::run(
+            config,
+            dir,
+            access_log,
+            &["--component-log-level", "config:debug"],
+            stdout.into(),
+        )
+    }
+
+    /// Starts Envoy on `config`, logging into `dir`, and waits for its listener.
+    fn run(
+        config: &Path,
+        dir: tempfile::TempDir,
+        access_log: PathBuf,
+        extra: &[&str],
+        stdout: Stdio,
+    ) -> Envoy {
+        let admin_path = dir.path().join("admin.address");
         let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")
-            .arg(&config_path)
+            .arg(config)
             .args([
                 "--concurrency",
                 "2",
@@ -485,6 +525,7 @@ impl Envoy {
                 "-l",
                 "warning",
             ])
+            .args(extra)
             // Flush the access log at once so tests can read it.
             .args([
                 "--file-flush-interval-msec",
@@ -497,7 +538,7 @@ impl Envoy {
             .arg("--log-path")
             .arg(dir.path().join("envoy.log"))
             .env(SIGNING_SECRET_ENV, signing_secret())
-            .stdout(Stdio::null())
+            .stdout(stdout)
             .stderr(Stdio::null());
         let child = spawn_owned(cmd);
         let admin = wait_for(Duration::from_secs(60), || {
@@ -506,19 +547,28 @@ impl Envoy {
                 .filter(|s| !s.trim().is_empty())
                 .map(|s| format!("http://{}", s.trim()))
         })
-        .unwrap_or_else(|| {
-            let log = std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default();
-            panic!("Envoy did not start:\n{log}")
-        });
+        .unwrap_or_else(|| panic!("Envoy did not start:\n{}", read_log(&dir)));
         let port = wait_for(Duration::from_secs(60), || listener_port(&admin))
             .expect("Envoy listener did not come up");
+        // The listener accepts once the server is initialised: at once with a local module,
+        // after the fetch (and its retries) with a remote one.
+        wait_for(Duration::from_secs(60), || {
+            let state = http_get(admin.trim_start_matches("http://"), "/ready")?;
+            (state.trim() == "LIVE").then_some(())
+        })
+        .unwrap_or_else(|| panic!("Envoy did not become ready:\n{}", read_log(&dir)));
         Envoy {
             url: format!("http://127.0.0.1:{port}"),
             admin,
             access_log,
             child,
-            _dir: dir,
+            dir,
         }
+    }
+
+    /// What Envoy has logged so far (`--log-path`).
+    pub fn log(&self) -> String {
+        read_log(&self.dir)
     }
 
     /// The Envoy process id (to read its memory use).
@@ -585,6 +635,11 @@ impl Envoy {
         })
         .unwrap_or_default()
     }
+}
+
+/// What an Envoy run logging into `dir` has logged so far.
+fn read_log(dir: &tempfile::TempDir) -> String {
+    std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default()
 }
 
 /// Writes the shipped template (`envoy/envoy.yaml.tmpl`), changed by `edit`, filled in for

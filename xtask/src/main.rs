@@ -1,4 +1,4 @@
-//! `cargo xtask up | test`: the project's two front-door commands.
+//! `cargo xtask up | test` (the project's two front-door commands), `bench`, `scenario` and `oci`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -9,6 +9,7 @@ use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim};
 
 mod bench;
 mod engines;
+mod oci;
 
 #[derive(Parser)]
 #[command(
@@ -52,6 +53,24 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
         args: Vec<String>,
     },
+    /// Build the filter and package it as an OCI image (the compat variant of the Wasm image
+    /// spec, which Istio's WasmPlugin and Envoy Gateway pull), written as an OCI image layout;
+    /// print its manifest digest and the .wasm's sha256, and push it if asked.
+    Oci {
+        /// Where to write the OCI image layout [default: target/oci/weir-filter].
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+        /// Also push the image to a registry over the OCI distribution API (anonymous, plain
+        /// HTTP), e.g. `127.0.0.1:5000/weir/filter:0.1.0`.
+        #[arg(long, value_name = "HOST:PORT/REPO:TAG")]
+        push: Option<String>,
+        /// Push over plain HTTP to a registry that is not on loopback (a loopback one always is).
+        #[arg(long, requires = "push")]
+        plain_http: bool,
+        /// Package this module instead of building the filter.
+        #[arg(long, value_name = "FILE")]
+        wasm: Option<PathBuf>,
+    },
     /// Install what the tests need, then run every test: lints, Rust, and the Python SDK suite.
     Test {
         /// Skip `cargo fmt --check` and `cargo clippy -D warnings`.
@@ -72,6 +91,12 @@ fn main() -> ExitCode {
         Task::Test { no_lint } => test(!no_lint),
         Task::Bench => bench(),
         Task::Scenario { args } => scenario(&args),
+        Task::Oci {
+            out,
+            push,
+            plain_http,
+            wasm,
+        } => oci(out, push.as_deref(), plain_http, wasm),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -282,6 +307,43 @@ fn scenario(args: &[String]) -> anyhow::Result<()> {
     )
 }
 
+fn oci(
+    out: Option<PathBuf>,
+    push: Option<&str>,
+    plain_http: bool,
+    wasm: Option<PathBuf>,
+) -> anyhow::Result<()> {
+    // Check the destination before a build of minutes.
+    let push = push.map(str::parse::<oci::Reference>).transpose()?;
+    if let Some(to) = &push {
+        oci::check_pushable(to, plain_http)?;
+    }
+    let wasm = match wasm {
+        Some(wasm) => wasm,
+        None => build_filter()?,
+    };
+    let module = std::fs::read(&wasm).with_context(|| format!("reading {}", wasm.display()))?;
+    let image = oci::Image::compat(&module)?;
+    let out = out.unwrap_or_else(|| root().join("target/oci/weir-filter"));
+    image.write_layout(&out)?;
+    eprintln!(
+        "xtask: wrote the OCI image layout {} (oci:{}:{}) of {}",
+        out.display(),
+        out.display(),
+        oci::LAYOUT_TAG,
+        wasm.display()
+    );
+    if let Some(to) = &push {
+        oci::push(&image, to, plain_http)?;
+        eprintln!("xtask: pushed {to}");
+    }
+    // What pins the module: Istio and Envoy Gateway check an oci:// image against the manifest
+    // digest, plain Envoy's remote code the .wasm's own sha256.
+    println!("manifest digest  {}", image.manifest_digest());
+    println!("wasm sha256      {}", oci::sha256_hex(&module));
+    Ok(())
+}
+
 /// Runs wasm32-wasip1 test and bench binaries under V8 (Node), the engine Envoy runs the filter
 /// in. Benchmarks want V8's optimising tier as Envoy uses it; tests run on the baseline tier.
 fn wasi_runner(optimizing_tier: bool) -> anyhow::Result<String> {
@@ -403,6 +465,7 @@ fn test(lint: bool) -> anyhow::Result<()> {
     )?;
     // Before `cargo test`, so no test's timeout includes a first build (minutes).
     c_toolchain()?;
+    oci_tools()?;
     let llama = weir_e2e::llama::build()?;
     eprintln!("xtask: llama-server ready: {}", llama.server.display());
     for features in [None, Some("fault-injection")] {
@@ -433,6 +496,8 @@ fn test(lint: bool) -> anyhow::Result<()> {
             .args(["test", "--workspace"])
             .env("WEIR_FILTER_WASM", &wasm)
             .env("WEIR_FAULT_FILTER_WASM", &fault_wasm)
+            // The OCI image's test runs `xtask oci`: this very binary.
+            .env("WEIR_XTASK_BIN", std::env::current_exe()?)
             .env(
                 "ENVOY_BIN",
                 std::env::var_os("ENVOY_BIN").unwrap_or(envoy.into()),
@@ -464,6 +529,22 @@ fn test(lint: bool) -> anyhow::Result<()> {
 /// The C/C++ compilers and make that llama.cpp's build needs (cmake comes from the venv):
 /// Debian's `build-essential`, installed with apt-get only when one is missing.
 fn c_toolchain() -> anyhow::Result<()> {
+    debian_tools(&[
+        ("cc", "build-essential"),
+        ("c++", "build-essential"),
+        ("make", "build-essential"),
+    ])
+}
+
+/// What the OCI image's end-to-end test (`tests/oci.rs`) pushes to and pulls with: a registry
+/// (CNCF distribution, Debian's `docker-registry`) and an independent client (`skopeo`).
+fn oci_tools() -> anyhow::Result<()> {
+    debian_tools(&[("docker-registry", "docker-registry"), ("skopeo", "skopeo")])
+}
+
+/// Installs, with apt-get, the Debian packages of the `(tool, package)` pairs whose tool does
+/// not answer `--version`; nothing when every tool does.
+fn debian_tools(tools: &[(&str, &str)]) -> anyhow::Result<()> {
     let present = |tool: &str| {
         Command::new(tool)
             .arg("--version")
@@ -472,7 +553,13 @@ fn c_toolchain() -> anyhow::Result<()> {
             .status()
             .is_ok_and(|s| s.success())
     };
-    if ["cc", "c++", "make"].into_iter().all(present) {
+    let mut missing: Vec<&str> = tools
+        .iter()
+        .filter(|(tool, _)| !present(tool))
+        .map(|&(_, package)| package)
+        .collect();
+    missing.dedup();
+    if missing.is_empty() {
         return Ok(());
     }
     run(
@@ -480,15 +567,10 @@ fn c_toolchain() -> anyhow::Result<()> {
         Command::new("apt-get").args(["update", "-q"]),
     )?;
     run(
-        "installing build-essential (apt-get)",
+        &format!("installing {} (apt-get)", missing.join(", ")),
         Command::new("apt-get")
-            .args([
-                "install",
-                "-y",
-                "-q",
-                "--no-install-recommends",
-                "build-essential",
-            ])
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing)
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )
 }
