@@ -108,7 +108,7 @@ fn envoy() -> &'static Envoy {
                 api_key("unlimited"),
                 api_key_limited("limited", json!({"output_tokens_per_minute": 100000})),
             ]}]}]}],
-            "routes": {"by_name": {"shadowed": {"mode": "shadow"}}},
+            "routes": {"default": {"mode": "enforce"}, "by_name": {"shadowed": {"mode": "shadow"}}},
         });
         Envoy::start(&config, port, port)
     })

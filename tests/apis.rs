@@ -720,5 +720,10 @@ async fn a_body_the_filter_admits_is_never_too_large_for_the_sidecar() {
         "messages": [{"role": "user", "content": "hi"}],
         "metadata": {"note": "x".repeat(3 << 20)}});
     let resp = post("/v1/chat/completions", "plain", &body, "large-body").await;
-    assert_eq!(resp.status(), StatusCode::OK, "{}", resp.text().await.unwrap());
+    assert_eq!(
+        resp.status(),
+        StatusCode::OK,
+        "{}",
+        resp.text().await.unwrap()
+    );
 }

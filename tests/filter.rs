@@ -34,7 +34,7 @@ fn weir_config() -> Value {
             {"id": "narrow", "sha256": hash_key("key-narrow"), "policy": {"models": ["other-model"]}},
         ]}]}]}],
         "models": {"tiny": {"max_context_tokens": 4096}},
-        "routes": {"by_name": {"shadowed": {"mode": "shadow"}}},
+        "routes": {"default": {"mode": "enforce"}, "by_name": {"shadowed": {"mode": "shadow"}}},
         "max_body_bytes": 65536,
     })
 }

@@ -168,7 +168,7 @@ fn weir_config() -> Value {
             key("free", json!({"max_output_tokens": 1024})),
         ]}]}]}],
         "models": {"tiny": {"max_context_tokens": 4096}},
-        "routes": {"by_name": {"shadowed": {"mode": "shadow"}}},
+        "routes": {"default": {"mode": "enforce"}, "by_name": {"shadowed": {"mode": "shadow"}}},
     })
 }
 

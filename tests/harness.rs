@@ -19,6 +19,7 @@ use std::sync::mpsc::{Sender, channel};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+pub mod ecds;
 pub mod llama;
 
 pub fn workspace_root() -> PathBuf {
@@ -507,7 +508,7 @@ impl Envoy {
     }
 
     /// Starts Envoy on `config`, logging into `dir`, and waits for its listener.
-    fn run(
+    pub(crate) fn run(
         config: &Path,
         dir: tempfile::TempDir,
         access_log: PathBuf,
@@ -548,8 +549,8 @@ impl Envoy {
                 .map(|s| format!("http://{}", s.trim()))
         })
         .unwrap_or_else(|| panic!("Envoy did not start:\n{}", read_log(&dir)));
-        let port = wait_for(Duration::from_secs(60), || listener_port(&admin))
-            .expect("Envoy listener did not come up");
+        let port = wait_for(Duration::from_secs(20), || listener_port(&admin))
+            .unwrap_or_else(|| panic!("Envoy's listener did not come up:\n{}", read_log(&dir)));
         // The listener accepts once the server is initialised: at once with a local module,
         // after the fetch (and its retries) with a remote one.
         wait_for(Duration::from_secs(60), || {
@@ -642,9 +643,23 @@ fn read_log(dir: &tempfile::TempDir) -> String {
     std::fs::read_to_string(dir.path().join("envoy.log")).unwrap_or_default()
 }
 
+/// A test stack's weir config as the filter gets it: enforcing on every route unless the
+/// config names its routes (weir's own default is `ignore`: a route the config does not name
+/// is not weir's), and signing with [`signing_secret`] unless it says otherwise.
+pub(crate) fn for_tests(weir_config: &serde_json::Value) -> serde_json::Value {
+    let mut weir_config = weir_config.clone();
+    if weir_config.get("routes").is_none() {
+        weir_config["routes"] = serde_json::json!({"default": {"mode": "enforce"}});
+    }
+    if weir_config.get("signing").is_none() {
+        weir_config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
+    }
+    weir_config
+}
+
 /// Writes the shipped template (`envoy/envoy.yaml.tmpl`), changed by `edit`, filled in for
 /// `opts` with the filter `wasm`, into `dir`; returns the config's path.
-fn render(
+pub(crate) fn render(
     opts: &EnvoyOptions<'_>,
     wasm: &Path,
     dir: &Path,
@@ -658,11 +673,7 @@ fn render(
         let end = template.find("# @@FILTER_END@@").unwrap();
         template.replace_range(start..end, "");
     }
-    let mut weir_config = opts.weir_config.clone();
-    if weir_config.get("signing").is_none() {
-        weir_config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
-    }
-    let config_json = serde_json::to_string(&weir_config.to_string()).unwrap();
+    let config_json = serde_json::to_string(&for_tests(opts.weir_config).to_string()).unwrap();
     let rendered = template
         .replace("@@ADMIN_PORT@@", "0")
         .replace("@@LISTEN_PORT@@", &opts.listen_port.to_string())

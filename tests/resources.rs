@@ -52,7 +52,7 @@ fn weir_config() -> Value {
             "narrow": {"max_context_tokens": 8192},
             "bare": {"max_context_tokens": 8192},
         },
-        "routes": {"by_name": {"shadowed": {"mode": "shadow"}}},
+        "routes": {"default": {"mode": "enforce"}, "by_name": {"shadowed": {"mode": "shadow"}}},
         // The fast estimate above 1 kB, so a prompt can be built that it underestimates.
         "estimator": {"exact_below_bytes": 1000},
     })

@@ -83,7 +83,7 @@ fn stack() -> &'static Stack {
             ],
         }));
         let main = Envoy::start(
-            &weir_config(json!({"by_name": {"shadowed": {"mode": "shadow"}}})),
+            &weir_config(json!({"default": {"mode": "enforce"}, "by_name": {"shadowed": {"mode": "shadow"}}})),
             sidecar.port,
             recorder.port,
         );

@@ -230,6 +230,10 @@ pub struct Key {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
+    /// Not weir's route: the request passes as it came (only caller-sent `x-weir-*` headers
+    /// are removed), neither authenticated, signed, metered nor counted. What a shared
+    /// gateway's other routes get unless the config names them.
+    Ignore,
     /// Neither metered nor refused; still signed and scheduled (as the key's tenant when it
     /// is valid, else as the default tenant).
     Off,
@@ -264,11 +268,29 @@ impl Default for RouteConfig {
     }
 }
 
-/// Per-route behaviour, selected by the Envoy route name (or the `weir_mode` route metadata).
-#[derive(Clone, Debug, Default, Deserialize)]
+fn ignored() -> RouteConfig {
+    RouteConfig {
+        mode: Mode::Ignore,
+        rollout_percent: default_rollout(),
+    }
+}
+
+impl Default for RoutesConfig {
+    fn default() -> Self {
+        RoutesConfig {
+            default: ignored(),
+            by_name: BTreeMap::new(),
+        }
+    }
+}
+
+/// Per-route behaviour, selected by the Envoy route name (or the `weir` route metadata). A
+/// route the config does not name gets `default`, which is `ignore` unless set: on a shared
+/// gateway weir acts only on the routes it is configured for.
+#[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RoutesConfig {
-    #[serde(default)]
+    #[serde(default = "ignored")]
     pub default: RouteConfig,
     #[serde(default)]
     pub by_name: BTreeMap<String, RouteConfig>,
@@ -731,7 +753,11 @@ mod tests {
         let config = Config::from_json(sample().as_bytes()).unwrap();
         assert_eq!(config.route(Some("shadowed")).mode, Mode::Shadow);
         assert_eq!(config.route(Some("shadowed")).rollout_percent, 50);
-        assert_eq!(config.route(Some("other")).mode, Mode::Enforce);
+        assert_eq!(
+            config.route(Some("other")).mode,
+            Mode::Ignore,
+            "a route the config does not name is not weir's"
+        );
         assert_eq!(config.route(None).rollout_percent, 100);
         assert_eq!(config.model("m1"), (Encoding::O200kBase, Some(8192)));
         assert_eq!(config.model("m9"), (Encoding::Cl100kBase, None));

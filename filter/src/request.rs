@@ -55,6 +55,8 @@ const MAX_METERED_BODY: usize = 4 * 1024 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
+    /// Not weir's route (mode `ignore`): passed as it came, nothing recorded.
+    Ignored,
     /// Not metered: the route is off or outside its rollout, or shadow let it through. Still
     /// forwarded with signed trusted headers.
     Passthrough,
@@ -159,7 +161,9 @@ impl Request {
         if let Some(pct) = meta("rollout_percent").and_then(|p| p.parse().ok()) {
             route.rollout_percent = pct;
         }
-        if rollout_bucket(attempt_id) < u32::from(route.rollout_percent) {
+        if route.mode == Mode::Ignore
+            || rollout_bucket(attempt_id) < u32::from(route.rollout_percent)
+        {
             route.mode
         } else {
             Mode::Off
@@ -276,6 +280,10 @@ impl Request {
         // passed on untouched and never identifies an attempt.
         let attempt_id = host::unique_id();
         let mode = self.mode(&attempt_id);
+        if mode == Mode::Ignore {
+            self.stage = Stage::Ignored;
+            return Action::Continue;
+        }
         self.vouch(trusted::REQUEST_ID, attempt_id);
         let idempotency_key = self.idempotency_key();
         if let Ok(Some(key)) = &idempotency_key {
@@ -691,6 +699,9 @@ impl Request {
     }
 
     fn on_log_entry(&mut self) {
+        if self.stage == Stage::Ignored {
+            return;
+        }
         // The backstop: a stream that ended without its last chunk (client gone, upstream
         // reset) settles here with what was seen.
         if matches!(
