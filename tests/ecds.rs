@@ -54,6 +54,11 @@ impl Source {
     /// Writes the next version of the plugin's config, atomically (a rename into the watched
     /// directory, as Envoy's file watch expects).
     fn write(&self, weir_config: &Value) {
+        self.write_text(&for_tests(weir_config).to_string());
+    }
+
+    /// [`write`](Self::write) with the plugin config as text (YAML, say), as it is.
+    fn write_text(&self, weir_config: &str) {
         let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
         let p = &self.plugin;
         let resource = json!({
@@ -69,7 +74,7 @@ impl Source {
                         "failure_policy": p.failure_policy,
                         "configuration": {
                             "@type": "type.googleapis.com/google.protobuf.StringValue",
-                            "value": for_tests(weir_config).to_string(),
+                            "value": weir_config,
                         },
                         "vm_config": {
                             "vm_id": p.vm_id,
@@ -146,12 +151,22 @@ impl EcdsEnvoy {
     /// Pushes a new version of the filter's config; returns once Envoy has taken it (its
     /// `config_reload` count went up), or panics with Envoy's log after five seconds.
     pub async fn push(&self, weir_config: &Value) {
+        self.push_with(|source| source.write(weir_config)).await;
+    }
+
+    /// [`push`](Self::push) of a config as text, as it is (YAML, say).
+    pub async fn push_text(&self, weir_config: &str) {
+        self.push_with(|source| source.write_text(weir_config))
+            .await;
+    }
+
+    async fn push_with(&self, write: impl FnOnce(&Source)) {
         let stat = format!(
             "extension_config_discovery.http_filter.{}.config_reload",
             self.source.plugin.name
         );
         let before = self.envoy.stat(&stat).await.unwrap_or(0);
-        self.source.write(weir_config);
+        write(&self.source);
         for _ in 0..100 {
             if self.envoy.stat(&stat).await.unwrap_or(0) > before {
                 return;

@@ -285,3 +285,96 @@ async fn a_changed_limit_applies_from_the_next_request() {
     );
     gateway.push(&weir_config(true, 100, None)).await;
 }
+
+#[tokio::test]
+async fn a_yaml_config_is_read_as_its_json_is() {
+    let _turn = turn().await;
+    let gateway = &stack().gateway;
+    let hash = |key: &str| weir_core::keys::hash_key(&format!("key-{key}"));
+    let yaml = format!(
+        "# A plain Envoy user's config, as written.\n\
+         orgs:\n\
+         - id: acme\n  \
+           workspaces:\n  \
+           - id: lab\n    \
+             projects:\n    \
+             - id: mesh\n      \
+               keys:\n      \
+               - {{id: steady, sha256: {steady}}}\n      \
+               - {{id: yaml-only, sha256: {yaml_only}, limits: {{requests_per_minute: 1}}}}\n\
+         models:\n  tiny: {{max_context_tokens: 4096}}\n\
+         routes:\n  by_name:\n    enforced: {{mode: enforce}}\n\
+         signing: {{secret_env: {env}}}\n",
+        steady = hash("steady"),
+        yaml_only = hash("yaml-only"),
+        env = weir_e2e::SIGNING_SECRET_ENV,
+    );
+    gateway.push_text(&yaml).await;
+    let statuses = [
+        chat(
+            "/v1/chat/completions",
+            "yaml-only",
+            json!({"max_tokens": 1}),
+        )
+        .await
+        .status(),
+        chat(
+            "/v1/chat/completions",
+            "yaml-only",
+            json!({"max_tokens": 1}),
+        )
+        .await
+        .status(),
+        chat("/v1/chat/completions", "revoked", json!({"max_tokens": 1}))
+            .await
+            .status(),
+    ];
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::UNAUTHORIZED
+        ],
+        "the YAML's key, its limit, and no key it does not list"
+    );
+    gateway.push(&weir_config(true, 100, None)).await;
+}
+
+#[tokio::test]
+async fn disabled_and_expired_keys_are_refused_and_a_rotated_key_answers_to_both_hashes() {
+    let _turn = turn().await;
+    let gateway = &stack().gateway;
+    let hash = |key: &str| weir_core::keys::hash_key(&format!("key-{key}"));
+    let mut config = weir_config(true, 100, None);
+    let keys = config["orgs"][0]["workspaces"][0]["projects"][0]["keys"]
+        .as_array_mut()
+        .unwrap();
+    keys.push(json!({"id": "retired", "sha256": hash("retired"), "disabled": true}));
+    keys.push(
+        json!({"id": "lapsed", "sha256": hash("lapsed"), "expires_at": "2020-01-01T00:00:00Z"}),
+    );
+    keys.push(
+        json!({"id": "rotating", "sha256": [hash("rotating"), hash("rotating-new")],
+        "limits": {"requests_per_minute": 1000}}),
+    );
+    gateway.push(&config).await;
+    for (key, code) in [("retired", "key_disabled"), ("lapsed", "key_expired")] {
+        let resp = chat("/v1/chat/completions", key, json!({"max_tokens": 1})).await;
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED, "{key}");
+        let error: Value = resp.json().await.unwrap();
+        assert_eq!(error["error"]["code"], code, "{key}: {error}");
+    }
+    // The old key and the new one are one tenant with one set of counters.
+    let requests = "anthropic-ratelimit-requests-remaining";
+    let before = standing("rotating", requests).await;
+    for key in ["rotating", "rotating-new"] {
+        let status = chat("/v1/chat/completions", key, json!({"max_tokens": 1}))
+            .await
+            .status();
+        assert_eq!(status, StatusCode::OK, "{key}");
+    }
+    let after = standing("rotating-new", requests).await;
+    assert_eq!(before - after, 2, "both keys spent the same bucket");
+    gateway.push(&weir_config(true, 100, None)).await;
+}

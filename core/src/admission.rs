@@ -273,7 +273,7 @@ mod tests {
                 "models":{{"small":{{"max_context_tokens":100}}}},"max_body_bytes":2000}}"#,
             h = "a".repeat(64)
         );
-        Config::from_json(json.as_bytes()).unwrap()
+        Config::parse(json.as_bytes()).unwrap()
     }
 
     fn run(config: &Config, body: &str) -> Result<Admitted, Rejection> {
@@ -570,7 +570,7 @@ mod tests {
 
     #[test]
     fn token_caps_past_what_can_be_vouched_for_are_refused_in_config() {
-        let err = Config::from_json(
+        let err = Config::parse(
             br#"{"orgs":[{"id":"o","policy":{"default_max_tokens":18446744073709551615}}]}"#,
         )
         .err()

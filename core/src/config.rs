@@ -1,9 +1,14 @@
 //! The gateway's configuration: the org → workspace → project → key hierarchy with limits and
 //! policy at every level, the models it knows, and how routes opt in.
 //!
-//! Parsing names the offending field (`orgs[0].workspaces[1].limits.requests_per_minute: …`),
-//! and [`Config::directory`] resolves every key into the [`Tenant`] it authenticates, so the
-//! request path only does a hash lookup.
+//! A config is YAML or JSON (Istio hands a `WasmPlugin`'s `pluginConfig` to the module as JSON;
+//! plain Envoy users write YAML). Parsing names the offending field
+//! (`orgs[0].workspaces[1].limits.requests_per_minute: …`), and [`Config::directory`] resolves
+//! every key into the [`Tenant`] it authenticates, so the request path only does a hash lookup.
+//!
+//! Ids are what counters, fair shares and prefix-cache salts are keyed by: keep a level's `id`
+//! when renaming it (its `name` is free text), and rotate a key by giving its entry the new hash
+//! beside the old (`sha256` takes a list) — the key's counters stay where they are.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -182,6 +187,9 @@ pub struct Policy {
 #[serde(deny_unknown_fields)]
 pub struct Org {
     pub id: String,
+    /// For people: free text, never a key of anything.
+    #[serde(default)]
+    pub name: Option<String>,
     #[serde(default)]
     pub limits: Limits,
     #[serde(default)]
@@ -195,6 +203,8 @@ pub struct Org {
 pub struct Workspace {
     pub id: String,
     #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
     pub limits: Limits,
     #[serde(default)]
     pub policy: Policy,
@@ -207,6 +217,8 @@ pub struct Workspace {
 pub struct Project {
     pub id: String,
     #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
     pub limits: Limits,
     #[serde(default)]
     pub policy: Policy,
@@ -218,12 +230,47 @@ pub struct Project {
 #[serde(deny_unknown_fields)]
 pub struct Key {
     pub id: String,
-    /// SHA-256 of the key, lowercase hex (`weir keys new` prints it).
-    pub sha256: String,
+    #[serde(default)]
+    pub name: Option<String>,
+    /// SHA-256 of the key, lowercase hex (`weir keys new` prints it); during a rotation, the
+    /// new key's and the old one's.
+    pub sha256: KeyHashes,
+    /// A disabled key is refused (401 `key_disabled`) but keeps its place and its counters.
+    #[serde(default)]
+    pub disabled: bool,
+    /// From this time on (RFC 3339, e.g. `2027-01-31T00:00:00Z`) the key is refused (401
+    /// `key_expired`).
+    #[serde(default)]
+    pub expires_at: Option<String>,
     #[serde(default)]
     pub limits: Limits,
     #[serde(default)]
     pub policy: Policy,
+}
+
+/// One key hash, or several for one key being rotated.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum KeyHashes {
+    One(String),
+    Several(Vec<String>),
+}
+
+impl KeyHashes {
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        let hashes: &[String] = match self {
+            KeyHashes::One(h) => std::slice::from_ref(h),
+            KeyHashes::Several(hs) => hs,
+        };
+        hashes.iter().map(String::as_str)
+    }
+}
+
+/// Why a known key is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyRefusal {
+    Disabled,
+    Expired,
 }
 
 /// Whether weir acts on a route.
@@ -304,6 +351,16 @@ pub struct ConfigError {
     pub message: String,
 }
 
+fn field_error(path: &serde_path_to_error::Path, error: &impl std::fmt::Display) -> ConfigError {
+    let path = path.to_string();
+    let field = if path == "." || path == "?" {
+        "config".into()
+    } else {
+        path
+    };
+    invalid(field, error.to_string())
+}
+
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.into(),
@@ -333,9 +390,23 @@ pub struct Tenant {
     pub priority: Priority,
     pub models: Option<Vec<String>>,
     pub default_max_tokens: Option<u64>,
+    pub disabled: bool,
+    /// When the key expires, in ms since the Unix epoch.
+    pub expires_ms: Option<u64>,
 }
 
 impl Tenant {
+    /// Why the key may not be used at `now_ms`, if it may not.
+    pub fn refusal(&self, now_ms: u64) -> Option<KeyRefusal> {
+        if self.disabled {
+            Some(KeyRefusal::Disabled)
+        } else if self.expires_ms.is_some_and(|t| now_ms >= t) {
+            Some(KeyRefusal::Expired)
+        } else {
+            None
+        }
+    }
+
     /// `org/workspace/project/key`: the tenant path passed to the sidecar.
     pub fn path(&self) -> &str {
         self.levels.last().map_or("", |l| l.path.as_str())
@@ -379,20 +450,15 @@ impl Directory {
 }
 
 impl Config {
-    /// Parses and validates a configuration; errors name the field.
-    pub fn from_json(json: &[u8]) -> Result<Config, ConfigError> {
-        let de = &mut serde_json::Deserializer::from_slice(json);
-        let config: Config = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            invalid(
-                if path == "." || path == "?" {
-                    "config".into()
-                } else {
-                    path
-                },
-                e.into_inner().to_string(),
-            )
-        })?;
+    /// Parses and validates a configuration, YAML or JSON; errors name the field.
+    pub fn parse(text: &[u8]) -> Result<Config, ConfigError> {
+        let config: Config = if text.trim_ascii_start().starts_with(b"{") {
+            let de = &mut serde_json::Deserializer::from_slice(text);
+            serde_path_to_error::deserialize(de).map_err(|e| field_error(e.path(), e.inner()))?
+        } else {
+            let de = serde_yaml_ng::Deserializer::from_slice(text);
+            serde_path_to_error::deserialize(de).map_err(|e| field_error(e.path(), e.inner()))?
+        };
         config.validate()?;
         Ok(config)
     }
@@ -448,20 +514,14 @@ impl Config {
                         let at = format!("{at}.keys[{k}]");
                         let (limits, policy) = (&key.limits, &key.policy);
                         check_level(&at, &key.id, limits, policy, &mut seen_ids, &project_path)?;
-                        let hex_ok = key.sha256.len() == 64
-                            && key
-                                .sha256
-                                .bytes()
-                                .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
-                        if !hex_ok {
-                            return Err(invalid(
-                                format!("{at}.sha256"),
-                                "must be 64 lowercase hex digits (the SHA-256 of the key)",
-                            ));
-                        }
-                        if !seen_hashes.insert(key.sha256.as_str()) {
-                            return Err(invalid(format!("{at}.sha256"), "duplicate key hash"));
-                        }
+                        check_key(&at, key, &mut seen_hashes)?;
+                        let chain = [
+                            (&org.id, &org.limits, &org.policy),
+                            (&ws.id, &ws.limits, &ws.policy),
+                            (&project.id, &project.limits, &project.policy),
+                            (&key.id, &key.limits, &key.policy),
+                        ];
+                        check_admits_something(&at, &resolve(&chain))?;
                     }
                 }
             }
@@ -516,6 +576,8 @@ impl Config {
             priority: d.priority,
             models: None,
             default_max_tokens: None,
+            disabled: false,
+            expires_ms: None,
         }
     }
 
@@ -532,7 +594,14 @@ impl Config {
                             (&project.id, &project.limits, &project.policy),
                             (&key.id, &key.limits, &key.policy),
                         ];
-                        by_hash.insert(key.sha256.clone(), Arc::new(resolve(&chain)));
+                        let tenant = Arc::new(Tenant {
+                            disabled: key.disabled,
+                            expires_ms: key.expires_at.as_deref().and_then(parse_rfc3339),
+                            ..resolve(&chain)
+                        });
+                        for hash in key.sha256.iter() {
+                            by_hash.insert(hash.to_owned(), tenant.clone());
+                        }
                     }
                 }
             }
@@ -645,6 +714,114 @@ fn check_level(
     Ok(())
 }
 
+/// A key's hashes (well-formed, used by no other key), its expiry.
+fn check_key<'c>(at: &str, key: &'c Key, seen: &mut HashSet<&'c str>) -> Result<(), ConfigError> {
+    let mut hashes = key.sha256.iter().peekable();
+    if hashes.peek().is_none() {
+        return Err(invalid(format!("{at}.sha256"), "at least one key hash"));
+    }
+    for hash in hashes {
+        let hex_ok =
+            hash.len() == 64 && hash.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'));
+        if !hex_ok {
+            return Err(invalid(
+                format!("{at}.sha256"),
+                "must be 64 lowercase hex digits (the SHA-256 of the key)",
+            ));
+        }
+        if !seen.insert(hash) {
+            return Err(invalid(format!("{at}.sha256"), "duplicate key hash"));
+        }
+    }
+    if let Some(at_time) = &key.expires_at
+        && parse_rfc3339(at_time).is_none()
+    {
+        return Err(invalid(
+            format!("{at}.expires_at"),
+            "an RFC 3339 time in UTC or with an offset, e.g. 2027-01-31T00:00:00Z",
+        ));
+    }
+    Ok(())
+}
+
+/// Limits that together refuse every request the key could send.
+fn check_admits_something(at: &str, tenant: &Tenant) -> Result<(), ConfigError> {
+    let (context, output) = (
+        tenant.tightest(|l| l.max_context_tokens),
+        tenant.tightest(|l| l.max_output_tokens),
+    );
+    if context.is_some_and(|c| c < 2) {
+        return Err(invalid(
+            format!("{at}: max_context_tokens"),
+            "a prompt and an answer need at least 2 tokens of context",
+        ));
+    }
+    if let (Some(default), Some(cap)) = (tenant.default_max_tokens, output)
+        && default > cap
+    {
+        return Err(invalid(
+            format!("{at}: policy.default_max_tokens"),
+            format!(
+                "{default} is over the max_output_tokens of {cap} on the key's path: weir would \
+                 fill in more output than the key may ask for"
+            ),
+        ));
+    }
+    if let (Some(default), Some(context)) = (tenant.default_max_tokens, context)
+        && default >= context
+    {
+        return Err(invalid(
+            format!("{at}: policy.default_max_tokens"),
+            format!(
+                "{default} leaves no room for a prompt in the max_context_tokens of {context} on \
+                 the key's path: every request that sets no output limit would be refused"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// An RFC 3339 time (`2027-01-31T00:00:00Z`, fractions and `±HH:MM` offsets allowed) in ms
+/// since the Unix epoch.
+pub fn parse_rfc3339(text: &str) -> Option<u64> {
+    let (date, time) = text.split_once(['T', 't'])?;
+    let mut d = date.split('-');
+    let (y, m, day): (i64, i64, i64) = (
+        d.next()?.parse().ok()?,
+        d.next()?.parse().ok()?,
+        d.next()?.parse().ok()?,
+    );
+    if d.next().is_some() || !(1..=12).contains(&m) || !(1..=31).contains(&day) {
+        return None;
+    }
+    let (clock, offset_s) = if let Some(clock) = time.strip_suffix(['Z', 'z']) {
+        (clock, 0)
+    } else {
+        let at = time.rfind(['+', '-'])?;
+        let (clock, offset) = time.split_at(at);
+        let (sign, hm) = offset.split_at(1);
+        let (oh, om) = hm.split_once(':')?;
+        let seconds = oh.parse::<i64>().ok()? * 3600 + om.parse::<i64>().ok()? * 60;
+        (clock, if sign == "-" { -seconds } else { seconds })
+    };
+    let mut c = clock.split(':');
+    let (h, min): (i64, i64) = (c.next()?.parse().ok()?, c.next()?.parse().ok()?);
+    let seconds: f64 = c.next()?.parse().ok()?;
+    if c.next().is_some() || h > 23 || min > 59 || !(0.0..61.0).contains(&seconds) {
+        return None;
+    }
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let ms = (days * 86_400 + h * 3_600 + min * 60 - offset_s) * 1_000 + (seconds * 1_000.0) as i64;
+    u64::try_from(ms).ok()
+}
+
 fn weight_message() -> String {
     let (lo, hi) = (trusted::WEIGHT_RANGE.start(), trusted::WEIGHT_RANGE.end());
     format!("must be a number between {lo} and {hi}")
@@ -683,6 +860,8 @@ fn resolve(chain: &Chain<'_>) -> Tenant {
         priority: most_specific(chain, |p| p.priority).unwrap_or_default(),
         models: most_specific(chain, |p| p.models.clone()),
         default_max_tokens: most_specific(chain, |p| p.default_max_tokens),
+        disabled: false,
+        expires_ms: None,
     }
 }
 
@@ -723,12 +902,12 @@ mod tests {
     }
 
     fn error_of(json: &str) -> ConfigError {
-        Config::from_json(json.as_bytes()).unwrap_err()
+        Config::parse(json.as_bytes()).unwrap_err()
     }
 
     #[test]
     fn resolves_keys_with_inherited_policy() {
-        let config = Config::from_json(sample().as_bytes()).unwrap();
+        let config = Config::parse(sample().as_bytes()).unwrap();
         let dir = config.directory();
         assert_eq!(dir.len(), 2);
         let ci = dir.lookup(&hash('a')).unwrap();
@@ -750,7 +929,7 @@ mod tests {
 
     #[test]
     fn routes_and_models_fall_back_to_defaults() {
-        let config = Config::from_json(sample().as_bytes()).unwrap();
+        let config = Config::parse(sample().as_bytes()).unwrap();
         assert_eq!(config.route(Some("shadowed")).mode, Mode::Shadow);
         assert_eq!(config.route(Some("shadowed")).rollout_percent, 50);
         assert_eq!(
@@ -817,7 +996,7 @@ mod tests {
 
     #[test]
     fn empty_config_is_valid() {
-        let config = Config::from_json(b"{}").unwrap();
+        let config = Config::parse(b"{}").unwrap();
         assert!(config.directory().is_empty());
         assert_eq!(config.max_body_bytes, 4 * 1024 * 1024);
         assert_eq!(config.signing, None);
@@ -826,7 +1005,7 @@ mod tests {
 
     #[test]
     fn signing_and_the_default_tenant_are_checked() {
-        let ok = Config::from_json(
+        let ok = Config::parse(
             br#"{"signing": {"secret_env": "S"}, "default_tenant": {"path": "public/anon", "weight": 0.5, "active_kv_tokens": 900}}"#,
         )
         .unwrap();
@@ -865,5 +1044,137 @@ mod tests {
         assert_eq!(error_of(&clash).field, "default_tenant.path");
         let huge = sample().replace(r#""weight": 3"#, r#""weight": 1e300"#);
         assert_eq!(error_of(&huge).field, "orgs[0].policy.weight");
+    }
+
+    #[test]
+    fn yaml_and_json_read_the_same_and_errors_name_the_field_in_both() {
+        let json = format!(
+            r#"{{"orgs":[{{"id":"acme","workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[{{"id":"k","sha256":"{h}","limits":{{"requests_per_minute":5}}}}]}}]}}]}}]}}"#,
+            h = hash('a')
+        );
+        let yaml = format!(
+            "orgs:\n- id: acme\n  workspaces:\n  - id: w\n    projects:\n    - id: p\n      keys:\n      - id: k\n        sha256: {h}\n        limits: {{requests_per_minute: 5}}\n",
+            h = hash('a')
+        );
+        let (from_json, from_yaml) = (
+            Config::parse(json.as_bytes()).unwrap(),
+            Config::parse(yaml.as_bytes()).unwrap(),
+        );
+        let tenant = |c: &Config| c.directory().lookup(&hash('a')).unwrap().as_ref().clone();
+        assert_eq!(tenant(&from_json), tenant(&from_yaml));
+        let bad = yaml.replace("requests_per_minute: 5", "requests_per_minute: lots");
+        let err = Config::parse(bad.as_bytes()).unwrap_err();
+        assert_eq!(
+            err.field,
+            "orgs[0].workspaces[0].projects[0].keys[0].limits.requests_per_minute"
+        );
+        let unknown = yaml.replace("limits:", "limitz:");
+        let err = Config::parse(unknown.as_bytes()).unwrap_err();
+        assert!(err.message.contains("unknown field"), "{err}");
+    }
+
+    fn one_key(key: &str) -> Result<Config, ConfigError> {
+        Config::parse(
+            format!(r#"{{"orgs":[{{"id":"o","workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[{key}]}}]}}]}}]}}"#)
+                .as_bytes(),
+        )
+    }
+
+    #[test]
+    fn a_rotated_key_answers_to_both_hashes_as_one_tenant_with_one_set_of_counters() {
+        let c = one_key(&format!(
+            r#"{{"id":"k","sha256":["{}","{}"]}}"#,
+            hash('a'),
+            hash('b')
+        ))
+        .unwrap();
+        let dir = c.directory();
+        let (old, new) = (
+            dir.lookup(&hash('a')).unwrap(),
+            dir.lookup(&hash('b')).unwrap(),
+        );
+        assert!(Arc::ptr_eq(old, new));
+        assert_eq!(
+            old.path(),
+            "o/w/p/k",
+            "counters are keyed by ids, not hashes"
+        );
+        assert!(one_key(r#"{"id":"k","sha256":[]}"#).is_err());
+    }
+
+    #[test]
+    fn disabled_and_expired_keys_are_refused_but_known() {
+        let c = one_key(&format!(
+            r#"{{"id":"k","sha256":"{}","disabled":true}},{{"id":"j","sha256":"{}","expires_at":"2027-01-31T00:00:00Z"}}"#,
+            hash('a'),
+            hash('b')
+        ))
+        .unwrap();
+        let dir = c.directory();
+        assert_eq!(
+            dir.lookup(&hash('a')).unwrap().refusal(0),
+            Some(KeyRefusal::Disabled)
+        );
+        let expiring = dir.lookup(&hash('b')).unwrap();
+        let at = parse_rfc3339("2027-01-31T00:00:00Z").unwrap();
+        assert_eq!(expiring.refusal(at - 1), None);
+        assert_eq!(expiring.refusal(at), Some(KeyRefusal::Expired));
+        let err = one_key(&format!(
+            r#"{{"id":"k","sha256":"{}","expires_at":"tomorrow"}}"#,
+            hash('a')
+        ))
+        .unwrap_err();
+        assert!(err.field.ends_with("keys[0].expires_at"), "{err}");
+    }
+
+    #[test]
+    fn rfc3339_times_are_read_with_their_offsets() {
+        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(
+            parse_rfc3339("2000-02-29T12:30:00.5Z"),
+            Some(951_827_400_500)
+        );
+        assert_eq!(
+            parse_rfc3339("2000-02-29T14:30:00+02:00"),
+            parse_rfc3339("2000-02-29T12:30:00Z")
+        );
+        for bad in [
+            "2000-13-01T00:00:00Z",
+            "2000-01-01",
+            "2000-01-01T25:00:00Z",
+            "x",
+        ] {
+            assert_eq!(parse_rfc3339(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn limits_that_refuse_every_request_are_refused() {
+        let key = |limits: &str, policy: &str| {
+            one_key(&format!(
+                r#"{{"id":"k","sha256":"{}","limits":{limits},"policy":{policy}}}"#,
+                hash('a')
+            ))
+        };
+        let err = key(
+            r#"{"max_output_tokens":100}"#,
+            r#"{"default_max_tokens":200}"#,
+        )
+        .unwrap_err();
+        assert!(err.message.contains("over the max_output_tokens"), "{err}");
+        let err = key(
+            r#"{"max_context_tokens":100}"#,
+            r#"{"default_max_tokens":100}"#,
+        )
+        .unwrap_err();
+        assert!(err.message.contains("leaves no room"), "{err}");
+        assert!(key(r#"{"max_context_tokens":1}"#, "{}").is_err());
+        assert!(
+            key(
+                r#"{"max_output_tokens":100,"max_context_tokens":200}"#,
+                r#"{"default_max_tokens":100}"#
+            )
+            .is_ok()
+        );
     }
 }

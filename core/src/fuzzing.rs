@@ -90,7 +90,7 @@ pub fn check_admit(data: &[u8]) {
         return;
     };
     let endpoint = Endpoint::ALL[usize::from(which) % Endpoint::ALL.len()];
-    let config = Config::from_json(ADMIT_CONFIG.as_bytes()).expect("the check's config is valid");
+    let config = Config::parse(ADMIT_CONFIG.as_bytes()).expect("the check's config is valid");
     let directory = config.directory();
     let tenant = directory.lookup(&"a".repeat(64)).expect("the check's key");
     match admission::admit(&config, tenant, endpoint, body) {
@@ -142,7 +142,7 @@ pub fn check_admit(data: &[u8]) {
 
 /// The configuration parser: never panics; what it accepts holds together.
 pub fn check_config(data: &[u8]) {
-    let Ok(config) = Config::from_json(data) else {
+    let Ok(config) = Config::parse(data) else {
         return;
     };
     assert!(config.max_body_bytes > 0);

@@ -524,7 +524,7 @@ mod tests {
                 {{"id":"p","keys":[{{"id":"k","sha256":"{h}","limits":{key}}}]}}]}}]}}]}}"#,
             h = "a".repeat(64)
         );
-        let config = Config::from_json(json.as_bytes()).unwrap();
+        let config = Config::parse(json.as_bytes()).unwrap();
         config
             .directory()
             .lookup(&"a".repeat(64))

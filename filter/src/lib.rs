@@ -72,7 +72,7 @@ impl RootContext for Root {
             .ok()
             .flatten()
             .unwrap_or_default();
-        let config = match Config::from_json(&raw) {
+        let config = match Config::parse(&raw) {
             Ok(config) => config,
             Err(e) => {
                 log::error!("weir: invalid configuration: {e}");

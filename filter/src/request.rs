@@ -26,7 +26,7 @@ use std::sync::Arc;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use weir_core::admission::{self, Admitted};
-use weir_core::config::{Mode, Tenant};
+use weir_core::config::{KeyRefusal, Mode, Tenant};
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
 use weir_core::keys::{hash_key, key_from_headers};
@@ -236,19 +236,26 @@ impl Request {
         Action::Continue
     }
 
-    /// The tenant of the request's key, if it carries a known one.
+    /// The tenant of the request's key, if it carries a known one that may be used now.
     fn authenticate(&self) -> Result<Arc<Tenant>, (&'static str, &'static str)> {
         let authorization = host::header(Side::Request, "authorization");
         let x_api_key = host::header(Side::Request, "x-api-key");
         let key = key_from_headers(authorization.as_deref(), x_api_key.as_deref());
         let tenant = key.and_then(|k| self.gw.directory.lookup(&hash_key(k)).cloned());
-        tenant.ok_or(match key {
-            None => (
+        match (key, tenant) {
+            (None, _) => Err((
                 "missing_api_key",
                 "Missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.",
-            ),
-            Some(_) => ("invalid_api_key", "Incorrect API key provided."),
-        })
+            )),
+            (Some(_), None) => Err(("invalid_api_key", "Incorrect API key provided.")),
+            (Some(_), Some(tenant)) => match tenant.refusal(host::now_ms()) {
+                None => Ok(tenant),
+                Some(KeyRefusal::Disabled) => {
+                    Err(("key_disabled", "This API key has been disabled."))
+                }
+                Some(KeyRefusal::Expired) => Err(("key_expired", "This API key has expired.")),
+            },
+        }
     }
 
     /// The caller's `Idempotency-Key`, carried to the sidecar (which deduplicates per tenant),
@@ -301,8 +308,13 @@ impl Request {
         let tenant = match self.authenticate() {
             Ok(tenant) => tenant,
             Err((reason, message)) => {
-                let error =
-                    ApiError::new(401, "AuthenticationError", message).with_code("invalid_api_key");
+                // OpenAI's code for a missing or unknown key; weir's own for a known one refused.
+                let code = if reason == "missing_api_key" {
+                    "invalid_api_key"
+                } else {
+                    reason
+                };
+                let error = ApiError::new(401, "AuthenticationError", message).with_code(code);
                 return self.refuse(self.error_reply(&error), reason, Stage::Passthrough);
             }
         };

@@ -13,10 +13,12 @@ pub const OUTCOMES: [&str; 5] = [
     "passthrough",
 ];
 
-pub const REJECTIONS: [&str; 21] = [
+pub const REJECTIONS: [&str; 23] = [
     "invalid_idempotency_key",
     "missing_api_key",
     "invalid_api_key",
+    "key_disabled",
+    "key_expired",
     "invalid_path",
     "unknown_path",
     "not_metered",
