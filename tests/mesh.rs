@@ -356,7 +356,7 @@ async fn disabled_and_expired_keys_are_refused_and_a_rotated_key_answers_to_both
     );
     keys.push(
         json!({"id": "rotating", "sha256": [hash("rotating"), hash("rotating-new")],
-        "limits": {"requests_per_minute": 1000}}),
+        "limits": {"requests_per_minute": 60}}),
     );
     gateway.push(&config).await;
     for (key, code) in [("retired", "key_disabled"), ("lapsed", "key_expired")] {
