@@ -2,9 +2,10 @@
 //! gateway config, so the plaintext key exists once, in this command's output. Usage is exported
 //! from the sidecar's ledger.
 
+mod config_check;
+
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use serde_json::json;
 use weir_core::keys::{KEY_PREFIX, hash_key};
 
 #[derive(Parser)]
@@ -20,6 +21,11 @@ enum Command {
     Keys {
         #[command(subcommand)]
         action: KeysAction,
+    },
+    /// Configs.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
     },
     /// Export billed usage from the sidecar's ledger (one row per attempt that used an engine).
     Usage {
@@ -78,16 +84,17 @@ fn export_usage(
         Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
         Format::Csv => {
             println!(
-                "tenant,idempotency_key,attempt,request_id,model,replica,prompt_tokens,completion_tokens,source,outcome,queued_ms,finished_at_ms"
+                "tenant,idempotency_key,attempt,request_id,model,api,replica,prompt_tokens,completion_tokens,source,outcome,queued_ms,finished_at_ms"
             );
             for r in rows {
                 println!(
-                    "{},{},{},{},{},{},{},{},{},{},{},{}",
+                    "{},{},{},{},{},{},{},{},{},{},{},{},{}",
                     r.tenant,
                     r.idempotency_key,
                     r.attempt,
                     r.request_id,
                     r.model,
+                    r.api,
                     r.replica,
                     r.prompt_tokens,
                     r.completion_tokens,
@@ -103,15 +110,53 @@ fn export_usage(
 }
 
 #[derive(Subcommand)]
+enum ConfigAction {
+    /// Validate a config exactly as the filter and sidecar will (field-path errors, unknown
+    /// fields, duplicate key hashes, limits that can never admit anything): a filter or sidecar
+    /// config, or the manifests carrying them (WasmPlugin, EnvoyExtensionPolicy, ConfigMap,
+    /// `kubectl kustomize` output). Exits 1 on any error.
+    Check {
+        file: std::path::PathBuf,
+        #[arg(long, value_enum, default_value = "auto")]
+        kind: config_check::Kind,
+    },
+}
+
+#[derive(Subcommand)]
 enum KeysAction {
-    /// Mint a key: prints it once, with the entry to add under a project's `keys`.
+    /// Mint a key: prints it once, with the YAML entry to add under its project's `keys`.
     New {
         /// The key's id within its project.
         #[arg(long, default_value = "default")]
         id: String,
+        /// Where the key goes: `org/workspace/project`.
+        #[arg(long)]
+        tenant: Option<String>,
     },
     /// Print the SHA-256 the config stores for an existing key (read from stdin).
     Hash,
+}
+
+/// The YAML entry of a new key, and where it goes when the tenant is given.
+fn key_entry(id: &str, sha256: &str, tenant: Option<&str>) -> anyhow::Result<String> {
+    if !weir_core::trusted::is_level_id(id) {
+        anyhow::bail!("--id {id}: letters, digits, '-', '_', '.'");
+    }
+    let entry = format!("- id: {id}\n  sha256: {sha256}");
+    let Some(tenant) = tenant else {
+        return Ok(format!("# add under a project's keys:\n{entry}"));
+    };
+    let ids: Vec<&str> = tenant.split('/').collect();
+    let [org, workspace, project] = ids.as_slice() else {
+        anyhow::bail!("--tenant {tenant}: org/workspace/project");
+    };
+    if !ids.iter().all(|i| weir_core::trusted::is_level_id(i)) {
+        anyhow::bail!("--tenant {tenant}: ids of letters, digits, '-', '_', '.'");
+    }
+    Ok(format!(
+        "# add under orgs[id={org}].workspaces[id={workspace}].projects[id={project}].keys\n\
+         # (its tenant path: {tenant}/{id}):\n{entry}"
+    ))
 }
 
 /// 192 random bits, hex-encoded, behind the recognisable prefix.
@@ -125,13 +170,25 @@ fn mint() -> anyhow::Result<String> {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Keys {
-            action: KeysAction::New { id },
+            action: KeysAction::New { id, tenant },
         } => {
             let key = mint()?;
-            let entry = json!({"id": id, "sha256": hash_key(&key)});
-            println!("key:    {key}");
-            println!("config: {entry}");
+            println!("key: {key}");
+            println!("{}", key_entry(&id, &hash_key(&key), tenant.as_deref())?);
             eprintln!("Store the key now: weir keeps only its hash.");
+        }
+        Command::Config {
+            action: ConfigAction::Check { file, kind },
+        } => {
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            match config_check::check(&text, kind) {
+                Ok(report) => println!("{}", report.join("\n")),
+                Err(e) => {
+                    eprintln!("{e}");
+                    std::process::exit(1);
+                }
+            }
         }
         Command::Keys {
             action: KeysAction::Hash,
@@ -155,6 +212,27 @@ fn main() -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_new_key_s_entry_says_where_it_goes() {
+        let entry = key_entry("ci", &"a".repeat(64), Some("acme/prod/assistant")).unwrap();
+        assert!(entry.contains("orgs[id=acme].workspaces[id=prod].projects[id=assistant].keys"));
+        assert!(entry.ends_with(&format!("- id: ci\n  sha256: {}", "a".repeat(64))));
+        let yaml = format!(
+            "orgs:\n- id: acme\n  workspaces:\n  - id: prod\n    projects:\n    - id: assistant\n      keys:\n{}",
+            entry
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(|l| format!("      {l}\n"))
+                .collect::<String>()
+        );
+        assert!(
+            weir_core::config::Config::parse(yaml.as_bytes()).is_ok(),
+            "{yaml}"
+        );
+        assert!(key_entry("ci", "x", Some("acme/prod")).is_err());
+        assert!(key_entry("a b", "x", None).is_err());
+    }
 
     #[test]
     fn since_understands_relative_windows() {

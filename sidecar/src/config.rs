@@ -248,9 +248,21 @@ impl SidecarConfig {
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let config: SidecarConfig = match path.extension().and_then(|e| e.to_str()) {
-            Some("json") => serde_json::from_str(&text)?,
-            _ => serde_yaml_ng::from_str(&text)?,
+        Self::parse(&text)
+    }
+
+    /// Parses (YAML or JSON) and validates a configuration; a malformed field is named by its
+    /// path (`pools[0].replicas: invalid type…`), and unknown fields are refused.
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        let named = |path: &serde_path_to_error::Path, e: &dyn std::fmt::Display| {
+            anyhow::anyhow!("{path}: {e}")
+        };
+        let config: SidecarConfig = if text.trim_start().starts_with('{') {
+            let de = &mut serde_json::Deserializer::from_str(text);
+            serde_path_to_error::deserialize(de).map_err(|e| named(e.path(), e.inner()))?
+        } else {
+            let de = serde_yaml_ng::Deserializer::from_str(text);
+            serde_path_to_error::deserialize(de).map_err(|e| named(e.path(), e.inner()))?
         };
         config.validate()?;
         Ok(config)

@@ -1,0 +1,248 @@
+//! `weir config check FILE`: validates a config exactly as the filter and the sidecar will read
+//! it — the same parsers, so a file that passes here loads there — for CI pipelines (exit code
+//! 1 on any error, each error naming its field).
+//!
+//! A file may be a filter config, a sidecar config, or the Kubernetes manifests that carry them:
+//! an Istio `WasmPlugin` (its `pluginConfig`), an Envoy Gateway `EnvoyExtensionPolicy` (each
+//! wasm entry's `config`), a `ConfigMap` (each value that is a sidecar config), in one document
+//! or many (`kubectl kustomize` output).
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+use serde_json::Value;
+use weir_core::config::Config;
+use weir_sidecar::config::SidecarConfig;
+
+/// Which config a file (or a part of a manifest) holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kind {
+    /// Decided from the contents.
+    Auto,
+    Filter,
+    Sidecar,
+}
+
+/// One config found in a file, and where.
+struct Found {
+    place: String,
+    kind: Kind,
+    text: String,
+}
+
+/// Checks every config in `text`; returns a line per config checked, or the errors.
+pub fn check(text: &str, kind: Kind) -> anyhow::Result<Vec<String>> {
+    let found = find(text, kind)?;
+    if found.is_empty() {
+        bail!("no weir config found (a filter config has `orgs`, a sidecar config `pools`)");
+    }
+    let mut report = Vec::new();
+    let mut errors = Vec::new();
+    for f in found {
+        let checked = match f.kind {
+            Kind::Sidecar => SidecarConfig::parse(&f.text).map(|c| describe_sidecar(&c)),
+            _ => Config::parse(f.text.as_bytes())
+                .map(|c| describe_filter(&c))
+                .map_err(anyhow::Error::from),
+        };
+        match checked {
+            Ok(line) => report.push(format!("ok    {}: {line}", f.place)),
+            Err(e) => errors.push(format!("error {}: {e:#}", f.place)),
+        }
+    }
+    if errors.is_empty() {
+        Ok(report)
+    } else {
+        report.extend(errors);
+        bail!(report.join("\n"))
+    }
+}
+
+/// The configs in a file: the file itself, or what its manifests carry.
+fn find(text: &str, kind: Kind) -> anyhow::Result<Vec<Found>> {
+    let whole = |kind| Found {
+        place: "file".into(),
+        kind,
+        text: text.to_owned(),
+    };
+    if kind != Kind::Auto {
+        return Ok(vec![whole(kind)]);
+    }
+    let mut found = Vec::new();
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+        let doc = Value::deserialize(doc).with_context(|| format!("document {}", i + 1))?;
+        found.extend(in_document(&doc, i + 1, text));
+    }
+    Ok(found)
+}
+
+fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
+    let name = doc["metadata"]["name"].as_str().unwrap_or("?");
+    let at = |what: String| format!("document {n} ({what})");
+    let json = |v: &Value| v.to_string();
+    match doc["kind"].as_str() {
+        Some("WasmPlugin") => vec![Found {
+            place: at(format!("WasmPlugin {name} pluginConfig")),
+            kind: Kind::Filter,
+            text: json(&doc["spec"]["pluginConfig"]),
+        }],
+        Some("EnvoyExtensionPolicy") => doc["spec"]["wasm"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .map(|(i, wasm)| Found {
+                place: at(format!("EnvoyExtensionPolicy {name} wasm[{i}].config")),
+                kind: Kind::Filter,
+                text: json(&wasm["config"]),
+            })
+            .collect(),
+        Some("ConfigMap") => doc["data"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(key, value)| {
+                let text = value.as_str()?;
+                let parsed: Value = serde_yaml_ng::from_str(text).ok()?;
+                let kind = kind_of(&parsed)?;
+                Some(Found {
+                    place: at(format!("ConfigMap {name} {key}")),
+                    kind,
+                    text: text.to_owned(),
+                })
+            })
+            .collect(),
+        Some(_) => Vec::new(),
+        None => kind_of(doc)
+            .map(|kind| Found {
+                place: if n == 1 {
+                    "file".into()
+                } else {
+                    at("config".into())
+                },
+                kind,
+                text: if n == 1 { whole.to_owned() } else { json(doc) },
+            })
+            .into_iter()
+            .collect(),
+    }
+}
+
+/// A filter config has `orgs`; a sidecar config `pools`.
+fn kind_of(config: &Value) -> Option<Kind> {
+    if config.get("orgs").is_some() {
+        Some(Kind::Filter)
+    } else if config.get("pools").is_some() {
+        Some(Kind::Sidecar)
+    } else {
+        None
+    }
+}
+
+fn describe_filter(config: &Config) -> String {
+    let directory = config.directory();
+    let keys: usize = config
+        .orgs
+        .iter()
+        .flat_map(|o| &o.workspaces)
+        .flat_map(|w| &w.projects)
+        .map(|p| p.keys.len())
+        .sum();
+    let mut routes: Vec<String> = config
+        .routes
+        .by_name
+        .iter()
+        .map(|(name, r)| format!("{name}: {:?} {}%", r.mode, r.rollout_percent))
+        .collect();
+    routes.push(format!("others: {:?}", config.routes.default.mode));
+    format!(
+        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}]",
+        config.orgs.len(),
+        directory.len(),
+        routes.join(", ").to_lowercase()
+    )
+}
+
+fn describe_sidecar(config: &SidecarConfig) -> String {
+    let pools: Vec<&str> = config.pools.iter().map(|p| p.model.as_str()).collect();
+    format!(
+        "sidecar config, policy {}, pools [{}]",
+        config.policy,
+        pools.join(", ")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KEY: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+    fn filter(keys: &str) -> String {
+        format!(
+            "orgs:\n- id: acme\n  workspaces:\n  - id: w\n    projects:\n    - id: p\n      keys:\n{keys}"
+        )
+    }
+
+    fn error_of(text: &str) -> String {
+        check(text, Kind::Auto).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn each_class_of_mistake_is_caught_with_its_field() {
+        let key = format!("      - {{id: k, sha256: {KEY}}}\n");
+        assert!(check(&filter(&key), Kind::Auto).is_ok());
+        let cases = [
+            (
+                filter(&format!("      - {{id: k, sha256: {KEY}, limitz: {{}}}}\n")),
+                "unknown field `limitz`",
+            ),
+            (
+                filter(&format!("      - {{id: k, sha256: {KEY}}}\n      - {{id: j, sha256: {KEY}}}\n")),
+                "orgs[0].workspaces[0].projects[0].keys[1].sha256: duplicate key hash",
+            ),
+            (
+                filter(&format!("      - {{id: k, sha256: {KEY}, limits: {{requests_per_minute: 0}}}}\n")),
+                "keys[0].limits.requests_per_minute: 0 would reject every request",
+            ),
+            (
+                filter(&format!(
+                    "      - {{id: k, sha256: {KEY}, limits: {{max_output_tokens: 10}}, policy: {{default_max_tokens: 20}}}}\n"
+                )),
+                "over the max_output_tokens",
+            ),
+            (
+                filter(&format!("      - {{id: k, sha256: {KEY}, limits: {{requests_per_minute: many}}}}\n")),
+                "keys[0].limits.requests_per_minute: invalid type",
+            ),
+            (
+                "pools:\n- model: m\n  replicas: [http://e:8000]\n  replicaz: 2\nsigning: {secret_env: S}\n".into(),
+                "unknown field `replicaz`",
+            ),
+            ("pools: []\nsigning: {secret_env: S}\n".into(), "at least one pool"),
+        ];
+        for (text, expected) in cases {
+            let error = error_of(&text);
+            assert!(error.contains(expected), "expected {expected:?} in {error}");
+        }
+    }
+
+    #[test]
+    fn manifests_are_checked_for_the_configs_they_carry() {
+        let plugin = format!(
+            "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  pluginConfig:\n    orgs:\n    - id: acme\n      workspaces: [{{id: w, projects: [{{id: p, keys: [{{id: k, sha256: {KEY}}}]}}]}}]\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: sidecar}}\ndata:\n  sidecar.yaml: |\n    pools:\n    - model: m\n      replicas: [http://e:8000]\n    signing: {{secret_file: /run/secrets/s}}\n  other: not a config\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: x}}\n"
+        );
+        let report = check(&plugin, Kind::Auto).unwrap();
+        assert_eq!(report.len(), 2, "{report:?}");
+        assert!(
+            report[0].contains("WasmPlugin weir pluginConfig): filter config, 1 orgs, 1 keys"),
+            "{report:?}"
+        );
+        assert!(report[1].contains("ConfigMap sidecar sidecar.yaml): sidecar config"));
+        let broken = plugin.replace("replicas: [http://e:8000]", "replicas: []");
+        assert!(error_of(&broken).contains("pools[0].replicas: at least one replica"));
+        assert!(
+            check("kind: Service\n", Kind::Auto).is_err(),
+            "nothing to check is an error"
+        );
+    }
+}
