@@ -6,8 +6,11 @@
 
 pub mod answer;
 pub mod config;
+pub mod credential;
+pub mod discovery;
 pub mod dispatcher;
 pub mod engine;
+pub mod health;
 pub mod idempotency;
 pub mod isolation;
 pub mod isolation_probe;
@@ -17,6 +20,9 @@ pub mod metrics;
 pub mod pool;
 pub mod readiness;
 pub mod relay;
+pub mod reload;
+pub mod roster;
 pub mod server;
 pub mod stream_end;
 pub mod trust;
+pub mod upstream;

@@ -25,6 +25,7 @@ use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::affinity_key;
 use crate::relay::{Flight, TRACE_ID, relay};
+use crate::reload::{Live, Route};
 pub use crate::trust::Trusted;
 use crate::trust::{Trust, UNMETERED_OUTPUT_TOKENS};
 
@@ -37,20 +38,20 @@ pub struct App {
     pub events: mpsc::UnboundedSender<Event>,
     /// A read connection to the ledger, for the history of idempotency keys.
     pub ledger_reader: std::sync::Mutex<rusqlite::Connection>,
-    pub http: reqwest::Client,
     pub metrics: Metrics,
     pub registry: Registry,
     pub ledger: Ledger,
-    /// Model name → pool index, with each pool's affinity prefix length.
-    pub pools: Vec<(String, usize)>,
+    /// The models served, each with its pool's index and affinity prefix length (live: a
+    /// reload changes them).
+    pub pools: Live<Vec<Route>>,
     /// Keys each tenant's `cache_salt` (the current signing secret).
     pub cache_salt_key: Vec<u8>,
-    pub queue_deadline_ms: u64,
+    pub queue_deadline_ms: Live<u64>,
     /// Verifies the filter's signatures.
     pub trust: Trust,
     /// Claims on callers' idempotency keys.
     pub idempotency: Arc<Idempotency>,
-    pub relay: crate::config::RelayConfig,
+    pub relay: Live<crate::config::RelayConfig>,
     /// Turns true when the shutdown grace period ends: every request still running is ended
     /// and recorded.
     pub cut: tokio::sync::watch::Receiver<bool>,
@@ -151,7 +152,7 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     let shape = shape_of(&headers);
     let who = match app
         .trust
-        .check(&headers, 0, now_ms(), app.queue_deadline_ms)
+        .check(&headers, 0, now_ms(), *app.queue_deadline_ms.load())
     {
         Ok(who) => who,
         Err(refusal) => {
@@ -164,10 +165,10 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
             .as_ref()
             .is_none_or(|ms| ms.iter().any(|a| a == m))
     };
-    let ids: Vec<&str> = app
-        .pools
+    let routes = app.pools.load();
+    let ids: Vec<&str> = routes
         .iter()
-        .map(|(model, _)| model.as_str())
+        .map(|r| r.model.as_str())
         .filter(|m| allowed(m))
         .collect();
     let list = match shape {
@@ -242,10 +243,12 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
     let arrived = Instant::now();
     let shape = endpoint.error_shape();
     let error_response = |e: &ApiError| error_response(e, shape);
-    let who = match app
-        .trust
-        .check(&headers, body.len(), now_ms(), app.queue_deadline_ms)
-    {
+    let who = match app.trust.check(
+        &headers,
+        body.len(),
+        now_ms(),
+        *app.queue_deadline_ms.load(),
+    ) {
         Ok(who) => who,
         Err(refusal) => {
             app.metrics.reject("untrusted");
@@ -256,13 +259,17 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Byte
         return error_response(&ApiError::bad_request("malformed JSON"));
     };
     let model = value["model"].as_str().unwrap_or_default().to_owned();
-    let Some(pool) = app.pools.iter().position(|(m, _)| *m == model) else {
+    let Some((pool, prefix_bytes)) = app
+        .pools
+        .load()
+        .iter()
+        .find_map(|r| (r.model == model).then_some((r.pool, r.affinity_prefix_bytes)))
+    else {
         return error_response(
             &ApiError::not_found(format!("The model `{model}` is not served here."))
                 .with_param("model"),
         );
     };
-    let prefix_bytes = app.pools[pool].1;
     let prompt: String = prompt_fields(endpoint)
         .iter()
         .map(|f| value[*f].to_string())
