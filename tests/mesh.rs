@@ -107,6 +107,17 @@ fn served_by(sidecar: &Sidecar, replica: &str) -> usize {
         .count()
 }
 
+/// A tenant's ledger rows once there are `n` of them (records are written as requests end, by
+/// the ledger's own thread), or after five seconds, as they are.
+fn records(sidecar: &Sidecar, id: &str, n: u64) -> Vec<weir_sidecar::ledger::UsageRecord> {
+    let rows = || sidecar.ledger_rows(Some(&tenant(id)));
+    weir_e2e::wait_for(Duration::from_secs(5), || {
+        let rows = rows();
+        (rows.len() as u64 >= n).then_some(rows)
+    })
+    .unwrap_or_else(rows)
+}
+
 /// Polls `probe` every 50 ms for up to `limit`.
 async fn eventually(limit: Duration, mut probe: impl AsyncFnMut() -> bool) -> bool {
     let start = Instant::now();
@@ -146,7 +157,10 @@ async fn replicas_found_in_dns_join_and_leave_under_load_and_no_request_fails() 
     );
     let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
     sidecar.wait_for_probes(1);
-    assert_eq!(ready_replicas(&sidecar, "tiny").await, [first.url.clone()]);
+    assert_eq!(
+        ready_replicas(&sidecar, "tiny").await,
+        vec![first.url.clone()]
+    );
 
     let load = Load::start(&envoy, "load", "tiny", 4);
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -193,7 +207,7 @@ async fn replicas_found_in_dns_join_and_leave_under_load_and_no_request_fails() 
         on_first,
         "no work after it left"
     );
-    let rows = sidecar.ledger_rows(Some(&tenant("load")));
+    let rows = records(&sidecar, "load", ok);
     assert_eq!(rows.len() as u64, ok, "one record per request");
     assert!(rows.iter().all(|r| r.outcome == "ok"));
     eprintln!(
@@ -293,7 +307,7 @@ async fn a_config_rewritten_under_load_applies_without_losing_state() {
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(replay.text().await.unwrap(), answer);
     assert_eq!(sidecar.ledger_rows(Some(&tenant("steady"))).len(), 1);
-    assert_eq!(sidecar.ledger_rows(Some(&tenant("load"))).len() as u64, ok);
+    assert_eq!(records(&sidecar, "load", ok).len() as u64, ok);
 
     // The new settings hold for the next decisions: one at a time on tiny2, three may wait.
     let burst: Vec<_> = (0..10)
@@ -612,8 +626,12 @@ async fn engines_behind_a_credential_and_tls_get_weir_s_requests_and_probes_with
         "every request carried the token"
     );
     assert_eq!(secure_seen.refused.load(Ordering::Relaxed), 0);
-    let rows = sidecar.ledger_rows(Some(&tenant("guarded")));
-    assert_eq!(rows.len(), 2);
+    // Records are written as requests end, by the ledger's own thread.
+    let rows = weir_e2e::wait_for(Duration::from_secs(5), || {
+        let rows = sidecar.ledger_rows(Some(&tenant("guarded")));
+        (rows.len() == 2).then_some(rows)
+    })
+    .expect("a record per request");
     assert!(
         rows.iter()
             .all(|r| r.outcome == "ok" && r.source == "engine")

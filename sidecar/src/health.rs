@@ -27,12 +27,22 @@ use crate::upstream::Upstream;
 pub const PROBE_EVERY: Duration = Duration::from_millis(100);
 
 /// What a pool's health checks need of its config.
-#[derive(Debug, PartialEq)]
+#[derive(Debug)]
 pub struct Link {
     pub model: String,
     pub engine: EngineChoice,
     pub cache_isolation: CacheIsolation,
     pub upstream: Arc<Upstream>,
+}
+
+impl PartialEq for Link {
+    /// The same settings and the same upstream (each reload builds its own, from the files it
+    /// read).
+    fn eq(&self, other: &Link) -> bool {
+        (&self.model, self.engine, self.cache_isolation)
+            == (&other.model, other.engine, other.cache_isolation)
+            && Arc::ptr_eq(&self.upstream, &other.upstream)
+    }
 }
 
 impl Link {

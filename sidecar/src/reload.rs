@@ -1,6 +1,7 @@
-//! Live reload: the config is read again on SIGHUP and whenever its file changes (its
-//! modification time, size or inode, checked every `reload.poll_ms`; a Kubernetes ConfigMap
-//! update swaps the file under its path, which this sees), and applied without a restart and
+//! Live reload: the config is read again on SIGHUP and whenever its file — or a CA or
+//! credential file it names — changes (modification time, size or inode, checked every
+//! `reload.poll_ms`; a Kubernetes ConfigMap or Secret update swaps the file under its path,
+//! which this sees), and applied without a restart and
 //! without losing state: queued and running requests go on, fairness counters, idempotency
 //! claims, replicas' limits and the ledger stay.
 //!
@@ -266,9 +267,24 @@ impl Reloader {
         tracing::info!(config = %self.path.display(), pools, "config reloaded ({why})");
     }
 
-    /// Reloads on SIGHUP and when the file changes, for ever.
+    /// The files whose changes reload the config: the file itself, and the CA and credential
+    /// files its pools name (a rotated secret is mounted anew).
+    fn watched(&self) -> Vec<(PathBuf, Stamp)> {
+        let pools = self.applied.iter().flat_map(|c| &c.pools);
+        let files = pools.flat_map(|p| {
+            let ca = p.tls.as_ref().and_then(|t| t.ca_file.as_deref());
+            let credential = p.credential.as_ref().and_then(|c| c.file.as_deref());
+            [ca, credential]
+        });
+        std::iter::once(self.path.as_path())
+            .chain(files.flatten())
+            .map(|p| (p.to_owned(), Stamp::of(p)))
+            .collect()
+    }
+
+    /// Reloads on SIGHUP and when the file (or one it names) changes, for ever.
     pub async fn watch(mut self, app: Arc<App>, mut hangup: Option<Signal>) {
-        let mut seen = Stamp::of(&self.path);
+        let mut seen = self.watched();
         loop {
             let poll_ms = self.applied.as_ref().map_or(0, |c| c.reload.poll_ms);
             let hup = async {
@@ -292,22 +308,33 @@ impl Reloader {
                     "SIGHUP"
                 }
                 () = poll => {
-                    if Stamp::of(&self.path) == seen {
+                    if self.watched() == seen {
                         continue;
                     }
-                    "the file changed"
+                    "a file changed"
                 }
             };
             // Taken before reading: a change made while reading is seen at the next poll.
-            seen = Stamp::of(&self.path);
+            let before = self.watched();
             self.reload(&app, why);
+            // The files the config now names, as they were before reading where known.
+            seen = self
+                .watched()
+                .into_iter()
+                .map(
+                    |(path, now)| match before.iter().position(|(p, _)| *p == path) {
+                        Some(i) => (path, before[i].1),
+                        None => (path, now),
+                    },
+                )
+                .collect();
         }
     }
 }
 
 /// What tells a file changed: modification time, size and inode (an editor or a ConfigMap
 /// update may replace it rather than write it).
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct Stamp(Option<(SystemTime, u64, u64)>);
 
 impl Stamp {

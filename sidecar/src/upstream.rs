@@ -34,13 +34,6 @@ impl std::fmt::Debug for Upstream {
     }
 }
 
-impl PartialEq for Upstream {
-    /// Same credential: a reload that changes neither CA nor credential keeps the upstream.
-    fn eq(&self, other: &Upstream) -> bool {
-        self.credential == other.credential
-    }
-}
-
 /// The client every pool without a CA file of its own shares.
 pub fn client(ca_pem: Option<&[u8]>) -> anyhow::Result<reqwest::Client> {
     let mut builder = reqwest::Client::builder()
