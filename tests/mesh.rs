@@ -133,7 +133,9 @@ async fn eventually(limit: Duration, mut probe: impl AsyncFnMut() -> bool) -> bo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_found_in_dns_join_and_leave_under_load_and_no_request_fails() {
     // Three engines behind one name, one port, three addresses: a headless Service's pods.
-    let first = Sim::start_at(&sim_bin(), "127.0.0.2", 0, &TINY_FAST);
+    // The first one's answers are long: streams are running on it when it goes away.
+    let long = [&TINY_FAST[..4], &["--output-len", "fixed:400"]].concat();
+    let first = Sim::start_at(&sim_bin(), "127.0.0.2", 0, &long);
     let port = first.port;
     let second = Sim::start_at(&sim_bin(), "127.0.0.3", port, &TINY_FAST);
     let third = Sim::start_at(&sim_bin(), "127.0.0.4", port, &TINY_FAST);
@@ -180,11 +182,33 @@ async fn replicas_found_in_dns_join_and_leave_under_load_and_no_request_fails() 
     // The first pod goes away from the name while streams run on it: it takes no new work,
     // its running streams end normally, then it leaves /ready and /metrics.
     resolve("127.0.0.3 127.0.0.4");
+    // While it drains, /ready shows it leaving, and what runs there only goes down.
+    let mut draining: Vec<u64> = Vec::new();
     let left = eventually(Duration::from_secs(10), async || {
-        ready_replicas(&sidecar, "tiny").await.len() == 2
+        let (_, ready) = sidecar.ready().await;
+        let replicas = ready["pools"][0]["replicas"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        match replicas.iter().find(|r| r["url"] == first.url.as_str()) {
+            Some(r) if r["leaving"] == true => {
+                draining.push(r["in_flight"].as_u64().unwrap_or_default());
+                false
+            }
+            Some(_) => false,
+            None => true,
+        }
     })
     .await;
     assert!(left, "{:?}", ready_replicas(&sidecar, "tiny").await);
+    assert!(
+        draining.windows(2).all(|w| w[1] <= w[0]),
+        "no new work while it drained: {draining:?}"
+    );
+    assert!(
+        draining.first().is_some_and(|n| *n > 0),
+        "streams were running on it when it left: {draining:?}"
+    );
     assert!(!ready_replicas(&sidecar, "tiny").await.contains(&first.url));
     let metrics = sidecar.metrics().await;
     assert!(!metrics.contains(&first.url), "its series went with it");
@@ -408,6 +432,8 @@ async fn a_config_rewritten_under_load_applies_without_losing_state() {
 struct Seen {
     authorized: Mutex<Vec<String>>,
     refused: AtomicU64,
+    /// The token it takes: a test may rotate it.
+    token: Mutex<String>,
 }
 
 /// An engine that answers only requests carrying `Authorization: Bearer <token>` (401
@@ -418,14 +444,15 @@ fn guarded_engine(token: &str, tls: Option<Arc<rustls::ServerConfig>>) -> (Strin
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let scheme = if tls.is_some() { "https" } else { "http" };
     let url = format!("{scheme}://{}", listener.local_addr().unwrap());
-    let seen = Arc::new(Seen::default());
+    let seen = Arc::new(Seen {
+        token: Mutex::new(token.to_owned()),
+        ..Seen::default()
+    });
     let cache: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let expected = format!("bearer {token}");
     let state = seen.clone();
     std::thread::spawn(move || {
         for tcp in listener.incoming().flatten() {
-            let (tls, seen, cache, expected) =
-                (tls.clone(), state.clone(), cache.clone(), expected.clone());
+            let (tls, seen, cache) = (tls.clone(), state.clone(), cache.clone());
             std::thread::spawn(move || {
                 let stream: Box<dyn ReadWrite> = match tls {
                     Some(config) => {
@@ -434,7 +461,7 @@ fn guarded_engine(token: &str, tls: Option<Arc<rustls::ServerConfig>>) -> (Strin
                     }
                     None => Box::new(tcp),
                 };
-                serve_guarded(stream, &seen, &cache, &expected);
+                serve_guarded(stream, &seen, &cache);
             });
         }
     });
@@ -444,12 +471,7 @@ fn guarded_engine(token: &str, tls: Option<Arc<rustls::ServerConfig>>) -> (Strin
 trait ReadWrite: Read + Write + Send {}
 impl<T: Read + Write + Send> ReadWrite for T {}
 
-fn serve_guarded(
-    stream: Box<dyn ReadWrite>,
-    seen: &Seen,
-    cache: &Mutex<HashSet<String>>,
-    expected: &str,
-) {
+fn serve_guarded(stream: Box<dyn ReadWrite>, seen: &Seen, cache: &Mutex<HashSet<String>>) {
     let mut reader = BufReader::new(stream);
     loop {
         let (mut request_line, mut length, mut authorized) = (String::new(), 0, false);
@@ -464,7 +486,8 @@ fn serve_guarded(
             } else if let Some(v) = lower.strip_prefix("content-length:") {
                 length = v.trim().parse().unwrap_or(0);
             } else if let Some(v) = lower.strip_prefix("authorization:") {
-                authorized = v.trim() == expected;
+                let expected = format!("bearer {}", seen.token.lock().unwrap());
+                authorized = v.trim() == expected.to_ascii_lowercase();
             }
             if line == "\r\n" {
                 break;
@@ -554,14 +577,16 @@ async fn engines_behind_a_credential_and_tls_get_weir_s_requests_and_probes_with
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("engine-token");
     std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let tls_token_file = dir.path().join("tls-engine-token");
+    std::fs::write(&tls_token_file, token).unwrap();
     let (ca_pem, tls) = test_ca();
     let ca_file = dir.path().join("ca.pem");
     std::fs::write(&ca_file, ca_pem).unwrap();
     let (plain, plain_seen) = guarded_engine(token, None);
     let (secure, secure_seen) = guarded_engine(token, Some(tls));
-    let credential = json!({"file": token_file});
-    let sidecar = Sidecar::start(json!({"pools": [
-        {"model": "guarded", "replicas": [plain], "credential": credential},
+    let credential = json!({"file": tls_token_file});
+    let sidecar = Sidecar::start(json!({"reload": {"poll_ms": 100}, "pools": [
+        {"model": "guarded", "replicas": [plain], "credential": {"file": token_file}},
         {"model": "guarded-tls", "replicas": [secure], "credential": credential,
          "tls": {"ca_file": ca_file}},
         // The same engine, without its CA: its certificate is not trusted, it never serves.
@@ -635,5 +660,46 @@ async fn engines_behind_a_credential_and_tls_get_weir_s_requests_and_probes_with
     assert!(
         rows.iter()
             .all(|r| r.outcome == "ok" && r.source == "engine")
+    );
+
+    // The engine's token is rotated, then the secret file weir reads (as a Secret's update
+    // mounts it): weir's checks are refused meanwhile, and it follows the file, no restart.
+    *plain_seen.token.lock().unwrap() = "rotated-token-9876543210".into();
+    let plain_ready = async |healthy: bool, mode: &str| {
+        let (_, ready) = sidecar.ready().await;
+        let replica = &ready["pools"][0]["replicas"][0];
+        replica["healthy"] == healthy && replica["cache_isolation"] == mode
+    };
+    assert!(
+        eventually(Duration::from_secs(5), async || plain_ready(
+            false, "unprobed"
+        )
+        .await)
+        .await,
+        "refused with the old token"
+    );
+    let next = dir.path().join("engine-token.next");
+    std::fs::write(&next, "rotated-token-9876543210\n").unwrap();
+    std::fs::rename(&next, &token_file).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), async || plain_ready(true, "salt")
+            .await)
+        .await,
+        "healthy and probed again with the new token:\n{}",
+        sidecar.log()
+    );
+    let body = chat_body("guarded", "after the rotation", json!({}));
+    let resp = post_json(
+        &format!("{}/v1/chat/completions", envoy.url),
+        Some("guarded"),
+        body.to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        secure_seen.refused.load(Ordering::Relaxed),
+        0,
+        "the other pool's token stayed"
     );
 }
