@@ -161,9 +161,16 @@ impl Sim {
     }
 
     pub fn start_from(bin: &Path, args: &[&str]) -> Sim {
+        Sim::start_at(bin, "127.0.0.1", 0, args)
+    }
+
+    /// A simulator bound to `host:port` (any 127.x.y.z is loopback: replicas that differ by
+    /// address only, as a DNS name's do).
+    pub fn start_at(bin: &Path, host: &str, port: u16, args: &[&str]) -> Sim {
         let mut cmd = Command::new(bin);
-        cmd.args(["--port", "0"]).args(args);
-        let (child, addr, port, _) = spawn_server(cmd);
+        cmd.args(["--host", host, "--port", &port.to_string()])
+            .args(args);
+        let (child, addr, port, _) = spawn_server(cmd, Stdio::null());
         Sim {
             url: format!("http://{addr}"),
             port,
@@ -262,8 +269,8 @@ impl Sim {
 
 /// Starts a server that prints `... http://ADDR ...` on its first stdout line once it listens;
 /// returns it with that address and port, and the whole line.
-fn spawn_server(mut cmd: Command) -> (Child, String, u16, String) {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::null());
+fn spawn_server(mut cmd: Command, stderr: Stdio) -> (Child, String, u16, String) {
+    cmd.stdout(Stdio::piped()).stderr(stderr);
     let mut child = spawn_owned(cmd);
     let mut banner = String::new();
     BufReader::new(child.stdout.take().unwrap())
@@ -286,6 +293,8 @@ pub struct Sidecar {
     /// The admin address (metrics, health), which the gateway never routes to.
     pub admin: String,
     pub ledger: PathBuf,
+    /// The config file it was started with, which [`Sidecar::rewrite_config`] replaces.
+    pub config_path: PathBuf,
     child: Child,
     _dir: tempfile::TempDir,
 }
@@ -304,22 +313,23 @@ impl Sidecar {
         Sidecar::start_from(&sidecar_bin(), config)
     }
 
-    pub fn start_from(bin: &Path, mut config: serde_json::Value) -> Sidecar {
+    pub fn start_from(bin: &Path, config: serde_json::Value) -> Sidecar {
+        Sidecar::start_with_args(bin, config, &[])
+    }
+
+    /// [`Sidecar::start_from`] with more command-line arguments.
+    pub fn start_with_args(bin: &Path, config: serde_json::Value, args: &[&str]) -> Sidecar {
         let dir = tempfile::tempdir().unwrap();
         let ledger = dir.path().join("ledger.sqlite");
-        config["listen"] = "127.0.0.1:0".into();
-        config["admin_listen"] = "127.0.0.1:0".into();
-        config["ledger"] = ledger.display().to_string().into();
-        if config.get("signing").is_none() {
-            config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
-        }
         let path = dir.path().join("sidecar.json");
-        std::fs::write(&path, config.to_string()).unwrap();
+        std::fs::write(&path, Sidecar::filled_in(config, &ledger).to_string()).unwrap();
+        let log = std::fs::File::create(dir.path().join("sidecar.log")).unwrap();
         let mut cmd = Command::new(bin);
         cmd.arg("--config")
             .arg(&path)
+            .args(args)
             .env(SIGNING_SECRET_ENV, signing_secret());
-        let (child, addr, port, banner) = spawn_server(cmd);
+        let (child, addr, port, banner) = spawn_server(cmd, Stdio::from(log));
         let admin = banner
             .split("admin on http://")
             .nth(1)
@@ -330,9 +340,47 @@ impl Sidecar {
             port,
             admin: format!("http://{admin}"),
             ledger,
+            config_path: path,
             child,
             _dir: dir,
         }
+    }
+
+    /// `config` with the listen addresses, ledger path and signing secret filled in.
+    fn filled_in(mut config: serde_json::Value, ledger: &Path) -> serde_json::Value {
+        config["listen"] = "127.0.0.1:0".into();
+        config["admin_listen"] = "127.0.0.1:0".into();
+        config["ledger"] = ledger.display().to_string().into();
+        if config.get("signing").is_none() {
+            config["signing"] = serde_json::json!({"secret_env": SIGNING_SECRET_ENV});
+        }
+        config
+    }
+
+    /// Replaces the config file with `config` (filled in as at start-up), at once: written
+    /// beside it, then renamed over it, as a ConfigMap update does.
+    pub fn rewrite_config(&self, config: serde_json::Value) {
+        self.rewrite_config_text(&Sidecar::filled_in(config, &self.ledger).to_string());
+    }
+
+    /// Replaces the config file with `text` as it is (an invalid config, say).
+    pub fn rewrite_config_text(&self, text: &str) {
+        let next = self.config_path.with_extension("json.next");
+        std::fs::write(&next, text).unwrap();
+        std::fs::rename(&next, &self.config_path).unwrap();
+    }
+
+    /// Sends SIGHUP: reload the config.
+    pub fn hangup(&self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGHUP);
+        }
+    }
+
+    /// What the sidecar has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("sidecar.log")).unwrap_or_default()
     }
 
     pub fn pid(&self) -> u32 {

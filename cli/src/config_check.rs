@@ -39,7 +39,7 @@ pub fn check(text: &str, kind: Kind) -> anyhow::Result<Vec<String>> {
     let mut errors = Vec::new();
     for f in found {
         let checked = match f.kind {
-            Kind::Sidecar => SidecarConfig::parse(&f.text).map(|c| describe_sidecar(&c)),
+            Kind::Sidecar => SidecarConfig::from_text(&f.text).map(|c| describe_sidecar(&c)),
             _ => Config::parse(f.text.as_bytes())
                 .map(|c| describe_filter(&c))
                 .map_err(anyhow::Error::from),

@@ -152,6 +152,11 @@ impl<T> Scheduler<T> {
         }
     }
 
+    /// A new aging bound, for the next decision (a reloaded config).
+    pub fn set_aging_ms(&mut self, aging_ms: u64) {
+        self.aging_ms = aging_ms;
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

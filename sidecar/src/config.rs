@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+pub use crate::credential::CredentialConfig;
 pub use crate::engine::EngineChoice;
 pub use crate::idempotency::IdempotencyConfig;
 use crate::isolation::CacheIsolation;
@@ -51,6 +52,23 @@ pub struct SidecarConfig {
     /// (4 MiB by default).
     #[serde(default = "default_max_body_bytes")]
     pub max_body_bytes: usize,
+    /// How the config file is watched for changes ([`crate::reload`]).
+    #[serde(default)]
+    pub reload: ReloadConfig,
+}
+
+/// Live reload: the config is read again on SIGHUP and whenever the file changes.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReloadConfig {
+    /// How often the file's modification time is checked; 0: on SIGHUP only.
+    pub poll_ms: u64,
+}
+
+impl Default for ReloadConfig {
+    fn default() -> Self {
+        ReloadConfig { poll_ms: 1_000 }
+    }
 }
 
 fn default_max_body_bytes() -> usize {
@@ -60,7 +78,7 @@ fn default_max_body_bytes() -> usize {
 /// Where the signing secrets are read from: a file and/or an environment variable for the
 /// current secret, and optionally for the previous one (accepted too, during a rotation).
 /// Never inline in the config.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct SigningConfig {
     pub secret_file: Option<PathBuf>,
@@ -111,7 +129,7 @@ fn read_secret(
     Ok(Some(secret))
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct QueueConfig {
     /// Requests one tenant may have waiting; more get 429 at once.
@@ -149,7 +167,7 @@ impl Default for QueueConfig {
 
 /// How long a stream may hold a replica for a client: a client that stops reading (or reads a
 /// byte every few minutes) must not pin the engine's KV forever.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RelayConfig {
     /// Longest a streamed chunk may wait for the client to take it; then the stream is ended.
@@ -178,11 +196,23 @@ impl Default for RelayConfig {
     }
 }
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     pub model: String,
+    /// Replicas by URL (`http://10.0.0.5:8000`, `https://api.example.com`).
+    #[serde(default)]
     pub replicas: Vec<String>,
+    /// Replicas found in DNS (a Kubernetes headless Service), besides `replicas`.
+    #[serde(default)]
+    pub discovery: Option<DiscoveryConfig>,
+    /// HTTPS to the pool's replicas: a CA of its own, besides the platform's trusted roots.
+    #[serde(default)]
+    pub tls: Option<TlsConfig>,
+    /// The token weir sends the pool's replicas (`Authorization: Bearer`), from a file or the
+    /// environment, never inline.
+    #[serde(default)]
+    pub credential: Option<CredentialConfig>,
     /// KV tokens each replica holds; read from the engine's `vllm:cache_config_info` if unset.
     #[serde(default)]
     pub kv_tokens_per_replica: Option<u64>,
@@ -213,6 +243,78 @@ pub struct PoolConfig {
     /// The model's tokenizer, for counting prompts until the engine reports its own count.
     #[serde(default)]
     pub encoding: Encoding,
+}
+
+/// A DNS name whose addresses are a pool's replicas ([`crate::discovery`]), resolved again every
+/// `interval_ms`: replicas join and leave as the name's addresses change.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryConfig {
+    /// The name: a headless Service (`vllm-llama.models.svc.cluster.local`).
+    pub dns: String,
+    /// The engines' port.
+    pub port: u16,
+    #[serde(default)]
+    pub scheme: Scheme,
+    #[serde(default = "default_discovery_interval")]
+    pub interval_ms: u64,
+}
+
+impl DiscoveryConfig {
+    /// The same name, port and scheme (the interval aside): the same replicas.
+    pub fn same_source(&self, other: &DiscoveryConfig) -> bool {
+        (&self.dns, self.port, self.scheme) == (&other.dns, other.port, other.scheme)
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Scheme {
+    #[default]
+    Http,
+    Https,
+}
+
+impl Scheme {
+    pub fn name(self) -> &'static str {
+        match self {
+            Scheme::Http => "http",
+            Scheme::Https => "https",
+        }
+    }
+}
+
+fn default_discovery_interval() -> u64 {
+    5_000
+}
+
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct TlsConfig {
+    /// PEM certificates trusted for this pool's replicas, besides the platform's roots.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+}
+
+impl PoolConfig {
+    /// A pool of `model` over `replicas`, every other setting at its default.
+    pub fn listing(model: &str, replicas: impl IntoIterator<Item = String>) -> PoolConfig {
+        PoolConfig {
+            model: model.to_owned(),
+            replicas: replicas.into_iter().collect(),
+            discovery: None,
+            tls: None,
+            credential: None,
+            kv_tokens_per_replica: None,
+            affinity_load_threshold: default_affinity_threshold(),
+            affinity_prefix_bytes: default_affinity_prefix(),
+            max_concurrency_per_replica: None,
+            engine: EngineChoice::Auto,
+            max_in_flight_without_kv: None,
+            cache_isolation: CacheIsolation::Probe,
+            encoding: Encoding::default(),
+        }
+    }
 }
 
 fn default_listen() -> SocketAddr {
@@ -248,24 +350,36 @@ impl SidecarConfig {
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        Self::parse(&text)
-    }
-
-    /// Parses (YAML or JSON) and validates a configuration; a malformed field is named by its
-    /// path (`pools[0].replicas: invalid type…`), and unknown fields are refused.
-    pub fn parse(text: &str) -> anyhow::Result<Self> {
-        let named = |path: &serde_path_to_error::Path, e: &dyn std::fmt::Display| {
-            anyhow::anyhow!("{path}: {e}")
-        };
-        let config: SidecarConfig = if text.trim_start().starts_with('{') {
-            let de = &mut serde_json::Deserializer::from_str(text);
-            serde_path_to_error::deserialize(de).map_err(|e| named(e.path(), e.inner()))?
-        } else {
-            let de = serde_yaml_ng::Deserializer::from_str(text);
-            serde_path_to_error::deserialize(de).map_err(|e| named(e.path(), e.inner()))?
-        };
+        let json = path.extension().and_then(|e| e.to_str()) == Some("json");
+        let config = Self::parse(&text, json)?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// Parses and validates a config given as text, JSON when it is a JSON object, else YAML
+    /// (what `weir config check` reads).
+    pub fn from_text(text: &str) -> anyhow::Result<Self> {
+        let config = Self::parse(text, text.trim_start().starts_with('{'))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses a config (JSON, else YAML); an error names the field it is in
+    /// (`pools[1].queue.max_total: invalid type ...`).
+    pub fn parse(text: &str, json: bool) -> anyhow::Result<Self> {
+        fn at(path: &serde_path_to_error::Path, error: impl std::fmt::Display) -> anyhow::Error {
+            match path.to_string().as_str() {
+                "." => anyhow::anyhow!("{error}"),
+                field => anyhow::anyhow!("{field}: {error}"),
+            }
+        }
+        if json {
+            let mut de = serde_json::Deserializer::from_str(text);
+            serde_path_to_error::deserialize(&mut de).map_err(|e| at(e.path(), e.inner()))
+        } else {
+            let de = serde_yaml_ng::Deserializer::from_str(text);
+            serde_path_to_error::deserialize(de).map_err(|e| at(e.path(), e.inner()))
+        }
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
@@ -276,8 +390,25 @@ impl SidecarConfig {
             bail!("pools: at least one pool is needed");
         }
         for (i, pool) in self.pools.iter().enumerate() {
-            if pool.replicas.is_empty() {
-                bail!("pools[{i}].replicas: at least one replica is needed");
+            if pool.replicas.is_empty() && pool.discovery.is_none() {
+                bail!("pools[{i}].replicas: at least one replica (or a discovery) is needed");
+            }
+            if let Some(model) = self.pools[..i].iter().find(|p| p.model == pool.model) {
+                bail!("pools[{i}].model: {} has a pool already", model.model);
+            }
+            for (r, url) in pool.replicas.iter().enumerate() {
+                match reqwest::Url::parse(url) {
+                    Ok(u) if matches!(u.scheme(), "http" | "https") && u.has_host() => {}
+                    _ => bail!("pools[{i}].replicas[{r}]: not an http:// or https:// URL"),
+                }
+            }
+            if let Some(d) = &pool.discovery {
+                if d.dns.trim().is_empty() {
+                    bail!("pools[{i}].discovery.dns: a name is needed");
+                }
+                if d.port == 0 || d.interval_ms == 0 {
+                    bail!("pools[{i}].discovery: port and interval_ms must be above 0");
+                }
             }
             if pool.max_in_flight_without_kv.is_some() {
                 bail!(
@@ -391,5 +522,59 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(old.contains("renamed max_concurrency_per_replica"), "{old}");
+    }
+
+    #[test]
+    fn a_pool_may_discover_its_replicas_in_dns_and_name_its_tls_and_credential() {
+        let config = pool_config(
+            r#", "discovery": {"dns": "vllm.models.svc.cluster.local", "port": 8000},
+               "tls": {"ca_file": "/etc/weir/ca.pem"}, "credential": {"env": "ENGINE_TOKEN"}"#,
+        )
+        .unwrap();
+        let pool = &config.pools[0];
+        let discovery = pool.discovery.as_ref().unwrap();
+        assert_eq!(
+            (discovery.port, discovery.scheme, discovery.interval_ms),
+            (8000, Scheme::Http, 5_000)
+        );
+        assert_eq!(
+            pool.credential.as_ref().unwrap().env.as_deref(),
+            Some("ENGINE_TOKEN")
+        );
+        let only_dns: SidecarConfig = serde_json::from_str(
+            r#"{"pools": [{"model": "m", "discovery": {"dns": "svc", "port": 80, "scheme": "https"}}],
+                "signing": {"secret_env": "WEIR_UNUSED"}}"#,
+        )
+        .unwrap();
+        only_dns.validate().unwrap();
+        let none: SidecarConfig = serde_json::from_str(
+            r#"{"pools": [{"model": "m"}], "signing": {"secret_env": "WEIR_UNUSED"}}"#,
+        )
+        .unwrap();
+        assert!(none.validate().is_err(), "neither replicas nor discovery");
+        let bad_port = pool_config(r#", "discovery": {"dns": "svc", "port": 0}"#);
+        assert!(
+            bad_port
+                .unwrap_err()
+                .to_string()
+                .contains("pools[0].discovery")
+        );
+        let not_url = serde_json::from_str::<SidecarConfig>(
+            r#"{"pools": [{"model": "m", "replicas": ["10.0.0.5:8000"]}], "signing": {"secret_env": "X"}}"#,
+        )
+        .unwrap()
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(not_url.contains("pools[0].replicas[0]"), "{not_url}");
+        let twice = serde_json::from_str::<SidecarConfig>(
+            r#"{"pools": [{"model": "m", "replicas": ["http://a"]}, {"model": "m", "replicas": ["http://b"]}],
+                "signing": {"secret_env": "X"}}"#,
+        )
+        .unwrap()
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(twice.contains("pools[1].model"), "{twice}");
     }
 }

@@ -1,22 +1,28 @@
-//! The dispatch loop: one task owns the fair queues, the pools' KV accounting and the replicas'
-//! concurrency limits. Handlers enqueue jobs and wait for an assignment; relays report tokens
-//! served, first bytes and completion; probes report engine metrics, limits and isolation
-//! modes. Nothing else mutates this state, so it needs no locks.
+//! The dispatch loop: one task owns the fair queues, the pools' KV accounting, the replicas'
+//! concurrency limits and which replicas each pool has. Handlers enqueue jobs and wait for an
+//! assignment; relays report tokens served, first bytes and completion; health checks report
+//! engine metrics, limits and isolation modes; discovery and reloads report the replicas and
+//! settings pools should have ([`crate::roster`]). Nothing else mutates this state, so it
+//! needs no locks.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use weir_core::config::Priority;
 use weir_core::scheduler::{Policy, Scheduler, TokenWeights, Verdict};
 
-use crate::config::QueueConfig;
+use crate::config::{DiscoveryConfig, PoolConfig, QueueConfig};
 use crate::engine::{EngineLimits, EngineSample};
+use crate::health::{Command, Link};
 use crate::isolation::Isolation;
 use crate::limiter::Ticket;
 use crate::metrics::{Metrics, tenant};
-use crate::pool::{Pool, Replica};
+use crate::pool::{Pool, Replica, ReplicaId};
 use crate::readiness::Readiness;
+use crate::roster::Change;
+use crate::upstream::Upstream;
 
 /// A request waiting for a replica.
 pub struct Job {
@@ -48,8 +54,10 @@ pub struct Job {
 #[derive(Debug)]
 pub struct Assignment {
     pub pool: usize,
-    pub replica: usize,
+    pub replica: ReplicaId,
     pub url: String,
+    /// How to reach it: the pool's client and credential when the job was dispatched.
+    pub upstream: Arc<Upstream>,
     /// The replica's isolation mode when the job was dispatched: what the body must carry.
     pub isolation: Isolation,
     pub queued_ms: u64,
@@ -170,7 +178,7 @@ pub enum Event {
     /// Sent by [`Assignment::resize`]: a running request's KV hold, corrected.
     Resized {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
         tenant: String,
         from: u64,
         to: u64,
@@ -178,26 +186,26 @@ pub enum Event {
     /// Sent by [`Assignment`] only, so it comes exactly once per dispatch.
     Finished {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
         tenant: String,
         kv_need: u64,
         sequences: u64,
     },
     ReplicaFailed {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
     },
     /// A replica answered its probe for the first time or again after being unreachable, with
     /// what its engine says of its limits; sent before that probe's [`Event::Sample`].
     Joined {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
         limits: EngineLimits,
     },
     /// Sent by [`Assignment::started`].
     FirstByte {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
         ticket: Ticket,
         ttfb_ms: f64,
         prompt_tokens: u64,
@@ -205,28 +213,47 @@ pub enum Event {
     /// Sent by [`Assignment::answered`].
     Answered {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
         ticket: Ticket,
     },
     /// Sent by [`Assignment::not_started`].
     FirstByteTimeout {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
         ticket: Ticket,
     },
     Sample {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
         sample: Option<EngineSample>,
     },
     /// A replica's isolation mode changed ([`crate::isolation_probe::Prober`]).
     Isolated {
         pool: usize,
-        replica: usize,
+        replica: ReplicaId,
         isolation: Isolation,
     },
     /// A snapshot for `/ready`.
     Ready(oneshot::Sender<Readiness>),
+    /// The config, at start-up and at each reload ([`crate::reload`]): the queue's bounds and
+    /// every pool by its index (pools not named are retired).
+    Configure {
+        queue: QueueConfig,
+        pools: Vec<PoolSpec>,
+    },
+    /// What a pool's discovery found last (ignored unless the pool still discovers `source`).
+    Discovered {
+        pool: usize,
+        source: DiscoveryConfig,
+        replicas: BTreeSet<String>,
+    },
+}
+
+/// One pool as configured: its index (fixed per model for the process's life) and settings.
+pub struct PoolSpec {
+    pub index: usize,
+    pub config: PoolConfig,
+    pub upstream: Arc<Upstream>,
 }
 
 pub struct Dispatcher {
@@ -236,9 +263,12 @@ pub struct Dispatcher {
     schedulers: Vec<Scheduler<Job>>,
     /// The FIFO baseline is plain arrival order: no headroom rule either.
     fair: bool,
+    policy: Policy,
     pools: Vec<Pool>,
-    /// Which replicas' KV budgets come from the config (not the engine's report).
-    budget_configured: Vec<bool>,
+    /// Per pool, what its replicas' health checks follow.
+    links: Vec<watch::Sender<Arc<Link>>>,
+    /// Starts and stops replicas' health checks ([`crate::health::supervise`]); none in tests.
+    health: Option<mpsc::UnboundedSender<Command>>,
     /// KV each tenant holds across pools, against its `active_kv_tokens` cap.
     tenant_kv: HashMap<String, u64>,
     /// Per pool, KV each tenant holds there, requests it has running there, and when its last
@@ -267,7 +297,6 @@ impl Dispatcher {
     pub fn new(
         policy: Policy,
         pools: Vec<Pool>,
-        budget_configured: Vec<bool>,
         queue: QueueConfig,
         metrics: Metrics,
         events: &mpsc::UnboundedSender<Event>,
@@ -277,6 +306,8 @@ impl Dispatcher {
             metrics.cache_isolation(&r.url, r.isolation);
         }
         Dispatcher {
+            links: pools.iter().map(|p| watch::Sender::new(link(p))).collect(),
+            health: None,
             pool_kv: per_pool(),
             pool_running: per_pool(),
             active: per_pool(),
@@ -285,8 +316,8 @@ impl Dispatcher {
                 .map(|_| Scheduler::new(policy, TokenWeights::default(), queue.batch_aging_ms))
                 .collect(),
             fair: policy == Policy::Fair,
+            policy,
             pools,
-            budget_configured,
             tenant_kv: HashMap::new(),
             queue,
             metrics,
@@ -295,6 +326,22 @@ impl Dispatcher {
             last_tick_ms: now_ms(),
             events: events.downgrade(),
         }
+    }
+
+    /// Starts and stops replicas' health checks through `health` as they join and leave.
+    pub fn with_health(mut self, health: mpsc::UnboundedSender<Command>) -> Self {
+        for (p, pool) in self.pools.iter().enumerate() {
+            for r in &pool.replicas {
+                let _ = health.send(Command::Start {
+                    pool: p,
+                    replica: r.id,
+                    url: r.url.clone(),
+                    link: self.links[p].subscribe(),
+                });
+            }
+        }
+        self.health = Some(health);
+        self
     }
 
     pub async fn run(mut self, mut events: mpsc::UnboundedReceiver<Event>) {
@@ -312,6 +359,12 @@ impl Dispatcher {
                     let window = self.queue.active_window_ms;
                     for active in &mut self.active {
                         active.retain(|_, seen| now.saturating_sub(*seen) < window);
+                    }
+                    // A retired pool's replicas leave once its queue is empty.
+                    for pool in 0..self.pools.len() {
+                        if self.pools[pool].retired && !self.pools[pool].replicas.is_empty() {
+                            self.reconcile(pool);
+                        }
                     }
                 }
             }
@@ -370,6 +423,10 @@ impl Dispatcher {
                     *n = n.saturating_sub(sequences);
                 }
                 self.adjust_hold(pool, replica, &t, 0, kv_need);
+                if self.replica_mut(pool, replica).is_some_and(|r| r.leaving) {
+                    let changes = self.pools[pool].drop_drained();
+                    self.changed(pool, changes);
+                }
             }
             Event::ReplicaFailed { pool, replica } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
@@ -381,7 +438,7 @@ impl Dispatcher {
                 replica,
                 limits,
             } => {
-                let configured = self.budget_configured.get(pool).copied().unwrap_or(false);
+                let configured = self.budget_configured(pool);
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.join(limits);
                     if !configured {
@@ -449,12 +506,186 @@ impl Dispatcher {
             Event::Ready(reply) => {
                 let _ = reply.send(Readiness::of(&self.pools));
             }
+            Event::Configure { queue, pools } => self.configure(queue, pools),
+            Event::Discovered {
+                pool,
+                source,
+                replicas,
+            } => {
+                let Some(p) = self.pools.get_mut(pool) else {
+                    return;
+                };
+                if p.config
+                    .discovery
+                    .as_ref()
+                    .is_some_and(|d| d.same_source(&source))
+                {
+                    p.discovered = replicas;
+                    self.reconcile(pool);
+                }
+            }
+        }
+    }
+
+    /// Whether a pool's replicas' KV budgets come from the config (not the engine's report).
+    fn budget_configured(&self, pool: usize) -> bool {
+        self.pools
+            .get(pool)
+            .is_some_and(|p| p.config.kv_tokens_per_replica.is_some())
+    }
+
+    /// Applies a config: queue bounds for the next decision, pools created, updated, revived
+    /// or retired, and their replica sets brought to what the config lists.
+    fn configure(&mut self, queue: QueueConfig, specs: Vec<PoolSpec>) {
+        for s in &mut self.schedulers {
+            s.set_aging_ms(queue.batch_aging_ms);
+        }
+        self.queue = queue;
+        let named: BTreeSet<usize> = specs.iter().map(|s| s.index).collect();
+        for spec in specs {
+            let index = spec.index;
+            if index > self.pools.len() {
+                tracing::error!(pool = index, "pool index out of order: ignored");
+                continue;
+            }
+            if index == self.pools.len() {
+                let pool = Pool::with_upstream(
+                    &PoolConfig {
+                        replicas: Vec::new(),
+                        ..spec.config.clone()
+                    },
+                    spec.upstream.clone(),
+                );
+                self.links.push(watch::Sender::new(link(&pool)));
+                self.pools.push(pool);
+                self.schedulers.push(Scheduler::new(
+                    self.policy,
+                    TokenWeights::default(),
+                    self.queue.batch_aging_ms,
+                ));
+                self.pool_kv.push(HashMap::new());
+                self.pool_running.push(HashMap::new());
+                self.active.push(HashMap::new());
+            }
+            self.update_pool(index, spec);
+        }
+        for pool in 0..self.pools.len() {
+            if !named.contains(&pool) && !self.pools[pool].retired {
+                tracing::info!(model = %self.pools[pool].model, "pool removed from the config: retired once its queue is empty");
+                self.pools[pool].retired = true;
+            }
+            self.reconcile(pool);
+        }
+    }
+
+    /// A pool's new settings: the next decision holds to them.
+    fn update_pool(&mut self, index: usize, spec: PoolSpec) {
+        let Some(p) = self.pools.get_mut(index) else {
+            return;
+        };
+        let (old, new) = (&p.config, &spec.config);
+        if p.retired {
+            tracing::info!(model = %p.model, "pool back in the config");
+        }
+        p.retired = false;
+        p.listed = crate::roster::listed(new);
+        match (&old.discovery, &new.discovery) {
+            (Some(a), Some(b)) if a.same_source(b) => {}
+            _ => p.discovered.clear(),
+        }
+        p.affinity_load_threshold = new.affinity_load_threshold;
+        p.affinity_prefix_bytes = new.affinity_prefix_bytes;
+        let isolation_changed = old.cache_isolation != new.cache_isolation;
+        let limit_changed = old.max_concurrency_per_replica != new.max_concurrency_per_replica;
+        for r in &mut p.replicas {
+            if let Some(kv) = new.kv_tokens_per_replica {
+                r.kv_budget = kv;
+            }
+            if isolation_changed {
+                r.isolation = Isolation::initial(new.cache_isolation);
+            }
+            if limit_changed {
+                r.configured_limit = new.max_concurrency_per_replica;
+                if r.engine_limit.is_none() {
+                    r.limiter.restart(r.configured_limit);
+                }
+            }
+        }
+        p.config = spec.config;
+        p.upstream = spec.upstream;
+        let next = link(p);
+        self.links[index].send_if_modified(|current| {
+            let changed = **current != *next;
+            if changed {
+                *current = next;
+            }
+            changed
+        });
+        let ids: Vec<ReplicaId> = self.pools[index].replicas.iter().map(|r| r.id).collect();
+        for id in ids {
+            if let Some(r) = self.pools[index].replica(id) {
+                let (url, isolation) = (r.url.clone(), r.isolation);
+                self.metrics.cache_isolation(&url, isolation);
+            }
+            self.update_limits(index, id);
+        }
+    }
+
+    /// Brings a pool's replicas to the set it should have ([`crate::roster`]).
+    fn reconcile(&mut self, pool: usize) {
+        let queued = self.schedulers.get(pool).is_some_and(|s| !s.is_empty());
+        let Some(p) = self.pools.get_mut(pool) else {
+            return;
+        };
+        let wanted = p.wanted(queued);
+        let changes = p.reconcile(&wanted);
+        self.changed(pool, changes);
+    }
+
+    /// Starts or stops health checks and metric series for replicas that joined or left.
+    fn changed(&mut self, pool: usize, changes: Vec<Change>) {
+        let model = self
+            .pools
+            .get(pool)
+            .map(|p| p.model.clone())
+            .unwrap_or_default();
+        for change in changes {
+            match change {
+                Change::Joined(id, url) => {
+                    tracing::info!(%model, replica = %url, "replica added: probed before it gets work");
+                    if let Some(r) = self.pools.get(pool).and_then(|p| p.replica(id)) {
+                        self.metrics.cache_isolation(&url, r.isolation);
+                    }
+                    self.update_limits(pool, id);
+                    if let (Some(health), Some(link)) = (&self.health, self.links.get(pool)) {
+                        let _ = health.send(Command::Start {
+                            pool,
+                            replica: id,
+                            url,
+                            link: link.subscribe(),
+                        });
+                    }
+                }
+                Change::Leaving(_, url) => {
+                    tracing::info!(%model, replica = %url, "replica removed: no new work; it leaves once its requests end");
+                }
+                Change::Stayed(_, url) => {
+                    tracing::info!(%model, replica = %url, "replica back before it had left: it stays");
+                }
+                Change::Left(id, url) => {
+                    tracing::info!(%model, replica = %url, "replica left");
+                    self.metrics.forget_replica(&url);
+                    if let Some(health) = &self.health {
+                        let _ = health.send(Command::Stop { pool, replica: id });
+                    }
+                }
+            }
         }
     }
 
     /// Publishes a replica's limits: effective, adaptive, the engine's, and its TTFB floor.
-    fn update_limits(&self, pool: usize, replica: usize) {
-        let Some(r) = self.pools.get(pool).and_then(|p| p.replicas.get(replica)) else {
+    fn update_limits(&self, pool: usize, replica: ReplicaId) {
+        let Some(r) = self.pools.get(pool).and_then(|p| p.replica(replica)) else {
             return;
         };
         let labels = vec![("replica", r.url.clone())];
@@ -474,7 +705,7 @@ impl Dispatcher {
     }
 
     /// Adds `add` and removes `remove` KV tokens held by a tenant on a replica.
-    fn adjust_hold(&mut self, pool: usize, replica: usize, t: &str, add: u64, remove: u64) {
+    fn adjust_hold(&mut self, pool: usize, replica: ReplicaId, t: &str, add: u64, remove: u64) {
         if let Some(r) = self.replica_mut(pool, replica) {
             r.reserved = (r.reserved + add).saturating_sub(remove);
         }
@@ -491,10 +722,10 @@ impl Dispatcher {
             .set(*held as i64);
     }
 
-    fn replica_mut(&mut self, pool: usize, replica: usize) -> Option<&mut Replica> {
+    fn replica_mut(&mut self, pool: usize, replica: ReplicaId) -> Option<&mut Replica> {
         self.pools
             .get_mut(pool)
-            .and_then(|p| p.replicas.get_mut(replica))
+            .and_then(|p| p.replica_mut(replica))
     }
 
     fn update_counter(&self, pool: usize, t: &str) {
@@ -507,8 +738,8 @@ impl Dispatcher {
             .set(s.counter(t));
     }
 
-    fn update_replica_hold(&self, pool: usize, replica: usize) {
-        let Some(r) = self.pools.get(pool).and_then(|p| p.replicas.get(replica)) else {
+    fn update_replica_hold(&self, pool: usize, replica: ReplicaId) {
+        let Some(r) = self.pools.get(pool).and_then(|p| p.replica(replica)) else {
             return;
         };
         let labels = vec![("replica", r.url.clone())];
@@ -522,12 +753,12 @@ impl Dispatcher {
             .set(r.in_flight as i64);
     }
 
-    fn observe(&mut self, pool: usize, replica: usize, sample: Option<EngineSample>) {
-        let configured = self.budget_configured.get(pool).copied().unwrap_or(false);
+    fn observe(&mut self, pool: usize, replica: ReplicaId, sample: Option<EngineSample>) {
+        let configured = self.budget_configured(pool);
         let Some(r) = self
             .pools
             .get_mut(pool)
-            .and_then(|p| p.replicas.get_mut(replica))
+            .and_then(|p| p.replica_mut(replica))
         else {
             return;
         };
@@ -619,7 +850,8 @@ impl Dispatcher {
     }
 
     fn enqueue(&mut self, job: Job) {
-        if job.pool >= self.pools.len() {
+        // A retired pool takes no new work (the handler saw it just before a reload).
+        if self.pools.get(job.pool).is_none_or(|p| p.retired) {
             let _ = job.reply.send(Err(Refusal::NoReplica));
             return;
         }
@@ -737,15 +969,16 @@ impl Dispatcher {
             return false;
         };
         let (t, job) = (d.tenant.to_owned(), d.item);
-        let Some(replica) = self.pools[pool].route_for(job.affinity, job.kv_need, job.sequences)
+        let Some(index) = self.pools[pool].route_for(job.affinity, job.kv_need, job.sequences)
         else {
             let _ = job.reply.send(Err(Refusal::NoReplica));
             return true;
         };
-        let r = &mut self.pools[pool].replicas[replica];
+        let upstream = self.pools[pool].upstream.clone();
+        let r = &mut self.pools[pool].replicas[index];
         r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
-        let (url, isolation) = (r.url.clone(), r.isolation);
+        let (replica, url, isolation) = (r.id, r.url.clone(), r.isolation);
         let running = self.pool_running[pool].entry(t.clone()).or_default();
         *running = running.saturating_add(job.sequences);
         self.adjust_hold(pool, replica, &t, job.kv_need, 0);
@@ -764,6 +997,7 @@ impl Dispatcher {
             pool,
             replica,
             url,
+            upstream,
             isolation,
             queued_ms,
             tenant: t,
@@ -776,6 +1010,16 @@ impl Dispatcher {
         }));
         true
     }
+}
+
+/// What a pool's health checks follow.
+fn link(pool: &Pool) -> Arc<Link> {
+    Arc::new(Link {
+        model: pool.model.clone(),
+        engine: pool.config.engine,
+        cache_isolation: pool.config.cache_isolation,
+        upstream: pool.upstream.clone(),
+    })
 }
 
 /// The most requests one tenant may run at once in a pool of `slots` while `others` tenants are
@@ -796,16 +1040,9 @@ mod tests {
 
     fn pool_config(model: &str, kv: Option<u64>) -> PoolConfig {
         PoolConfig {
-            model: model.into(),
-            replicas: vec![format!("http://{model}")],
             kv_tokens_per_replica: kv,
-            affinity_load_threshold: 0.85,
             affinity_prefix_bytes: 64,
-            max_concurrency_per_replica: None,
-            engine: crate::engine::EngineChoice::Auto,
-            max_in_flight_without_kv: None,
-            cache_isolation: Default::default(),
-            encoding: Default::default(),
+            ..PoolConfig::listing(model, [format!("http://{model}")])
         }
     }
 
@@ -831,18 +1068,7 @@ mod tests {
             ..QueueConfig::default()
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        let configured = configs
-            .iter()
-            .map(|c| c.kv_tokens_per_replica.is_some())
-            .collect();
-        let d = Dispatcher::new(
-            Policy::Fair,
-            pools,
-            configured,
-            queue,
-            Metrics::new().0,
-            &tx,
-        );
+        let d = Dispatcher::new(Policy::Fair, pools, queue, Metrics::new().0, &tx);
         (d, (tx, rx))
     }
 
@@ -1259,6 +1485,215 @@ mod tests {
         d.apply(sample());
         d.apply(sample());
         assert_eq!(d.pools[0].replicas[0].limit(), 3);
+    }
+
+    /// Every health-check command sent so far, as (start?, pool, replica, url).
+    fn commands(rx: &mut mpsc::UnboundedReceiver<Command>) -> Vec<(bool, usize, ReplicaId)> {
+        let mut out = Vec::new();
+        while let Ok(c) = rx.try_recv() {
+            out.push(match c {
+                Command::Start { pool, replica, .. } => (true, pool, replica),
+                Command::Stop { pool, replica } => (false, pool, replica),
+            });
+        }
+        out
+    }
+
+    fn spec(index: usize, config: PoolConfig) -> PoolSpec {
+        PoolSpec {
+            index,
+            config,
+            upstream: Upstream::plain(),
+        }
+    }
+
+    /// Marks a replica healthy and isolated, as its health check would.
+    fn probed(d: &mut Dispatcher, pool: usize, replica: ReplicaId) {
+        d.apply(Event::Sample {
+            pool,
+            replica,
+            sample: Some(EngineSample::default()),
+        });
+        d.apply(Event::Isolated {
+            pool,
+            replica,
+            isolation: Isolation::Salt,
+        });
+    }
+
+    #[test]
+    fn a_discovered_replica_is_probed_before_work_and_a_vanished_one_drains_then_leaves() {
+        let config = PoolConfig {
+            discovery: Some(DiscoveryConfig {
+                dns: "svc".into(),
+                port: 80,
+                scheme: crate::config::Scheme::Http,
+                interval_ms: 1000,
+            }),
+            max_concurrency_per_replica: Some(1),
+            ..pool_config("m", Some(1_000))
+        };
+        let (d, mut events) = dispatcher_of(std::slice::from_ref(&config), 100);
+        let (health, mut started) = mpsc::unbounded_channel();
+        let mut d = d.with_health(health);
+        assert_eq!(commands(&mut started), [(true, 0, 0)], "the listed one");
+        let found = |urls: &[&str]| Event::Discovered {
+            pool: 0,
+            source: config.discovery.clone().unwrap(),
+            replicas: urls.iter().map(|u| u.to_string()).collect(),
+        };
+        d.apply(found(&["http://10.0.0.1:80"]));
+        assert_eq!(commands(&mut started), [(true, 0, 1)]);
+        // Another name's answer (a discovery since replaced) changes nothing.
+        let mut stale = found(&[]);
+        if let Event::Discovered { source, .. } = &mut stale {
+            source.dns = "old".into();
+        }
+        d.apply(stale);
+        assert_eq!(d.pools[0].replicas.len(), 2);
+
+        // The listed replica is busy: the next job waits for the new one's probes.
+        let (a, mut a_rx) = job("t", "standard", 10);
+        d.apply(Event::Enqueue(a));
+        d.dispatch(0);
+        let first = assigned(&mut a_rx);
+        assert_eq!(first.replica, 0);
+        let (b, mut b_rx) = job("t", "standard", 10);
+        d.apply(Event::Enqueue(b));
+        d.dispatch(0);
+        assert!(b_rx.try_recv().is_err(), "unprobed: no work yet");
+        probed(&mut d, 0, 1);
+        d.dispatch(0);
+        let second = assigned(&mut b_rx);
+        assert_eq!(
+            second.url, "http://10.0.0.1:80",
+            "the new replica gets work"
+        );
+
+        // It vanishes while its request runs: no new work, still there, then gone.
+        d.apply(found(&[]));
+        assert!(d.pools[0].replica(1).is_some_and(|r| r.leaving));
+        let (tx, mut ready) = oneshot::channel();
+        d.apply(Event::Ready(tx));
+        let ready = ready.try_recv().unwrap();
+        assert_eq!(ready.pools[0].replicas.len(), 2, "/ready shows it leaving");
+        assert!(ready.pools[0].replicas[1].leaving);
+        assert!(
+            commands(&mut started).is_empty(),
+            "still checked while it drains"
+        );
+        drop(second);
+        settle(&mut d, &mut events);
+        assert!(
+            d.pools[0].replica(1).is_none(),
+            "dropped once its request ended"
+        );
+        assert_eq!(commands(&mut started), [(false, 0, 1)]);
+        assert_eq!(
+            d.tenant_kv["t"], 10,
+            "only the first request's hold remains"
+        );
+        // Late events about it find nothing.
+        probed(&mut d, 0, 1);
+        drop(first);
+        settle(&mut d, &mut events);
+        assert_eq!(d.tenant_kv["t"], 0);
+    }
+
+    #[test]
+    fn a_reload_adds_and_retires_pools_and_changes_bounds_for_the_next_decision() {
+        let (d, mut events) = dispatcher(100);
+        let (health, mut started) = mpsc::unbounded_channel();
+        let mut d = d.with_health(health);
+        commands(&mut started);
+        let counter = |d: &Dispatcher| d.schedulers[0].counter("t");
+        let (a, mut a_rx) = job("t", "standard", 600);
+        d.apply(Event::Enqueue(a));
+        d.dispatch(0);
+        let running = assigned(&mut a_rx);
+        let charged = counter(&d);
+        assert!(charged > 0.0);
+
+        // Pool b is added; the queue takes 1 per tenant from now on.
+        let queue = QueueConfig {
+            max_per_tenant: 1,
+            ..QueueConfig::default()
+        };
+        d.apply(Event::Configure {
+            queue: queue.clone(),
+            pools: vec![
+                spec(0, pool_config("m", Some(1_000))),
+                spec(1, pool_config("b", Some(1_000))),
+            ],
+        });
+        assert_eq!(d.pools.len(), 2);
+        assert_eq!(commands(&mut started), [(true, 1, 0)]);
+        assert_eq!(counter(&d), charged, "counters stay");
+        assert_eq!(
+            d.pools[0].replicas[0].in_flight, 1,
+            "the running request stays"
+        );
+        let (w, mut w_rx) = job("t", "standard", 600);
+        d.apply(Event::Enqueue(w));
+        let (over, mut over_rx) = job("t", "standard", 10);
+        d.apply(Event::Enqueue(over));
+        assert!(
+            matches!(over_rx.try_recv(), Ok(Err(Refusal::QueueFull))),
+            "the new bound holds at once"
+        );
+
+        // Pool m is removed with a request queued: it keeps its replica until that is done.
+        d.apply(Event::Configure {
+            queue,
+            pools: vec![spec(1, pool_config("b", Some(1_000)))],
+        });
+        assert!(d.pools[0].retired);
+        assert_eq!(d.pools[0].replicas.len(), 1);
+        let (late, mut late_rx) = job_in(0, "u", "standard", 10);
+        d.apply(Event::Enqueue(late));
+        assert!(matches!(late_rx.try_recv(), Ok(Err(Refusal::NoReplica))));
+        drop(running);
+        settle(&mut d, &mut events);
+        let (tx, mut ready) = oneshot::channel();
+        d.apply(Event::Ready(tx));
+        let ready = ready.try_recv().unwrap();
+        assert_eq!(ready.pools.len(), 1, "/ready shows the pools configured");
+        assert_eq!(ready.pools[0].model, "b");
+        // The queued request went to the replica it waited for; once it ends, and the
+        // queue is empty, the retired pool's replica leaves.
+        let queued = assigned(&mut w_rx);
+        assert_eq!(queued.pool, 0);
+        d.reconcile(0);
+        assert_eq!(d.pools[0].replicas.len(), 1, "leaving, its request runs");
+        drop(queued);
+        settle(&mut d, &mut events);
+        assert!(d.pools[0].replicas.is_empty());
+        assert_eq!(commands(&mut started), [(false, 0, 0)]);
+    }
+
+    #[test]
+    fn a_reload_changes_a_pool_s_limits_and_isolation_for_its_replicas() {
+        let (mut d, _events) = slotted(1, 4);
+        assert_eq!(d.pools[0].replicas[0].limit(), 4);
+        let config = PoolConfig {
+            max_concurrency_per_replica: Some(2),
+            kv_tokens_per_replica: Some(50),
+            cache_isolation: crate::isolation::CacheIsolation::Shared,
+            ..d.pools[0].config.clone()
+        };
+        let mut link = d.links[0].subscribe();
+        d.apply(Event::Configure {
+            queue: d.queue.clone(),
+            pools: vec![spec(0, config)],
+        });
+        let r = &d.pools[0].replicas[0];
+        assert_eq!((r.limit(), r.kv_budget), (2, 50));
+        assert_eq!(r.isolation, Isolation::Shared);
+        assert!(link.has_changed().unwrap(), "health checks follow the pool");
+        assert_eq!(
+            link.borrow_and_update().cache_isolation,
+            crate::isolation::CacheIsolation::Shared
+        );
     }
 
     #[test]

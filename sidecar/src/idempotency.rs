@@ -25,7 +25,7 @@ use weir_core::error::ApiError;
 
 use crate::ledger::KeyHistory;
 
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct IdempotencyConfig {
     /// How long a completed response is kept to be replayed.

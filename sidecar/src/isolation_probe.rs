@@ -28,12 +28,14 @@
 
 use std::future::Future;
 use std::hash::BuildHasher;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 use crate::answer::{MAX_ANSWER_BYTES, read_bounded};
 use crate::isolation::{CacheIsolation, Gap, Isolation, OFF_SWITCH};
+use crate::upstream::Upstream;
 
 /// Longest one probe request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
@@ -142,7 +144,7 @@ pub fn cached_tokens(answer: &Value) -> Result<u64, ProbeError> {
 /// One probe run against one replica: its nonce and salts, fresh per run so no earlier run's
 /// cache entries answer for this one.
 struct Run<'a> {
-    http: &'a reqwest::Client,
+    upstream: &'a Upstream,
     url: &'a str,
     model: &'a str,
     nonce: String,
@@ -191,8 +193,8 @@ impl Run<'_> {
 
     async fn send(&self, ask: Ask) -> Result<u64, ProbeError> {
         let resp = self
-            .http
-            .post(format!("{}/v1/chat/completions", self.url))
+            .upstream
+            .post(&format!("{}/v1/chat/completions", self.url))
             // Recognisable in the engine's logs as weir's own.
             .header(
                 "x-request-id",
@@ -217,13 +219,9 @@ impl Run<'_> {
 }
 
 /// Probes one replica now.
-pub async fn probe(
-    http: &reqwest::Client,
-    url: &str,
-    model: &str,
-) -> Result<Isolation, ProbeError> {
+pub async fn probe(upstream: &Upstream, url: &str, model: &str) -> Result<Isolation, ProbeError> {
     let run = Run {
-        http,
+        upstream,
         url,
         model,
         nonce: random_hex(),
@@ -245,7 +243,7 @@ enum State {
 /// Probes a replica when it joins — the first healthy sample after start-up or after being
 /// unhealthy — and again after a failure; the health loop calls it after every sample.
 pub struct Prober {
-    http: reqwest::Client,
+    upstream: Arc<Upstream>,
     url: String,
     model: String,
     policy: CacheIsolation,
@@ -254,18 +252,24 @@ pub struct Prober {
 
 impl Prober {
     pub fn new(
-        http: reqwest::Client,
+        upstream: Arc<Upstream>,
         url: String,
         model: String,
         policy: CacheIsolation,
     ) -> Prober {
         Prober {
-            http,
+            upstream,
             url,
             model,
             policy,
             state: State::Due,
         }
+    }
+
+    /// Probes from now on go through `upstream` (a reload changed the pool's CA or credential);
+    /// what was found stands.
+    pub fn set_upstream(&mut self, upstream: Arc<Upstream>) {
+        self.upstream = upstream;
     }
 
     /// The replica's new mode after a health sample, when it changed.
@@ -284,7 +288,7 @@ impl Prober {
             State::RetryAt(at) if Instant::now() < at => return None,
             State::Due | State::RetryAt(_) => {}
         }
-        match probe(&self.http, &self.url, &self.model).await {
+        match probe(&self.upstream, &self.url, &self.model).await {
             Ok(found) => {
                 self.state = State::Probed;
                 match found.reason() {
@@ -499,9 +503,9 @@ mod tests {
 
     #[test]
     fn probe_requests_are_short_unstreamed_and_carry_weirs_own_salts() {
-        let http = reqwest::Client::new();
+        let upstream = Upstream::plain();
         let run = Run {
-            http: &http,
+            upstream: &upstream,
             url: "http://r",
             model: "m",
             nonce: random_hex(),
@@ -531,7 +535,7 @@ mod tests {
     async fn a_replica_is_probed_when_it_joins_and_again_when_it_comes_back() {
         // Nothing listens on port 9 of loopback: every probe fails fast.
         let mut prober = Prober::new(
-            reqwest::Client::new(),
+            Upstream::plain(),
             "http://127.0.0.1:9".into(),
             "m".into(),
             CacheIsolation::Probe,
@@ -557,7 +561,7 @@ mod tests {
         assert_eq!(prober.after_sample(false).await, None);
 
         let mut shared = Prober::new(
-            reqwest::Client::new(),
+            Upstream::plain(),
             "http://127.0.0.1:9".into(),
             "m".into(),
             CacheIsolation::Shared,

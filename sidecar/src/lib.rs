@@ -6,9 +6,12 @@
 
 pub mod answer;
 pub mod config;
+pub mod credential;
 pub mod demand;
+pub mod discovery;
 pub mod dispatcher;
 pub mod engine;
+pub mod health;
 pub mod idempotency;
 pub mod isolation;
 pub mod isolation_probe;
@@ -18,6 +21,9 @@ pub mod metrics;
 pub mod pool;
 pub mod readiness;
 pub mod relay;
+pub mod reload;
+pub mod roster;
 pub mod server;
 pub mod stream_end;
 pub mod trust;
+pub mod upstream;

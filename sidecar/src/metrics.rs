@@ -190,6 +190,29 @@ impl Metrics {
         }
     }
 
+    /// Removes every series of a replica that left its pool, so `/metrics` shows the current
+    /// set.
+    pub fn forget_replica(&self, replica: &str) {
+        let labels = vec![("replica", replica.to_owned())];
+        self.replica_kv_usage.remove(&labels);
+        self.replica_running.remove(&labels);
+        self.replica_waiting.remove(&labels);
+        self.replica_healthy.remove(&labels);
+        self.replica_reserved_kv.remove(&labels);
+        self.replica_in_flight.remove(&labels);
+        self.replica_limit.remove(&labels);
+        self.replica_adaptive_limit.remove(&labels);
+        self.replica_engine_limit.remove(&labels);
+        self.replica_ttfb_floor.remove(&labels);
+        self.replica_first_byte_timeouts.remove(&labels);
+        for label in Isolation::MODES {
+            self.replica_cache_isolation.remove(&vec![
+                ("replica", replica.to_owned()),
+                ("mode", label.to_owned()),
+            ]);
+        }
+    }
+
     pub fn reject(&self, reason: &'static str) {
         self.rejections
             .get_or_create(&vec![("reason", reason.to_owned())])
@@ -217,5 +240,16 @@ mod tests {
         let on: Vec<&&str> = series.iter().filter(|l| l.ends_with(" 1")).collect();
         assert_eq!(on.len(), 1);
         assert!(on[0].contains("mode=\"none\""), "{on:?}");
+
+        m.replica_healthy
+            .get_or_create(&vec![("replica", "http://r".to_owned())])
+            .set(1);
+        m.forget_replica("http://r");
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            !text.contains("http://r"),
+            "a replica that left has no series"
+        );
     }
 }

@@ -11,16 +11,26 @@
 //! what it was sent. It holds whatever the KV figures say, so a replica whose engine reports no
 //! KV (llama.cpp, TGI) or no load at all never holds a queue of weir's work either.
 
+use std::collections::BTreeSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
 
 use crate::config::PoolConfig;
 use crate::engine::{EngineLimits, EngineSample};
 use crate::isolation::Isolation;
 use crate::limiter::Limiter;
+use crate::upstream::Upstream;
+
+/// A replica's identity within its pool, never reused: events about a replica that has left
+/// (a late health sample, say) find nothing, rather than another replica.
+pub type ReplicaId = u64;
 
 #[derive(Clone, Debug)]
 pub struct Replica {
+    pub id: ReplicaId,
     pub url: String,
+    /// Gone from the pool's set ([`crate::roster`]): no new work; dropped once its requests end.
+    pub leaving: bool,
     /// KV tokens this replica holds (config, else scraped).
     pub kv_budget: u64,
     /// KV tokens reserved by requests dispatched here and not finished.
@@ -39,6 +49,25 @@ pub struct Replica {
 }
 
 impl Replica {
+    /// A replica joining `config`'s pool: unhealthy and unprobed until its probes say otherwise.
+    pub fn new(id: ReplicaId, url: &str, config: &PoolConfig) -> Replica {
+        Replica {
+            id,
+            url: crate::roster::normalize(url),
+            leaving: false,
+            kv_budget: config.kv_tokens_per_replica.unwrap_or(0),
+            reserved: 0,
+            in_flight: 0,
+            // Unknown until the first probe answers.
+            healthy: false,
+            isolation: Isolation::initial(config.cache_isolation),
+            engine: EngineSample::default(),
+            engine_limit: None,
+            configured_limit: config.max_concurrency_per_replica,
+            limiter: Limiter::new(config.max_concurrency_per_replica),
+        }
+    }
+
     /// Requests weir may have running here at once: min(the engine's or configured limit, the
     /// adaptive one), at least 1.
     pub fn limit(&self) -> u64 {
@@ -68,7 +97,7 @@ impl Replica {
     /// Whether tenants' work may go here at all: healthy, and its prefix cache kept per
     /// tenant (or shared by the config's choice).
     pub fn serves(&self) -> bool {
-        self.healthy && self.isolation.serves()
+        self.healthy && !self.leaving && self.isolation.serves()
     }
 
     /// Whether a request of one sequence needing `kv_need` KV tokens fits now.
@@ -93,32 +122,57 @@ pub struct Pool {
     pub replicas: Vec<Replica>,
     pub affinity_load_threshold: f64,
     pub affinity_prefix_bytes: usize,
+    /// Its settings as last configured (a reload may change them).
+    pub config: PoolConfig,
+    /// How requests reach its replicas: client, TLS roots, credential.
+    pub upstream: Arc<Upstream>,
+    /// Removed from the config: it takes no new requests, and its replicas leave once its
+    /// queue is empty. A reload that names the model again revives it.
+    pub retired: bool,
+    /// The replicas its config lists, and those its discovery found last.
+    pub listed: BTreeSet<String>,
+    pub discovered: BTreeSet<String>,
+    /// The id the next replica to join gets.
+    pub next_id: ReplicaId,
 }
 
 impl Pool {
+    /// A pool with the replicas `config` lists (ids 0, 1, ...), reached with a plain client.
     pub fn new(config: &PoolConfig) -> Pool {
+        Pool::with_upstream(config, Upstream::plain())
+    }
+
+    pub fn with_upstream(config: &PoolConfig, upstream: Arc<Upstream>) -> Pool {
+        let listed = crate::roster::listed(config);
+        let mut replicas: Vec<Replica> = Vec::new();
+        // In the config's order (what `/ready` shows), each once.
+        for url in &config.replicas {
+            let url = crate::roster::normalize(url);
+            if !replicas.iter().any(|r| r.url == url) {
+                replicas.push(Replica::new(replicas.len() as ReplicaId, &url, config));
+            }
+        }
         Pool {
             model: config.model.clone(),
-            replicas: config
-                .replicas
-                .iter()
-                .map(|url| Replica {
-                    url: url.trim_end_matches('/').to_owned(),
-                    kv_budget: config.kv_tokens_per_replica.unwrap_or(0),
-                    reserved: 0,
-                    in_flight: 0,
-                    // Unknown until the first probe answers.
-                    healthy: false,
-                    isolation: Isolation::initial(config.cache_isolation),
-                    engine: EngineSample::default(),
-                    engine_limit: None,
-                    configured_limit: config.max_concurrency_per_replica,
-                    limiter: Limiter::new(config.max_concurrency_per_replica),
-                })
-                .collect(),
+            next_id: replicas.len() as ReplicaId,
+            replicas,
             affinity_load_threshold: config.affinity_load_threshold,
             affinity_prefix_bytes: config.affinity_prefix_bytes,
+            config: config.clone(),
+            upstream,
+            retired: false,
+            listed,
+            discovered: BTreeSet::new(),
         }
+    }
+
+    /// Its replica with this id, if it has not left.
+    pub fn replica(&self, id: ReplicaId) -> Option<&Replica> {
+        self.replicas.iter().find(|r| r.id == id)
+    }
+
+    pub fn replica_mut(&mut self, id: ReplicaId) -> Option<&mut Replica> {
+        self.replicas.iter_mut().find(|r| r.id == id)
     }
 
     pub fn fits(&self, kv_need: u64) -> bool {
@@ -152,15 +206,16 @@ impl Pool {
     }
 
     /// The replica a tenant's prefix maps to (rendezvous hashing over the replicas that
-    /// serve), so its prompts keep landing where its prefix cache is warm.
+    /// serve, by URL), so its prompts keep landing where its prefix cache is warm — also as
+    /// replicas join and leave: only the prefixes of one that left move.
     pub fn affine(&self, affinity: u64) -> Option<usize> {
         self.replicas
             .iter()
             .enumerate()
             .filter(|(_, r)| r.serves())
-            .max_by_key(|(i, _)| {
+            .max_by_key(|(_, r)| {
                 let mut h = DefaultHasher::new();
-                (affinity, i).hash(&mut h);
+                (affinity, &r.url).hash(&mut h);
                 h.finish()
             })
             .map(|(i, _)| i)
@@ -204,16 +259,12 @@ mod tests {
 
     fn pool(n: usize) -> Pool {
         let mut p = Pool::new(&PoolConfig {
-            model: "m".into(),
-            replicas: (0..n).map(|i| format!("http://r{i}")).collect(),
             kv_tokens_per_replica: Some(1000),
             affinity_load_threshold: 0.8,
             affinity_prefix_bytes: 64,
             max_concurrency_per_replica: Some(16),
             engine: EngineChoice::Auto,
-            max_in_flight_without_kv: None,
-            cache_isolation: Default::default(),
-            encoding: Default::default(),
+            ..PoolConfig::listing("m", (0..n).map(|i| format!("http://r{i}")))
         });
         for r in &mut p.replicas {
             r.healthy = true;

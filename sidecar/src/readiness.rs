@@ -30,6 +30,12 @@ pub struct ReplicaReadiness {
     /// Healthy, and its prefix cache kept per tenant (or shared by the config's choice):
     /// weir sends it work.
     pub serving: bool,
+    /// Gone from the pool's set ([`crate::roster`]): no new work, dropped once its requests
+    /// end. Absent while it belongs.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub leaving: bool,
+    /// Requests weir runs there now.
+    pub in_flight: u64,
     /// The isolation mode ([`crate::isolation`]).
     pub cache_isolation: &'static str,
     /// Why it gets no traffic, or that it is shared; absent when isolated.
@@ -38,8 +44,13 @@ pub struct ReplicaReadiness {
 }
 
 impl Readiness {
+    /// The pools the config names (retired ones, draining, are not among them).
     pub fn of(pools: &[Pool]) -> Readiness {
-        let pools: Vec<PoolReadiness> = pools.iter().map(PoolReadiness::of).collect();
+        let pools: Vec<PoolReadiness> = pools
+            .iter()
+            .filter(|p| !p.retired)
+            .map(PoolReadiness::of)
+            .collect();
         Readiness {
             ready: pools.iter().all(|p| p.ready),
             pools,
@@ -63,6 +74,8 @@ impl ReplicaReadiness {
             url: r.url.clone(),
             healthy: r.healthy,
             serving: r.serves(),
+            leaving: r.leaving,
+            in_flight: r.in_flight,
             cache_isolation: r.isolation.label(),
             cache_isolation_reason: r.isolation.reason(),
         }
@@ -77,18 +90,11 @@ mod tests {
 
     fn pool(model: &str, modes: &[Isolation]) -> Pool {
         let mut p = Pool::new(&PoolConfig {
-            model: model.into(),
-            replicas: (0..modes.len())
-                .map(|i| format!("http://{model}{i}"))
-                .collect(),
-            kv_tokens_per_replica: None,
-            affinity_load_threshold: 0.8,
-            affinity_prefix_bytes: 64,
-            max_concurrency_per_replica: None,
-            engine: Default::default(),
-            max_in_flight_without_kv: None,
             cache_isolation: CacheIsolation::Probe,
-            encoding: Default::default(),
+            ..PoolConfig::listing(
+                model,
+                (0..modes.len()).map(|i| format!("http://{model}{i}")),
+            )
         });
         for (r, mode) in p.replicas.iter_mut().zip(modes) {
             r.healthy = true;

@@ -324,9 +324,10 @@ pub async fn relay(
     // headers, or a non-streamed body that never comes) must not hold the replica for ever,
     // and one that does not start a stream within `first_byte_ms` is holding it in a queue.
     let dispatched = tokio::time::Instant::now();
-    let deadline = dispatched + Duration::from_millis(app.relay.max_response_ms);
-    let stream_deadline = dispatched + Duration::from_millis(app.relay.max_stream_ms);
-    let first_byte = dispatched + Duration::from_millis(app.relay.first_byte_ms);
+    let limits = app.relay.load();
+    let deadline = dispatched + Duration::from_millis(limits.max_response_ms);
+    let stream_deadline = dispatched + Duration::from_millis(limits.max_stream_ms);
+    let first_byte = dispatched + Duration::from_millis(limits.first_byte_ms);
     // A stream's headers come by its first byte at the latest (llama.cpp sends those of a
     // request it has not started only once it starts it).
     let (headers_deadline, late): (_, fn(Flight) -> Response) = if stream && first_byte < deadline {
@@ -339,7 +340,9 @@ pub async fn relay(
         flight.nothing_ran = true;
         return cut_short(flight);
     }
-    let mut request = app.http.post(url).header(header::CONTENT_TYPE, JSON);
+    let mut request = (flight.assignment.upstream)
+        .post(&url)
+        .header(header::CONTENT_TYPE, JSON);
     if let Some(trace_id) = trace_id {
         request = request.header(TRACE_ID, trace_id);
     }
@@ -556,7 +559,7 @@ async fn pump(
     deadline: tokio::time::Instant,
 ) {
     let app = flight.app.clone();
-    let stall = Duration::from_millis(app.relay.client_stall_ms);
+    let stall = Duration::from_millis(app.relay.load().client_stall_ms);
     let deliver = |piece: Piece| deliver(&tx, piece, stall);
     loop {
         let next = tokio::select! {

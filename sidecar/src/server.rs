@@ -26,6 +26,7 @@ use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::affinity_key;
 use crate::relay::{Attempt, Flight, TRACE_ID, relay};
+use crate::reload::{Live, Route};
 use crate::trust::Trust;
 pub use crate::trust::Trusted;
 
@@ -46,24 +47,24 @@ pub struct App {
     pub events: mpsc::UnboundedSender<Event>,
     /// A read connection to the ledger, for the history of idempotency keys.
     pub ledger_reader: std::sync::Mutex<rusqlite::Connection>,
-    pub http: reqwest::Client,
     pub metrics: Metrics,
     pub registry: Registry,
     pub ledger: Ledger,
-    /// What the front of each pool needs, in the dispatcher's pool order.
-    pub pools: Vec<PoolRoute>,
+    /// The models served, each with its pool's index, affinity prefix length and tokenizer
+    /// (live: a reload changes them).
+    pub pools: Live<Vec<Route>>,
     /// Prompts up to this many bytes are counted exactly (see [`crate::demand`]).
     pub exact_below_bytes: usize,
     /// Request bodies larger than this are refused (413).
     pub max_body_bytes: usize,
     /// Keys each tenant's `cache_salt` (the current signing secret).
     pub cache_salt_key: Vec<u8>,
-    pub queue_deadline_ms: u64,
+    pub queue_deadline_ms: Live<u64>,
     /// Verifies the filter's signatures.
     pub trust: Trust,
     /// Claims on callers' idempotency keys.
     pub idempotency: Arc<Idempotency>,
-    pub relay: crate::config::RelayConfig,
+    pub relay: Live<crate::config::RelayConfig>,
     /// Turns true when the shutdown grace period ends: every request still running is ended
     /// and recorded.
     pub cut: tokio::sync::watch::Receiver<bool>,
@@ -162,7 +163,10 @@ pub fn error_response(e: &ApiError, shape: ErrorShape) -> Response {
 /// Anthropic's, for Anthropic's SDKs).
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     let shape = shape_of(&headers);
-    let who = match app.trust.check(&headers, now_ms(), app.queue_deadline_ms) {
+    let who = match app
+        .trust
+        .check(&headers, now_ms(), *app.queue_deadline_ms.load())
+    {
         Ok(who) => who,
         Err(refusal) => {
             app.metrics.reject("untrusted");
@@ -174,10 +178,10 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
             .as_ref()
             .is_none_or(|ms| ms.iter().any(|a| a == m))
     };
-    let ids: Vec<&str> = app
-        .pools
+    let routes = app.pools.load();
+    let ids: Vec<&str> = routes
         .iter()
-        .map(|p| p.model.as_str())
+        .map(|r| r.model.as_str())
         .filter(|m| allowed(m))
         .collect();
     let list = match shape {
@@ -254,7 +258,10 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let error_response = |e: &ApiError| error_response(e, shape);
     // The signature first: the filter sends the headers on before the body, so they are
     // checked on arrival, however long the body then takes.
-    let who = match app.trust.check(&headers, now_ms(), app.queue_deadline_ms) {
+    let who = match app
+        .trust
+        .check(&headers, now_ms(), *app.queue_deadline_ms.load())
+    {
         Ok(who) => who,
         Err(refusal) => {
             app.metrics.reject("untrusted");
@@ -269,15 +276,17 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         return error_response(&ApiError::bad_request("malformed JSON"));
     };
     let model = value["model"].as_str().unwrap_or_default().to_owned();
-    let Some(pool) = app.pools.iter().position(|p| p.model == model) else {
+    let Some((pool, prefix_bytes, encoding)) =
+        app.pools.load().iter().find_map(|r| {
+            (r.model == model).then_some((r.pool, r.affinity_prefix_bytes, r.encoding))
+        })
+    else {
         return error_response(
             &ApiError::not_found(format!("The model `{model}` is not served here."))
                 .with_param("model"),
         );
     };
-    let route = &app.pools[pool];
-    let prefix_bytes = route.affinity_prefix_bytes;
-    let demand = demand::of(endpoint, &body, route.encoding, app.exact_below_bytes);
+    let demand = demand::of(endpoint, &body, encoding, app.exact_below_bytes);
     let prompt: String = prompt_fields(endpoint)
         .iter()
         .map(|f| value[*f].to_string())

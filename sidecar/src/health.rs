@@ -1,0 +1,276 @@
+//! Each replica's health check: its `/metrics` read every [`PROBE_EVERY`], which is also how
+//! weir learns its engine's load. When a replica joins — its first answer, or the first after
+//! it was unreachable — its engine's limits are read first ([`Event::Joined`]) and its
+//! prefix-cache isolation probed ([`crate::isolation_probe`]) before it gets work.
+//!
+//! The dispatcher starts and stops one check per replica as replicas join and leave
+//! ([`Command`], run by [`supervise`]). Each check follows its pool's [`Link`]: a reload that
+//! changes the pool's CA or credential takes effect at the next read; one that changes its
+//! engine dialect or isolation policy makes every replica of it join again.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::answer::{MAX_ANSWER_BYTES, read_bounded};
+use crate::dispatcher::Event;
+use crate::engine::{Dialect, EngineChoice, EngineLimits, EngineSample};
+use crate::isolation::CacheIsolation;
+use crate::isolation_probe::Prober;
+use crate::pool::ReplicaId;
+use crate::upstream::Upstream;
+
+/// How often each replica's `/metrics` is read.
+pub const PROBE_EVERY: Duration = Duration::from_millis(100);
+
+/// What a pool's health checks need of its config.
+#[derive(Debug)]
+pub struct Link {
+    pub model: String,
+    pub engine: EngineChoice,
+    pub cache_isolation: CacheIsolation,
+    pub upstream: Arc<Upstream>,
+}
+
+impl PartialEq for Link {
+    /// The same settings and the same upstream (each reload builds its own, from the files it
+    /// read).
+    fn eq(&self, other: &Link) -> bool {
+        (&self.model, self.engine, self.cache_isolation)
+            == (&other.model, other.engine, other.cache_isolation)
+            && Arc::ptr_eq(&self.upstream, &other.upstream)
+    }
+}
+
+impl Link {
+    /// Whether replicas must join again under `other`: what they are was read under this.
+    fn rejoin_under(&self, other: &Link) -> bool {
+        (self.engine, self.cache_isolation) != (other.engine, other.cache_isolation)
+    }
+}
+
+/// Sent by the dispatcher as replicas join and leave.
+pub enum Command {
+    Start {
+        pool: usize,
+        replica: ReplicaId,
+        url: String,
+        link: watch::Receiver<Arc<Link>>,
+    },
+    Stop {
+        pool: usize,
+        replica: ReplicaId,
+    },
+}
+
+/// Runs the health checks the dispatcher asks for, until it stops asking.
+pub async fn supervise(
+    mut commands: mpsc::UnboundedReceiver<Command>,
+    events: mpsc::UnboundedSender<Event>,
+) {
+    let mut checks: HashMap<(usize, ReplicaId), JoinHandle<()>> = HashMap::new();
+    while let Some(command) = commands.recv().await {
+        match command {
+            Command::Start {
+                pool,
+                replica,
+                url,
+                link,
+            } => {
+                let task = tokio::spawn(check(events.clone(), pool, replica, url, link));
+                if let Some(old) = checks.insert((pool, replica), task) {
+                    old.abort();
+                }
+            }
+            Command::Stop { pool, replica } => {
+                if let Some(task) = checks.remove(&(pool, replica)) {
+                    task.abort();
+                }
+            }
+        }
+        checks.retain(|_, task| !task.is_finished());
+    }
+    for task in checks.into_values() {
+        task.abort();
+    }
+}
+
+/// Reads a replica's metrics until stopped; an unreadable replica is reported unhealthy and
+/// ejected until it answers again.
+async fn check(
+    events: mpsc::UnboundedSender<Event>,
+    pool: usize,
+    replica: ReplicaId,
+    url: String,
+    mut link: watch::Receiver<Arc<Link>>,
+) {
+    let mut current = link.borrow_and_update().clone();
+    let prober = |l: &Link| {
+        Prober::new(
+            l.upstream.clone(),
+            url.clone(),
+            l.model.clone(),
+            l.cache_isolation,
+        )
+    };
+    let mut isolation = prober(&current);
+    let mut tick = tokio::time::interval(PROBE_EVERY);
+    // An isolation probe takes a while: no burst of catch-up reads after it.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut joined = false;
+    // Odd engine output is logged once per replica, not ten times a second.
+    let mut warned = false;
+    loop {
+        tick.tick().await;
+        if link.has_changed().unwrap_or(false) {
+            let next = link.borrow_and_update().clone();
+            if current.rejoin_under(&next) {
+                tracing::info!(replica = %url, "pool settings changed: the replica joins again");
+                isolation = prober(&next);
+                joined = false;
+            } else {
+                isolation.set_upstream(next.upstream.clone());
+            }
+            current = next;
+        }
+        let upstream = &current.upstream;
+        let sample = match get_text(upstream, &format!("{url}/metrics")).await {
+            None => {
+                joined = false;
+                None
+            }
+            Some(text) => {
+                let dialect = current.engine.dialect(&text);
+                if !joined {
+                    let limits = read_limits(upstream, &url, dialect).await;
+                    tracing::info!(
+                        replica = %url,
+                        engine = dialect.map_or("unknown", Dialect::name),
+                        concurrency = ?limits.max_concurrency,
+                        kv_tokens = ?limits.kv_tokens,
+                        "replica joined"
+                    );
+                    if events
+                        .send(Event::Joined {
+                            pool,
+                            replica,
+                            limits,
+                        })
+                        .is_err()
+                    {
+                        return;
+                    }
+                    joined = true;
+                }
+                Some(match dialect {
+                    Some(dialect) => dialect.parse(&text, |line| {
+                        if !std::mem::replace(&mut warned, true) {
+                            tracing::warn!(replica = %url, "ignoring a metrics line weir cannot read: {line:.200}");
+                        }
+                    }),
+                    None => {
+                        if !std::mem::replace(&mut warned, true) {
+                            tracing::warn!(replica = %url, "no metrics of a known engine: admitted by its concurrency limit alone");
+                        }
+                        EngineSample::default()
+                    }
+                })
+            }
+        };
+        let healthy = sample.is_some();
+        if events
+            .send(Event::Sample {
+                pool,
+                replica,
+                sample,
+            })
+            .is_err()
+        {
+            return;
+        }
+        if let Some(isolation) = isolation.after_sample(healthy).await
+            && events
+                .send(Event::Isolated {
+                    pool,
+                    replica,
+                    isolation,
+                })
+                .is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// A successful answer's text, within a second and [`MAX_ANSWER_BYTES`].
+async fn get_text(upstream: &Upstream, url: &str) -> Option<String> {
+    let resp = upstream
+        .get(url)
+        .timeout(Duration::from_secs(1))
+        .send()
+        .await
+        .ok()?;
+    let body = read_bounded(resp.error_for_status().ok()?, MAX_ANSWER_BYTES).await?;
+    Some(String::from_utf8_lossy(&body).into_owned())
+}
+
+/// What a replica's engine says of its limits: nothing for engines that do not say, or that
+/// say it in a way weir cannot read (logged).
+async fn read_limits(upstream: &Upstream, url: &str, dialect: Option<Dialect>) -> EngineLimits {
+    let Some((dialect, path)) = dialect.and_then(|d| Some((d, d.limits_path()?))) else {
+        return EngineLimits::default();
+    };
+    let limits = get_text(upstream, &format!("{url}{path}"))
+        .await
+        .and_then(|body| dialect.parse_limits(&body));
+    limits.unwrap_or_else(|| {
+        tracing::warn!(replica = %url, "no concurrency limit readable at {path}: the configured or adaptive limit holds");
+        EngineLimits::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A one-shot engine that answers any request with `len` bytes of metric comments.
+    async fn engine_answering(len: usize) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let mut request = [0u8; 4096];
+            let _ = conn.read(&mut request).await;
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {len}\r\n\r\n");
+            let _ = conn.write_all(head.as_bytes()).await;
+            let line = b"# filler\n".repeat(1 << 16);
+            let mut sent = 0;
+            while sent < len {
+                let n = line.len().min(len - sent);
+                if conn.write_all(&line[..n]).await.is_err() {
+                    return;
+                }
+                sent += n;
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn an_engine_s_oversized_answer_is_not_read_whole() {
+        let upstream = Upstream::plain();
+        let small = engine_answering(1_000).await;
+        assert_eq!(
+            get_text(&upstream, &small).await.map(|t| t.len()),
+            Some(1_000)
+        );
+        let huge = engine_answering(256 << 20).await;
+        assert_eq!(get_text(&upstream, &huge).await.map(|t| t.len()), None);
+    }
+}
