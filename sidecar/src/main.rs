@@ -105,7 +105,7 @@ async fn main() -> anyhow::Result<()> {
             ));
         }
     }
-    let ledger = Ledger::start(&config.ledger)?;
+    let ledger = Ledger::start(&config.ledger, metrics.ledger.clone())?;
     let (cut, cut_rx) = watch::channel(false);
     let app = Arc::new(App {
         events: events.clone(),
