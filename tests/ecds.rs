@@ -118,6 +118,18 @@ impl EcdsEnvoy {
     /// Starts Envoy (the shipped template, `--concurrency 2`) with `opts.weir_config` as the
     /// first version of `plugin`'s config.
     pub fn start(opts: EnvoyOptions<'_>, plugin: Plugin) -> EcdsEnvoy {
+        EcdsEnvoy::start_with(opts, plugin, &[], |t| t)
+    }
+
+    /// [`EcdsEnvoy::start`] with `env` in Envoy's environment (a gateway pod's, whose variables
+    /// `plugin.host_env_keys` hands to the VM) and the template changed by `edit` first (its
+    /// routes named as a mesh's routes are, say).
+    pub fn start_with(
+        opts: EnvoyOptions<'_>,
+        plugin: Plugin,
+        env: &[(&str, &str)],
+        edit: impl FnOnce(String) -> String,
+    ) -> EcdsEnvoy {
         let dir = tempfile::tempdir().unwrap();
         let ecds = dir.path().join("ecds");
         std::fs::create_dir(&ecds).unwrap();
@@ -131,7 +143,8 @@ impl EcdsEnvoy {
         source.write(opts.weir_config);
         let entry = discovered(&source.plugin.name, &source.file(), &source.dir);
         let access_log = dir.path().join("access.log");
-        let config = render(&opts, &source.wasm, dir.path(), &access_log, |mut t| {
+        let config = render(&opts, &source.wasm, dir.path(), &access_log, |t| {
+            let mut t = edit(t);
             let start = t.find("- name: envoy.filters.http.wasm").unwrap();
             let end = t.find("# @@FILTER_END@@").unwrap();
             t.replace_range(start..end, &entry);
@@ -144,7 +157,7 @@ impl EcdsEnvoy {
             "--service-cluster",
             "weir-e2e",
         ];
-        let envoy = Envoy::run(&config, dir, access_log, &node, Stdio::null());
+        let envoy = Envoy::run(&config, dir, access_log, &node, Stdio::null(), env);
         EcdsEnvoy { envoy, source }
     }
 

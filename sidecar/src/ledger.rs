@@ -12,6 +12,8 @@
 use std::path::Path;
 use std::sync::mpsc;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
 use rusqlite::{Connection, OptionalExtension, params};
 use serde::Serialize;
 
@@ -208,17 +210,28 @@ enum Entry {
     Flush(mpsc::Sender<()>),
 }
 
+/// How far the writer is behind, for the metrics: records sent to it and not yet written, and
+/// writes that failed (each a record lost to billing).
+#[derive(Clone, Default)]
+pub struct LedgerGauges {
+    pub pending: Gauge,
+    pub failures: Counter,
+}
+
 /// A handle to the writer thread.
 #[derive(Clone)]
 pub struct Ledger {
     tx: mpsc::Sender<Entry>,
+    pending: Gauge,
 }
 
 impl Ledger {
     /// Opens the database and starts its writer thread.
-    pub fn start(path: &Path) -> anyhow::Result<Ledger> {
+    pub fn start(path: &Path, gauges: LedgerGauges) -> anyhow::Result<Ledger> {
         let conn = open(path)?;
         let (tx, rx) = mpsc::channel::<Entry>();
+        let LedgerGauges { pending, failures } = gauges;
+        let written = pending.clone();
         std::thread::Builder::new()
             .name("ledger".into())
             .spawn(move || {
@@ -226,8 +239,10 @@ impl Ledger {
                     match entry {
                         Entry::Record(record) => {
                             if let Err(e) = append(&conn, &record) {
+                                failures.inc();
                                 tracing::error!(request = %record.request_id, "ledger write failed: {e}");
                             }
+                            written.dec();
                         }
                         Entry::Flush(done) => {
                             let _ = done.send(());
@@ -235,11 +250,14 @@ impl Ledger {
                     }
                 }
             })?;
-        Ok(Ledger { tx })
+        Ok(Ledger { tx, pending })
     }
 
     pub fn record(&self, record: UsageRecord) {
-        let _ = self.tx.send(Entry::Record(Box::new(record)));
+        self.pending.inc();
+        if self.tx.send(Entry::Record(Box::new(record))).is_err() {
+            self.pending.dec();
+        }
     }
 
     /// Waits (blocking, up to `within`) until every record sent so far is written; false if
@@ -390,11 +408,14 @@ mod tests {
     #[test]
     fn a_flush_returns_once_everything_sent_before_it_is_written() {
         let path = std::env::temp_dir().join(format!("weir-ledger-flush-{}", std::process::id()));
-        let ledger = Ledger::start(&path).unwrap();
+        let gauges = LedgerGauges::default();
+        let ledger = Ledger::start(&path, gauges.clone()).unwrap();
         for i in 0..200 {
             ledger.record(record(&format!("r{i}"), 1, "a", i));
         }
         assert!(ledger.flush(std::time::Duration::from_secs(10)));
+        assert_eq!(gauges.pending.get(), 0, "every record sent was written");
+        assert_eq!(gauges.failures.get(), 0);
         let conn = open(&path).unwrap();
         assert_eq!(query(&conn, None, 0).unwrap().len(), 200);
         drop(conn);

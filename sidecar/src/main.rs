@@ -87,7 +87,7 @@ async fn main() -> anyhow::Result<()> {
     let mut reloader = Reloader::new(cli.config.clone(), overrides, resolver, events.clone())?;
     let plan = reloader.plan(config.clone())?;
 
-    let ledger = Ledger::start(&config.ledger)?;
+    let ledger = Ledger::start(&config.ledger, metrics.ledger.clone())?;
     let (cut, cut_rx) = watch::channel(false);
     let app = Arc::new(App {
         events: events.clone(),

@@ -10,6 +10,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::isolation::Isolation;
+use crate::ledger::LedgerGauges;
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -42,6 +43,7 @@ pub struct Metrics {
     pub replica_ttfb_floor: Family<Labels, Gauge<f64, AtomicU64>>,
     pub replica_first_byte_timeouts: Family<Labels, Counter>,
     pub replica_cache_isolation: Family<Labels, Gauge>,
+    pub ledger: LedgerGauges,
 }
 
 pub fn tenant(t: &str) -> Labels {
@@ -72,6 +74,7 @@ impl Metrics {
             replica_ttfb_floor: Family::default(),
             replica_first_byte_timeouts: Family::default(),
             replica_cache_isolation: Family::default(),
+            ledger: LedgerGauges::default(),
         };
         let mut r = Registry::with_prefix("weir");
         r.register(
@@ -174,6 +177,16 @@ impl Metrics {
             "replica_cache_isolation",
             "1 for the replica's prefix-cache isolation mode (unprobed, salt, cache_off, none, shared), 0 for the others",
             m.replica_cache_isolation.clone(),
+        );
+        r.register(
+            "ledger_pending_records",
+            "Usage records handed to the ledger writer and not yet written (how far billing lags)",
+            m.ledger.pending.clone(),
+        );
+        r.register(
+            "ledger_write_failures",
+            "Usage records the ledger could not write",
+            m.ledger.failures.clone(),
         );
         (m, r)
     }

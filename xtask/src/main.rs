@@ -1,4 +1,5 @@
-//! `cargo xtask up | test` (the project's two front-door commands), `bench`, `scenario` and `oci`.
+//! `cargo xtask up | test` (the project's two front-door commands), `bench`, `scenario`, `oci`
+//! and `image`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -71,6 +72,18 @@ enum Task {
         #[arg(long, value_name = "FILE")]
         wasm: Option<PathBuf>,
     },
+    /// Build the sidecar's container image (deploy/sidecar/Containerfile): a static
+    /// x86_64-unknown-linux-musl build of weir-sidecar, alone in a `scratch` image, non-root.
+    /// Needs buildah (or podman) and Debian's musl-tools (installed when missing); not part of
+    /// `test`.
+    Image {
+        /// The image's name and tag.
+        #[arg(long, default_value = "weir/sidecar:0.1.0")]
+        tag: String,
+        /// Also write the image as an OCI archive to this file (for `skopeo copy` or a registry).
+        #[arg(long, value_name = "FILE")]
+        oci_archive: Option<PathBuf>,
+    },
     /// Install what the tests need, then run every test: lints, Rust, and the Python SDK suite.
     Test {
         /// Skip `cargo fmt --check` and `cargo clippy -D warnings`.
@@ -97,6 +110,7 @@ fn main() -> ExitCode {
             plain_http,
             wasm,
         } => oci(out, push.as_deref(), plain_http, wasm),
+        Task::Image { tag, oci_archive } => image(&tag, oci_archive.as_deref()),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -341,6 +355,69 @@ fn oci(
     // digest, plain Envoy's remote code the .wasm's own sha256.
     println!("manifest digest  {}", image.manifest_digest());
     println!("wasm sha256      {}", oci::sha256_hex(&module));
+    Ok(())
+}
+
+/// The sidecar's static build target: musl, so the image needs no libc.
+const SIDECAR_TARGET: &str = "x86_64-unknown-linux-musl";
+
+fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
+    // buildah, else podman (`podman build` is buildah inside).
+    let builder = ["buildah", "podman"]
+        .into_iter()
+        .find(|tool| {
+            Command::new(tool)
+                .arg("--version")
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .context("neither buildah nor podman found (Debian: apt-get install buildah)")?;
+    run(
+        &format!("rustup target add {SIDECAR_TARGET}"),
+        Command::new("rustup").args(["target", "add", SIDECAR_TARGET]),
+    )?;
+    // rusqlite's bundled SQLite is C: compiled for musl with musl-gcc.
+    debian_tools(&[("musl-gcc", "musl-tools")])?;
+    run(
+        "building weir-sidecar (release, static musl)",
+        cargo()
+            .args(["build", "--release", "--locked", "-p", "weir-sidecar"])
+            .args(["--target", SIDECAR_TARGET])
+            .env("CC_x86_64_unknown_linux_musl", "musl-gcc"),
+    )?;
+    // The build context: the binary and the ledger's directory, nothing else.
+    let context = root().join("target/image/sidecar");
+    if context.exists() {
+        std::fs::remove_dir_all(&context)?;
+    }
+    std::fs::create_dir_all(context.join("var/lib/weir"))?;
+    std::fs::copy(
+        root()
+            .join("target")
+            .join(SIDECAR_TARGET)
+            .join("release/weir-sidecar"),
+        context.join("weir-sidecar"),
+    )?;
+    let containerfile = root().join("deploy/sidecar/Containerfile");
+    run(
+        &format!("{builder} build {tag}"),
+        Command::new(builder)
+            .arg("build")
+            .arg("-f")
+            .arg(&containerfile)
+            .args(["-t", tag])
+            .arg(&context),
+    )?;
+    if let Some(archive) = oci_archive {
+        let destination = format!("oci-archive:{}:{tag}", archive.display());
+        run(
+            &format!("{builder} push {tag} {destination}"),
+            Command::new(builder).args(["push", tag, &destination]),
+        )?;
+    }
+    println!("image  {tag}");
     Ok(())
 }
 
