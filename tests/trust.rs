@@ -257,61 +257,86 @@ fn a_filter_told_to_sign_without_a_usable_secret_does_not_start() {
 
 // ---- Rollout modes: a mode that promises not to reject never rejects --------------------
 
-async fn served_as(resp: Response, tenant: &str, before: usize) {
+/// Asserts `resp` was served and billed as `tenant`. Other tests in this binary bill the same
+/// tenants concurrently (the default tenant above all), so the request is told apart by its
+/// answer's length: each call here asks for a number of tokens no other call does.
+async fn served_as(resp: Response, tenant: &str, tokens: u64) {
     let status = resp.status();
     let text = resp.text().await.unwrap();
     assert_eq!(status, StatusCode::OK, "{text}");
-    let rows = ledger_of(tenant, before + 1).await;
-    assert_eq!(
-        rows.len(),
-        before + 1,
-        "scheduled and billed as {tenant}: {rows:?}"
-    );
+    let ours = || {
+        stack()
+            .sidecar
+            .ledger_rows(Some(tenant))
+            .into_iter()
+            .filter(|r| r.completion_tokens == tokens)
+            .count()
+    };
+    for _ in 0..100 {
+        if ours() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(ours(), 1, "scheduled and billed as {tenant}");
 }
 
 #[tokio::test]
 async fn every_mode_is_signed_and_scheduled_through_the_sidecar() {
     let s = stack();
-    let body = || chat("which mode am I", json!({"max_tokens": 2}));
+    let body = |tokens: u64| {
+        chat(
+            "which mode am I",
+            json!({"max_tokens": tokens, "ignore_eos": true}),
+        )
+    };
     let modes = "acme/lab/trust/modes";
 
     // enforce, valid key: the key's tenant.
-    let n = ledger_of(modes, 0).await.len();
-    served_as(post("/", Some("modes"), body(), &[]).await, modes, n).await;
+    served_as(post("/", Some("modes"), body(41), &[]).await, modes, 41).await;
     // shadow, valid key: the key's tenant.
-    let n = ledger_of(modes, 0).await.len();
-    served_as(post("/shadow/", Some("modes"), body(), &[]).await, modes, n).await;
+    served_as(
+        post("/shadow/", Some("modes"), body(43), &[]).await,
+        modes,
+        43,
+    )
+    .await;
     // shadow, unknown and missing key: the default tenant (and the shadow verdict).
-    for key in [Some("nobody"), None] {
-        let n = ledger_of("anonymous", 0).await.len();
-        let resp = post("/shadow/", key, body(), &[]).await;
+    for (key, tokens) in [(Some("nobody"), 47), (None, 53)] {
+        let resp = post("/shadow/", key, body(tokens), &[]).await;
         assert!(
             resp.headers()["x-weir-shadow"]
                 .to_str()
                 .unwrap()
                 .contains("would-reject")
         );
-        served_as(resp, "anonymous", n).await;
+        served_as(resp, "anonymous", tokens).await;
     }
     // Outside the rollout (the 0% `/dark/` route): the key's tenant, or the default one.
-    let n = ledger_of(modes, 0).await.len();
-    served_as(post("/dark/", Some("modes"), body(), &[]).await, modes, n).await;
-    let n = ledger_of("anonymous", 0).await.len();
-    served_as(post("/dark/", None, body(), &[]).await, "anonymous", n).await;
+    served_as(
+        post("/dark/", Some("modes"), body(59), &[]).await,
+        modes,
+        59,
+    )
+    .await;
+    served_as(post("/dark/", None, body(61), &[]).await, "anonymous", 61).await;
     // off: the same.
     let off = format!("{}/alt/v1/chat/completions", s.rollout.url);
-    let n = ledger_of(modes, 0).await.len();
-    served_as(post_json(&off, Some("modes"), body(), &[]).await, modes, n).await;
-    let n = ledger_of("anonymous", 0).await.len();
     served_as(
-        post_json(&off, Some("nobody"), body(), &[]).await,
+        post_json(&off, Some("modes"), body(67), &[]).await,
+        modes,
+        67,
+    )
+    .await;
+    served_as(
+        post_json(&off, Some("nobody"), body(71), &[]).await,
         "anonymous",
-        n,
+        71,
     )
     .await;
     // enforce still refuses a missing key at the filter.
     assert_eq!(
-        code_of(post("/", None, body(), &[]).await).await,
+        code_of(post("/", None, body(2), &[]).await).await,
         (StatusCode::UNAUTHORIZED, "invalid_api_key".into())
     );
 }
