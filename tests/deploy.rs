@@ -7,8 +7,8 @@
 //! README's SDK example — a streamed chat completion — goes through gateway, sidecar and engine.
 //!
 //! What is not the shipped files', and why:
-//! - the pool's replicas are local simulators, one per URL the config lists (it names the
-//!   engines' cluster DNS names);
+//! - the pool's engines are two local simulators on one port, its headless Service's name
+//!   resolved to them from a file (`--resolve-from`) rather than the cluster's DNS;
 //! - the sidecar listens on loopback ports of its own, and its ledger and the Secret's file are
 //!   in a temporary directory: where the pod's network and volumes put them in a cluster (the
 //!   first test checks the Deployment mounts them where the config reads them);
@@ -30,7 +30,10 @@ use reqwest::StatusCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use weir_e2e::ecds::{EcdsEnvoy, Plugin};
-use weir_e2e::{EnvoyOptions, Sidecar, Sim, api_key, kubectl_bin, wait_for, workspace_root};
+use weir_e2e::{
+    EnvoyOptions, Sidecar, Sim, TINY_FAST, api_key, kubectl_bin, sidecar_bin, sim_bin, wait_for,
+    workspace_root,
+};
 
 /// Every document of a YAML stream, as JSON values.
 fn yaml_docs(text: &str) -> Vec<Value> {
@@ -400,19 +403,38 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
         plugin_config["models"].get(&model).is_some(),
         "the filter knows the pool's model {model}"
     );
-    let sims: Vec<Sim> = pool["replicas"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|_| Sim::start_tiny_fast(&["--served-model-name", &model]))
-        .collect();
-    pool["replicas"] = sims.iter().map(|s| s.url.clone()).collect();
+    // The headless Service's pods: two simulators on one port, the name resolved to both
+    // from a file (`--resolve-from`), as the cluster's DNS would.
+    let name = pool["discovery"]["dns"].as_str().unwrap().to_owned();
+    let served = [&TINY_FAST[..], &["--served-model-name", &model]].concat();
+    let first = Sim::start_at(&sim_bin(), "127.0.0.2", 0, &served);
+    let second = Sim::start_at(&sim_bin(), "127.0.0.3", first.port, &served);
+    pool["discovery"]["port"] = first.port.into();
+    pool["discovery"]["interval_ms"] = 200.into();
+    let names = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(names.path(), format!("{name} 127.0.0.2 127.0.0.3\n")).unwrap();
     let secrets = tempfile::tempdir().unwrap();
     let secret_file = secrets.path().join("signing-secret");
     std::fs::write(&secret_file, &base.signing_secret).unwrap();
     sidecar_config["signing"]["secret_file"] = secret_file.display().to_string().into();
-    let sidecar = Sidecar::start(sidecar_config);
-    sidecar.wait_for_probes(sims.len());
+    let sidecar = Sidecar::start_with_args(
+        &sidecar_bin(),
+        sidecar_config,
+        &["--resolve-from", names.path().to_str().unwrap()],
+    );
+    sidecar.wait_for_probes(2);
+    let (_, ready) = sidecar.ready().await;
+    let found: BTreeSet<&str> = ready["pools"][0]["replicas"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["url"].as_str())
+        .collect();
+    assert_eq!(
+        found,
+        BTreeSet::from([first.url.as_str(), second.url.as_str()]),
+        "the Service's pods are the pool"
+    );
 
     // The gateway: the pluginConfig over ECDS as istiod sends it, the signing secret in
     // Envoy's environment as the gateway pod has it.
