@@ -12,6 +12,8 @@
 //! - the sidecar listens on loopback ports of its own, and its ledger and the Secret's file are
 //!   in a temporary directory: where the pod's network and volumes put them in a cluster (the
 //!   first test checks the Deployment mounts them where the config reads them);
+//! - the signing secret: the shipped one is a placeholder that the sidecar refuses (checked),
+//!   swapped for a random one;
 //! - the key's hash: the shipped one is a placeholder (all zeros, no key's hash), swapped for a
 //!   test key's;
 //! - the gateway's routes: the Envoy template's catch-all route is named after the
@@ -23,7 +25,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
 use std::collections::BTreeSet;
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use reqwest::StatusCode;
@@ -413,10 +416,51 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
     pool["discovery"]["interval_ms"] = 200.into();
     let names = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(names.path(), format!("{name} 127.0.0.2 127.0.0.3\n")).unwrap();
+    // The shipped Secret's value is a placeholder, public in this repository: the sidecar does
+    // not start on it. The operator's own secret, mounted where the Deployment mounts it, does.
     let secrets = tempfile::tempdir().unwrap();
     let secret_file = secrets.path().join("signing-secret");
     std::fs::write(&secret_file, &base.signing_secret).unwrap();
     sidecar_config["signing"]["secret_file"] = secret_file.display().to_string().into();
+    let shipped = secrets.path().join("sidecar.json");
+    let mut refused_config = sidecar_config.clone();
+    refused_config["ledger"] = secrets
+        .path()
+        .join("ledger.sqlite")
+        .display()
+        .to_string()
+        .into();
+    std::fs::write(&shipped, refused_config.to_string()).unwrap();
+    let mut refused = Command::new(sidecar_bin())
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--config",
+        ])
+        .arg(&shipped)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let exited = wait_for(Duration::from_secs(10), || refused.try_wait().unwrap());
+    if exited.is_none() {
+        refused.kill().unwrap();
+    }
+    let mut why = String::new();
+    refused
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut why)
+        .unwrap();
+    assert!(
+        exited.is_some_and(|status| !status.success()) && why.contains("placeholder"),
+        "the shipped placeholder secret is refused ({exited:?}): {why}"
+    );
+    let signing_secret = weir_e2e::signing_secret();
+    std::fs::write(&secret_file, signing_secret).unwrap();
     let sidecar = Sidecar::start_with_args(
         &sidecar_bin(),
         sidecar_config,
@@ -476,12 +520,8 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
         }
         t
     };
-    let gateway = EcdsEnvoy::start_with(
-        opts,
-        istio_plugin,
-        &[(secret_env, base.signing_secret.as_str())],
-        rename,
-    );
+    let gateway =
+        EcdsEnvoy::start_with(opts, istio_plugin, &[(secret_env, signing_secret)], rename);
     let url = &gateway.envoy.url;
 
     // The README's SDK example: a streamed chat completion, as the `openai` client sends it.

@@ -22,6 +22,26 @@ const VERSION: &str = "v1";
 /// Secrets shorter than this are refused by both sides' configuration.
 pub const MIN_SECRET_BYTES: usize = 32;
 
+/// What the shipped manifests put where a secret goes. It is public, in the repository, so a
+/// deployment that kept it would let anyone claim any tenant: both sides refuse to start on it.
+const PLACEHOLDER: &str = "REPLACE-ME";
+
+/// Why `secret` may not sign or verify: too short, or still the shipped placeholder.
+pub fn unusable(secret: &[u8]) -> Option<String> {
+    if secret.len() < MIN_SECRET_BYTES {
+        return Some(format!("is shorter than {MIN_SECRET_BYTES} bytes"));
+    }
+    let placeholder = PLACEHOLDER.as_bytes();
+    secret
+        .windows(placeholder.len())
+        .any(|w| w.eq_ignore_ascii_case(placeholder))
+        .then(|| {
+            format!(
+                "is still the placeholder ({PLACEHOLDER}…): draw one with `openssl rand -hex 32`"
+            )
+        })
+}
+
 /// Why a signature did not verify.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SignatureError {
@@ -137,6 +157,15 @@ mod tests {
 
     const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
     const OLD: &[u8] = b"fedcba9876543210fedcba9876543210";
+
+    #[test]
+    fn short_secrets_and_the_shipped_placeholder_are_unusable() {
+        assert_eq!(unusable(SECRET), None);
+        assert!(unusable(&SECRET[1..]).is_some());
+        let shipped = b"REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef";
+        assert!(unusable(shipped).is_some());
+        assert!(unusable(&shipped.to_ascii_lowercase()).is_some());
+    }
 
     fn headers() -> Vec<(&'static str, &'static str)> {
         vec![

@@ -3,7 +3,7 @@
 //! request carries `x-weir-signature` over all of its `x-weir-*` headers.
 
 use weir_core::config::SigningConfig;
-use weir_core::signature::{self, MIN_SECRET_BYTES};
+use weir_core::signature;
 
 use crate::host;
 
@@ -28,10 +28,10 @@ impl Signer {
     }
 
     fn new(secret: Vec<u8>, ttl_ms: u64) -> Result<Signer, String> {
-        if secret.len() < MIN_SECRET_BYTES {
-            return Err(format!("is shorter than {MIN_SECRET_BYTES} bytes"));
+        match signature::unusable(&secret) {
+            Some(why) => Err(why),
+            None => Ok(Signer { secret, ttl_ms }),
         }
-        Ok(Signer { secret, ttl_ms })
     }
 
     /// The `x-weir-signature` value for `headers`, valid for the configured lifetime.
@@ -48,6 +48,8 @@ mod tests {
     #[test]
     fn short_secrets_are_refused_and_signatures_expire_after_the_ttl() {
         assert!(Signer::new(b"short".to_vec(), 1000).is_err());
+        let shipped = b"REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef";
+        assert!(Signer::new(shipped.to_vec(), 1000).is_err());
         let secret = b"0123456789abcdef0123456789abcdef".to_vec();
         let signer = Signer::new(secret.clone(), 1000).unwrap();
         let mut headers = vec![("x-weir-tenant", "a/b/c/d".to_owned())];

@@ -89,8 +89,8 @@ pub struct SigningConfig {
 
 impl SigningConfig {
     /// The accepted secrets, current first. Each is at least
-    /// [`weir_core::signature::MIN_SECRET_BYTES`] long; surrounding whitespace (a file's final
-    /// newline) is not part of it.
+    /// [`weir_core::signature::MIN_SECRET_BYTES`] long and not the shipped placeholder;
+    /// surrounding whitespace (a file's final newline) is not part of it.
     pub fn secrets(&self) -> anyhow::Result<Vec<Vec<u8>>> {
         let current = read_secret(
             "signing.secret",
@@ -122,9 +122,8 @@ fn read_secret(
         (None, None) => return Ok(None),
     };
     let secret = text.trim().as_bytes().to_vec();
-    let min = weir_core::signature::MIN_SECRET_BYTES;
-    if secret.len() < min {
-        bail!("{field}: the secret must be at least {min} bytes");
+    if let Some(why) = weir_core::signature::unusable(&secret) {
+        bail!("{field}: the secret {why}");
     }
     Ok(Some(secret))
 }
@@ -484,15 +483,21 @@ mod tests {
             config(none).unwrap().signing.unwrap().secrets().is_err(),
             "current needed"
         );
-        std::fs::write(&dir, "short").unwrap();
-        assert!(
-            config(&from_file)
-                .unwrap()
-                .signing
-                .unwrap()
-                .secrets()
-                .is_err()
-        );
+        for unusable in [
+            "short",
+            "REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef",
+        ] {
+            std::fs::write(&dir, unusable).unwrap();
+            assert!(
+                config(&from_file)
+                    .unwrap()
+                    .signing
+                    .unwrap()
+                    .secrets()
+                    .is_err(),
+                "{unusable}"
+            );
+        }
         let _ = std::fs::remove_file(&dir);
     }
 
