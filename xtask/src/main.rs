@@ -365,14 +365,7 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
     // buildah, else podman (`podman build` is buildah inside).
     let builder = ["buildah", "podman"]
         .into_iter()
-        .find(|tool| {
-            Command::new(tool)
-                .arg("--version")
-                .stdout(std::process::Stdio::null())
-                .stderr(std::process::Stdio::null())
-                .status()
-                .is_ok_and(|s| s.success())
-        })
+        .find(|tool| answers_version(tool))
         .context("neither buildah nor podman found (Debian: apt-get install buildah)")?;
     run(
         &format!("rustup target add {SIDECAR_TARGET}"),
@@ -619,20 +612,22 @@ fn oci_tools() -> anyhow::Result<()> {
     debian_tools(&[("docker-registry", "docker-registry"), ("skopeo", "skopeo")])
 }
 
+/// Whether `tool` runs here (answers `--version`).
+fn answers_version(tool: &str) -> bool {
+    Command::new(tool)
+        .arg("--version")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// Installs, with apt-get, the Debian packages of the `(tool, package)` pairs whose tool does
 /// not answer `--version`; nothing when every tool does.
 fn debian_tools(tools: &[(&str, &str)]) -> anyhow::Result<()> {
-    let present = |tool: &str| {
-        Command::new(tool)
-            .arg("--version")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
     let mut missing: Vec<&str> = tools
         .iter()
-        .filter(|(tool, _)| !present(tool))
+        .filter(|(tool, _)| !answers_version(tool))
         .map(|&(_, package)| package)
         .collect();
     missing.dedup();
