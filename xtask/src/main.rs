@@ -73,7 +73,8 @@ enum Task {
         wasm: Option<PathBuf>,
     },
     /// Build the sidecar's container image (deploy/sidecar/Containerfile): a static
-    /// x86_64-unknown-linux-musl build of weir-sidecar, alone in a `scratch` image, non-root.
+    /// x86_64-unknown-linux-musl build of weir-sidecar and the CA roots in a `scratch` image,
+    /// non-root, then started from the image's files to answer `/health` (as root, with buildah).
     /// Needs buildah (or podman) and Debian's musl-tools (installed when missing); not part of
     /// `test`.
     Image {
@@ -393,6 +394,12 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
             .join("release/weir-sidecar"),
         context.join("weir-sidecar"),
     )?;
+    // The trusted roots for HTTPS to engines and hosted APIs: without them the sidecar's
+    // client (rustls, the platform's roots) does not build and the sidecar does not start.
+    let roots = Path::new(CA_ROOTS);
+    std::fs::create_dir_all(context.join("etc/ssl/certs"))?;
+    std::fs::copy(roots, context.join(CA_ROOTS.trim_start_matches('/')))
+        .with_context(|| format!("{CA_ROOTS} (Debian: apt-get install ca-certificates)"))?;
     let containerfile = root().join("deploy/sidecar/Containerfile");
     run(
         &format!("{builder} build {tag}"),
@@ -403,6 +410,9 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
             .args(["-t", tag])
             .arg(&context),
     )?;
+    if builder == "buildah" {
+        smoke(tag)?;
+    }
     if let Some(archive) = oci_archive {
         let destination = format!("oci-archive:{}:{tag}", archive.display());
         run(
@@ -412,6 +422,91 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
     }
     println!("image  {tag}");
     Ok(())
+}
+
+/// Where Debian keeps the trusted roots, and where the image has them.
+const CA_ROOTS: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+/// Starts the image's own binary from the image's own files, as the image's user, and asks it
+/// `/health`: a sidecar that cannot start in the image (a file it reads at start is missing)
+/// fails here rather than in a cluster. The files are buildah's mount of a working container,
+/// entered with chroot (root only; `podman run` would be the usual way, but needs a host that
+/// lets its runtime set resource limits).
+fn smoke(tag: &str) -> anyhow::Result<()> {
+    let output = |cmd: &mut Command| -> anyhow::Result<String> {
+        let out = cmd.output()?;
+        if !out.status.success() {
+            bail!("{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    };
+    if output(Command::new("id").arg("-u"))? != "0" {
+        println!("xtask: not root: the image's smoke test is skipped");
+        return Ok(());
+    }
+    let container = output(Command::new("buildah").args(["from", tag]))?;
+    let result = (|| {
+        let rootfs = PathBuf::from(output(Command::new("buildah").args(["mount", &container]))?);
+        let etc = rootfs.join("etc/weir");
+        std::fs::create_dir_all(&etc)?;
+        std::fs::write(
+            etc.join("secret"),
+            format!("smoke-{:064}", std::process::id()),
+        )?;
+        std::fs::write(
+            etc.join("sidecar.yaml"),
+            "listen: 127.0.0.1:0\nadmin_listen: 127.0.0.1:0\nledger: /var/lib/weir/ledger.sqlite\n\
+             signing: {secret_file: /etc/weir/secret}\n\
+             pools: [{model: smoke, replicas: [\"https://127.0.0.1:9\"]}]\n",
+        )?;
+        let mut sidecar = Command::new("chroot")
+            .arg("--userspec=65532:65532")
+            .arg(&rootfs)
+            .args([
+                "/usr/local/bin/weir-sidecar",
+                "--config",
+                "/etc/weir/sidecar.yaml",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()?;
+        let banner = std::io::BufRead::lines(std::io::BufReader::new(
+            sidecar.stdout.take().context("stdout")?,
+        ))
+        .next();
+        let health = banner
+            .and_then(|line| line.ok())
+            .and_then(|line| Some(line.split_once("admin on http://")?.1.to_owned()))
+            .map(|admin| http_status(&admin, "/health"));
+        let _ = sidecar.kill();
+        let out = sidecar.wait_with_output()?;
+        match health {
+            Some(Ok(200)) => {
+                println!("xtask: smoke: the image's sidecar started as 65532 and answered /health");
+                Ok(())
+            }
+            other => bail!(
+                "the image's sidecar did not start ({other:?}): {}",
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
+    })();
+    output(Command::new("buildah").args(["rm", &container]))?;
+    result
+}
+
+/// The status of `GET path` on `addr` (HTTP/1.0, so the server closes the connection).
+fn http_status(addr: &str, path: &str) -> anyhow::Result<u16> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr)?;
+    write!(stream, "GET {path} HTTP/1.0\r\nhost: {addr}\r\n\r\n")?;
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply)?;
+    reply
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("not an HTTP reply")
 }
 
 /// Runs wasm32-wasip1 test and bench binaries under V8 (Node), the engine Envoy runs the filter
