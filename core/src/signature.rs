@@ -22,6 +22,37 @@ const VERSION: &str = "v1";
 /// Secrets shorter than this are refused by both sides' configuration.
 pub const MIN_SECRET_BYTES: usize = 32;
 
+/// Words that mark a value as one to replace (the shipped Secret's is such a placeholder).
+const PLACEHOLDER_MARKS: [&str; 4] = ["replace-me", "replace_me", "change-me", "changeme"];
+
+/// Fewer distinct bytes than this in a secret are a pattern (`0000…`, `abab…`), not random:
+/// 32 random bytes, hex or base64, have over 14.
+const MIN_DISTINCT_BYTES: usize = 8;
+
+/// Why a signing secret is refused: too short, a placeholder, or a pattern. Whoever knows the
+/// secret can claim any tenant to a sidecar, so one that is public (written in a shipped file)
+/// or guessable is as bad as none; both sides refuse it when they start.
+pub fn check_secret(secret: &[u8]) -> Result<(), &'static str> {
+    if secret.len() < MIN_SECRET_BYTES {
+        return Err("is shorter than 32 bytes");
+    }
+    let lower = secret.to_ascii_lowercase();
+    if PLACEHOLDER_MARKS
+        .iter()
+        .any(|m| lower.windows(m.len()).any(|w| w == m.as_bytes()))
+    {
+        return Err("is a placeholder: draw a secret, e.g. `openssl rand -hex 32`");
+    }
+    let mut seen = [false; 256];
+    for &b in secret {
+        seen[usize::from(b)] = true;
+    }
+    if seen.iter().filter(|&&s| s).count() < MIN_DISTINCT_BYTES {
+        return Err("is a pattern, not random: draw a secret, e.g. `openssl rand -hex 32`");
+    }
+    Ok(())
+}
+
 /// Why a signature did not verify.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SignatureError {
@@ -137,6 +168,26 @@ mod tests {
 
     const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
     const OLD: &[u8] = b"fedcba9876543210fedcba9876543210";
+
+    #[test]
+    fn short_placeholder_and_patterned_secrets_are_refused() {
+        assert_eq!(check_secret(SECRET), Ok(()));
+        assert_eq!(
+            check_secret(b"3f9a1c0e5b7d2846a1f03c9e8b5d7a2604e1c9b3f7a5d28e6c0b4a9f1e3d5c7b"),
+            Ok(())
+        );
+        assert!(check_secret(b"short").is_err());
+        for placeholder in [
+            &b"REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef"[..],
+            b"please-change-me-to-something-random-1234567890",
+            b"changeme-changeme-changeme-changeme",
+        ] {
+            let error = check_secret(placeholder).unwrap_err();
+            assert!(error.contains("placeholder"), "{error}");
+        }
+        assert!(check_secret(&[b'0'; 64]).unwrap_err().contains("pattern"));
+        assert!(check_secret(&b"ab".repeat(20)).is_err());
+    }
 
     fn headers() -> Vec<(&'static str, &'static str)> {
         vec![

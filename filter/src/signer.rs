@@ -3,7 +3,7 @@
 //! request carries `x-weir-signature` over all of its `x-weir-*` headers.
 
 use weir_core::config::SigningConfig;
-use weir_core::signature::{self, MIN_SECRET_BYTES};
+use weir_core::signature;
 
 use crate::host;
 
@@ -13,8 +13,9 @@ pub struct Signer {
 }
 
 impl Signer {
-    /// Reads the secret; a missing or short one is a configuration error, so Envoy does not
-    /// start a filter whose requests every sidecar would refuse.
+    /// Reads the secret; a missing, short or placeholder one is a configuration error, so
+    /// Envoy does not start a filter whose requests every sidecar would refuse — or anyone who
+    /// read the placeholder could forge.
     pub fn from_config(config: &SigningConfig) -> Result<Signer, String> {
         let name = &config.secret_env;
         let secret = host::env(name).ok_or_else(|| {
@@ -28,9 +29,7 @@ impl Signer {
     }
 
     fn new(secret: Vec<u8>, ttl_ms: u64) -> Result<Signer, String> {
-        if secret.len() < MIN_SECRET_BYTES {
-            return Err(format!("is shorter than {MIN_SECRET_BYTES} bytes"));
-        }
+        signature::check_secret(&secret)?;
         Ok(Signer { secret, ttl_ms })
     }
 

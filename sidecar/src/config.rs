@@ -88,9 +88,9 @@ pub struct SigningConfig {
 }
 
 impl SigningConfig {
-    /// The accepted secrets, current first. Each is at least
-    /// [`weir_core::signature::MIN_SECRET_BYTES`] long; surrounding whitespace (a file's final
-    /// newline) is not part of it.
+    /// The accepted secrets, current first. Each passes
+    /// [`weir_core::signature::check_secret`] (long enough, not a placeholder); surrounding
+    /// whitespace (a file's final newline) is not part of it.
     pub fn secrets(&self) -> anyhow::Result<Vec<Vec<u8>>> {
         let current = read_secret(
             "signing.secret",
@@ -122,9 +122,8 @@ fn read_secret(
         (None, None) => return Ok(None),
     };
     let secret = text.trim().as_bytes().to_vec();
-    let min = weir_core::signature::MIN_SECRET_BYTES;
-    if secret.len() < min {
-        bail!("{field}: the secret must be at least {min} bytes");
+    if let Err(problem) = weir_core::signature::check_secret(&secret) {
+        bail!("{field}: the secret {problem}");
     }
     Ok(Some(secret))
 }
