@@ -242,6 +242,37 @@ async fn replicas_found_in_dns_join_and_leave_under_load_and_no_request_fails() 
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_setting_a_reload_changes_applies_from_the_next_request() {
+    // The sidecar's body limit (and its estimator's) were read once at start-up: a reload
+    // said "config reloaded" and kept serving the old limit, neither applied nor named as a
+    // setting that needs a restart.
+    let sim = Sim::start_tiny_fast(&[]);
+    let config = |max_body_bytes: usize| {
+        json!({"reload": {"poll_ms": 100}, "max_body_bytes": max_body_bytes,
+            "pools": [{"model": "tiny", "replicas": [sim.url]}]})
+    };
+    let sidecar = Sidecar::start(config(8 << 20));
+    let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+    sidecar.wait_for_probes(1);
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    let body = chat_body("tiny", &"word ".repeat(1000), json!({"max_tokens": 1})).to_string();
+    let resp = post_json(&url, Some("steady"), body.clone(), &[]).await;
+    assert_eq!(resp.status(), 200);
+    sidecar.rewrite_config(config(1024));
+    let reloaded = eventually(Duration::from_secs(5), async || {
+        sidecar.log().contains("config reloaded")
+    })
+    .await;
+    assert!(reloaded, "{}", sidecar.log());
+    let resp = post_json(&url, Some("steady"), body, &[]).await;
+    assert_eq!(
+        resp.status(),
+        413,
+        "a 5 kB body was served after max_body_bytes was reloaded as 1024"
+    );
+}
+
 /// The value of one series of the sidecar's metrics, by its full name and labels.
 fn series(metrics: &str, prefix: &str) -> Option<f64> {
     metrics
