@@ -467,6 +467,10 @@ struct Seen {
     token: Mutex<String>,
 }
 
+/// A prompt the guarded engine answers with 401, quoting the token it got: as a hosted API
+/// answers once it has revoked the pool's key.
+const REVOKE_MARK: &str = "the engine no longer takes this key";
+
 /// An engine that answers only requests carrying `Authorization: Bearer <token>` (401
 /// otherwise): `/metrics` in vLLM's names, chat completions with a prefix cache keyed by
 /// `cache_salt` (so weir's isolation probe finds `salt`). Over TLS with `tls`'s certificate
@@ -533,7 +537,17 @@ fn serve_guarded(stream: Box<dyn ReadWrite>, seen: &Seen, cache: &Mutex<HashSet<
             .take(2)
             .collect::<Vec<_>>()
             .join(" ");
-        let (status, answer) = if !authorized {
+        // A hosted API's answer to a key it no longer takes quotes part of the key.
+        let revoked = String::from_utf8_lossy(&body).contains(REVOKE_MARK);
+        let (status, answer) = if revoked {
+            let token = seen.token.lock().unwrap().clone();
+            (
+                "401 Unauthorized",
+                json!({"error": {"message": format!("Incorrect API key provided: {token}"),
+                    "code": "invalid_api_key"}})
+                .to_string(),
+            )
+        } else if !authorized {
             seen.refused.fetch_add(1, Ordering::Relaxed);
             (
                 "401 Unauthorized",
@@ -733,4 +747,23 @@ async fn engines_behind_a_credential_and_tls_get_weir_s_requests_and_probes_with
         0,
         "the other pool's token stayed"
     );
+
+    // The engine refuses the pool's credential: the tenant's key was fine, and what the engine
+    // says of the credential it got is not the tenant's to read.
+    let body = chat_body("guarded", REVOKE_MARK, json!({}));
+    let resp = post_json(
+        &format!("{}/v1/chat/completions", envoy.url),
+        Some("guarded"),
+        body.to_string(),
+        &[],
+    )
+    .await;
+    let status = resp.status();
+    let answer = resp.text().await.unwrap();
+    assert!(
+        !answer.contains("rotated-token"),
+        "the engine's credential reached the tenant: {status} {answer}"
+    );
+    assert_eq!(status, 502, "{answer}");
+    assert!(answer.contains("engine_unauthorized"), "{answer}");
 }
