@@ -346,13 +346,12 @@ fn default_affinity_prefix() -> usize {
 }
 
 impl SidecarConfig {
+    /// Reads, parses and validates the config file, by its contents as [`Self::from_text`]
+    /// does (not by its name), so `weir config check` reads it as the sidecar does.
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let json = path.extension().and_then(|e| e.to_str()) == Some("json");
-        let config = Self::parse(&text, json)?;
-        config.validate()?;
-        Ok(config)
+        Self::from_text(&text)
     }
 
     /// Parses and validates a config given as text, JSON when it is a JSON object, else YAML
@@ -493,6 +492,27 @@ mod tests {
                 .is_err()
         );
         let _ = std::fs::remove_file(&dir);
+    }
+
+    #[test]
+    fn a_file_is_read_by_its_contents_as_config_check_reads_it() {
+        let dir = std::env::temp_dir().join(format!("weir-config-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let yaml = "pools:\n- model: m\n  replicas: [http://r]\nsigning: {secret_env: X}\n";
+        let json = r#"{"pools": [{"model": "m", "replicas": ["http://r"]}], "signing": {"secret_env": "X"}}"#;
+        for (name, text) in [
+            ("a.json", yaml),
+            ("b.yaml", json),
+            ("c.yaml", yaml),
+            ("d.json", json),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            assert!(SidecarConfig::from_text(text).is_ok(), "{name}");
+            let read = SidecarConfig::from_file(&path);
+            assert!(read.is_ok(), "{name}: {:#}", read.unwrap_err());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn pool_config(pool: &str) -> anyhow::Result<SidecarConfig> {
