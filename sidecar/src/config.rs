@@ -396,6 +396,13 @@ impl SidecarConfig {
             }
             for (r, url) in pool.replicas.iter().enumerate() {
                 match reqwest::Url::parse(url) {
+                    // A replica's URL is its name in logs, metrics labels, `/ready` and the
+                    // ledger: a password in it would be in all of them.
+                    Ok(u) if !u.username().is_empty() || u.password().is_some() => bail!(
+                        "pools[{i}].replicas[{r}]: a URL with credentials in it (they would be \
+                         in every log line, metric and ledger record naming the replica): set \
+                         the pool's `credential` instead"
+                    ),
                     Ok(u) if matches!(u.scheme(), "http" | "https") && u.has_host() => {}
                     _ => bail!("pools[{i}].replicas[{r}]: not an http:// or https:// URL"),
                 }
@@ -586,6 +593,25 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(not_url.contains("pools[0].replicas[0]"), "{not_url}");
+        for with_credentials in ["http://weir:s3cret@r:8000", "https://token@api.example.com"] {
+            let refused = serde_json::from_str::<SidecarConfig>(&format!(
+                r#"{{"pools": [{{"model": "m", "replicas": ["{with_credentials}"]}}], "signing": {{"secret_env": "X"}}}}"#
+            ))
+            .unwrap()
+            .validate()
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+            let Err(error) = refused else {
+                panic!(
+                    "{with_credentials} accepted: its secret would name the replica in logs, metrics and the ledger"
+                );
+            };
+            assert!(error.contains("credential"), "{error}");
+            assert!(
+                !error.contains("s3cret") && !error.contains("token@"),
+                "{error}"
+            );
+        }
         let twice = serde_json::from_str::<SidecarConfig>(
             r#"{"pools": [{"model": "m", "replicas": ["http://a"]}, {"model": "m", "replicas": ["http://b"]}],
                 "signing": {"secret_env": "X"}}"#,
