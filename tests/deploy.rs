@@ -12,10 +12,11 @@
 //! - the sidecar listens on loopback ports of its own, and its ledger and the Secret's file are
 //!   in a temporary directory: where the pod's network and volumes put them in a cluster (the
 //!   first test checks the Deployment mounts them where the config reads them);
-//! - the signing secret: the shipped one is a placeholder that the sidecar refuses (checked),
-//!   swapped for a random one;
 //! - the key's hash: the shipped one is a placeholder (all zeros, no key's hash), swapped for a
 //!   test key's;
+//! - the signing secret: the Secret's is a public placeholder, which the sidecar and the filter
+//!   both refuse to start with (a test below shows it); the harness's random one stands in for
+//!   the operator's, in the Secret's file and the gateway's environment alike;
 //! - the gateway's routes: the Envoy template's catch-all route is named after the
 //!   VirtualService's route that `routes.by_name` names (`llm-api`), and its `/alt/` route after
 //!   the one it does not (`status-page`), both read from `deploy/istio/virtualservice.yaml` — as
@@ -25,8 +26,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
 use std::collections::BTreeSet;
-use std::io::Read;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use reqwest::StatusCode;
@@ -34,8 +34,8 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use weir_e2e::ecds::{EcdsEnvoy, Plugin};
 use weir_e2e::{
-    EnvoyOptions, Sidecar, Sim, TINY_FAST, api_key, kubectl_bin, sidecar_bin, sim_bin, wait_for,
-    workspace_root,
+    Envoy, EnvoyOptions, Sidecar, Sim, TINY_FAST, api_key, kubectl_bin, sidecar_bin,
+    signing_secret, sim_bin, wait_for, workspace_root,
 };
 
 /// Every document of a YAML stream, as JSON values.
@@ -91,7 +91,7 @@ struct Base {
     docs: Vec<Value>,
     /// The ConfigMap's `sidecar.yaml`.
     sidecar_config: Value,
-    /// The Secret's `signing-secret`.
+    /// The Secret's `signing-secret`: a placeholder.
     signing_secret: String,
 }
 
@@ -261,6 +261,39 @@ fn the_rendered_base_holds_every_kind_and_its_parts_agree() {
         .map(|rule| &rule["ports"][0]["port"])
         .collect();
     assert_eq!(ports, [&json!("http-serving"), &json!("http-admin")]);
+    // The serving port's peers are the gateways' pods in their namespace, each. Envoy Gateway
+    // runs every Gateway's proxies in its own namespace, so its peer names the Gateway its
+    // HTTPRoute attaches to by namespace and name: any other Gateway's proxies run there too.
+    let peers = policy["spec"]["ingress"][0]["from"].as_array().unwrap();
+    for peer in peers {
+        assert!(
+            peer["namespaceSelector"].is_object() && peer["podSelector"].is_object(),
+            "{peer}"
+        );
+    }
+    let route = the(
+        &file_docs("deploy/envoy-gateway/extensionpolicy.yaml"),
+        "HTTPRoute",
+        None,
+    )
+    .clone();
+    let parent = &route["spec"]["parentRefs"][0];
+    let proxies = peers
+        .iter()
+        .find(|p| {
+            p["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                == parent["namespace"]
+        })
+        .expect("Envoy Gateway's namespace is a peer");
+    let labels = &proxies["podSelector"]["matchLabels"];
+    assert_eq!(
+        labels["gateway.envoyproxy.io/owning-gateway-name"],
+        parent["name"]
+    );
+    assert_eq!(
+        labels["gateway.envoyproxy.io/owning-gateway-namespace"], parent["namespace"],
+        "{proxies}"
+    );
 
     // SIGKILL never lands before the drain and the ledger flush are done: preStop, the grace
     // period, the ended requests' records (2 s) and the flush (at most 5 s).
@@ -377,6 +410,47 @@ fn plugin_config_with_test_key(plugin_config: &Value) -> Value {
     config
 }
 
+#[test]
+fn the_shipped_placeholder_secret_is_refused_by_the_sidecar_and_the_filter() {
+    // Whoever knows the signing secret can claim any tenant to the sidecar, and the Secret's
+    // value is in this repository: a cluster applied as shipped, with the same placeholder
+    // copied into the gateway's environment, would serve whatever any workload signs with it.
+    let base = Base::render();
+    let dir = tempfile::tempdir().unwrap();
+    let secret_file = dir.path().join("signing-secret");
+    std::fs::write(&secret_file, &base.signing_secret).unwrap();
+    let mut config = base.sidecar_config.clone();
+    config["signing"]["secret_file"] = secret_file.display().to_string().into();
+    let config_file = dir.path().join("sidecar.json");
+    std::fs::write(&config_file, config.to_string()).unwrap();
+    let ledger = dir.path().join("ledger.sqlite");
+    let mut child = weir_e2e::spawn_owned({
+        let mut cmd = Command::new(sidecar_bin());
+        cmd.arg("--config")
+            .arg(&config_file)
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .arg("--ledger")
+            .arg(&ledger)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        cmd
+    });
+    let status = wait_for(Duration::from_secs(10), || child.try_wait().ok().flatten());
+    let _ = child.kill();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the sidecar started on the shipped placeholder secret"
+    );
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(stderr.contains("placeholder"), "{stderr}");
+
+    let plugin = wasm_plugin();
+    let plugin_config = plugin_config_with_test_key(&plugin["spec"]["pluginConfig"]);
+    let log = Envoy::refusal(&plugin_config, &base.signing_secret);
+    assert!(log.contains("placeholder"), "{log}");
+}
+
 /// The SSE events' data of a streamed answer.
 fn events(body: &str) -> Vec<String> {
     body.split("\n\n")
@@ -416,51 +490,10 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
     pool["discovery"]["interval_ms"] = 200.into();
     let names = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(names.path(), format!("{name} 127.0.0.2 127.0.0.3\n")).unwrap();
-    // The shipped Secret's value is a placeholder, public in this repository: the sidecar does
-    // not start on it. The operator's own secret, mounted where the Deployment mounts it, does.
     let secrets = tempfile::tempdir().unwrap();
     let secret_file = secrets.path().join("signing-secret");
-    std::fs::write(&secret_file, &base.signing_secret).unwrap();
+    std::fs::write(&secret_file, signing_secret()).unwrap();
     sidecar_config["signing"]["secret_file"] = secret_file.display().to_string().into();
-    let shipped = secrets.path().join("sidecar.json");
-    let mut refused_config = sidecar_config.clone();
-    refused_config["ledger"] = secrets
-        .path()
-        .join("ledger.sqlite")
-        .display()
-        .to_string()
-        .into();
-    std::fs::write(&shipped, refused_config.to_string()).unwrap();
-    let mut refused = Command::new(sidecar_bin())
-        .args([
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--config",
-        ])
-        .arg(&shipped)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let exited = wait_for(Duration::from_secs(10), || refused.try_wait().unwrap());
-    if exited.is_none() {
-        refused.kill().unwrap();
-    }
-    let mut why = String::new();
-    refused
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut why)
-        .unwrap();
-    assert!(
-        exited.is_some_and(|status| !status.success()) && why.contains("placeholder"),
-        "the shipped placeholder secret is refused ({exited:?}): {why}"
-    );
-    let signing_secret = weir_e2e::signing_secret();
-    std::fs::write(&secret_file, signing_secret).unwrap();
     let sidecar = Sidecar::start_with_args(
         &sidecar_bin(),
         sidecar_config,
@@ -520,8 +553,12 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
         }
         t
     };
-    let gateway =
-        EcdsEnvoy::start_with(opts, istio_plugin, &[(secret_env, signing_secret)], rename);
+    let gateway = EcdsEnvoy::start_with(
+        opts,
+        istio_plugin,
+        &[(secret_env, signing_secret())],
+        rename,
+    );
     let url = &gateway.envoy.url;
 
     // The README's SDK example: a streamed chat completion, as the `openai` client sends it.

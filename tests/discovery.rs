@@ -243,6 +243,37 @@ async fn replicas_found_in_dns_join_and_leave_under_load_and_no_request_fails() 
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_setting_a_reload_changes_applies_from_the_next_request() {
+    // The sidecar's body limit (and its estimator's) were read once at start-up: a reload
+    // said "config reloaded" and kept serving the old limit, neither applied nor named as a
+    // setting that needs a restart.
+    let sim = Sim::start_tiny_fast(&[]);
+    let config = |max_body_bytes: usize| {
+        json!({"reload": {"poll_ms": 100}, "max_body_bytes": max_body_bytes,
+            "pools": [{"model": "tiny", "replicas": [sim.url]}]})
+    };
+    let sidecar = Sidecar::start(config(8 << 20));
+    let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+    sidecar.wait_for_probes(1);
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    let body = chat_body("tiny", &"word ".repeat(1000), json!({"max_tokens": 1})).to_string();
+    let resp = post_json(&url, Some("steady"), body.clone(), &[]).await;
+    assert_eq!(resp.status(), 200);
+    sidecar.rewrite_config(config(1024));
+    let reloaded = eventually(Duration::from_secs(5), async || {
+        sidecar.log().contains("config reloaded")
+    })
+    .await;
+    assert!(reloaded, "{}", sidecar.log());
+    let resp = post_json(&url, Some("steady"), body, &[]).await;
+    assert_eq!(
+        resp.status(),
+        413,
+        "a 5 kB body was served after max_body_bytes was reloaded as 1024"
+    );
+}
+
 /// The value of one series of the sidecar's metrics, by its full name and labels.
 fn series(metrics: &str, prefix: &str) -> Option<f64> {
     metrics
@@ -431,6 +462,10 @@ struct Seen {
     token: Mutex<String>,
 }
 
+/// A prompt the guarded engine answers with 401, quoting the token it got: as a hosted API
+/// answers once it has revoked the pool's key.
+const REVOKE_MARK: &str = "the engine no longer takes this key";
+
 /// An engine that answers only requests carrying `Authorization: Bearer <token>` (401
 /// otherwise): `/metrics` in vLLM's names, chat completions with a prefix cache keyed by
 /// `cache_salt` (so weir's isolation probe finds `salt`). Over TLS with `tls`'s certificate
@@ -497,7 +532,17 @@ fn serve_guarded(stream: Box<dyn ReadWrite>, seen: &Seen, cache: &Mutex<HashSet<
             .take(2)
             .collect::<Vec<_>>()
             .join(" ");
-        let (status, answer) = if !authorized {
+        // A hosted API's answer to a key it no longer takes quotes part of the key.
+        let revoked = String::from_utf8_lossy(&body).contains(REVOKE_MARK);
+        let (status, answer) = if revoked {
+            let token = seen.token.lock().unwrap().clone();
+            (
+                "401 Unauthorized",
+                json!({"error": {"message": format!("Incorrect API key provided: {token}"),
+                    "code": "invalid_api_key"}})
+                .to_string(),
+            )
+        } else if !authorized {
             seen.refused.fetch_add(1, Ordering::Relaxed);
             (
                 "401 Unauthorized",
@@ -697,4 +742,23 @@ async fn engines_behind_a_credential_and_tls_get_weir_s_requests_and_probes_with
         0,
         "the other pool's token stayed"
     );
+
+    // The engine refuses the pool's credential: the tenant's key was fine, and what the engine
+    // says of the credential it got is not the tenant's to read.
+    let body = chat_body("guarded", REVOKE_MARK, json!({}));
+    let resp = post_json(
+        &format!("{}/v1/chat/completions", envoy.url),
+        Some("guarded"),
+        body.to_string(),
+        &[],
+    )
+    .await;
+    let status = resp.status();
+    let answer = resp.text().await.unwrap();
+    assert!(
+        !answer.contains("rotated-token"),
+        "the engine's credential reached the tenant: {status} {answer}"
+    );
+    assert_eq!(status, 502, "{answer}");
+    assert!(answer.contains("engine_unauthorized"), "{answer}");
 }

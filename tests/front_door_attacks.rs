@@ -308,3 +308,68 @@ async fn a_body_that_is_not_a_json_object_never_reaches_the_engine() {
         "{answer}"
     );
 }
+
+#[tokio::test]
+async fn bodies_held_back_cannot_keep_more_requests_open_upstream_than_the_key_may_run() {
+    // The filter sends a request's headers on before it has read the body (all a mesh lets it
+    // do), so from its headers on a request holds a stream at the upstream — the sidecar's
+    // connections, the cluster's circuit breakers, shared by every tenant. A key allowed two
+    // requests at once that sends headers and holds its bodies back must hold two, not any
+    // number: its concurrency slots are taken before the headers go.
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = upstream.local_addr().unwrap().port();
+    let heads = Arc::new(AtomicUsize::new(0));
+    let seen = heads.clone();
+    std::thread::spawn(move || {
+        for conn in upstream.incoming().flatten() {
+            let seen = seen.clone();
+            std::thread::spawn(move || {
+                let mut reader = std::io::BufReader::new(conn);
+                let mut line = String::new();
+                while std::io::BufRead::read_line(&mut reader, &mut line).unwrap_or(0) > 0 {
+                    if line == "\r\n" {
+                        seen.fetch_add(1, Ordering::SeqCst);
+                    }
+                    line.clear();
+                }
+            });
+        }
+    });
+    let config = json!({
+        "orgs": [{"id": "initech", "workspaces": [{"id": "default", "projects": [{"id": "trial",
+            "keys": [api_key_limited("holder", json!({"concurrent_requests": 2}))]}]}]}],
+        "models": {"tiny": {"max_context_tokens": 4096}},
+    });
+    let envoy = Envoy::start(&config, port, port);
+    let addr = envoy.url.trim_start_matches("http://").to_owned();
+    let held: Vec<std::net::TcpStream> = (0..5)
+        .map(|_| {
+            let mut conn = std::net::TcpStream::connect(&addr).unwrap();
+            let head = format!(
+                "POST {CHAT} HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-holder\r\n\
+                 Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{{\"model\":"
+            );
+            conn.write_all(head.as_bytes()).unwrap();
+            // One at a time, so which ones get the slots is deterministic.
+            std::thread::sleep(Duration::from_millis(100));
+            conn
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let open_upstream = heads.load(Ordering::SeqCst);
+    assert_eq!(
+        open_upstream, 2,
+        "{open_upstream} requests held open upstream by a key allowed 2 at once"
+    );
+    // The others were refused at once, over the concurrency limit.
+    for mut conn in held.into_iter().skip(2) {
+        conn.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut answer = vec![0u8; 4096];
+        let n = conn.read(&mut answer).unwrap_or(0);
+        let answer = String::from_utf8_lossy(&answer[..n]);
+        assert!(answer.starts_with("HTTP/1.1 429"), "{answer}");
+        assert!(answer.contains("concurrent_requests"), "{answer}");
+    }
+}

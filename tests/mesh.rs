@@ -248,6 +248,36 @@ async fn a_push_resets_no_bucket_and_no_slot() {
 }
 
 #[tokio::test]
+async fn a_slot_held_across_a_push_stays_held_past_its_lease_time() {
+    let _turn = turn().await;
+    let gateway = &stack().gateway;
+    let slots = "x-ratelimit-remaining-concurrent-requests";
+    // A request whose body never comes holds its slot from its headers on, for as long as the
+    // client keeps it open: renewed by the VM that took it, whatever config came since.
+    let addr = gateway.envoy.url.trim_start_matches("http://").to_owned();
+    let mut held = std::net::TcpStream::connect(addr).unwrap();
+    std::io::Write::write_all(
+        &mut held,
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-held\r\n\
+          Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\":",
+    )
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(standing("held", slots).await, 1, "its slot is taken");
+    gateway
+        .push(&weir_config(true, 100, Some("newcomer")))
+        .await;
+    tokio::time::sleep(SLOT_LEASE * 3).await;
+    assert_eq!(
+        standing("held", slots).await,
+        1,
+        "the slot lapsed after the push: the VM that took it stopped renewing it"
+    );
+    drop(held);
+    gateway.push(&weir_config(true, 100, None)).await;
+}
+
+#[tokio::test]
 async fn a_changed_limit_applies_from_the_next_request() {
     let _turn = turn().await;
     let gateway = &stack().gateway;

@@ -253,12 +253,6 @@ fn a_filter_told_to_sign_without_a_usable_secret_does_not_start() {
     // Passed, but too short to be a secret: refused.
     let log = Envoy::refusal(&json!({}), "short");
     assert!(log.contains("shorter than 32 bytes"), "{log}");
-    // Still the placeholder deploy/ ships (public, in the repository): refused.
-    let log = Envoy::refusal(
-        &json!({}),
-        "REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef",
-    );
-    assert!(log.contains("is still the placeholder"), "{log}");
 }
 
 // ---- Rollout modes: a mode that promises not to reject never rejects --------------------

@@ -3,9 +3,10 @@
 //! 1 on any error, each error naming its field).
 //!
 //! A file may be a filter config, a sidecar config, or the Kubernetes manifests that carry them:
-//! an Istio `WasmPlugin` (its `pluginConfig`), an Envoy Gateway `EnvoyExtensionPolicy` (each
-//! wasm entry's `config`), a `ConfigMap` (each value that is a sidecar config), in one document
-//! or many (`kubectl kustomize` output).
+//! an Istio `WasmPlugin` (its `pluginConfig`), an Istio `EnvoyFilter` (the `configuration` of
+//! each Wasm filter it patches in), an Envoy Gateway `EnvoyExtensionPolicy` (each wasm entry's
+//! `config`), a `ConfigMap` (each value that is a sidecar config), in one document or many
+//! (`kubectl kustomize` output).
 
 use anyhow::{Context, bail};
 use serde::Deserialize;
@@ -111,6 +112,19 @@ fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
                 })
             })
             .collect(),
+        Some("EnvoyFilter") => {
+            let mut configs = Vec::new();
+            wasm_configurations(&doc["spec"], &mut configs);
+            configs
+                .into_iter()
+                .enumerate()
+                .map(|(i, text)| Found {
+                    place: at(format!("EnvoyFilter {name} Wasm filter {i}")),
+                    kind: Kind::Filter,
+                    text: text.to_owned(),
+                })
+                .collect()
+        }
         Some(_) => Vec::new(),
         None => kind_of(doc)
             .map(|kind| Found {
@@ -124,6 +138,29 @@ fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
             })
             .into_iter()
             .collect(),
+    }
+}
+
+/// The plugin configurations of every Wasm HTTP filter config in `value`, wherever it sits (an
+/// `EnvoyFilter` adds one as an extension config or as a filter of the chain).
+fn wasm_configurations<'v>(value: &'v Value, out: &mut Vec<&'v str>) {
+    match value {
+        Value::Object(fields) => {
+            let is_wasm = fields
+                .get("@type")
+                .and_then(Value::as_str)
+                .is_some_and(|t| t.ends_with("envoy.extensions.filters.http.wasm.v3.Wasm"));
+            if let (true, Some(text)) =
+                (is_wasm, value["config"]["configuration"]["value"].as_str())
+            {
+                out.push(text);
+            }
+            for field in fields.values() {
+                wasm_configurations(field, out);
+            }
+        }
+        Value::Array(items) => items.iter().for_each(|v| wasm_configurations(v, out)),
+        _ => {}
     }
 }
 
@@ -244,5 +281,33 @@ mod tests {
             check("kind: Service\n", Kind::Auto).is_err(),
             "nothing to check is an error"
         );
+    }
+
+    #[test]
+    fn the_shipped_manifests_are_checked_whichever_variant_carries_the_filter() {
+        for (file, text, carrier) in [
+            (
+                "istio/wasmplugin.yaml",
+                include_str!("../../deploy/istio/wasmplugin.yaml"),
+                "WasmPlugin weir",
+            ),
+            (
+                "istio/envoyfilter.yaml",
+                include_str!("../../deploy/istio/envoyfilter.yaml"),
+                "EnvoyFilter weir",
+            ),
+            (
+                "envoy-gateway/extensionpolicy.yaml",
+                include_str!("../../deploy/envoy-gateway/extensionpolicy.yaml"),
+                "EnvoyExtensionPolicy weir",
+            ),
+        ] {
+            let report = check(text, Kind::Auto).unwrap_or_else(|e| panic!("{file}: {e}"));
+            assert_eq!(report.len(), 1, "{file}: {report:?}");
+            assert!(
+                report[0].contains(carrier) && report[0].contains("filter config, 1 orgs"),
+                "{file}: {report:?}"
+            );
+        }
     }
 }

@@ -113,8 +113,8 @@ fn export_usage(
 enum ConfigAction {
     /// Validate a config exactly as the filter and sidecar will (field-path errors, unknown
     /// fields, duplicate key hashes, limits that can never admit anything): a filter or sidecar
-    /// config, or the manifests carrying them (WasmPlugin, EnvoyExtensionPolicy, ConfigMap,
-    /// `kubectl kustomize` output). Exits 1 on any error.
+    /// config, or the manifests carrying them (WasmPlugin, EnvoyFilter, EnvoyExtensionPolicy,
+    /// ConfigMap, `kubectl kustomize` output). Exits 1 on any error.
     Check {
         file: std::path::PathBuf,
         #[arg(long, value_enum, default_value = "auto")]

@@ -782,7 +782,8 @@ fn check_admits_something(at: &str, tenant: &Tenant) -> Result<(), ConfigError> 
 }
 
 /// An RFC 3339 time (`2027-01-31T00:00:00Z`, fractions and `±HH:MM` offsets allowed) in ms
-/// since the Unix epoch.
+/// since the Unix epoch. Years and offsets are bounded as RFC 3339 bounds them (four digits,
+/// under a day), which also keeps the arithmetic from overflowing on a hostile config.
 pub fn parse_rfc3339(text: &str) -> Option<u64> {
     let (date, time) = text.split_once(['T', 't'])?;
     let mut d = date.split('-');
@@ -791,7 +792,11 @@ pub fn parse_rfc3339(text: &str) -> Option<u64> {
         d.next()?.parse().ok()?,
         d.next()?.parse().ok()?,
     );
-    if d.next().is_some() || !(1..=12).contains(&m) || !(1..=31).contains(&day) {
+    if d.next().is_some()
+        || !(0..=9999).contains(&y)
+        || !(1..=12).contains(&m)
+        || !(1..=31).contains(&day)
+    {
         return None;
     }
     let (clock, offset_s) = if let Some(clock) = time.strip_suffix(['Z', 'z']) {
@@ -801,13 +806,21 @@ pub fn parse_rfc3339(text: &str) -> Option<u64> {
         let (clock, offset) = time.split_at(at);
         let (sign, hm) = offset.split_at(1);
         let (oh, om) = hm.split_once(':')?;
-        let seconds = oh.parse::<i64>().ok()? * 3600 + om.parse::<i64>().ok()? * 60;
+        let (oh, om): (i64, i64) = (oh.parse().ok()?, om.parse().ok()?);
+        if !(0..=23).contains(&oh) || !(0..=59).contains(&om) {
+            return None;
+        }
+        let seconds = oh * 3600 + om * 60;
         (clock, if sign == "-" { -seconds } else { seconds })
     };
     let mut c = clock.split(':');
     let (h, min): (i64, i64) = (c.next()?.parse().ok()?, c.next()?.parse().ok()?);
     let seconds: f64 = c.next()?.parse().ok()?;
-    if c.next().is_some() || h > 23 || min > 59 || !(0.0..61.0).contains(&seconds) {
+    if c.next().is_some()
+        || !(0..=23).contains(&h)
+        || !(0..=59).contains(&min)
+        || !(0.0..61.0).contains(&seconds)
+    {
         return None;
     }
     // Days from the civil date (Howard Hinnant's algorithm).
@@ -1143,6 +1156,10 @@ mod tests {
             "2000-01-01",
             "2000-01-01T25:00:00Z",
             "x",
+            // Past what RFC 3339 spells, and past what the arithmetic holds.
+            "99999999999999999-01-01T00:00:00Z",
+            "2000-01-01T00:00:00+99999999999999:00",
+            "2000-01-01T00:00:00-00:99999999999999",
         ] {
             assert_eq!(parse_rfc3339(bad), None, "{bad}");
         }

@@ -2,8 +2,10 @@
 //!
 //! A request is charged at every level on its key's path (org, workspace, project, key): one
 //! request, its estimated input tokens, its reserved output tokens and a concurrency slot,
-//! wherever a limit is set. Charges are all-or-nothing: if one level refuses, the ones already
-//! taken are given back. Each counter is updated with a compare-and-swap loop over the host's
+//! wherever a limit is set. The filter charges in two steps: the request and its slot before
+//! its headers go upstream ([`reserve`] with no tokens), since from then on it holds a stream
+//! there, and its tokens once its body says how many ([`extend`]). Charges are all-or-nothing:
+//! if one level refuses, the ones already taken are given back. Each counter is updated with a compare-and-swap loop over the host's
 //! shared data, bounded so a hot key can never spin a worker. Concurrency slots are leases
 //! ([`crate::lease`]) that the holder renews while the request lives ([`renew`]), so a slot
 //! whose release never happened comes back by itself.
@@ -393,6 +395,54 @@ pub fn reserve(
     Ok(taken)
 }
 
+/// Adds the tokens of `more` to `reservation` at every level on its path (a request charged
+/// before its body was read), all or nothing: on a refusal the reservation stands as it was,
+/// and the caller gives it back with [`cancel`].
+pub fn extend(
+    store: &impl SharedStore,
+    reservation: &mut Reservation,
+    more: Demand,
+    now_ms: u64,
+) -> Result<(), Denial> {
+    let slot = reservation.slot;
+    let mut taken: Vec<(usize, Standing)> = Vec::new();
+    for (i, counter) in reservation.held.iter().enumerate() {
+        if !matches!(
+            counter.kind,
+            LimitKind::InputTokens | LimitKind::OutputTokens
+        ) {
+            continue;
+        }
+        let denial = match counter.take(store, more, slot, now_ms) {
+            Update::Done(standing) => {
+                taken.push((i, standing));
+                continue;
+            }
+            Update::Refused(denial) => denial,
+            Update::Contended => Denial::Contended,
+        };
+        for &(j, _) in &taken {
+            let c = &reservation.held[j];
+            c.give_back(store, c.amount(more) as f64, slot, now_ms);
+        }
+        return Err(denial);
+    }
+    for (i, standing) in taken {
+        reservation.standing[i] = standing;
+    }
+    let demand = &mut reservation.demand;
+    demand.input_tokens = demand.input_tokens.saturating_add(more.input_tokens);
+    demand.output_tokens = demand.output_tokens.saturating_add(more.output_tokens);
+    Ok(())
+}
+
+/// Gives a reservation back whole, its request included: for a request refused after it was
+/// charged (a body that cannot be admitted, or whose tokens do not fit). Returns how many
+/// counters could not be updated.
+pub fn cancel(store: &impl SharedStore, reservation: &Reservation, now_ms: u64) -> usize {
+    release(store, reservation, Demand::default(), now_ms, true)
+}
+
 /// Where every limit on the tenant's path stands, read without taking anything (for answers
 /// that are not metered, such as the model list).
 pub fn standing(
@@ -684,6 +734,56 @@ mod tests {
             Err(Denial::Contended)
         );
         assert_eq!(store.level("weir:e:acme/w/p/k:rpm"), 9.0);
+    }
+
+    #[test]
+    fn a_request_charged_before_its_body_holds_its_slot_then_takes_its_tokens_or_nothing() {
+        let t = tenant(
+            r#"{"input_tokens_per_minute":1000}"#,
+            r#"{"concurrent_requests":1,"requests_per_minute":10,"output_tokens_per_minute":80}"#,
+        );
+        let store = Memory::default();
+        initialize(&store, [&t], 0);
+        // Headers: the request and its slot, no tokens yet.
+        let mut r = reserve(&store, &t, Demand::default(), Ledger::Enforce, slot(), 0).unwrap();
+        assert_eq!(store.count("weir:e:acme/w/p/k:conc"), 1);
+        assert_eq!(store.level("weir:e:acme/w/p/k:rpm"), 9.0);
+        assert_eq!(store.level("weir:e:acme:itpm"), 1000.0);
+        assert!(
+            reserve(&store, &t, Demand::default(), Ledger::Enforce, slot(), 0).is_err(),
+            "a second request waiting for its body is over the concurrency limit"
+        );
+        // Body: its tokens at every level.
+        extend(&store, &mut r, IN_100, 0).unwrap();
+        assert_eq!(r.demand, IN_100);
+        assert_eq!(store.level("weir:e:acme:itpm"), 900.0);
+        assert_eq!(store.level("weir:e:acme/w/p/k:otpm"), 30.0);
+        let output = r
+            .standing
+            .iter()
+            .find(|s| s.kind == LimitKind::OutputTokens);
+        assert_eq!(
+            output.map(|s| s.remaining),
+            Some(30),
+            "the answer's standing"
+        );
+        // Tokens that do not fit are taken nowhere, and the reservation stays as it was.
+        let before = r.clone();
+        assert!(matches!(
+            extend(&store, &mut r, IN_100, 0),
+            Err(Denial::Limit {
+                kind: LimitKind::OutputTokens,
+                ..
+            })
+        ));
+        assert_eq!(r, before);
+        assert_eq!(store.level("weir:e:acme:itpm"), 900.0, "rolled back");
+        // Cancelled: everything back, the request too, and the slot free.
+        assert_eq!(cancel(&store, &r, 0), 0);
+        assert_eq!(store.level("weir:e:acme:itpm"), 1000.0);
+        assert_eq!(store.level("weir:e:acme/w/p/k:otpm"), 80.0);
+        assert_eq!(store.level("weir:e:acme/w/p/k:rpm"), 10.0);
+        assert_eq!(store.count("weir:e:acme/w/p/k:conc"), 0);
     }
 
     #[test]

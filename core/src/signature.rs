@@ -22,24 +22,35 @@ const VERSION: &str = "v1";
 /// Secrets shorter than this are refused by both sides' configuration.
 pub const MIN_SECRET_BYTES: usize = 32;
 
-/// What the shipped manifests put where a secret goes. It is public, in the repository, so a
-/// deployment that kept it would let anyone claim any tenant: both sides refuse to start on it.
-const PLACEHOLDER: &str = "REPLACE-ME";
+/// Words that mark a value as one to replace (the shipped Secret's is such a placeholder).
+const PLACEHOLDER_MARKS: [&str; 4] = ["replace-me", "replace_me", "change-me", "changeme"];
 
-/// Why `secret` may not sign or verify: too short, or still the shipped placeholder.
-pub fn unusable(secret: &[u8]) -> Option<String> {
+/// Fewer distinct bytes than this in a secret are a pattern (`0000…`, `abab…`), not random:
+/// 32 random bytes, hex or base64, have over 14.
+const MIN_DISTINCT_BYTES: usize = 8;
+
+/// Why a signing secret is refused: too short, a placeholder, or a pattern. Whoever knows the
+/// secret can claim any tenant to a sidecar, so one that is public (written in a shipped file)
+/// or guessable is as bad as none; both sides refuse it when they start.
+pub fn check_secret(secret: &[u8]) -> Result<(), &'static str> {
     if secret.len() < MIN_SECRET_BYTES {
-        return Some(format!("is shorter than {MIN_SECRET_BYTES} bytes"));
+        return Err("is shorter than 32 bytes");
     }
-    let placeholder = PLACEHOLDER.as_bytes();
-    secret
-        .windows(placeholder.len())
-        .any(|w| w.eq_ignore_ascii_case(placeholder))
-        .then(|| {
-            format!(
-                "is still the placeholder ({PLACEHOLDER}…): draw one with `openssl rand -hex 32`"
-            )
-        })
+    let lower = secret.to_ascii_lowercase();
+    if PLACEHOLDER_MARKS
+        .iter()
+        .any(|m| lower.windows(m.len()).any(|w| w == m.as_bytes()))
+    {
+        return Err("is a placeholder: draw a secret, e.g. `openssl rand -hex 32`");
+    }
+    let mut seen = [false; 256];
+    for &b in secret {
+        seen[usize::from(b)] = true;
+    }
+    if seen.iter().filter(|&&s| s).count() < MIN_DISTINCT_BYTES {
+        return Err("is a pattern, not random: draw a secret, e.g. `openssl rand -hex 32`");
+    }
+    Ok(())
 }
 
 /// Why a signature did not verify.
@@ -159,12 +170,23 @@ mod tests {
     const OLD: &[u8] = b"fedcba9876543210fedcba9876543210";
 
     #[test]
-    fn short_secrets_and_the_shipped_placeholder_are_unusable() {
-        assert_eq!(unusable(SECRET), None);
-        assert!(unusable(&SECRET[1..]).is_some());
-        let shipped = b"REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef";
-        assert!(unusable(shipped).is_some());
-        assert!(unusable(&shipped.to_ascii_lowercase()).is_some());
+    fn short_placeholder_and_patterned_secrets_are_refused() {
+        assert_eq!(check_secret(SECRET), Ok(()));
+        assert_eq!(
+            check_secret(b"3f9a1c0e5b7d2846a1f03c9e8b5d7a2604e1c9b3f7a5d28e6c0b4a9f1e3d5c7b"),
+            Ok(())
+        );
+        assert!(check_secret(b"short").is_err());
+        for placeholder in [
+            &b"REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef"[..],
+            b"please-change-me-to-something-random-1234567890",
+            b"changeme-changeme-changeme-changeme",
+        ] {
+            let error = check_secret(placeholder).unwrap_err();
+            assert!(error.contains("placeholder"), "{error}");
+        }
+        assert!(check_secret(&[b'0'; 64]).unwrap_err().contains("pattern"));
+        assert!(check_secret(&b"ab".repeat(20)).is_err());
     }
 
     fn headers() -> Vec<(&'static str, &'static str)> {

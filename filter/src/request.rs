@@ -2,11 +2,12 @@
 //!
 //! ```text
 //! headers ─► strip x-weir-*, new attempt id, pick route mode, authenticate, route
+//!        ─► charge the request and its concurrency slot at every level (a metered API)
 //!        ─► send the headers on with the trusted x-weir-* identity headers, signed (every
 //!           request, whatever the mode: off, shadow and out-of-rollout requests are scheduled
 //!           too, as their tenant when the key is valid, else as the configured default tenant)
 //! body    ─► held until complete (at its end, or at its trailers when it ends in them)
-//!        ─► admit (parse, limits, estimate) ─► reserve at every level ─► rewrite ─► let it go
+//!        ─► admit (parse, limits, estimate) ─► reserve its tokens ─► rewrite ─► let it go
 //!           (a refusal answers locally; the upstream, which had only the headers, is reset)
 //! response─► meter the stream/body as it passes (usage chunk hidden unless asked for)
 //! end     ─► settle: engine usage replaces the reservation   (on_log settles anything left:
@@ -18,7 +19,11 @@
 //! `allow_on_headers_stop_iteration`, without which a module that stops the headers never sees
 //! the body. Holding the body is enough to fail closed: no body, no work. So what the trusted
 //! headers carry is what authentication knows (the identity), and the sidecar derives the
-//! rest (the prompt's size, the output reserved) from the admitted body it receives.
+//! rest (the prompt's size, the output reserved) from the admitted body it receives. A request
+//! holds a stream upstream from its headers on, so it takes its concurrency slot before they
+//! go: a tenant holding bodies back cannot keep more requests open at the upstream (the
+//! sidecar's connections, the cluster's circuit breakers, shared by every tenant) than its
+//! limits allow.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -171,8 +176,10 @@ impl Request {
     }
 
     /// Enforce: answer locally and stop. Shadow: note what would have happened and go on at
-    /// `shadow_stage`.
+    /// `shadow_stage`. Either way the request holds nothing from then on: what it had reserved
+    /// is given back.
     fn refuse(&mut self, reply: Reply, reason: &'static str, shadow_stage: Stage) -> Action {
+        self.cancel_reservation();
         self.gw.metrics.add(&telemetry::rejection_metric(reason), 1);
         if self.shadow {
             self.gw.metrics.add(telemetry::SHADOW_WOULD_REJECT, 1);
@@ -187,6 +194,64 @@ impl Request {
         self.outcome = "rejected";
         host::local_reply(reply.status, &reply.headers, &reply.body);
         Action::Pause
+    }
+
+    /// The counters this request is charged to.
+    fn ledger(&self) -> Ledger {
+        if self.shadow {
+            Ledger::Shadow
+        } else {
+            Ledger::Enforce
+        }
+    }
+
+    /// Takes the request and its concurrency slot at every level on the key's path before its
+    /// headers go on; its tokens follow once the body says how many ([`Self::admit_body`]).
+    fn reserve_request(&mut self) -> Action {
+        let Some(tenant) = self.tenant.clone() else {
+            return Action::Continue;
+        };
+        let slot = SlotLease {
+            id: host::random_u64(),
+            ttl_ms: self.gw.config.slot_lease_ms,
+        };
+        let now = host::now_ms();
+        match reservation::reserve(
+            &SharedData,
+            &tenant,
+            Demand::default(),
+            self.ledger(),
+            slot,
+            now,
+        ) {
+            Ok(r) => {
+                if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
+                    in_flight.insert(slot.id, r.clone());
+                }
+                self.reservation = Some(r);
+                Action::Continue
+            }
+            Err(denial) => {
+                // In shadow mode the request goes on, metered but holding no reservation.
+                let reply = Reply::denied(&denial, self.shape, now);
+                self.refuse(reply, denial_reason(&denial), Stage::AwaitingBody)
+            }
+        }
+    }
+
+    /// Gives back whatever the request holds, its request count too.
+    fn cancel_reservation(&mut self) {
+        let Some(r) = self.reservation.take() else {
+            return;
+        };
+        if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
+            in_flight.remove(&r.slot.id);
+        }
+        let conflicts = reservation::cancel(&SharedData, &r, host::now_ms());
+        self.gw
+            .metrics
+            .add(telemetry::SETTLE_CONFLICTS, conflicts as i64);
+        self.gw.metrics.add(telemetry::RESERVED, -total(r.demand));
     }
 
     /// Adds a trusted header to what this request will carry.
@@ -425,6 +490,10 @@ impl Request {
         // Admission may rewrite the body, whose length is not known until then.
         host::set_header(Side::Request, "content-length", None);
         self.stage = Stage::AwaitingBody;
+        let action = self.reserve_request();
+        if self.stage == Stage::Replied {
+            return action;
+        }
         self.send_headers()
     }
 
@@ -490,38 +559,24 @@ impl Request {
             input_tokens: admitted.prompt_tokens,
             output_tokens: admitted.reserved_output,
         };
-        let ledger = if self.shadow {
-            Ledger::Shadow
-        } else {
-            Ledger::Enforce
-        };
-        let slot = SlotLease {
-            id: host::random_u64(),
-            ttl_ms: self.gw.config.slot_lease_ms,
-        };
-        match reservation::reserve(&SharedData, &tenant, demand, ledger, slot, host::now_ms()) {
-            Ok(r) => {
-                self.gw.metrics.add(telemetry::RESERVED, total(demand));
-                if !self.shadow {
-                    self.standing = r.standing.clone();
+        // Shadow mode may have let the request on without a reservation (its headers' charge
+        // was refused): it goes on holding none.
+        if let Some(r) = self.reservation.as_mut() {
+            match reservation::extend(&SharedData, r, demand, host::now_ms()) {
+                Ok(()) => {
+                    self.gw.metrics.add(telemetry::RESERVED, total(demand));
+                    if !self.shadow {
+                        self.standing = r.standing.clone();
+                    }
+                    #[cfg(feature = "fault-injection")]
+                    crate::fault::trap_if(self.fault.as_deref(), crate::fault::TRAP_AFTER_RESERVE);
                 }
-                if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
-                    in_flight.insert(slot.id, r.clone());
-                }
-                self.reservation = Some(r);
-                #[cfg(feature = "fault-injection")]
-                crate::fault::trap_if(self.fault.as_deref(), crate::fault::TRAP_AFTER_RESERVE);
-            }
-            Err(denial) => {
-                let reason = match &denial {
-                    Denial::Limit { kind, .. } => kind.name(),
-                    Denial::Contended => "contended",
-                };
-                // In shadow mode the request goes on, metered but holding no reservation.
-                let reply = Reply::denied(&denial, self.shape, host::now_ms());
-                let action = self.refuse(reply, reason, Stage::AwaitingBody);
-                if self.stage == Stage::Replied {
-                    return action;
+                Err(denial) => {
+                    let reply = Reply::denied(&denial, self.shape, host::now_ms());
+                    let action = self.refuse(reply, denial_reason(&denial), Stage::AwaitingBody);
+                    if self.stage == Stage::Replied {
+                        return action;
+                    }
                 }
             }
         }
@@ -744,6 +799,14 @@ impl Request {
 fn is_identity(encoding: &str) -> bool {
     let encoding = encoding.trim();
     encoding.is_empty() || encoding.eq_ignore_ascii_case("identity")
+}
+
+/// The rejection reason of a refused reservation: the limit's name.
+fn denial_reason(denial: &Denial) -> &'static str {
+    match denial {
+        Denial::Limit { kind, .. } => kind.name(),
+        Denial::Contended => "contended",
+    }
 }
 
 fn total(d: Demand) -> i64 {

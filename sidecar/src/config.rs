@@ -88,9 +88,9 @@ pub struct SigningConfig {
 }
 
 impl SigningConfig {
-    /// The accepted secrets, current first. Each is at least
-    /// [`weir_core::signature::MIN_SECRET_BYTES`] long and not the shipped placeholder;
-    /// surrounding whitespace (a file's final newline) is not part of it.
+    /// The accepted secrets, current first. Each passes
+    /// [`weir_core::signature::check_secret`] (long enough, not a placeholder); surrounding
+    /// whitespace (a file's final newline) is not part of it.
     pub fn secrets(&self) -> anyhow::Result<Vec<Vec<u8>>> {
         let current = read_secret(
             "signing.secret",
@@ -122,8 +122,8 @@ fn read_secret(
         (None, None) => return Ok(None),
     };
     let secret = text.trim().as_bytes().to_vec();
-    if let Some(why) = weir_core::signature::unusable(&secret) {
-        bail!("{field}: the secret {why}");
+    if let Err(problem) = weir_core::signature::check_secret(&secret) {
+        bail!("{field}: the secret {problem}");
     }
     Ok(Some(secret))
 }
@@ -346,13 +346,12 @@ fn default_affinity_prefix() -> usize {
 }
 
 impl SidecarConfig {
+    /// Reads, parses and validates the config file, by its contents as [`Self::from_text`]
+    /// does (not by its name), so `weir config check` reads it as the sidecar does.
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let json = path.extension().and_then(|e| e.to_str()) == Some("json");
-        let config = Self::parse(&text, json)?;
-        config.validate()?;
-        Ok(config)
+        Self::from_text(&text)
     }
 
     /// Parses and validates a config given as text, JSON when it is a JSON object, else YAML
@@ -397,6 +396,13 @@ impl SidecarConfig {
             }
             for (r, url) in pool.replicas.iter().enumerate() {
                 match reqwest::Url::parse(url) {
+                    // A replica's URL is its name in logs, metrics labels, `/ready` and the
+                    // ledger: a password in it would be in all of them.
+                    Ok(u) if !u.username().is_empty() || u.password().is_some() => bail!(
+                        "pools[{i}].replicas[{r}]: a URL with credentials in it (they would be \
+                         in every log line, metric and ledger record naming the replica): set \
+                         the pool's `credential` instead"
+                    ),
                     Ok(u) if matches!(u.scheme(), "http" | "https") && u.has_host() => {}
                     _ => bail!("pools[{i}].replicas[{r}]: not an http:// or https:// URL"),
                 }
@@ -483,22 +489,37 @@ mod tests {
             config(none).unwrap().signing.unwrap().secrets().is_err(),
             "current needed"
         );
-        for unusable in [
-            "short",
-            "REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef",
-        ] {
-            std::fs::write(&dir, unusable).unwrap();
-            assert!(
-                config(&from_file)
-                    .unwrap()
-                    .signing
-                    .unwrap()
-                    .secrets()
-                    .is_err(),
-                "{unusable}"
-            );
-        }
+        std::fs::write(&dir, "short").unwrap();
+        assert!(
+            config(&from_file)
+                .unwrap()
+                .signing
+                .unwrap()
+                .secrets()
+                .is_err()
+        );
         let _ = std::fs::remove_file(&dir);
+    }
+
+    #[test]
+    fn a_file_is_read_by_its_contents_as_config_check_reads_it() {
+        let dir = std::env::temp_dir().join(format!("weir-config-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let yaml = "pools:\n- model: m\n  replicas: [http://r]\nsigning: {secret_env: X}\n";
+        let json = r#"{"pools": [{"model": "m", "replicas": ["http://r"]}], "signing": {"secret_env": "X"}}"#;
+        for (name, text) in [
+            ("a.json", yaml),
+            ("b.yaml", json),
+            ("c.yaml", yaml),
+            ("d.json", json),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            assert!(SidecarConfig::from_text(text).is_ok(), "{name}");
+            let read = SidecarConfig::from_file(&path);
+            assert!(read.is_ok(), "{name}: {:#}", read.unwrap_err());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn pool_config(pool: &str) -> anyhow::Result<SidecarConfig> {
@@ -572,6 +593,25 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(not_url.contains("pools[0].replicas[0]"), "{not_url}");
+        for with_credentials in ["http://weir:s3cret@r:8000", "https://token@api.example.com"] {
+            let refused = serde_json::from_str::<SidecarConfig>(&format!(
+                r#"{{"pools": [{{"model": "m", "replicas": ["{with_credentials}"]}}], "signing": {{"secret_env": "X"}}}}"#
+            ))
+            .unwrap()
+            .validate()
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+            let Err(error) = refused else {
+                panic!(
+                    "{with_credentials} accepted: its secret would name the replica in logs, metrics and the ledger"
+                );
+            };
+            assert!(error.contains("credential"), "{error}");
+            assert!(
+                !error.contains("s3cret") && !error.contains("token@"),
+                "{error}"
+            );
+        }
         let twice = serde_json::from_str::<SidecarConfig>(
             r#"{"pools": [{"model": "m", "replicas": ["http://a"]}, {"model": "m", "replicas": ["http://b"]}],
                 "signing": {"secret_env": "X"}}"#,

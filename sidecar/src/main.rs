@@ -96,8 +96,8 @@ async fn main() -> anyhow::Result<()> {
         registry,
         ledger,
         pools: Live::new(plan.routes.clone()),
-        exact_below_bytes: config.estimator.exact_below_bytes,
-        max_body_bytes: config.max_body_bytes,
+        exact_below_bytes: Live::new(config.estimator.exact_below_bytes),
+        max_body_bytes: Live::new(config.max_body_bytes),
         // Salts are keyed with the signing secret: one secret fewer to manage, and a rotation
         // only costs one cold prefix cache.
         cache_salt_key: secrets.first().cloned().unwrap_or_default(),

@@ -372,6 +372,12 @@ pub async fn relay(
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     flight.nothing_ran = !status.is_success();
+    if matches!(
+        status,
+        StatusCode::UNAUTHORIZED | StatusCode::PROXY_AUTHENTICATION_REQUIRED
+    ) {
+        return credential_refused(flight, status);
+    }
     // An engine's own `Retry-After` (a throttling or overloaded engine) is the caller's to obey.
     let retry_after = upstream
         .headers()
@@ -468,6 +474,24 @@ fn cut_short(mut flight: Flight) -> Response {
             "the gateway's scheduler is restarting; retry",
         )
         .with_code("shutting_down"),
+    )
+}
+
+/// An engine that refuses a request as unauthenticated refuses the pool's credential, not the
+/// caller's key (which the gateway checked): the caller gets a retryable 502 of weir's own,
+/// never the engine's answer, whose body speaks of the credential it got (a hosted API quotes
+/// part of the key it refused) and which an SDK would take for its own key being wrong.
+fn credential_refused(mut flight: Flight, status: StatusCode) -> Response {
+    tracing::warn!(replica = %flight.assignment.url, %status, "the engine refused the pool's credential");
+    flight.app.metrics.reject("engine_unauthorized");
+    flight.finish("upstream_error", None);
+    flight.refusal(
+        ApiError::new(
+            502,
+            "ServiceUnavailableError",
+            "the engine refused the gateway's own credential; retry later",
+        )
+        .with_code("engine_unauthorized"),
     )
 }
 

@@ -6,7 +6,8 @@
 //! claims, replicas' limits and the ledger stay.
 //!
 //! What changes live, for the next decision: the queue's bounds and deadlines, the relay's
-//! timeouts, the shutdown grace period, the poll interval, and pools — added (their replicas
+//! timeouts, `max_body_bytes`, the estimator, the shutdown grace period, the poll interval, and
+//! pools — added (their replicas
 //! join as any replica does: probed before they get work), removed (they take no new requests;
 //! their replicas leave once the requests queued for them are done), or changed (replicas
 //! listed or discovered, affinity, KV budget, concurrency limit, engine dialect, cache
@@ -220,6 +221,9 @@ impl Reloader {
         app.pools.store(routes);
         app.queue_deadline_ms.store(config.queue.deadline_ms);
         app.relay.store(config.relay.clone());
+        app.max_body_bytes.store(config.max_body_bytes);
+        app.exact_below_bytes
+            .store(config.estimator.exact_below_bytes);
         self.shutdown_grace_ms.store(config.shutdown_grace_ms);
         self.discovery.retain(|index, (spec, task)| {
             let keep = wanted.get(index) == Some(spec);

@@ -54,9 +54,9 @@ pub struct App {
     /// (live: a reload changes them).
     pub pools: Live<Vec<Route>>,
     /// Prompts up to this many bytes are counted exactly (see [`crate::demand`]).
-    pub exact_below_bytes: usize,
+    pub exact_below_bytes: Live<usize>,
     /// Request bodies larger than this are refused (413).
-    pub max_body_bytes: usize,
+    pub max_body_bytes: Live<usize>,
     /// Keys each tenant's `cache_salt` (the current signing secret).
     pub cache_salt_key: Vec<u8>,
     pub queue_deadline_ms: Live<u64>,
@@ -268,9 +268,10 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
             return error_response(&refusal);
         }
     };
-    let Ok(body) = axum::body::to_bytes(body, app.max_body_bytes).await else {
+    let max_body_bytes = *app.max_body_bytes.load();
+    let Ok(body) = axum::body::to_bytes(body, max_body_bytes).await else {
         // Too large, or cut off (the filter refused the body after sending the headers on).
-        return error_response(&ApiError::payload_too_large(app.max_body_bytes));
+        return error_response(&ApiError::payload_too_large(max_body_bytes));
     };
     let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
         return error_response(&ApiError::bad_request("malformed JSON"));
@@ -286,7 +287,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
                 .with_param("model"),
         );
     };
-    let demand = demand::of(endpoint, &body, encoding, app.exact_below_bytes);
+    let demand = demand::of(endpoint, &body, encoding, *app.exact_below_bytes.load());
     let prompt: String = prompt_fields(endpoint)
         .iter()
         .map(|f| value[*f].to_string())
