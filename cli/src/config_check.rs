@@ -237,8 +237,13 @@ fn describe_filter(config: &Config) -> String {
         .map(|(name, r)| format!("{name}: {:?} {}%", r.mode, r.rollout_percent))
         .collect();
     routes.push(format!("others: {:?}", config.routes.default.mode));
+    let warning = if config.acts_on_no_named_route() {
+        "; warning: weir acts on no route (only one whose metadata sets a mode)"
+    } else {
+        ""
+    };
     format!(
-        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}]",
+        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}]{warning}",
         config.orgs.len(),
         directory.len(),
         routes.join(", ").to_lowercase()
