@@ -273,6 +273,49 @@ async fn every_setting_a_reload_changes_applies_from_the_next_request() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_deadline_counts_from_the_body_not_from_the_headers() {
+    // The filter sends a request's headers on before it has read the body, so the sidecar has
+    // them for as long as the body takes to come. The queue deadline bounds the wait for
+    // dispatch: a request whose body took longer than it, served at once on an idle pool, met
+    // its deadline - and under load it must get its wait, not an immediate 503.
+    let sim = Sim::start_tiny_fast(&[]);
+    let sidecar = Sidecar::start(json!({"queue": {"deadline_ms": 1000},
+        "pools": [{"model": "tiny", "replicas": [sim.url]}]}));
+    let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+    sidecar.wait_for_probes(1);
+    let goodput = "weir_goodput_tokens_total{tier=\"standard\"}";
+    let before = series(&sidecar.metrics().await, goodput).unwrap_or(0.0);
+    let body = chat_body("tiny", "a body on a slow link", json!({"max_tokens": 4})).to_string();
+    let addr = envoy.url.trim_start_matches("http://").to_owned();
+    let answer = tokio::task::spawn_blocking(move || {
+        let mut conn = std::net::TcpStream::connect(addr).unwrap();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-steady\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        conn.write_all(body.as_bytes()).unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        answer
+    })
+    .await
+    .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let counted = eventually(Duration::from_secs(5), async || {
+        series(&sidecar.metrics().await, goodput).unwrap_or(0.0) > before
+    })
+    .await;
+    assert!(
+        counted,
+        "served at once after its body came, yet counted as past its deadline (no goodput):\n{}",
+        sidecar.metrics().await
+    );
+}
+
 /// The value of one series of the sidecar's metrics, by its full name and labels.
 fn series(metrics: &str, prefix: &str) -> Option<f64> {
     metrics

@@ -51,6 +51,8 @@ pub struct Attempt {
     /// The prompt as counted before dispatch, until the engine reports its own count.
     pub input_tokens: u64,
     pub arrived: Instant,
+    /// Until when it could wait for dispatch (Unix ms): an answer after it is not goodput.
+    pub deadline_ms: u64,
     /// weir asked the engine for the stream's usage chunk: the caller gets the stream without it.
     pub hide_usage: bool,
 }
@@ -64,6 +66,7 @@ pub struct Flight {
     input_tokens: u64,
     assignment: Assignment,
     arrived: Instant,
+    deadline_ms: u64,
     meter: StreamMeter,
     last_chunk: Option<Instant>,
     charged: u64,
@@ -95,6 +98,7 @@ impl Flight {
             input_tokens: attempt.input_tokens,
             assignment,
             arrived: attempt.arrived,
+            deadline_ms: attempt.deadline_ms,
             meter: StreamMeter::new(attempt.endpoint, attempt.hide_usage),
             hide_usage: attempt.hide_usage,
             last_chunk: None,
@@ -266,7 +270,7 @@ impl Flight {
         };
         m.tokens.get_or_create(&labels("in")).inc_by(prompt);
         m.tokens.get_or_create(&labels("out")).inc_by(completion);
-        if outcome == "ok" && now_ms() <= self.who.deadline_ms {
+        if outcome == "ok" && now_ms() <= self.deadline_ms {
             m.goodput_tokens
                 .get_or_create(&vec![("tier", self.who.tier.clone())])
                 .inc_by(prompt + completion);
