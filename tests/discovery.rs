@@ -514,6 +514,10 @@ struct Seen {
 /// answers once it has revoked the pool's key.
 const REVOKE_MARK: &str = "the engine no longer takes this key";
 
+/// A prompt the guarded engine answers with 429 and a `Retry-After`, in a hosted API's words:
+/// the platform account's limit and usage, every tenant's traffic together.
+const THROTTLE_MARK: &str = "the account behind the pool is over its rate";
+
 /// An engine that answers only requests carrying `Authorization: Bearer <token>` (401
 /// otherwise): `/metrics` in vLLM's names, chat completions with a prefix cache keyed by
 /// `cache_salt` (so weir's isolation probe finds `salt`). Over TLS with `tls`'s certificate
@@ -582,7 +586,16 @@ fn serve_guarded(stream: Box<dyn ReadWrite>, seen: &Seen, cache: &Mutex<HashSet<
             .join(" ");
         // A hosted API's answer to a key it no longer takes quotes part of the key.
         let revoked = String::from_utf8_lossy(&body).contains(REVOKE_MARK);
-        let (status, answer) = if revoked {
+        let throttled = String::from_utf8_lossy(&body).contains(THROTTLE_MARK);
+        let (status, answer) = if throttled {
+            (
+                "429 Too Many Requests\r\nretry-after: 7",
+                json!({"error": {"message": "Rate limit reached for llama in organization \
+                    org-platform on tokens per min (TPM): Limit 90000, Used 89950, Requested 400.",
+                    "type": "tokens", "code": "rate_limit_exceeded"}})
+                .to_string(),
+            )
+        } else if revoked {
             let token = seen.token.lock().unwrap().clone();
             (
                 "401 Unauthorized",
@@ -809,4 +822,24 @@ async fn engines_behind_a_credential_and_tls_get_weir_s_requests_and_probes_with
     );
     assert_eq!(status, 502, "{answer}");
     assert!(answer.contains("engine_unauthorized"), "{answer}");
+
+    // The engine throttles the pool's account: the tenant may retry when the engine says, but
+    // the account's limit and usage (every tenant's traffic) are not its to read.
+    let body = chat_body("guarded", THROTTLE_MARK, json!({}));
+    let resp = post_json(
+        &format!("{}/v1/chat/completions", envoy.url),
+        Some("guarded"),
+        body.to_string(),
+        &[],
+    )
+    .await;
+    let status = resp.status();
+    let retry_after = resp.headers().get("retry-after").cloned();
+    let answer = resp.text().await.unwrap();
+    assert!(
+        !answer.contains("org-platform") && !answer.contains("89950"),
+        "the pool account's usage reached the tenant: {status} {answer}"
+    );
+    assert_eq!(status, 429, "{answer}");
+    assert_eq!(retry_after.unwrap(), "7", "the engine's Retry-After");
 }
