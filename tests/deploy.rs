@@ -411,6 +411,28 @@ fn plugin_config_with_test_key(plugin_config: &Value) -> Value {
 }
 
 #[test]
+fn the_sidecar_image_has_trusted_roots_for_https_to_engines() {
+    // The sidecar verifies an engine's certificate with the platform's trusted roots (and a
+    // pool's own CA), read where rustls-platform-verifier reads them on Linux. The image is
+    // `scratch`: without a bundle copied in, no engine with a public certificate (a hosted API,
+    // say) ever passes its health check.
+    let containerfile =
+        std::fs::read_to_string(workspace_root().join("deploy/sidecar/Containerfile")).unwrap();
+    let copies: Vec<&str> = containerfile
+        .lines()
+        .filter(|l| l.starts_with("COPY "))
+        .collect();
+    assert!(
+        copies
+            .iter()
+            .any(|l| l.ends_with(" /etc/ssl/certs/ca-certificates.crt")),
+        "no trusted roots in the image: {copies:?}"
+    );
+    // `cargo xtask image` puts the bundle in the build context, then starts the built image's
+    // binary from the image's files and asks /health: without the roots it does not start.
+}
+
+#[test]
 fn the_shipped_placeholder_secret_is_refused_by_the_sidecar_and_the_filter() {
     // Whoever knows the signing secret can claim any tenant to the sidecar, and the Secret's
     // value is in this repository: a cluster applied as shipped, with the same placeholder

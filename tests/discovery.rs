@@ -274,6 +274,49 @@ async fn every_setting_a_reload_changes_applies_from_the_next_request() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_queue_deadline_counts_from_the_body_not_from_the_headers() {
+    // The filter sends a request's headers on before it has read the body, so the sidecar has
+    // them for as long as the body takes to come. The queue deadline bounds the wait for
+    // dispatch: a request whose body took longer than it, served at once on an idle pool, met
+    // its deadline - and under load it must get its wait, not an immediate 503.
+    let sim = Sim::start_tiny_fast(&[]);
+    let sidecar = Sidecar::start(json!({"queue": {"deadline_ms": 1000},
+        "pools": [{"model": "tiny", "replicas": [sim.url]}]}));
+    let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+    sidecar.wait_for_probes(1);
+    let goodput = "weir_goodput_tokens_total{tier=\"standard\"}";
+    let before = series(&sidecar.metrics().await, goodput).unwrap_or(0.0);
+    let body = chat_body("tiny", "a body on a slow link", json!({"max_tokens": 4})).to_string();
+    let addr = envoy.url.trim_start_matches("http://").to_owned();
+    let answer = tokio::task::spawn_blocking(move || {
+        let mut conn = std::net::TcpStream::connect(addr).unwrap();
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-steady\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        conn.write_all(head.as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_millis(1500));
+        conn.write_all(body.as_bytes()).unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        answer
+    })
+    .await
+    .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let counted = eventually(Duration::from_secs(5), async || {
+        series(&sidecar.metrics().await, goodput).unwrap_or(0.0) > before
+    })
+    .await;
+    assert!(
+        counted,
+        "served at once after its body came, yet counted as past its deadline (no goodput):\n{}",
+        sidecar.metrics().await
+    );
+}
+
 /// The value of one series of the sidecar's metrics, by its full name and labels.
 fn series(metrics: &str, prefix: &str) -> Option<f64> {
     metrics
@@ -466,6 +509,10 @@ struct Seen {
 /// answers once it has revoked the pool's key.
 const REVOKE_MARK: &str = "the engine no longer takes this key";
 
+/// A prompt the guarded engine answers with 429 and a `Retry-After`, in a hosted API's words:
+/// the platform account's limit and usage, every tenant's traffic together.
+const THROTTLE_MARK: &str = "the account behind the pool is over its rate";
+
 /// An engine that answers only requests carrying `Authorization: Bearer <token>` (401
 /// otherwise): `/metrics` in vLLM's names, chat completions with a prefix cache keyed by
 /// `cache_salt` (so weir's isolation probe finds `salt`). Over TLS with `tls`'s certificate
@@ -534,7 +581,16 @@ fn serve_guarded(stream: Box<dyn ReadWrite>, seen: &Seen, cache: &Mutex<HashSet<
             .join(" ");
         // A hosted API's answer to a key it no longer takes quotes part of the key.
         let revoked = String::from_utf8_lossy(&body).contains(REVOKE_MARK);
-        let (status, answer) = if revoked {
+        let throttled = String::from_utf8_lossy(&body).contains(THROTTLE_MARK);
+        let (status, answer) = if throttled {
+            (
+                "429 Too Many Requests\r\nretry-after: 7",
+                json!({"error": {"message": "Rate limit reached for llama in organization \
+                    org-platform on tokens per min (TPM): Limit 90000, Used 89950, Requested 400.",
+                    "type": "tokens", "code": "rate_limit_exceeded"}})
+                .to_string(),
+            )
+        } else if revoked {
             let token = seen.token.lock().unwrap().clone();
             (
                 "401 Unauthorized",
@@ -761,4 +817,24 @@ async fn engines_behind_a_credential_and_tls_get_weir_s_requests_and_probes_with
     );
     assert_eq!(status, 502, "{answer}");
     assert!(answer.contains("engine_unauthorized"), "{answer}");
+
+    // The engine throttles the pool's account: the tenant may retry when the engine says, but
+    // the account's limit and usage (every tenant's traffic) are not its to read.
+    let body = chat_body("guarded", THROTTLE_MARK, json!({}));
+    let resp = post_json(
+        &format!("{}/v1/chat/completions", envoy.url),
+        Some("guarded"),
+        body.to_string(),
+        &[],
+    )
+    .await;
+    let status = resp.status();
+    let retry_after = resp.headers().get("retry-after").cloned();
+    let answer = resp.text().await.unwrap();
+    assert!(
+        !answer.contains("org-platform") && !answer.contains("89950"),
+        "the pool account's usage reached the tenant: {status} {answer}"
+    );
+    assert_eq!(status, 429, "{answer}");
+    assert_eq!(retry_after.unwrap(), "7", "the engine's Retry-After");
 }

@@ -130,6 +130,38 @@ async fn routes_the_config_does_not_name_are_left_as_they_came() {
 }
 
 #[tokio::test]
+async fn a_config_that_acts_on_no_route_says_so_when_it_loads() {
+    // `ignore` is the default for routes a config does not name. A config written for an
+    // earlier weir (whose default was `enforce`) names none: it loads, and every request on the
+    // gateway then passes unauthenticated and unmetered — to engines, where Envoy routes
+    // straight to them. It must not do so silently.
+    let _turn = turn().await;
+    let mut config = weir_config(true, 100, None);
+    config["routes"] = json!({});
+    let opts = EnvoyOptions {
+        weir_config: &config,
+        upstream_port: stack().sim.port,
+        alt_port: stack().sim.port,
+        listen_port: 0,
+        with_filter: true,
+    };
+    let gateway = EcdsEnvoy::start(opts, Plugin::default());
+    let resp = post_json(
+        &format!("{}/v1/chat/completions", gateway.envoy.url),
+        None,
+        chat_body("tiny", "hello", json!({"max_tokens": 1})).to_string(),
+        &[],
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK, "not weir's route: served");
+    let log = gateway.envoy.log();
+    assert!(
+        log.contains("routes.by_name names no route weir acts on"),
+        "loaded without a word:\n{log}"
+    );
+}
+
+#[tokio::test]
 async fn a_key_revoked_by_a_push_is_refused_on_every_worker_within_two_seconds() {
     let _turn = turn().await;
     let gateway = &stack().gateway;

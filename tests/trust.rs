@@ -27,8 +27,8 @@ struct Stack {
     rollout: Envoy,
 }
 
-const KEYS: [&str; 8] = [
-    "alice", "bob", "trace", "idem", "race", "retry", "modes", "capture",
+const KEYS: [&str; 9] = [
+    "alice", "bob", "trace", "idem", "race", "retry", "modes", "capture", "refused",
 ];
 
 fn weir_config(routes: Value) -> Value {
@@ -171,6 +171,45 @@ async fn straight_to_sidecar(headers: &[(String, String)], body: String) -> (Sta
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     code_of(post_json(&url, None, body, &view).await).await
+}
+
+#[tokio::test]
+async fn a_body_refused_after_its_signed_headers_went_on_is_run_and_billed_nowhere() {
+    // The filter sends a request's headers on, signed, before it reads the body; the body it
+    // then refuses must not be run: the sidecar, which had the headers only, sees the stream
+    // reset and queues nothing, bills nothing.
+    let refusals = [
+        (
+            json!({"max_tokens": 5, "chat_template": "{{ messages }}"}),
+            400,
+        ),
+        (json!({"max_tokens": 100_000}), 400),
+    ];
+    for (i, (extra, status)) in refusals.into_iter().enumerate() {
+        let marker = format!("refused-after-its-headers-{i}");
+        let resp = post("/", Some("refused"), chat(&marker, extra.clone()), &[]).await;
+        assert_eq!(resp.status().as_u16(), status, "{extra}");
+        let seen = stack().engine.received().await;
+        assert!(
+            seen.iter().all(|r| !r.to_string().contains(&marker)),
+            "{extra} reached the engine"
+        );
+    }
+    // And the key is not charged for them: a request it may send goes through.
+    let resp = post(
+        "/",
+        Some("refused"),
+        chat("fine", json!({"max_tokens": 2})),
+        &[],
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let rows = ledger_of("acme/lab/trust/refused", 1).await;
+    assert_eq!(
+        rows.len(),
+        1,
+        "only the admitted request is billed: {rows:?}"
+    );
 }
 
 #[tokio::test]

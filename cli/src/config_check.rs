@@ -28,6 +28,9 @@ struct Found {
     place: String,
     kind: Kind,
     text: String,
+    /// The environment variables a manifest passes into the filter's VM, when it says: the
+    /// signing secret's must be among them, or the filter does not start.
+    vm_env: Option<Vec<String>>,
 }
 
 /// Checks every config in `text`; returns a line per config checked, or the errors.
@@ -42,8 +45,11 @@ pub fn check(text: &str, kind: Kind) -> anyhow::Result<Vec<String>> {
         let checked = match f.kind {
             Kind::Sidecar => SidecarConfig::from_text(&f.text).map(|c| describe_sidecar(&c)),
             _ => Config::parse(f.text.as_bytes())
-                .map(|c| describe_filter(&c))
-                .map_err(anyhow::Error::from),
+                .map_err(anyhow::Error::from)
+                .and_then(|c| {
+                    secret_reaches_the_vm(&c, f.vm_env.as_deref())?;
+                    Ok(describe_filter(&c))
+                }),
         };
         match checked {
             Ok(line) => report.push(format!("ok    {}: {line}", f.place)),
@@ -58,12 +64,34 @@ pub fn check(text: &str, kind: Kind) -> anyhow::Result<Vec<String>> {
     }
 }
 
+/// The filter reads its signing secret from the VM's environment, which holds only the
+/// variables its manifest passes: one it does not pass stops the filter at start-up.
+fn secret_reaches_the_vm(config: &Config, vm_env: Option<&[String]>) -> anyhow::Result<()> {
+    let (Some(signing), Some(env)) = (&config.signing, vm_env) else {
+        return Ok(());
+    };
+    if !env.contains(&signing.secret_env) {
+        let passed = if env.is_empty() {
+            "none".to_owned()
+        } else {
+            env.join(", ")
+        };
+        bail!(
+            "signing.secret_env: ${} is not passed into the filter's VM (the manifest passes \
+             {passed}): the filter would not start",
+            signing.secret_env
+        );
+    }
+    Ok(())
+}
+
 /// The configs in a file: the file itself, or what its manifests carry.
 fn find(text: &str, kind: Kind) -> anyhow::Result<Vec<Found>> {
     let whole = |kind| Found {
         place: "file".into(),
         kind,
         text: text.to_owned(),
+        vm_env: None,
     };
     if kind != Kind::Auto {
         return Ok(vec![whole(kind)]);
@@ -85,6 +113,7 @@ fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
             place: at(format!("WasmPlugin {name} pluginConfig")),
             kind: Kind::Filter,
             text: json(&doc["spec"]["pluginConfig"]),
+            vm_env: Some(names(&doc["spec"]["vmConfig"]["env"], |e| &e["name"])),
         }],
         Some("EnvoyExtensionPolicy") => doc["spec"]["wasm"]
             .as_array()
@@ -95,6 +124,7 @@ fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
                 place: at(format!("EnvoyExtensionPolicy {name} wasm[{i}].config")),
                 kind: Kind::Filter,
                 text: json(&wasm["config"]),
+                vm_env: Some(names(&wasm["env"]["hostKeys"], |k| k)),
             })
             .collect(),
         Some("ConfigMap") => doc["data"]
@@ -109,6 +139,7 @@ fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
                     place: at(format!("ConfigMap {name} {key}")),
                     kind,
                     text: text.to_owned(),
+                    vm_env: None,
                 })
             })
             .collect(),
@@ -118,10 +149,11 @@ fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
             configs
                 .into_iter()
                 .enumerate()
-                .map(|(i, text)| Found {
+                .map(|(i, (text, vm_env))| Found {
                     place: at(format!("EnvoyFilter {name} Wasm filter {i}")),
                     kind: Kind::Filter,
                     text: text.to_owned(),
+                    vm_env: Some(vm_env),
                 })
                 .collect()
         }
@@ -135,25 +167,39 @@ fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
                 },
                 kind,
                 text: if n == 1 { whole.to_owned() } else { json(doc) },
+                vm_env: None,
             })
             .into_iter()
             .collect(),
     }
 }
 
-/// The plugin configurations of every Wasm HTTP filter config in `value`, wherever it sits (an
-/// `EnvoyFilter` adds one as an extension config or as a filter of the chain).
-fn wasm_configurations<'v>(value: &'v Value, out: &mut Vec<&'v str>) {
+/// The strings `at` finds in each item of the array `list` (none when it is not one).
+fn names(list: &Value, at: impl Fn(&Value) -> &Value) -> Vec<String> {
+    list.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|item| at(item).as_str().map(str::to_owned))
+        .collect()
+}
+
+/// The plugin configuration of every Wasm HTTP filter config in `value`, wherever it sits (an
+/// `EnvoyFilter` adds one as an extension config or as a filter of the chain), with the
+/// environment variables its VM gets.
+fn wasm_configurations<'v>(value: &'v Value, out: &mut Vec<(&'v str, Vec<String>)>) {
     match value {
         Value::Object(fields) => {
             let is_wasm = fields
                 .get("@type")
                 .and_then(Value::as_str)
                 .is_some_and(|t| t.ends_with("envoy.extensions.filters.http.wasm.v3.Wasm"));
-            if let (true, Some(text)) =
-                (is_wasm, value["config"]["configuration"]["value"].as_str())
-            {
-                out.push(text);
+            let config = &value["config"];
+            if let (true, Some(text)) = (is_wasm, config["configuration"]["value"].as_str()) {
+                let env = &config["vm_config"]["environment_variables"];
+                let mut vm_env = names(&env["host_env_keys"], |k| k);
+                let values = env["key_values"].as_object().into_iter().flatten();
+                vm_env.extend(values.map(|(name, _)| name.clone()));
+                out.push((text, vm_env));
             }
             for field in fields.values() {
                 wasm_configurations(field, out);
@@ -191,8 +237,13 @@ fn describe_filter(config: &Config) -> String {
         .map(|(name, r)| format!("{name}: {:?} {}%", r.mode, r.rollout_percent))
         .collect();
     routes.push(format!("others: {:?}", config.routes.default.mode));
+    let warning = if config.acts_on_no_named_route() {
+        "; warning: weir acts on no route (only one whose metadata sets a mode)"
+    } else {
+        ""
+    };
     format!(
-        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}]",
+        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}]{warning}",
         config.orgs.len(),
         directory.len(),
         routes.join(", ").to_lowercase()
@@ -307,6 +358,26 @@ mod tests {
             assert!(
                 report[0].contains(carrier) && report[0].contains("filter config, 1 orgs"),
                 "{file}: {report:?}"
+            );
+            // The same manifest passing another variable into the VM than the one the config
+            // names: the filter would not start ("$WEIR_SIGNING_SECRET is not set in the VM").
+            let unpassed = text
+                .replace("WEIR_SIGNING_SECRET", "SOME_OTHER_VARIABLE")
+                .replace(
+                    "secret_env: SOME_OTHER_VARIABLE",
+                    "secret_env: WEIR_SIGNING_SECRET",
+                )
+                .replace(
+                    "\"secret_env\": \"SOME_OTHER_VARIABLE\"",
+                    "\"secret_env\": \"WEIR_SIGNING_SECRET\"",
+                );
+            let error = check(&unpassed, Kind::Auto)
+                .err()
+                .unwrap_or_else(|| panic!("{file}: accepted with the secret not passed"))
+                .to_string();
+            assert!(
+                error.contains("$WEIR_SIGNING_SECRET is not passed into the filter's VM"),
+                "{file}: {error}"
             );
         }
     }

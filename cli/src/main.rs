@@ -3,6 +3,7 @@
 //! from the sidecar's ledger.
 
 mod config_check;
+mod usage_csv;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -82,29 +83,7 @@ fn export_usage(
     let rows = weir_sidecar::ledger::query(&conn, tenant, since_ms(since, now)?)?;
     match format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
-        Format::Csv => {
-            println!(
-                "tenant,idempotency_key,attempt,request_id,model,api,replica,prompt_tokens,completion_tokens,source,outcome,queued_ms,finished_at_ms"
-            );
-            for r in rows {
-                println!(
-                    "{},{},{},{},{},{},{},{},{},{},{},{},{}",
-                    r.tenant,
-                    r.idempotency_key,
-                    r.attempt,
-                    r.request_id,
-                    r.model,
-                    r.api,
-                    r.replica,
-                    r.prompt_tokens,
-                    r.completion_tokens,
-                    r.source,
-                    r.outcome,
-                    r.queued_ms,
-                    r.finished_at_ms
-                );
-            }
-        }
+        Format::Csv => print!("{}", usage_csv::table(&rows)),
     }
     Ok(())
 }

@@ -615,6 +615,14 @@ impl Config {
             .unwrap_or(&self.routes.default)
     }
 
+    /// Whether the config acts on no route it names, nor on any it does not (`routes.default` is
+    /// `ignore`): only a route whose metadata sets a mode is weir's. Legitimate before a rollout
+    /// starts; a config written for an earlier weir, whose default was `enforce`, reads so too.
+    pub fn acts_on_no_named_route(&self) -> bool {
+        self.routes.default.mode == Mode::Ignore
+            && self.routes.by_name.values().all(|r| r.mode == Mode::Ignore)
+    }
+
     /// The encoding and context cap for a model.
     pub fn model(&self, name: &str) -> (Encoding, Option<u64>) {
         match self.models.get(name) {

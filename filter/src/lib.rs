@@ -107,6 +107,13 @@ impl RootContext for Root {
                 "unsigned"
             }
         );
+        if gateway.config.acts_on_no_named_route() {
+            log::warn!(
+                "weir: routes.default is `ignore` and routes.by_name names no route weir acts on: \
+                 every request passes as it came, neither authenticated nor metered, unless its \
+                 route's metadata sets a mode"
+            );
+        }
         self.gateway = Some(Rc::new(gateway));
         true
     }

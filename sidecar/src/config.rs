@@ -135,7 +135,8 @@ pub struct QueueConfig {
     pub max_per_tenant: usize,
     /// Requests waiting in total; more get 429 at once.
     pub max_total: usize,
-    /// How long a request may wait for dispatch when the filter sent no deadline.
+    /// How long a request may wait for dispatch, counted from when its body has come (the
+    /// filter sends the headers on before it).
     pub deadline_ms: u64,
     /// A batch request waiting this long goes ahead of interactive work.
     pub batch_aging_ms: u64,

@@ -51,6 +51,8 @@ pub struct Attempt {
     /// The prompt as counted before dispatch, until the engine reports its own count.
     pub input_tokens: u64,
     pub arrived: Instant,
+    /// Until when it could wait for dispatch (Unix ms): an answer after it is not goodput.
+    pub deadline_ms: u64,
     /// weir asked the engine for the stream's usage chunk: the caller gets the stream without it.
     pub hide_usage: bool,
 }
@@ -64,6 +66,7 @@ pub struct Flight {
     input_tokens: u64,
     assignment: Assignment,
     arrived: Instant,
+    deadline_ms: u64,
     meter: StreamMeter,
     last_chunk: Option<Instant>,
     charged: u64,
@@ -95,6 +98,7 @@ impl Flight {
             input_tokens: attempt.input_tokens,
             assignment,
             arrived: attempt.arrived,
+            deadline_ms: attempt.deadline_ms,
             meter: StreamMeter::new(attempt.endpoint, attempt.hide_usage),
             hide_usage: attempt.hide_usage,
             last_chunk: None,
@@ -266,7 +270,7 @@ impl Flight {
         };
         m.tokens.get_or_create(&labels("in")).inc_by(prompt);
         m.tokens.get_or_create(&labels("out")).inc_by(completion);
-        if outcome == "ok" && now_ms() <= self.who.deadline_ms {
+        if outcome == "ok" && now_ms() <= self.deadline_ms {
             m.goodput_tokens
                 .get_or_create(&vec![("tier", self.who.tier.clone())])
                 .inc_by(prompt + completion);
@@ -372,17 +376,18 @@ pub async fn relay(
     let status =
         StatusCode::from_u16(upstream.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     flight.nothing_ran = !status.is_success();
-    if matches!(
-        status,
-        StatusCode::UNAUTHORIZED | StatusCode::PROXY_AUTHENTICATION_REQUIRED
-    ) {
-        return credential_refused(flight, status);
-    }
     // An engine's own `Retry-After` (a throttling or overloaded engine) is the caller's to obey.
     let retry_after = upstream
         .headers()
         .get(header::RETRY_AFTER)
         .and_then(|v| HeaderValue::from_bytes(v.as_bytes()).ok());
+    match status {
+        StatusCode::UNAUTHORIZED | StatusCode::PROXY_AUTHENTICATION_REQUIRED => {
+            return credential_refused(flight, status);
+        }
+        StatusCode::TOO_MANY_REQUESTS => return throttled(flight, retry_after),
+        _ => {}
+    }
     let stream = streamed(upstream.headers(), stream);
     if !status.is_success() || !stream {
         let bytes = tokio::select! {
@@ -493,6 +498,23 @@ fn credential_refused(mut flight: Flight, status: StatusCode) -> Response {
         )
         .with_code("engine_unauthorized"),
     )
+}
+
+/// An engine that throttles a request throttles the pool's account, every tenant's traffic
+/// together: the caller gets the engine's 429 and `Retry-After`, in weir's words, never the
+/// engine's answer, which speaks of the account's limits and usage (a hosted API names the
+/// organization and what it used: the figures the filter keeps out of rate-limit headers).
+fn throttled(mut flight: Flight, retry_after: Option<HeaderValue>) -> Response {
+    flight.app.metrics.reject("engine_rate_limited");
+    flight.finish("upstream_error", None);
+    let mut resp = flight.refusal(
+        ApiError::rate_limited("the engine is rate limiting the gateway's requests; retry later")
+            .with_code("engine_rate_limited"),
+    );
+    if let Some(retry_after) = retry_after {
+        resp.headers_mut().insert(header::RETRY_AFTER, retry_after);
+    }
+    resp
 }
 
 /// A request whose engine had not answered (headers, or the whole of a non-streamed body) by

@@ -163,10 +163,7 @@ pub fn error_response(e: &ApiError, shape: ErrorShape) -> Response {
 /// Anthropic's, for Anthropic's SDKs).
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     let shape = shape_of(&headers);
-    let who = match app
-        .trust
-        .check(&headers, now_ms(), *app.queue_deadline_ms.load())
-    {
+    let who = match app.trust.check(&headers, now_ms()) {
         Ok(who) => who,
         Err(refusal) => {
             app.metrics.reject("untrusted");
@@ -258,10 +255,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let error_response = |e: &ApiError| error_response(e, shape);
     // The signature first: the filter sends the headers on before the body, so they are
     // checked on arrival, however long the body then takes.
-    let who = match app
-        .trust
-        .check(&headers, now_ms(), *app.queue_deadline_ms.load())
-    {
+    let who = match app.trust.check(&headers, now_ms()) {
         Ok(who) => who,
         Err(refusal) => {
             app.metrics.reject("untrusted");
@@ -273,6 +267,8 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         // Too large, or cut off (the filter refused the body after sending the headers on).
         return error_response(&ApiError::payload_too_large(max_body_bytes));
     };
+    // The wait for dispatch starts now: the headers came first, the body when it came.
+    let deadline_ms = now_ms().saturating_add(*app.queue_deadline_ms.load());
     let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
         return error_response(&ApiError::bad_request("malformed JSON"));
     };
@@ -333,7 +329,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         kv_cap: who.kv_cap,
         affinity,
         arrived_ms: now_ms(),
-        deadline_ms: who.deadline_ms,
+        deadline_ms,
         reply,
     };
     if app.events.send(Event::Enqueue(job)).is_err() {
@@ -397,6 +393,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         model,
         input_tokens: demand.input_tokens,
         arrived,
+        deadline_ms,
         hide_usage,
     };
     let flight = Flight::new(app, attempt, assignment, claim);

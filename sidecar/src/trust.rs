@@ -30,7 +30,6 @@ pub struct Trusted {
     pub kv_cap: Option<u64>,
     /// The models the key may use, when it may not use all.
     pub models: Option<Vec<String>>,
-    pub deadline_ms: u64,
 }
 
 /// The verifier: the accepted secrets and the signatures already used.
@@ -47,14 +46,8 @@ impl Trust {
         }
     }
 
-    /// The trusted facts of a request, or the reply that refuses it; `deadline_ms` is how long
-    /// the request may wait for dispatch.
-    pub fn check(
-        &self,
-        headers: &HeaderMap,
-        now_ms: u64,
-        deadline_ms: u64,
-    ) -> Result<Trusted, ApiError> {
+    /// The trusted facts of a request, or the reply that refuses it.
+    pub fn check(&self, headers: &HeaderMap, now_ms: u64) -> Result<Trusted, ApiError> {
         let mut weir = Vec::new();
         for (name, value) in headers {
             if trusted::is_reserved(name.as_str()) {
@@ -71,7 +64,7 @@ impl Trust {
             .find(|(n, _)| *n == trusted::SIGNATURE)
             .and_then(|(_, v)| v.split(':').nth(1)?.parse().ok())
             .unwrap_or(now_ms);
-        let who = parse(&weir, now_ms + deadline_ms)?;
+        let who = parse(&weir)?;
         let fresh = self
             .used
             .lock()
@@ -138,7 +131,7 @@ fn invalid(header: &str, problem: &str) -> ApiError {
 }
 
 /// Parses the signed values strictly.
-fn parse(headers: &[(&str, &str)], deadline_ms: u64) -> Result<Trusted, ApiError> {
+fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
     let get = |name: &str| headers.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
     let required = |name: &'static str| get(name).ok_or_else(|| invalid(name, "is missing"));
     let checked = |name: &'static str, ok: fn(&str) -> bool, problem: &str| {
@@ -186,7 +179,6 @@ fn parse(headers: &[(&str, &str)], deadline_ms: u64) -> Result<Trusted, ApiError
                     .ok_or_else(|| invalid(trusted::MODELS, "is not a model list"))
             })
             .transpose()?,
-        deadline_ms,
     })
 }
 
@@ -238,17 +230,16 @@ mod tests {
     #[test]
     fn signed_values_are_trusted() {
         let who = trust()
-            .check(&signed(SECRET, &base(), 2_000), 1_000, 50)
+            .check(&signed(SECRET, &base(), 2_000), 1_000)
             .unwrap();
         assert_eq!(
             (who.tenant.as_str(), who.weight, who.priority, who.kv_cap),
             ("acme/lab/e2e/k", 2.0, Priority::Batch, Some(5000))
         );
-        assert_eq!(who.deadline_ms, 1_050);
         // The previous secret still verifies (rotation).
         let mut other = base();
         other[4].1 = "weir-2".into();
-        assert!(trust().check(&signed(OLD, &other, 2_000), 1_000, 0).is_ok());
+        assert!(trust().check(&signed(OLD, &other, 2_000), 1_000).is_ok());
     }
 
     #[test]
@@ -257,33 +248,24 @@ mod tests {
         let mut unsigned = HeaderMap::new();
         unsigned.insert(trusted::TENANT, HeaderValue::from_static("acme/lab/e2e/k"));
         assert_eq!(
-            code(t.check(&unsigned, 0, 0)),
+            code(t.check(&unsigned, 0)),
             (401, "untrusted_request".into())
         );
 
         let mut forged = signed(SECRET, &base(), 2_000);
         forged.insert(trusted::WEIGHT, HeaderValue::from_static("1e300"));
-        assert_eq!(
-            code(t.check(&forged, 0, 0)),
-            (401, "untrusted_request".into())
-        );
+        assert_eq!(code(t.check(&forged, 0)), (401, "untrusted_request".into()));
 
         let stranger = signed(b"an attacker's guess at the secret!", &base(), 2_000);
         assert_eq!(
-            code(t.check(&stranger, 0, 0)),
+            code(t.check(&stranger, 0)),
             (401, "untrusted_request".into())
         );
 
         let h = signed(SECRET, &base(), 2_000);
-        assert_eq!(
-            code(t.check(&h, 2_001, 0)),
-            (401, "signature_expired".into())
-        );
-        assert!(t.check(&h, 1_000, 0).is_ok());
-        assert_eq!(
-            code(t.check(&h, 1_001, 0)),
-            (401, "replayed_request".into())
-        );
+        assert_eq!(code(t.check(&h, 2_001)), (401, "signature_expired".into()));
+        assert!(t.check(&h, 1_000).is_ok());
+        assert_eq!(code(t.check(&h, 1_001)), (401, "replayed_request".into()));
     }
 
     #[test]
@@ -305,7 +287,7 @@ mod tests {
             fields.retain(|(n, _)| *n != name);
             fields.push((name, bad.into()));
             assert_eq!(
-                code(trust().check(&signed(SECRET, &fields, 2_000), 0, 0)),
+                code(trust().check(&signed(SECRET, &fields, 2_000), 0)),
                 (400, "invalid_trusted_header".into()),
                 "{name}: {bad}"
             );
@@ -313,7 +295,7 @@ mod tests {
         let mut missing = base();
         missing.retain(|(n, _)| *n != trusted::WEIGHT);
         assert_eq!(
-            code(trust().check(&signed(SECRET, &missing, 2_000), 0, 0)).0,
+            code(trust().check(&signed(SECRET, &missing, 2_000), 0)).0,
             400
         );
     }

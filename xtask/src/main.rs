@@ -362,6 +362,10 @@ fn oci(
 /// The sidecar's static build target: musl, so the image needs no libc.
 const SIDECAR_TARGET: &str = "x86_64-unknown-linux-musl";
 
+/// The build host's trusted roots (Debian's `ca-certificates`), copied into the sidecar's image:
+/// `scratch` has none, and HTTPS to an engine with a public certificate needs them.
+const HOST_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
 fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
     // buildah, else podman (`podman build` is buildah inside).
     let builder = ["buildah", "podman"]
@@ -381,7 +385,7 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
             .args(["--target", SIDECAR_TARGET])
             .env("CC_x86_64_unknown_linux_musl", "musl-gcc"),
     )?;
-    // The build context: the binary and the ledger's directory, nothing else.
+    // The build context: the binary, the trusted roots and the ledger's directory, nothing else.
     let context = root().join("target/image/sidecar");
     if context.exists() {
         std::fs::remove_dir_all(&context)?;
@@ -394,12 +398,9 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
             .join("release/weir-sidecar"),
         context.join("weir-sidecar"),
     )?;
-    // The trusted roots for HTTPS to engines and hosted APIs: without them the sidecar's
-    // client (rustls, the platform's roots) does not build and the sidecar does not start.
-    let roots = Path::new(CA_ROOTS);
-    std::fs::create_dir_all(context.join("etc/ssl/certs"))?;
-    std::fs::copy(roots, context.join(CA_ROOTS.trim_start_matches('/')))
-        .with_context(|| format!("{CA_ROOTS} (Debian: apt-get install ca-certificates)"))?;
+    std::fs::copy(HOST_CA_BUNDLE, context.join("ca-certificates.crt")).with_context(|| {
+        format!("copying {HOST_CA_BUNDLE} (Debian: apt-get install ca-certificates)")
+    })?;
     let containerfile = root().join("deploy/sidecar/Containerfile");
     run(
         &format!("{builder} build {tag}"),
@@ -423,9 +424,6 @@ fn image(tag: &str, oci_archive: Option<&Path>) -> anyhow::Result<()> {
     println!("image  {tag}");
     Ok(())
 }
-
-/// Where Debian keeps the trusted roots, and where the image has them.
-const CA_ROOTS: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 /// Starts the image's own binary from the image's own files, as the image's user, and asks it
 /// `/health`: a sidecar that cannot start in the image (a file it reads at start is missing)

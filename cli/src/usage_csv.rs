@@ -1,0 +1,104 @@
+//! `weir usage --format csv`: the ledger's records as CSV (RFC 4180), for billing pipelines
+//! and spreadsheets. Fields a tenant chooses (its `Idempotency-Key`: any visible ASCII, commas
+//! and quotes included) are quoted like every other field, so no record can add or shift the
+//! columns a billing pipeline reads its token counts from.
+
+use weir_sidecar::ledger::UsageRecord;
+
+const HEADER: &str = "tenant,idempotency_key,attempt,request_id,model,api,replica,prompt_tokens,completion_tokens,source,outcome,queued_ms,finished_at_ms";
+
+/// The header line and one line per record.
+pub fn table(rows: &[UsageRecord]) -> String {
+    let mut out = format!("{HEADER}\n");
+    for r in rows {
+        let fields = [
+            r.tenant.clone(),
+            r.idempotency_key.clone(),
+            r.attempt.to_string(),
+            r.request_id.clone(),
+            r.model.clone(),
+            r.api.clone(),
+            r.replica.clone(),
+            r.prompt_tokens.to_string(),
+            r.completion_tokens.to_string(),
+            r.source.clone(),
+            r.outcome.clone(),
+            r.queued_ms.to_string(),
+            r.finished_at_ms.to_string(),
+        ];
+        let line: Vec<String> = fields.iter().map(|f| field(f)).collect();
+        out.push_str(&line.join(","));
+        out.push('\n');
+    }
+    out
+}
+
+/// A field as RFC 4180 writes it: quoted, its quotes doubled, when it holds a comma, a quote or
+/// a line break.
+fn field(value: &str) -> String {
+    if value.contains([',', '"', '\r', '\n']) {
+        format!("\"{}\"", value.replace('"', "\"\""))
+    } else {
+        value.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fields of a CSV line as a conforming reader splits them.
+    fn read(line: &str) -> Vec<String> {
+        let (mut fields, mut field, mut quoted, mut chars) =
+            (Vec::new(), String::new(), false, line.chars().peekable());
+        while let Some(c) = chars.next() {
+            match (c, quoted) {
+                ('"', true) if chars.peek() == Some(&'"') => {
+                    field.push('"');
+                    chars.next();
+                }
+                ('"', _) => quoted = !quoted,
+                (',', false) => fields.push(std::mem::take(&mut field)),
+                _ => field.push(c),
+            }
+        }
+        fields.push(field);
+        fields
+    }
+
+    #[test]
+    fn a_tenant_s_idempotency_key_cannot_move_the_columns_billing_reads() {
+        // Any visible ASCII is a valid Idempotency-Key: this one would put its own token counts
+        // where a pipeline reads prompt_tokens and completion_tokens.
+        let key = r#"k",0,"x,1,r,m,a,rep,0,0,engine,ok"#;
+        let record = UsageRecord {
+            request_id: "weir-1".into(),
+            idempotency_key: key.into(),
+            attempt: 1,
+            tenant: "a/w/p/k".into(),
+            model: "m".into(),
+            api: "chat_completions".into(),
+            replica: "http://r".into(),
+            prompt_tokens: 1200,
+            completion_tokens: 300,
+            source: "engine".into(),
+            outcome: "ok".into(),
+            queued_ms: 4,
+            finished_at_ms: 5,
+        };
+        let text = table(&[record]);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        let (header, row) = (read(lines[0]), read(lines[1]));
+        assert_eq!(row.len(), header.len(), "{}", lines[1]);
+        let column = |name: &str| &row[header.iter().position(|h| h == name).unwrap()];
+        assert_eq!(column("idempotency_key"), key);
+        assert_eq!(column("prompt_tokens"), "1200");
+        assert_eq!(column("completion_tokens"), "300");
+        assert_eq!(
+            field("plain-id_1.2"),
+            "plain-id_1.2",
+            "unquoted when it can be"
+        );
+    }
+}
