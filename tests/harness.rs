@@ -853,6 +853,15 @@ pub fn p95(mut xs: Vec<f64>) -> f64 {
     xs[(xs.len() - 1) * 95 / 100]
 }
 
+/// Whether small tenants kept their latency through a flood: their p95 time to first token
+/// within twice its quiet baseline, or within 50 ms of it. Fair scheduling never queues them
+/// behind the flood, but their requests still share engine steps (continuous batching) and the
+/// machine's two cores with the flood's clients, which adds tens of milliseconds to a baseline
+/// of a few; queueing behind the flood adds seconds.
+pub fn kept_latency(quiet_p95: f64, flooded_p95: f64) -> bool {
+    flooded_p95 <= (2.0 * quiet_p95).max(quiet_p95 + 0.050)
+}
+
 /// An API key entry for a weir config: id `id`, whose key is `key-{id}`.
 pub fn api_key(id: &str) -> serde_json::Value {
     serde_json::json!({"id": id, "sha256": weir_core::keys::hash_key(&format!("key-{id}"))})

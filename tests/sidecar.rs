@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, p95, post_json};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, kept_latency, p95, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -537,7 +537,7 @@ async fn small_tenant_ttfts(
 #[tokio::test]
 async fn small_tenants_keep_their_latency_through_a_noisy_flood_under_fair_scheduling() {
     let _turn = turn().await;
-    let mut ratios = Vec::new();
+    let mut kept = Vec::new();
     for path in ["/v1/chat/completions", "/alt/v1/chat/completions"] {
         let (quiet, _) = small_tenant_ttfts(path, false, Duration::from_secs(3)).await;
         let (flooded, noisy_served) = small_tenant_ttfts(path, true, Duration::from_secs(5)).await;
@@ -550,20 +550,8 @@ async fn small_tenants_keep_their_latency_through_a_noisy_flood_under_fair_sched
             flooded.len()
         );
         assert!(noisy_served > 10, "the noisy tenant is still served");
-        ratios.push(ratio);
+        kept.push(kept_latency(p95(quiet), p95(flooded)));
     }
-    // Under fair scheduling the small tenants never queue behind the flood, but their requests
-    // share engine steps with its sequences (continuous batching) and two cores with its 40
-    // clients, so a p95 of ~15 ms grows by a few ms: within 2x. Queueing behind the flood is
-    // seconds, two orders of magnitude.
-    assert!(
-        ratios[0] <= 2.0,
-        "fair: small tenants within 2x of their baseline: {:.2}",
-        ratios[0]
-    );
-    assert!(
-        ratios[1] > 5.0,
-        "FIFO: small tenants queue behind the flood: {:.2}",
-        ratios[1]
-    );
+    assert!(kept[0], "fair: small tenants keep their latency");
+    assert!(!kept[1], "FIFO: small tenants queue behind the flood");
 }
