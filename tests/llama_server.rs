@@ -15,7 +15,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
 use weir_e2e::llama::{LlamaServer, MODEL};
-use weir_e2e::{Envoy, Sidecar, api_key, api_key_limited, chat_body, p95, post_json};
+use weir_e2e::{Envoy, Sidecar, api_key, api_key_limited, chat_body, kept_latency, p95, post_json};
 
 struct Stack {
     engines: Vec<LlamaServer>,
@@ -441,6 +441,7 @@ async fn noisy_neighbour_run(path: &'static str, flood: bool, window: Duration) 
 async fn small_tenants_keep_their_latency_through_a_noisy_flood_and_no_queue_forms_in_the_engine() {
     let _turn = turn().await;
     let mut ratios = Vec::new();
+    let mut kept = Vec::new();
     let mut failures = Vec::new();
     for (policy, path) in [("fair", CHAT), ("fifo", FIFO_CHAT)] {
         let quiet = noisy_neighbour_run(path, false, Duration::from_secs(3)).await;
@@ -494,6 +495,7 @@ async fn small_tenants_keep_their_latency_through_a_noisy_flood_and_no_queue_for
             ));
         }
         ratios.push(ratio);
+        kept.push(kept_latency(base, under));
         if policy == "fair" {
             let refused = [quiet.small_refused, flooded.small_refused].concat();
             if !refused.is_empty() {
@@ -504,10 +506,18 @@ async fn small_tenants_keep_their_latency_through_a_noisy_flood_and_no_queue_for
             }
         }
     }
-    if ratios[0] > 2.0 {
+    // Fair keeps the small tenants' latency (within 2x, or 50 ms where a few-ms p95 doubles from
+    // core contention alone); FIFO, where they queue behind the flood, must not.
+    if !kept[0] {
         failures.push(format!(
-            "fair: small tenants' TTFT p95 {:.2}x their baseline (at most 2x)",
+            "fair: small tenants' TTFT p95 {:.2}x their baseline (at most 2x or +50 ms)",
             ratios[0]
+        ));
+    }
+    if kept[1] {
+        failures.push(format!(
+            "fifo: small tenants kept their latency ({:.2}x): the flood did not reach them",
+            ratios[1]
         ));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
