@@ -169,11 +169,13 @@ impl Priority {
     }
 }
 
-/// Scheduling and access policy; unset fields inherit from the level above.
+/// Scheduling and access policy; unset fields inherit from the level above, except `weight`.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Policy {
     pub tier: Option<String>,
+    /// This level's share of its parent's among its siblings (default 1): an org's among the
+    /// orgs, a key's among its project's keys. Not inherited.
     pub weight: Option<f64>,
     pub priority: Option<Priority>,
     /// Models this level may call; unset means every model.
@@ -386,7 +388,8 @@ pub struct Tenant {
     /// Org first, key last.
     pub levels: Vec<Level>,
     pub tier: String,
-    pub weight: f64,
+    /// Scheduling weight of each level of the path among its siblings, org first.
+    pub weights: Vec<f64>,
     pub priority: Priority,
     pub models: Option<Vec<String>>,
     pub default_max_tokens: Option<u64>,
@@ -572,7 +575,13 @@ impl Config {
                 },
             }],
             tier: d.tier.clone(),
-            weight: d.weight,
+            // Its own top-level node, weighted against the orgs.
+            weights: d
+                .path
+                .split('/')
+                .enumerate()
+                .map(|(i, _)| if i == 0 { d.weight } else { 1.0 })
+                .collect(),
             priority: d.priority,
             models: None,
             default_max_tokens: None,
@@ -877,7 +886,7 @@ fn resolve(chain: &Chain<'_>) -> Tenant {
         key: chain[3].0.clone(),
         levels,
         tier: most_specific(chain, |p| p.tier.clone()).unwrap_or_else(|| "standard".into()),
-        weight: most_specific(chain, |p| p.weight).unwrap_or(1.0),
+        weights: chain.iter().map(|c| c.2.weight.unwrap_or(1.0)).collect(),
         priority: most_specific(chain, |p| p.priority).unwrap_or_default(),
         models: most_specific(chain, |p| p.models.clone()),
         default_max_tokens: most_specific(chain, |p| p.default_max_tokens),
@@ -909,7 +918,7 @@ mod tests {
                         "policy": {{"models": ["m1"]}},
                         "keys": [
                             {{"id": "ci", "sha256": "{a}", "limits": {{"concurrent_requests": 4}}}},
-                            {{"id": "dev", "sha256": "{b}", "policy": {{"weight": 1, "priority": "interactive"}}}}
+                            {{"id": "dev", "sha256": "{b}", "policy": {{"weight": 2, "priority": "interactive"}}}}
                         ]
                     }}]
                 }}]
@@ -933,7 +942,8 @@ mod tests {
         assert_eq!(dir.len(), 2);
         let ci = dir.lookup(&hash('a')).unwrap();
         assert_eq!(ci.path(), "acme/research/eval/ci");
-        assert_eq!((ci.tier.as_str(), ci.weight), ("enterprise", 3.0));
+        assert_eq!(ci.tier.as_str(), "enterprise");
+        assert_eq!(ci.weights, [3.0, 1.0, 1.0, 1.0], "each level's own weight");
         assert_eq!(ci.priority, Priority::Batch);
         assert!(
             ci.may_use("m1") && !ci.may_use("m2"),
@@ -944,7 +954,8 @@ mod tests {
         assert_eq!(ci.tightest(|l| l.concurrent_requests), Some(4));
 
         let dev = dir.lookup(&hash('b')).unwrap();
-        assert_eq!((dev.weight, dev.priority), (1.0, Priority::Interactive));
+        assert_eq!(dev.weights, [3.0, 1.0, 1.0, 2.0]);
+        assert_eq!(dev.priority, Priority::Interactive);
         assert!(dir.lookup(&hash('c')).is_none());
     }
 
@@ -1033,8 +1044,8 @@ mod tests {
         assert_eq!(ok.signing.as_ref().map(|s| s.ttl_ms), Some(30_000));
         let t = ok.default_tenant();
         assert_eq!(
-            (t.path(), t.weight, t.tier.as_str()),
-            ("public/anon", 0.5, "free")
+            (t.path(), t.weights.as_slice(), t.tier.as_str()),
+            ("public/anon", [0.5, 1.0].as_slice(), "free")
         );
         assert_eq!(t.tightest(|l| l.active_kv_tokens), Some(900));
 

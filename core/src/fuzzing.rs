@@ -150,10 +150,11 @@ pub fn check_config(data: &[u8]) {
     let directory = config.directory();
     for tenant in directory.tenants() {
         assert!(!tenant.levels.is_empty());
+        assert_eq!(tenant.weights.len(), tenant.path().split('/').count());
         assert!(
-            tenant.weight.is_finite() && tenant.weight > 0.0,
-            "{}",
-            tenant.weight
+            tenant.weights.iter().all(|w| w.is_finite() && *w > 0.0),
+            "{:?}",
+            tenant.weights
         );
     }
     assert!(config.route(Some("any")).rollout_percent <= 100);

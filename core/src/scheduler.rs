@@ -1,15 +1,24 @@
-//! Who goes next: per-tenant queues served by a virtual token counter (Sheng et al., OSDI 2024).
+//! Who goes next: hierarchical fair queues served by virtual token counters (Sheng et al.,
+//! OSDI 2024, applied at every level of the tenant hierarchy).
 //!
-//! Every tenant has a counter that grows by the tokens it is served, weighted
-//! (`(w_in · input + w_out · output) / weight`). The next request comes from the backlogged
-//! tenant with the smallest counter, so a tenant that floods the queue waits behind its own
-//! requests. A tenant returning from idle cannot bank credit while away (the paper's
-//! Algorithm 2): it is lifted to the smallest backlogged counter, or, when nobody is backlogged,
-//! to the counter of the last tenant whose queue emptied. Without the second rule counters
-//! drift apart while the pool is unsaturated, and a tenant that ran alone for an hour would be
-//! starved by one that stayed quiet once contention starts. Priority classes are strict at the same decision point (interactive
-//! before batch), but a batch request that has waited longer than the aging bound goes next, so
-//! batch never starves. Each decision is O(log n) in the number of backlogged tenants.
+//! Tenants form a tree: org → workspace → project → key. Every node has a counter that grows
+//! by the tokens served below it, divided by the node's weight among its siblings
+//! (`(w_in · input + w_out · output) / weight`). A decision descends from the root, at each
+//! level to the child with work queued and the smallest counter, down to a key, whose oldest
+//! request goes. So a pool is shared among orgs by weight, each org's share among its
+//! workspaces, and so on: an org that mints ten keys still has one org's share, and an idle
+//! key's share goes to its active siblings first (their org's counter only grows by what they
+//! are served). A node returning from idle cannot bank credit while away (the paper's
+//! Algorithm 2, at every level): it is lifted to the smallest counter among its backlogged
+//! siblings, or, when none is backlogged, to the counter of the sibling whose queue emptied
+//! last. Without the second rule counters drift apart while the pool is unsaturated, and a
+//! tenant that ran alone for an hour would be starved by one that stayed quiet once contention
+//! starts.
+//!
+//! Priority classes are strict at the same decision point (interactive before batch), but a
+//! batch request that has waited longer than the aging bound goes next, so batch never
+//! starves. Each decision is O(depth · log n). [`Share::Key`] flattens the tree (every key a
+//! child of the root, weighted by the product of its path's weights): fair share per key.
 //! A FIFO policy exists as the baseline for benchmarks.
 
 use std::cmp::Ordering;
@@ -36,10 +45,21 @@ impl Default for TokenWeights {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Policy {
-    /// Virtual token counter with strict priority classes and aging.
+    /// Virtual token counters with strict priority classes and aging.
     Fair,
     /// Arrival order across all tenants: the baseline.
     Fifo,
+}
+
+/// What fair share is divided among.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Share {
+    /// Orgs, then workspaces within an org, projects within a workspace, keys within a project.
+    #[default]
+    Hierarchy,
+    /// Keys, each on its own: an org's share grows with the keys it mints.
+    Key,
 }
 
 /// A counter value with a total order, so it can key an ordered set.
@@ -61,6 +81,7 @@ impl Ord for Counter {
 }
 
 const CLASSES: usize = 2;
+const ROOT: usize = 0;
 
 fn class_of(priority: Priority) -> usize {
     match priority {
@@ -75,19 +96,51 @@ struct Entry<T> {
     enqueued_ms: u64,
 }
 
-struct TenantState<T> {
+/// One node of the tenant tree: the root, an org, workspace or project, or a key (a leaf, with
+/// the queues).
+struct Node<T> {
+    /// The full tenant path for a key; the path so far for the levels above.
     name: String,
+    parent: usize,
     weight: f64,
     counter: f64,
-    /// Decision number of the tenant's last dispatch: ties on the counter go to whoever was
+    /// Decision number of the node's last dispatch: ties on the counter go to whoever was
     /// served least recently (a newcomer first).
     last_served: u64,
+    /// Requests queued below, per class.
+    backlog: [usize; CLASSES],
+    /// Children with requests of a class queued below, by counter, then least recently served.
+    ready: [BTreeSet<(Counter, u64, usize)>; CLASSES],
+    /// By id; a key and a level of the same id are different children.
+    children: HashMap<(String, bool), usize>,
+    /// The child whose queues emptied last: where a child arriving to an idle node is lifted to.
+    last_left: Option<usize>,
+    /// A key's requests, per class (empty above the keys).
     queues: [VecDeque<Entry<T>>; CLASSES],
 }
 
-impl<T> TenantState<T> {
+impl<T> Node<T> {
+    fn new(name: String, parent: usize) -> Self {
+        Node {
+            name,
+            parent,
+            weight: 1.0,
+            counter: 0.0,
+            last_served: 0,
+            backlog: [0; CLASSES],
+            ready: Default::default(),
+            children: HashMap::new(),
+            last_left: None,
+            queues: Default::default(),
+        }
+    }
+
     fn backlogged(&self) -> bool {
-        self.queues.iter().any(|q| !q.is_empty())
+        self.backlog.iter().any(|&n| n > 0)
+    }
+
+    fn key(&self, n: usize) -> (Counter, u64, usize) {
+        (Counter(self.counter), self.last_served, n)
     }
 }
 
@@ -113,14 +166,22 @@ pub struct Dispatch<'a, T> {
     pub waited_ms: u64,
 }
 
+/// The outcome of looking for the next request below a node.
+enum Found {
+    Take(usize, usize),
+    Wait,
+    Nothing,
+}
+
 pub struct Scheduler<T> {
     policy: Policy,
+    share: Share,
     weights: TokenWeights,
     aging_ms: u64,
-    tenants: Vec<TenantState<T>>,
+    /// The tree; the root first.
+    nodes: Vec<Node<T>>,
+    /// Keys by tenant path.
     by_name: HashMap<String, usize>,
-    /// Per class, backlogged tenants ordered by counter, then by least recently served.
-    ready: [BTreeSet<(Counter, u64, usize)>; CLASSES],
     /// Batch queue heads by arrival, for aging.
     batch_heads: BTreeSet<(u64, u64, usize)>,
     /// Every queue head by arrival, for FIFO.
@@ -128,27 +189,23 @@ pub struct Scheduler<T> {
     next_seq: u64,
     decisions: u64,
     len: usize,
-    /// The tenant whose queue emptied last: an arrival to an empty scheduler is lifted to its
-    /// counter.
-    last_left: Option<usize>,
 }
 
 impl<T> Scheduler<T> {
     /// `aging_ms`: a batch request waiting this long is served ahead of interactive work.
-    pub fn new(policy: Policy, weights: TokenWeights, aging_ms: u64) -> Self {
+    pub fn new(policy: Policy, share: Share, weights: TokenWeights, aging_ms: u64) -> Self {
         Scheduler {
             policy,
+            share,
             weights,
             aging_ms,
-            tenants: Vec::new(),
+            nodes: vec![Node::new(String::new(), ROOT)],
             by_name: HashMap::new(),
-            ready: Default::default(),
             batch_heads: BTreeSet::new(),
             heads: BTreeSet::new(),
             next_seq: 0,
             decisions: 0,
             len: 0,
-            last_left: None,
         }
     }
 
@@ -167,127 +224,255 @@ impl<T> Scheduler<T> {
 
     /// Requests a tenant has waiting.
     pub fn depth(&self, tenant: &str) -> usize {
-        self.by_name.get(tenant).map_or(0, |&t| {
-            self.tenants[t].queues.iter().map(VecDeque::len).sum()
-        })
+        self.by_name
+            .get(tenant)
+            .map_or(0, |&n| self.nodes[n].queues.iter().map(VecDeque::len).sum())
     }
 
-    /// A tenant's virtual token counter (0 for a tenant never seen).
+    /// A tenant's (a key's) virtual token counter (0 for a tenant never seen).
     pub fn counter(&self, tenant: &str) -> f64 {
         self.by_name
             .get(tenant)
-            .map_or(0.0, |&t| self.tenants[t].counter)
+            .map_or(0.0, |&n| self.nodes[n].counter)
     }
 
-    /// The smallest counter among backlogged tenants: where a returning tenant is lifted to.
-    fn min_backlogged(&self) -> Option<f64> {
-        self.ready
+    /// The nodes from the top level down to the tenant's key, created as needed, with the
+    /// weights given (`weights[i]` for level `i`, org first; 1 where missing or out of range).
+    fn intern(&mut self, tenant: &str, weights: &[f64]) -> Vec<usize> {
+        let sane = |w: Option<&f64>| match w {
+            Some(&w) if w.is_finite() && w > 0.0 => w,
+            _ => 1.0,
+        };
+        let levels: Vec<(&str, f64)> = match self.share {
+            Share::Hierarchy => tenant
+                .split('/')
+                .enumerate()
+                .map(|(i, id)| (id, sane(weights.get(i))))
+                .collect(),
+            Share::Key => {
+                let product = weights.iter().map(|w| sane(Some(w))).product::<f64>();
+                vec![(tenant, product)]
+            }
+        };
+        let mut path = Vec::with_capacity(levels.len());
+        let mut at = ROOT;
+        for (i, (id, weight)) in levels.iter().enumerate() {
+            let leaf = i + 1 == levels.len();
+            let child = match self.nodes[at].children.get(&((*id).to_owned(), leaf)) {
+                Some(&c) => c,
+                None => {
+                    let c = self.nodes.len();
+                    let name = if leaf {
+                        tenant.to_owned()
+                    } else {
+                        tenant.split('/').take(i + 1).collect::<Vec<_>>().join("/")
+                    };
+                    self.nodes.push(Node::new(name, at));
+                    self.nodes[at].children.insert(((*id).to_owned(), leaf), c);
+                    if leaf {
+                        self.by_name.insert(tenant.to_owned(), c);
+                    }
+                    c
+                }
+            };
+            self.nodes[child].weight = *weight;
+            path.push(child);
+            at = child;
+        }
+        path
+    }
+
+    /// The nodes from a key up to the top level (the root excluded).
+    fn ancestry(&self, leaf: usize) -> Vec<usize> {
+        let mut path = Vec::new();
+        let mut at = leaf;
+        while at != ROOT {
+            path.push(at);
+            at = self.nodes[at].parent;
+        }
+        path
+    }
+
+    /// Changes a node's counter or tie-break through `change`, keeping its place in its
+    /// parent's ordered sets.
+    fn rekey(&mut self, n: usize, change: impl FnOnce(&mut Node<T>)) {
+        let parent = self.nodes[n].parent;
+        let old = self.nodes[n].key(n);
+        let backlog = self.nodes[n].backlog;
+        change(&mut self.nodes[n]);
+        let new = self.nodes[n].key(n);
+        if n == ROOT || old == new {
+            return;
+        }
+        for class in 0..CLASSES {
+            if backlog[class] > 0 {
+                let ready = &mut self.nodes[parent].ready[class];
+                ready.remove(&old);
+                ready.insert(new);
+            }
+        }
+    }
+
+    /// The smallest counter among a node's backlogged children, else that of the child that
+    /// went idle last: where a child returning from idle is lifted to.
+    fn floor(&self, parent: usize) -> Option<f64> {
+        let node = &self.nodes[parent];
+        node.ready
             .iter()
             .filter_map(|r| r.first().map(|(c, _, _)| c.0))
             .reduce(f64::min)
+            .or_else(|| node.last_left.map(|l| self.nodes[l].counter))
     }
 
-    fn intern(&mut self, tenant: &str, weight: f64) -> usize {
-        if let Some(&t) = self.by_name.get(tenant) {
-            self.tenants[t].weight = weight;
-            return t;
-        }
-        let t = self.tenants.len();
-        self.tenants.push(TenantState {
-            name: tenant.to_owned(),
-            weight,
-            counter: 0.0,
-            last_served: 0,
-            queues: Default::default(),
-        });
-        self.by_name.insert(tenant.to_owned(), t);
-        t
-    }
-
-    /// Queues a request. `weight` is the tenant's current scheduling weight (> 0).
-    pub fn push(&mut self, tenant: &str, weight: f64, priority: Priority, item: T, now_ms: u64) {
-        let weight = if weight.is_finite() && weight > 0.0 {
-            weight
-        } else {
-            1.0
-        };
-        let t = self.intern(tenant, weight);
-        if !self.tenants[t].backlogged() {
-            // Returning from idle: no credit for the time away.
-            let floor = self
-                .min_backlogged()
-                .or_else(|| self.last_left.map(|l| self.tenants[l].counter));
-            if let Some(floor) = floor {
-                let state = &mut self.tenants[t];
-                state.counter = state.counter.max(floor);
+    /// Counts `k` more requests of `class` below every node of `path` (key first), entering
+    /// them in their parents' ready sets as they become backlogged.
+    fn add_backlog(&mut self, path: &[usize], class: usize, k: usize) {
+        for &n in path {
+            let was = self.nodes[n].backlog[class];
+            self.nodes[n].backlog[class] += k;
+            if was == 0 {
+                let (parent, key) = (self.nodes[n].parent, self.nodes[n].key(n));
+                self.nodes[parent].ready[class].insert(key);
             }
         }
+        self.nodes[ROOT].backlog[class] += k;
+    }
+
+    /// Counts `k` fewer requests of `class` below every node of `path` (key first); a node
+    /// whose queues all emptied is remembered by its parent, for lifting the next arrival.
+    fn remove_backlog(&mut self, path: &[usize], class: usize, k: usize) {
+        for &n in path {
+            let left = self.nodes[n].backlog[class].saturating_sub(k);
+            self.nodes[n].backlog[class] = left;
+            let (parent, key) = (self.nodes[n].parent, self.nodes[n].key(n));
+            if left == 0 {
+                self.nodes[parent].ready[class].remove(&key);
+            }
+            if !self.nodes[n].backlogged() {
+                self.nodes[parent].last_left = Some(n);
+            }
+        }
+        let root = &mut self.nodes[ROOT].backlog[class];
+        *root = root.saturating_sub(k);
+    }
+
+    /// Queues a request. `weights` are the tenant's scheduling weights, one per level of its
+    /// path, org first (each > 0; others count as 1).
+    pub fn push(
+        &mut self,
+        tenant: &str,
+        weights: &[f64],
+        priority: Priority,
+        item: T,
+        now_ms: u64,
+    ) {
+        let mut path = self.intern(tenant, weights);
+        // Returning from idle, at any level: no credit for the time away.
+        for &n in &path {
+            if !self.nodes[n].backlogged()
+                && let Some(floor) = self.floor(self.nodes[n].parent)
+            {
+                let node = &mut self.nodes[n];
+                node.counter = node.counter.max(floor);
+            }
+        }
+        path.reverse();
+        let Some(&leaf) = path.first() else {
+            return;
+        };
         let class = class_of(priority);
         let seq = self.next_seq;
         self.next_seq += 1;
-        let was_empty = self.tenants[t].queues[class].is_empty();
-        self.tenants[t].queues[class].push_back(Entry {
+        self.unindex_head(leaf, class);
+        self.nodes[leaf].queues[class].push_back(Entry {
             item,
             seq,
             enqueued_ms: now_ms,
         });
+        self.index_head(leaf, class);
+        self.add_backlog(&path, class, 1);
         self.len += 1;
-        if was_empty {
-            self.index_head(t, class);
-        }
     }
 
-    fn index_head(&mut self, t: usize, class: usize) {
-        let state = &self.tenants[t];
-        if let Some(head) = state.queues[class].front() {
-            self.ready[class].insert((Counter(state.counter), state.last_served, t));
-            self.heads.insert((head.seq, t, class));
+    fn index_head(&mut self, leaf: usize, class: usize) {
+        if let Some(head) = self.nodes[leaf].queues[class].front() {
+            self.heads.insert((head.seq, leaf, class));
             if class == 1 {
-                self.batch_heads.insert((head.enqueued_ms, head.seq, t));
+                self.batch_heads.insert((head.enqueued_ms, head.seq, leaf));
             }
         }
     }
 
-    fn unindex_head(&mut self, t: usize, class: usize) {
-        let state = &self.tenants[t];
-        if let Some(head) = state.queues[class].front() {
-            self.ready[class].remove(&(Counter(state.counter), state.last_served, t));
-            self.heads.remove(&(head.seq, t, class));
+    fn unindex_head(&mut self, leaf: usize, class: usize) {
+        if let Some(head) = self.nodes[leaf].queues[class].front() {
+            self.heads.remove(&(head.seq, leaf, class));
             if class == 1 {
-                self.batch_heads.remove(&(head.enqueued_ms, head.seq, t));
+                self.batch_heads.remove(&(head.enqueued_ms, head.seq, leaf));
             }
         }
     }
 
-    /// The tenant and class to serve next, in policy order, as `judge` allows.
+    /// The request `judge` rules on first below `n`, in fair order: children by counter,
+    /// depth first.
+    fn descend(
+        &self,
+        n: usize,
+        class: usize,
+        judge: &mut impl FnMut(&str, &T) -> Verdict,
+    ) -> Found {
+        let node = &self.nodes[n];
+        if let Some(head) = node.queues[class].front() {
+            return match judge(&node.name, &head.item) {
+                Verdict::Take => Found::Take(n, class),
+                Verdict::Skip => Found::Nothing,
+                Verdict::Wait => Found::Wait,
+            };
+        }
+        for &(_, _, child) in &node.ready[class] {
+            match self.descend(child, class, judge) {
+                Found::Nothing => continue,
+                found => return found,
+            }
+        }
+        Found::Nothing
+    }
+
+    /// The key and class to serve next, in policy order, as `judge` allows.
     fn choose(
         &self,
         now_ms: u64,
         judge: &mut impl FnMut(&str, &T) -> Verdict,
     ) -> Option<(usize, usize)> {
-        let aged = self
-            .batch_heads
-            .iter()
-            .take_while(|&&(enqueued, _, _)| now_ms.saturating_sub(enqueued) >= self.aging_ms)
-            .map(|&(_, _, t)| (t, 1));
-        let order: Box<dyn Iterator<Item = (usize, usize)> + '_> =
-            match self.policy {
-                Policy::Fifo => Box::new(self.heads.iter().map(|&(_, t, class)| (t, class))),
-                Policy::Fair => {
-                    Box::new(aged.chain((0..CLASSES).flat_map(|class| {
-                        self.ready[class].iter().map(move |&(_, _, t)| (t, class))
-                    })))
-                }
-            };
-        for (t, class) in order {
-            let state = &self.tenants[t];
-            let Some(head) = state.queues[class].front() else {
+        let first: Box<dyn Iterator<Item = (usize, usize)> + '_> = match self.policy {
+            Policy::Fifo => Box::new(self.heads.iter().map(|&(_, t, class)| (t, class))),
+            Policy::Fair => Box::new(
+                self.batch_heads
+                    .iter()
+                    .take_while(|&&(enqueued, _, _)| {
+                        now_ms.saturating_sub(enqueued) >= self.aging_ms
+                    })
+                    .map(|&(_, _, t)| (t, 1)),
+            ),
+        };
+        for (leaf, class) in first {
+            let node = &self.nodes[leaf];
+            let Some(head) = node.queues[class].front() else {
                 continue;
             };
-            match judge(&state.name, &head.item) {
-                Verdict::Take => return Some((t, class)),
-                Verdict::Skip => continue,
+            match judge(&node.name, &head.item) {
+                Verdict::Take => return Some((leaf, class)),
                 Verdict::Wait => return None,
+                Verdict::Skip => continue,
+            }
+        }
+        if self.policy == Policy::Fifo {
+            return None;
+        }
+        for class in 0..CLASSES {
+            match self.descend(ROOT, class, judge) {
+                Found::Take(leaf, class) => return Some((leaf, class)),
+                Found::Wait => return None,
+                Found::Nothing => continue,
             }
         }
         None
@@ -304,22 +489,21 @@ impl<T> Scheduler<T> {
         now_ms: u64,
         mut judge: impl FnMut(&str, &T) -> Verdict,
     ) -> Option<Dispatch<'_, T>> {
-        let (t, class) = self.choose(now_ms, &mut judge)?;
-        for c in 0..CLASSES {
-            self.unindex_head(t, c);
-        }
-        let entry = self.tenants[t].queues[class].pop_front();
-        self.decisions += 1;
-        self.tenants[t].last_served = self.decisions;
-        for c in 0..CLASSES {
-            self.index_head(t, c);
-        }
+        let (leaf, class) = self.choose(now_ms, &mut judge)?;
+        self.unindex_head(leaf, class);
+        let entry = self.nodes[leaf].queues[class].pop_front();
+        self.index_head(leaf, class);
         let entry = entry?;
+        self.decisions += 1;
+        let path = self.ancestry(leaf);
+        let decision = self.decisions;
+        for &n in &path {
+            self.rekey(n, |node| node.last_served = decision);
+        }
+        self.remove_backlog(&path, class, 1);
         self.len -= 1;
-        self.note_departure(t);
-        let state = &self.tenants[t];
         Some(Dispatch {
-            tenant: &state.name,
+            tenant: &self.nodes[leaf].name,
             priority: if class == 0 {
                 Priority::Interactive
             } else {
@@ -330,66 +514,52 @@ impl<T> Scheduler<T> {
         })
     }
 
-    /// Adds served tokens to a tenant's counter.
-    pub fn charge(&mut self, tenant: &str, input_tokens: u64, output_tokens: u64) {
-        let Some(&t) = self.by_name.get(tenant) else {
+    /// Adds `cost` weighted tokens to the counters from a tenant's key up, each by its weight.
+    fn add_cost(&mut self, tenant: &str, cost: f64) {
+        let Some(&leaf) = self.by_name.get(tenant) else {
             return;
         };
-        for class in 0..CLASSES {
-            self.unindex_head(t, class);
+        for n in self.ancestry(leaf) {
+            self.rekey(n, |node| node.counter += cost / node.weight);
         }
-        let state = &mut self.tenants[t];
+    }
+
+    /// Adds served tokens to a tenant's counters.
+    pub fn charge(&mut self, tenant: &str, input_tokens: u64, output_tokens: u64) {
         let cost =
             self.weights.input * input_tokens as f64 + self.weights.output * output_tokens as f64;
-        state.counter += cost / state.weight;
-        for class in 0..CLASSES {
-            self.index_head(t, class);
-        }
+        self.add_cost(tenant, cost);
     }
 
     /// Replaces an input charge made from an estimate with the engine's count: an
     /// underestimate is charged in full, an overestimate refunded.
     pub fn correct_input(&mut self, tenant: &str, estimated: u64, reported: u64) {
-        let Some(&t) = self.by_name.get(tenant) else {
-            return;
-        };
-        for class in 0..CLASSES {
-            self.unindex_head(t, class);
-        }
-        let state = &mut self.tenants[t];
-        state.counter += self.weights.input * (reported as f64 - estimated as f64) / state.weight;
-        for class in 0..CLASSES {
-            self.index_head(t, class);
-        }
+        let cost = self.weights.input * (reported as f64 - estimated as f64);
+        self.add_cost(tenant, cost);
     }
 
     /// Removes and returns every queued request matching `drop` (deadline passed, client gone).
     pub fn remove_where(&mut self, mut drop: impl FnMut(&T) -> bool) -> Vec<T> {
         let mut removed = Vec::new();
-        for t in 0..self.tenants.len() {
+        let leaves: Vec<usize> = self.by_name.values().copied().collect();
+        for leaf in leaves {
             for class in 0..CLASSES {
-                if !self.tenants[t].queues[class].iter().any(|e| drop(&e.item)) {
+                if !self.nodes[leaf].queues[class].iter().any(|e| drop(&e.item)) {
                     continue;
                 }
-                self.unindex_head(t, class);
-                let queue = std::mem::take(&mut self.tenants[t].queues[class]);
+                self.unindex_head(leaf, class);
+                let queue = std::mem::take(&mut self.nodes[leaf].queues[class]);
                 let (gone, kept): (VecDeque<_>, VecDeque<_>) =
                     queue.into_iter().partition(|e| drop(&e.item));
+                self.nodes[leaf].queues[class] = kept;
+                self.index_head(leaf, class);
+                let path = self.ancestry(leaf);
+                self.remove_backlog(&path, class, gone.len());
                 self.len -= gone.len();
                 removed.extend(gone.into_iter().map(|e| e.item));
-                self.tenants[t].queues[class] = kept;
-                self.index_head(t, class);
-                self.note_departure(t);
             }
         }
         removed
-    }
-
-    /// Remembers a tenant whose queue just emptied, for lifting the next arrival.
-    fn note_departure(&mut self, t: usize) {
-        if !self.tenants[t].backlogged() {
-            self.last_left = Some(t);
-        }
     }
 
     /// Arrival time of the oldest queued request of a class, for projecting waits.
@@ -398,7 +568,7 @@ impl<T> Scheduler<T> {
         self.heads
             .iter()
             .filter(|&&(_, _, c)| c == class)
-            .filter_map(|&(_, t, c)| self.tenants[t].queues[c].front().map(|e| e.enqueued_ms))
+            .filter_map(|&(_, t, c)| self.nodes[t].queues[c].front().map(|e| e.enqueued_ms))
             .min()
     }
 }
@@ -411,47 +581,156 @@ mod tests {
     const B: Priority = Priority::Batch;
 
     fn fair() -> Scheduler<u32> {
-        Scheduler::new(Policy::Fair, TokenWeights::default(), 60_000)
+        Scheduler::new(
+            Policy::Fair,
+            Share::Hierarchy,
+            TokenWeights::default(),
+            60_000,
+        )
     }
 
-    /// Serves `decisions` requests of `input`+`output` tokens, keeping every tenant backlogged;
-    /// returns tokens served per tenant.
+    /// Queues four requests for each of `tenants` (path and per-level weights), then serves
+    /// `decisions` requests of 100 + 100 tokens, keeping every tenant backlogged; returns tokens
+    /// served per tenant.
     fn serve(
         s: &mut Scheduler<u32>,
         decisions: usize,
-        weights: &[(&str, f64)],
+        tenants: &[(&str, &[f64])],
     ) -> HashMap<String, u64> {
+        for (name, weights) in tenants {
+            for _ in 0..4 {
+                s.push(name, weights, I, 0, 0);
+            }
+        }
         let mut served = HashMap::new();
         for _ in 0..decisions {
             let d = s.pop(0).unwrap();
             let tenant = d.tenant.to_owned();
             s.charge(&tenant, 100, 100);
             *served.entry(tenant.clone()).or_insert(0) += 200;
-            let w = weights.iter().find(|(n, _)| *n == tenant).unwrap().1;
-            s.push(&tenant, w, I, 0, 0);
+            let weights = tenants.iter().find(|(n, _)| *n == tenant).unwrap().1;
+            s.push(&tenant, weights, I, 0, 0);
         }
         served
+    }
+
+    /// Tokens served below `prefix` (a tenant path or a level of one).
+    fn below(served: &HashMap<String, u64>, prefix: &str) -> u64 {
+        served
+            .iter()
+            .filter(|(t, _)| t.starts_with(prefix))
+            .map(|(_, n)| n)
+            .sum()
+    }
+
+    fn near(ratio: f64, expected: f64) -> bool {
+        (ratio / expected - 1.0).abs() < 0.05
     }
 
     #[test]
     fn weights_divide_served_tokens() {
         let mut s = fair();
-        let weights = [("a", 3.0), ("b", 1.0)];
-        for (name, w) in weights {
-            for _ in 0..4 {
-                s.push(name, w, I, 0, 0);
-            }
-        }
-        let served = serve(&mut s, 4_000, &weights);
+        let served = serve(&mut s, 4_000, &[("a", &[3.0]), ("b", &[1.0])]);
         let ratio = served["a"] as f64 / served["b"] as f64;
-        assert!((ratio / 3.0 - 1.0).abs() < 0.10, "a:b = {ratio:.2}");
+        assert!(near(ratio, 3.0), "a:b = {ratio:.2}");
+    }
+
+    /// Org `a` with one key, org `b` with ten (one weighted 3); every weight above the keys 1.
+    fn one_key_against_ten(share: Share) -> HashMap<String, u64> {
+        let names: Vec<String> = (0..10).map(|i| format!("b/w/p/k{i}")).collect();
+        let mut tenants: Vec<(&str, &[f64])> = vec![("a/w/p/k", &[1.0, 1.0, 1.0, 1.0])];
+        for (i, name) in names.iter().enumerate() {
+            let weights: &[f64] = if i == 0 {
+                &[1.0, 1.0, 1.0, 3.0]
+            } else {
+                &[1.0, 1.0, 1.0, 1.0]
+            };
+            tenants.push((name, weights));
+        }
+        let mut s = Scheduler::new(Policy::Fair, share, TokenWeights::default(), 60_000);
+        serve(&mut s, 12_000, &tenants)
+    }
+
+    #[test]
+    fn orgs_share_by_org_weight_however_many_keys_they_mint() {
+        let served = one_key_against_ten(Share::Hierarchy);
+        let (a, b) = (below(&served, "a/"), below(&served, "b/"));
+        assert!(near(a as f64 / b as f64, 1.0), "a:b = {a}:{b}");
+        // Within b, keys share b's half by their weights.
+        let ratio = served["b/w/p/k0"] as f64 / served["b/w/p/k1"] as f64;
+        assert!(near(ratio, 3.0), "k0:k1 = {ratio:.2}");
+        // Per key, b's keys take twelve shares to a's one.
+        let served = one_key_against_ten(Share::Key);
+        let (a, b) = (below(&served, "a/"), below(&served, "b/"));
+        assert!(near(b as f64 / a as f64, 12.0), "a:b = {a}:{b}");
+    }
+
+    #[test]
+    fn level_weights_divide_each_level_and_an_idle_key_s_share_goes_to_its_siblings() {
+        let mut s = fair();
+        // Org x weighted 2 against y; within x, workspaces 1:1; x's workspace "b" has two
+        // keys, of which one is served once and then stays idle.
+        s.push("x/b/p/k2", &[2.0, 1.0, 1.0, 1.0], I, 0, 0);
+        s.pop(0);
+        s.charge("x/b/p/k2", 100, 100);
+        let served = serve(
+            &mut s,
+            12_000,
+            &[
+                ("x/a/p/k", &[2.0, 1.0, 1.0, 1.0]),
+                ("x/b/p/k1", &[2.0, 1.0, 1.0, 1.0]),
+                ("y/a/p/k", &[1.0, 1.0, 1.0, 1.0]),
+            ],
+        );
+        let (x, y) = (below(&served, "x/"), below(&served, "y/"));
+        assert!(near(x as f64 / y as f64, 2.0), "x:y = {x}:{y}");
+        let (xa, xb) = (below(&served, "x/a/"), below(&served, "x/b/"));
+        assert!(near(xa as f64 / xb as f64, 1.0), "x/a:x/b = {xa}:{xb}");
+    }
+
+    #[test]
+    fn a_level_returning_from_idle_is_lifted_among_its_siblings() {
+        let mut s = fair();
+        // Workspaces a and b of org o run up their counters; workspace c is idle.
+        let served = serve(&mut s, 100, &[("o/a/p/k", &[]), ("o/b/p/k", &[])]);
+        assert_eq!(served.len(), 2);
+        let workspace = |s: &Scheduler<u32>, key: &str| {
+            let project = s.nodes[s.by_name[key]].parent;
+            s.nodes[s.nodes[project].parent].counter
+        };
+        let floor = workspace(&s, "o/a/p/k").min(workspace(&s, "o/b/p/k"));
+        assert!(floor > 10_000.0, "{floor}");
+        s.push("o/c/p/k", &[], I, 7, 0);
+        assert_eq!(
+            workspace(&s, "o/c/p/k"),
+            floor,
+            "lifted to its backlogged siblings' minimum"
+        );
+        // So c gets a turn, not a burst.
+        assert_eq!(s.pop(0).unwrap().item, 7);
+        s.charge("o/c/p/k", 100, 100);
+        for _ in 0..3 {
+            s.push("o/c/p/k", &[], I, 8, 0);
+        }
+        let next: Vec<String> = (0..3)
+            .map(|_| {
+                let d = s.pop(0).unwrap();
+                let t = d.tenant.to_owned();
+                s.charge(&t, 100, 100);
+                t
+            })
+            .collect();
+        assert!(
+            next.iter().filter(|t| *t == "o/c/p/k").count() <= 2,
+            "{next:?}"
+        );
     }
 
     #[test]
     fn a_small_tenant_goes_ahead_of_a_flood() {
         let mut s = fair();
         for i in 0..100 {
-            s.push("noisy", 1.0, I, i, 0);
+            s.push("noisy", &[1.0], I, i, 0);
         }
         // The flood has been served a while.
         for _ in 0..10 {
@@ -459,7 +738,7 @@ mod tests {
             assert_eq!(d.tenant, "noisy");
             s.charge("noisy", 2_000, 0);
         }
-        s.push("small", 1.0, I, 999, 0);
+        s.push("small", &[1.0], I, 999, 0);
         assert_eq!(
             s.pop(0).unwrap().item,
             999,
@@ -470,22 +749,22 @@ mod tests {
     #[test]
     fn returning_from_idle_lifts_to_the_backlogged_minimum() {
         let mut s = fair();
-        s.push("a", 1.0, I, 1, 0);
-        s.push("b", 1.0, I, 2, 0);
+        s.push("a", &[1.0], I, 1, 0);
+        s.push("b", &[1.0], I, 2, 0);
         // a and b run up their counters while c is idle.
         for _ in 0..2 {
             let d = s.pop(0).unwrap();
             let t = d.tenant.to_owned();
             s.charge(&t, 1_000, 0);
-            s.push(&t, 1.0, I, 0, 0);
+            s.push(&t, &[1.0], I, 0, 0);
         }
         assert_eq!(s.counter("c"), 0.0);
-        s.push("c", 1.0, I, 3, 0);
+        s.push("c", &[1.0], I, 3, 0);
         assert_eq!(s.counter("c"), 1_000.0, "lifted, not left at 0");
         // So c gets one turn, not a burst: after one charge it is behind a and b again.
         assert_eq!(s.pop(0).unwrap().tenant, "c");
         s.charge("c", 1_000, 0);
-        s.push("c", 1.0, I, 4, 0);
+        s.push("c", &[1.0], I, 4, 0);
         assert_ne!(s.pop(0).unwrap().tenant, "c");
     }
 
@@ -494,55 +773,60 @@ mod tests {
         let mut s = fair();
         // a runs alone, unsaturated: its queue empties after every request.
         for i in 0..10 {
-            s.push("a", 1.0, I, i, 0);
+            s.push("a", &[1.0], I, i, 0);
             let d = s.pop(0).unwrap();
             assert_eq!(d.tenant, "a");
             s.charge("a", 1_000, 0);
         }
         assert!(s.is_empty());
         // b shows up to an empty queue: no credit for the hour a ran alone...
-        s.push("b", 1.0, I, 100, 0);
+        s.push("b", &[1.0], I, 100, 0);
         assert_eq!(s.counter("b"), 10_000.0);
         // ...so when contention starts they alternate instead of b monopolising.
-        s.push("a", 1.0, I, 11, 0);
+        s.push("a", &[1.0], I, 11, 0);
         let mut order = Vec::new();
         for _ in 0..6 {
             let d = s.pop(0).unwrap();
             let t = d.tenant.to_owned();
             s.charge(&t, 1_000, 0);
-            s.push(&t, 1.0, I, 0, 0);
+            s.push(&t, &[1.0], I, 0, 0);
             order.push(t);
         }
         let b_turns = order.iter().filter(|t| *t == "b").count();
         assert_eq!(b_turns, 3, "{order:?}");
         // A counter never goes down by lifting.
         let mut s = fair();
-        s.push("x", 1.0, I, 1, 0);
+        s.push("x", &[1.0], I, 1, 0);
         s.pop(0);
-        s.push("y", 1.0, I, 2, 0);
+        s.push("y", &[1.0], I, 2, 0);
         s.pop(0);
         s.charge("y", 5_000, 0);
-        s.push("x", 1.0, I, 3, 0);
+        s.push("x", &[1.0], I, 3, 0);
         assert_eq!(s.counter("x"), 5_000.0);
         s.pop(0);
         s.charge("y", 1_000, 0);
-        s.push("y", 1.0, I, 4, 0);
+        s.push("y", &[1.0], I, 4, 0);
         assert_eq!(s.counter("y"), 6_000.0, "lifting never lowers a counter");
     }
 
     #[test]
     fn interactive_goes_before_batch_and_batch_ages() {
-        let mut s = Scheduler::new(Policy::Fair, TokenWeights::default(), 5_000);
-        s.push("bulk", 1.0, B, 1, 0);
-        s.push("chat", 1.0, I, 2, 1_000);
+        let mut s = Scheduler::new(
+            Policy::Fair,
+            Share::Hierarchy,
+            TokenWeights::default(),
+            5_000,
+        );
+        s.push("bulk", &[1.0], B, 1, 0);
+        s.push("chat", &[1.0], I, 2, 1_000);
         assert_eq!(s.pop(1_000).unwrap().item, 2);
-        s.push("chat", 1.0, I, 3, 1_000);
+        s.push("chat", &[1.0], I, 3, 1_000);
         assert_eq!(
             s.pop(4_999).unwrap().item,
             3,
             "batch waits while interactive is queued"
         );
-        s.push("chat", 1.0, I, 4, 5_000);
+        s.push("chat", &[1.0], I, 4, 5_000);
         let aged = s.pop(5_000).unwrap();
         assert_eq!((aged.item, aged.priority, aged.waited_ms), (1, B, 5_000));
         assert_eq!(s.pop(5_000).unwrap().item, 4);
@@ -551,9 +835,14 @@ mod tests {
 
     #[test]
     fn fifo_serves_in_arrival_order() {
-        let mut s = Scheduler::new(Policy::Fifo, TokenWeights::default(), 60_000);
+        let mut s = Scheduler::new(
+            Policy::Fifo,
+            Share::Hierarchy,
+            TokenWeights::default(),
+            60_000,
+        );
         for (i, t) in ["noisy", "noisy", "small", "noisy"].iter().enumerate() {
-            s.push(t, 1.0, I, i as u32, 0);
+            s.push(t, &[1.0], I, i as u32, 0);
         }
         let order: Vec<u32> = std::iter::from_fn(|| s.pop(0).map(|d| d.item)).collect();
         assert_eq!(order, vec![0, 1, 2, 3]);
@@ -563,7 +852,7 @@ mod tests {
     fn removal_keeps_the_index_consistent() {
         let mut s = fair();
         for i in 0..6 {
-            s.push(if i % 2 == 0 { "a" } else { "b" }, 1.0, I, i, 0);
+            s.push(if i % 2 == 0 { "a" } else { "b" }, &[1.0], I, i, 0);
         }
         let gone = s.remove_where(|&i| i < 3);
         assert_eq!(gone.len(), 3);
@@ -578,8 +867,8 @@ mod tests {
     #[test]
     fn skipped_tenants_keep_their_place_and_waiting_blocks_the_rest() {
         let mut s = fair();
-        s.push("hog", 1.0, I, 1, 0);
-        s.push("other", 1.0, I, 2, 0);
+        s.push("hog", &[1.0], I, 1, 0);
+        s.push("other", &[1.0], I, 2, 0);
         s.charge("other", 500, 0);
         let skip_hog = |t: &str, _: &u32| {
             if t == "hog" {
@@ -595,8 +884,8 @@ mod tests {
         );
         assert_eq!(s.pop(0).unwrap().item, 1, "and still first afterwards");
 
-        s.push("big", 1.0, I, 3, 0);
-        s.push("small", 1.0, I, 4, 0);
+        s.push("big", &[1.0], I, 3, 0);
+        s.push("small", &[1.0], I, 4, 0);
         s.charge("small", 500, 0);
         let big_waits = |t: &str, _: &u32| {
             if t == "big" {
@@ -613,9 +902,14 @@ mod tests {
 
     #[test]
     fn fifo_blocks_behind_a_head_that_does_not_fit() {
-        let mut s = Scheduler::new(Policy::Fifo, TokenWeights::default(), 60_000);
-        s.push("noisy", 1.0, I, 1, 0);
-        s.push("small", 1.0, I, 2, 0);
+        let mut s = Scheduler::new(
+            Policy::Fifo,
+            Share::Hierarchy,
+            TokenWeights::default(),
+            60_000,
+        );
+        s.push("noisy", &[1.0], I, 1, 0);
+        s.push("small", &[1.0], I, 2, 0);
         let fits = |_: &str, item: &u32| {
             if *item == 1 {
                 Verdict::Wait
@@ -628,8 +922,13 @@ mod tests {
 
     #[test]
     fn an_estimate_is_replaced_by_the_engines_count() {
-        let mut s = Scheduler::new(Policy::Fair, TokenWeights::default(), 60_000);
-        s.push("x", 2.0, I, 1, 0);
+        let mut s = Scheduler::new(
+            Policy::Fair,
+            Share::Hierarchy,
+            TokenWeights::default(),
+            60_000,
+        );
+        s.push("x", &[2.0], I, 1, 0);
         s.pop(0);
         s.charge("x", 10, 0);
         s.correct_input("x", 10, 3_000);
@@ -641,7 +940,7 @@ mod tests {
     #[test]
     fn bad_weights_fall_back_to_one() {
         let mut s = fair();
-        s.push("x", 0.0, I, 1, 0);
+        s.push("x", &[0.0], I, 1, 0);
         s.pop(0);
         s.charge("x", 10, 0);
         assert_eq!(s.counter("x"), 10.0);

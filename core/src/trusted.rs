@@ -9,6 +9,7 @@ pub const PREFIX: &str = "x-weir-";
 /// `org/workspace/project/key` of the authenticated key.
 pub const TENANT: &str = "x-weir-tenant";
 pub const TIER: &str = "x-weir-tier";
+/// The scheduling weight of each level of the tenant path, org first, comma-separated.
 pub const WEIGHT: &str = "x-weir-weight";
 /// `interactive` or `batch`.
 pub const PRIORITY: &str = "x-weir-priority";
@@ -40,6 +41,21 @@ pub const MAX_TENANT_LEVELS: usize = 4;
 pub fn parse_weight(value: &str) -> Option<f64> {
     let w: f64 = value.parse().ok()?;
     (w.is_finite() && WEIGHT_RANGE.contains(&w)).then_some(w)
+}
+
+/// Weights as [`WEIGHT`] carries them.
+pub fn format_weights(weights: &[f64]) -> String {
+    weights
+        .iter()
+        .map(f64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// The weights of a tenant path of `levels` levels: one valid weight per level.
+pub fn parse_weights(value: &str, levels: usize) -> Option<Vec<f64>> {
+    let weights: Vec<f64> = value.split(',').map(parse_weight).collect::<Option<_>>()?;
+    (weights.len() == levels).then_some(weights)
 }
 
 /// A token count or cap: plain decimal digits, at most [`MAX_TOKENS`].
@@ -117,6 +133,26 @@ mod tests {
         );
         for bad in ["", "a,,b", "a b", "a,", "é"] {
             assert_eq!(parse_models(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn weights_come_one_per_level() {
+        use super::{format_weights, parse_weights};
+        assert_eq!(format_weights(&[3.0, 1.0, 0.5, 1.0]), "3,1,0.5,1");
+        assert_eq!(
+            parse_weights("3,1,0.5,1", 4),
+            Some(vec![3.0, 1.0, 0.5, 1.0])
+        );
+        assert_eq!(parse_weights("2", 1), Some(vec![2.0]));
+        for (bad, levels) in [
+            ("3,1", 4),
+            ("3,1,1,1,1", 4),
+            ("1,,1", 3),
+            ("1,NaN", 2),
+            ("", 1),
+        ] {
+            assert_eq!(parse_weights(bad, levels), None, "{bad:?}");
         }
     }
 

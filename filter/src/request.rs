@@ -264,7 +264,7 @@ impl Request {
     fn identify(&mut self, tenant: Arc<Tenant>) {
         self.vouch(trusted::TENANT, tenant.path());
         self.vouch(trusted::TIER, tenant.tier.as_str());
-        self.vouch(trusted::WEIGHT, tenant.weight.to_string());
+        self.vouch(trusted::WEIGHT, trusted::format_weights(&tenant.weights));
         self.vouch(trusted::PRIORITY, tenant.priority.as_str());
         if let Some(cap) = tenant.tightest(|l| l.active_kv_tokens) {
             self.vouch(trusted::KV_LIMIT, cap.to_string());

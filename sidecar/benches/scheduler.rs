@@ -5,17 +5,17 @@
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use weir_core::config::Priority;
-use weir_core::scheduler::{Policy, Scheduler, TokenWeights};
+use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights};
 
 const TENANTS: usize = 10_000;
 
 fn saturated(policy: Policy) -> (Scheduler<u64>, Vec<String>) {
     let names: Vec<String> = (0..TENANTS).map(|i| format!("org-{i}/ws/p/k")).collect();
-    let mut s = Scheduler::new(policy, TokenWeights::default(), 60_000);
+    let mut s = Scheduler::new(policy, Share::Hierarchy, TokenWeights::default(), 60_000);
     for (i, name) in names.iter().enumerate() {
-        let weight = 1.0 + (i % 4) as f64;
+        let weights = [1.0, 1.0, 1.0, 1.0 + (i % 4) as f64];
         for _ in 0..2 {
-            s.push(name, weight, Priority::Interactive, i as u64, 0);
+            s.push(name, &weights, Priority::Interactive, i as u64, 0);
         }
     }
     (s, names)
@@ -31,7 +31,7 @@ fn decisions(c: &mut Criterion) {
                 s.charge(&names[i], 300, 120);
                 s.push(
                     &names[i],
-                    1.0 + (i % 4) as f64,
+                    &[1.0, 1.0, 1.0, 1.0 + (i % 4) as f64],
                     Priority::Interactive,
                     i as u64,
                     0,

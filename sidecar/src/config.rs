@@ -11,6 +11,7 @@ pub use crate::engine::EngineChoice;
 pub use crate::idempotency::IdempotencyConfig;
 use crate::isolation::CacheIsolation;
 pub use weir_core::config::EstimatorConfig;
+use weir_core::scheduler::Share;
 use weir_core::tokens::Encoding;
 
 #[derive(Clone, Debug, Deserialize)]
@@ -26,6 +27,11 @@ pub struct SidecarConfig {
     /// `fair` (virtual token counter) or `fifo` (the benchmark baseline).
     #[serde(default = "default_policy")]
     pub policy: String,
+    /// `hierarchy`: a pool is shared among orgs by weight, an org's share among its workspaces,
+    /// and so on down to keys. `key`: among keys, each on its own (an org's share grows with
+    /// the keys it mints).
+    #[serde(default)]
+    pub fair_share: Share,
     #[serde(default)]
     pub queue: QueueConfig,
     #[serde(default)]

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
 use weir_core::config::Priority;
-use weir_core::scheduler::{Policy, Scheduler, TokenWeights, Verdict};
+use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights, Verdict};
 
 use crate::config::{DiscoveryConfig, PoolConfig, QueueConfig};
 use crate::engine::{EngineLimits, EngineSample};
@@ -28,7 +28,8 @@ use crate::upstream::Upstream;
 pub struct Job {
     pub tenant: String,
     pub tier: String,
-    pub weight: f64,
+    /// The scheduling weight of each level of the tenant path, org first.
+    pub weights: Vec<f64>,
     pub priority: Priority,
     pub pool: usize,
     pub input_tokens: u64,
@@ -264,6 +265,7 @@ pub struct Dispatcher {
     /// The FIFO baseline is plain arrival order: no headroom rule either.
     fair: bool,
     policy: Policy,
+    share: Share,
     pools: Vec<Pool>,
     /// Per pool, what its replicas' health checks follow.
     links: Vec<watch::Sender<Arc<Link>>>,
@@ -296,6 +298,7 @@ pub fn now_ms() -> u64 {
 impl Dispatcher {
     pub fn new(
         policy: Policy,
+        share: Share,
         pools: Vec<Pool>,
         queue: QueueConfig,
         metrics: Metrics,
@@ -313,10 +316,13 @@ impl Dispatcher {
             active: per_pool(),
             schedulers: pools
                 .iter()
-                .map(|_| Scheduler::new(policy, TokenWeights::default(), queue.batch_aging_ms))
+                .map(|_| {
+                    Scheduler::new(policy, share, TokenWeights::default(), queue.batch_aging_ms)
+                })
                 .collect(),
             fair: policy == Policy::Fair,
             policy,
+            share,
             pools,
             tenant_kv: HashMap::new(),
             queue,
@@ -560,6 +566,7 @@ impl Dispatcher {
                 self.pools.push(pool);
                 self.schedulers.push(Scheduler::new(
                     self.policy,
+                    self.share,
                     TokenWeights::default(),
                     self.queue.batch_aging_ms,
                 ));
@@ -860,15 +867,15 @@ impl Dispatcher {
             let _ = job.reply.send(Err(refusal));
             return;
         }
-        let (t, pool, weight, priority, arrived) = (
+        let (t, pool, weights, priority, arrived) = (
             job.tenant.clone(),
             job.pool,
-            job.weight,
+            job.weights.clone(),
             job.priority,
             job.arrived_ms,
         );
         self.active[pool].insert(t.clone(), arrived);
-        self.schedulers[pool].push(&t, weight, priority, job, arrived);
+        self.schedulers[pool].push(&t, &weights, priority, job, arrived);
         self.update_counter(pool, &t);
         self.update_depth(&t);
     }
@@ -1068,7 +1075,14 @@ mod tests {
             ..QueueConfig::default()
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        let d = Dispatcher::new(Policy::Fair, pools, queue, Metrics::new().0, &tx);
+        let d = Dispatcher::new(
+            Policy::Fair,
+            Share::Hierarchy,
+            pools,
+            queue,
+            Metrics::new().0,
+            &tx,
+        );
         (d, (tx, rx))
     }
 
@@ -1093,7 +1107,7 @@ mod tests {
         let job = Job {
             tenant: tenant.into(),
             tier: tier.into(),
-            weight: 1.0,
+            weights: vec![1.0],
             priority: Priority::Interactive,
             pool,
             input_tokens: kv_need,

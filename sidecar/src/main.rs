@@ -109,8 +109,15 @@ async fn main() -> anyhow::Result<()> {
     });
     let (health, checks) = mpsc::unbounded_channel();
     tokio::spawn(weir_sidecar::health::supervise(checks, events.clone()));
-    let dispatcher = Dispatcher::new(policy, Vec::new(), config.queue.clone(), metrics, &events)
-        .with_health(health);
+    let dispatcher = Dispatcher::new(
+        policy,
+        config.fair_share,
+        Vec::new(),
+        config.queue.clone(),
+        metrics,
+        &events,
+    )
+    .with_health(health);
     tokio::spawn(dispatcher.run(rx));
     // The pools, their replicas and discovery, as every later reload applies them.
     reloader.apply(plan, &app);

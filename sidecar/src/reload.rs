@@ -120,6 +120,9 @@ pub fn restart_only_changes(old: &SidecarConfig, new: &SidecarConfig) -> Vec<&'s
     if old.policy != new.policy {
         changed.push("policy");
     }
+    if old.fair_share != new.fair_share {
+        changed.push("fair_share");
+    }
     if old.signing != new.signing {
         changed.push("signing");
     }

@@ -320,7 +320,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let job = Job {
         tenant: who.tenant.clone(),
         tier: who.tier.clone(),
-        weight: who.weight,
+        weights: who.weights.clone(),
         priority: who.priority,
         pool,
         input_tokens: demand.input_tokens,

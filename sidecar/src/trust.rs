@@ -25,7 +25,8 @@ pub struct Trusted {
     /// The caller's `Idempotency-Key`, if it sent one.
     pub idempotency_key: Option<String>,
     pub tier: String,
-    pub weight: f64,
+    /// The scheduling weight of each level of the tenant path, org first.
+    pub weights: Vec<f64>,
     pub priority: Priority,
     pub kv_cap: Option<u64>,
     /// The models the key may use, when it may not use all.
@@ -149,8 +150,6 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
             })
             .transpose()
     };
-    let weight = trusted::parse_weight(required(trusted::WEIGHT)?)
-        .ok_or_else(|| invalid(trusted::WEIGHT, "is not a finite weight in range"))?;
     let priority = match required(trusted::PRIORITY)? {
         "interactive" => Priority::Interactive,
         "batch" => Priority::Batch,
@@ -161,16 +160,24 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
         Some(_) => return Err(invalid(trusted::IDEMPOTENCY_KEY, "is not a valid key")),
         None => None,
     };
+    let tenant = checked(
+        trusted::TENANT,
+        trusted::is_tenant_path,
+        "is not a tenant path",
+    )?;
+    let weights = trusted::parse_weights(required(trusted::WEIGHT)?, tenant.split('/').count())
+        .ok_or_else(|| {
+            invalid(
+                trusted::WEIGHT,
+                "is not one finite weight in range per level of the tenant path",
+            )
+        })?;
     Ok(Trusted {
-        tenant: checked(
-            trusted::TENANT,
-            trusted::is_tenant_path,
-            "is not a tenant path",
-        )?,
+        tenant,
         request_id: checked(trusted::REQUEST_ID, trusted::is_id, "is not a valid id")?,
         idempotency_key,
         tier: checked(trusted::TIER, trusted::is_level_id, "is not a tier name")?,
-        weight,
+        weights,
         priority,
         kv_cap: tokens(trusted::KV_LIMIT)?,
         models: get(trusted::MODELS)
@@ -194,7 +201,7 @@ mod tests {
         vec![
             (trusted::TENANT, "acme/lab/e2e/k".into()),
             (trusted::TIER, "standard".into()),
-            (trusted::WEIGHT, "2".into()),
+            (trusted::WEIGHT, "1,1,1,2".into()),
             (trusted::PRIORITY, "batch".into()),
             (trusted::REQUEST_ID, "weir-1".into()),
             (trusted::KV_LIMIT, "5000".into()),
@@ -233,8 +240,18 @@ mod tests {
             .check(&signed(SECRET, &base(), 2_000), 1_000)
             .unwrap();
         assert_eq!(
-            (who.tenant.as_str(), who.weight, who.priority, who.kv_cap),
-            ("acme/lab/e2e/k", 2.0, Priority::Batch, Some(5000))
+            (
+                who.tenant.as_str(),
+                who.weights.as_slice(),
+                who.priority,
+                who.kv_cap
+            ),
+            (
+                "acme/lab/e2e/k",
+                [1.0, 1.0, 1.0, 2.0].as_slice(),
+                Priority::Batch,
+                Some(5000)
+            )
         );
         // The previous secret still verifies (rotation).
         let mut other = base();
@@ -271,9 +288,12 @@ mod tests {
     #[test]
     fn bad_signed_values_are_refused_never_defaulted() {
         for (name, bad) in [
-            (trusted::WEIGHT, "NaN"),
-            (trusted::WEIGHT, "1e300"),
-            (trusted::WEIGHT, "inf"),
+            (trusted::WEIGHT, "1,1,1,NaN"),
+            (trusted::WEIGHT, "1e300,1,1,1"),
+            (trusted::WEIGHT, "1,inf,1,1"),
+            // One weight per level: a key claiming its weight for its org, or more levels.
+            (trusted::WEIGHT, "1000"),
+            (trusted::WEIGHT, "1,1,1,1,1"),
             (trusted::PRIORITY, "urgent"),
             (trusted::KV_LIMIT, "-1"),
             (trusted::KV_LIMIT, "99999999999999999999"),

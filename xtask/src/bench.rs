@@ -164,7 +164,7 @@ fn signed(
     let fields = [
         ("x-weir-tenant", format!("bench/w/p/t{}", i % 100)),
         ("x-weir-tier", "standard".to_owned()),
-        ("x-weir-weight", "1".to_owned()),
+        ("x-weir-weight", "1,1,1,1".to_owned()),
         ("x-weir-priority", "interactive".to_owned()),
         (
             "x-weir-request-id",
