@@ -304,9 +304,8 @@ impl<T> Scheduler<T> {
         if n == ROOT || old == new {
             return;
         }
-        for class in 0..CLASSES {
-            if backlog[class] > 0 {
-                let ready = &mut self.nodes[parent].ready[class];
+        for (ready, queued) in self.nodes[parent].ready.iter_mut().zip(backlog) {
+            if queued > 0 {
                 ready.remove(&old);
                 ready.insert(new);
             }
