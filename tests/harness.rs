@@ -906,6 +906,24 @@ pub async fn post_json(
     req.send().await.unwrap()
 }
 
+/// One client keeping its tenant backlogged until `until`: posts `body(n)` (the `n`th
+/// request) to `url` as `key`, again and again. A 429 `queue_full` (the tenant's queue at its
+/// bound: still backlogged) is retried after 20 ms; any other answer but 200 fails the test.
+pub async fn keep_backlogged(url: &str, key: &str, until: Instant, body: impl Fn(u32) -> String) {
+    let mut n = 0;
+    while Instant::now() < until {
+        let resp = post_json(url, Some(key), body(n), &[]).await;
+        let status = resp.status();
+        let text = resp.text().await.unwrap();
+        n += 1;
+        if status == reqwest::StatusCode::TOO_MANY_REQUESTS && text.contains("queue_full") {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
+        assert_eq!(status, reqwest::StatusCode::OK, "{key}: {text}");
+    }
+}
+
 /// Reads one HTTP/1.1 request: its head (request line and headers, lines ending in `\r\n`)
 /// and its body, framed by `content-length` or chunked (the filter sends a metered body
 /// chunked: it may rewrite it after the headers have gone on). `None` once the connection ends.

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, kept_latency, p95, post_json};
+use weir_e2e::{
+    Envoy, Sidecar, Sim, api_key, chat_body, keep_backlogged, kept_latency, p95, post_json,
+};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -347,26 +349,16 @@ async fn weights_divide_service_three_to_one_and_returning_tenants_are_lifted() 
     // with 24 each its queue ran dry (depth 1 against the light one's 10) and it got 1.5x.
     // The light tenant's extra clients meet its queue's bound (429 queue_full) and retry.
     let window = Duration::from_secs(6);
-    let start = Instant::now();
+    let until = Instant::now() + window;
     let started_ms = weir_sidecar::dispatcher::now_ms();
-    let client = |key: &'static str| async move {
-        let mut n = 0u32;
-        while start.elapsed() < window {
-            let body = chat(
+    let url = format!("{}/v1/chat/completions", stack().envoy.url);
+    let client = |key: &'static str| {
+        keep_backlogged(&url, key, until, move |n| {
+            chat(
                 &prompt(&format!("{key} {n}"), 1500),
                 json!({"max_tokens": 40, "ignore_eos": true}),
-            );
-            let resp = post(key, body, None).await;
-            let status = resp.status();
-            let text = resp.text().await.unwrap();
-            n += 1;
-            if status == StatusCode::TOO_MANY_REQUESTS && text.contains("queue_full") {
-                // Backlogged to the queue's bound: still backlogged, as the test wants.
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                continue;
-            }
-            assert_eq!(status, StatusCode::OK, "{text}");
-        }
+            )
+        })
     };
     let loops = (0..40).flat_map(|_| [client("heavy"), client("light")]);
     let late = async {

@@ -561,12 +561,10 @@ impl<T> Scheduler<T> {
         removed
     }
 
-    /// Arrival time of the oldest queued request of a class, for projecting waits.
-    pub fn oldest_ms(&self, priority: Priority) -> Option<u64> {
-        let class = class_of(priority);
+    /// Arrival time of the oldest queued request, for projecting waits.
+    pub fn oldest_arrival_ms(&self) -> Option<u64> {
         self.heads
             .iter()
-            .filter(|&&(_, _, c)| c == class)
             .filter_map(|&(_, t, c)| self.nodes[t].queues[c].front().map(|e| e.enqueued_ms))
             .min()
     }

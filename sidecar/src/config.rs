@@ -155,6 +155,8 @@ pub struct QueueConfig {
     pub kv_headroom: f64,
     /// A tenant counts as active this long after its last request arrived.
     pub active_window_ms: u64,
+    /// The longest `Retry-After` a refusal gives (it is drawn around the pool's projected wait).
+    pub retry_after_max_ms: u64,
 }
 
 impl Default for QueueConfig {
@@ -167,6 +169,7 @@ impl Default for QueueConfig {
             shed_free_tier_above: 0.5,
             kv_headroom: 0.2,
             active_window_ms: 10_000,
+            retry_after_max_ms: 60_000,
         }
     }
 }

@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 use weir_core::config::Priority;
 use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights, Verdict};
 
+use crate::backoff::{Backoff, Waits};
 use crate::config::{DiscoveryConfig, PoolConfig, QueueConfig};
 use crate::engine::{EngineLimits, EngineSample};
 use crate::health::{Command, Link};
@@ -281,12 +282,13 @@ pub struct Dispatcher {
     active: Vec<HashMap<String, u64>>,
     queue: QueueConfig,
     metrics: Metrics,
-    /// Dispatches per second, smoothed: what projected waits are computed from.
-    rate: f64,
-    dispatched_since_tick: u64,
-    last_tick_ms: u64,
+    /// Per pool, dispatches per second: what its projected waits are computed from (one
+    /// pool's pace says nothing of another's).
+    rates: Vec<DispatchRate>,
     /// For the assignments' releases; weak, so the loop still ends when every handler is gone.
     events: mpsc::WeakUnboundedSender<Event>,
+    /// The projected waits refusals' `Retry-After` is drawn from.
+    waits: watch::Sender<Arc<Waits>>,
 }
 
 pub fn now_ms() -> u64 {
@@ -310,6 +312,7 @@ impl Dispatcher {
         }
         Dispatcher {
             links: pools.iter().map(|p| watch::Sender::new(link(p))).collect(),
+            rates: pools.iter().map(|_| DispatchRate::new(now_ms())).collect(),
             health: None,
             pool_kv: per_pool(),
             pool_running: per_pool(),
@@ -327,11 +330,14 @@ impl Dispatcher {
             tenant_kv: HashMap::new(),
             queue,
             metrics,
-            rate: 0.0,
-            dispatched_since_tick: 0,
-            last_tick_ms: now_ms(),
             events: events.downgrade(),
+            waits: watch::Sender::new(Arc::default()),
         }
+    }
+
+    /// Where the handlers read the projected waits for `Retry-After`.
+    pub fn backoff(&self) -> Backoff {
+        Backoff::new(self.waits.subscribe())
     }
 
     /// Starts and stops replicas' health checks through `health` as they join and leave.
@@ -360,8 +366,12 @@ impl Dispatcher {
                 },
                 _ = tick.tick() => {
                     let now = now_ms();
-                    self.measure_rate(now);
+                    for (pool, rate) in self.rates.iter_mut().enumerate() {
+                        let queued = self.schedulers.get(pool).map_or(0, Scheduler::len);
+                        rate.measure(now, queued);
+                    }
                     self.expire(now);
+                    self.publish_waits(now);
                     let window = self.queue.active_window_ms;
                     for active in &mut self.active {
                         active.retain(|_, seen| now.saturating_sub(*seen) < window);
@@ -573,6 +583,7 @@ impl Dispatcher {
                 self.pool_kv.push(HashMap::new());
                 self.pool_running.push(HashMap::new());
                 self.active.push(HashMap::new());
+                self.rates.push(DispatchRate::new(now_ms()));
             }
             self.update_pool(index, spec);
         }
@@ -811,24 +822,6 @@ impl Dispatcher {
         self.schedulers.iter().map(|s| s.depth(t)).sum()
     }
 
-    /// Smooths the dispatch rate over one-second windows. Idle windows (nothing dispatched,
-    /// nothing waiting) say nothing about capacity and leave it as it was.
-    fn measure_rate(&mut self, now: u64) {
-        let elapsed = now.saturating_sub(self.last_tick_ms);
-        if elapsed >= 1_000 && self.dispatched_since_tick == 0 && self.queued() == 0 {
-            self.last_tick_ms = now;
-        } else if elapsed >= 1_000 {
-            let current = self.dispatched_since_tick as f64 * 1_000.0 / elapsed as f64;
-            self.rate = if self.rate == 0.0 {
-                current
-            } else {
-                0.7 * self.rate + 0.3 * current
-            };
-            self.dispatched_since_tick = 0;
-            self.last_tick_ms = now;
-        }
-    }
-
     /// Turns a job away at once when it cannot be served in time: bounded queues, free tier
     /// shed first under overload, and no waiting that would outlast the deadline anyway.
     fn refusal(&self, job: &Job, now: u64) -> Option<(Refusal, &'static str)> {
@@ -842,18 +835,58 @@ impl Dispatcher {
             return Some((Refusal::Shed, "shed_free_tier"));
         }
         // Only once the pool is saturated does a queue mean waiting.
-        let pool_queued = self.schedulers.get(job.pool).map_or(0, Scheduler::len);
         let saturated = self
             .pools
             .get(job.pool)
             .is_none_or(|p| !p.fits_for(job.kv_need, job.sequences));
-        if saturated && self.rate > 0.0 {
-            let projected_ms = pool_queued as f64 / self.rate * 1_000.0;
-            if now as f64 + projected_ms > job.deadline_ms as f64 {
-                return Some((Refusal::ProjectedWait, "projected_wait"));
-            }
+        if saturated
+            && let Some(projected_ms) = self.projected_ms(job.pool)
+            && now as f64 + projected_ms > job.deadline_ms as f64
+        {
+            return Some((Refusal::ProjectedWait, "projected_wait"));
         }
         None
+    }
+
+    /// How long a pool's queue takes to dispatch at the current rate, once a rate is known.
+    fn projected_ms(&self, pool: usize) -> Option<f64> {
+        let queued = self.schedulers.get(pool).map_or(0, Scheduler::len);
+        let rate = self.rates.get(pool).map_or(0.0, |r| r.per_s);
+        (rate > 0.0).then(|| queued as f64 / rate * 1_000.0)
+    }
+
+    /// Publishes each pool's projected wait (before a rate is known: how long its oldest
+    /// request has waited), for `Retry-After` and as a metric.
+    fn publish_waits(&self, now: u64) {
+        let projected_ms: Vec<u64> = (0..self.pools.len())
+            .map(|pool| {
+                self.projected_ms(pool).map_or_else(
+                    || {
+                        self.schedulers[pool]
+                            .oldest_arrival_ms()
+                            .map_or(0, |t| now.saturating_sub(t))
+                    },
+                    |ms| ms as u64,
+                )
+            })
+            .collect();
+        for (pool, ms) in self.pools.iter().zip(&projected_ms) {
+            self.metrics
+                .projected_wait
+                .get_or_create(&vec![("pool", pool.model.clone())])
+                .set(*ms as f64 / 1e3);
+        }
+        let next = Waits {
+            projected_ms,
+            cap_ms: self.queue.retry_after_max_ms,
+        };
+        self.waits.send_if_modified(|current| {
+            let changed = **current != next;
+            if changed {
+                *current = Arc::new(next);
+            }
+            changed
+        });
     }
 
     fn enqueue(&mut self, job: Job) {
@@ -991,7 +1024,9 @@ impl Dispatcher {
         self.adjust_hold(pool, replica, &t, job.kv_need, 0);
         self.schedulers[pool].charge(&t, job.input_tokens, 0);
         self.update_counter(pool, &t);
-        self.dispatched_since_tick += 1;
+        if let Some(rate) = self.rates.get_mut(pool) {
+            rate.dispatched += 1;
+        }
         self.update_depth(&t);
         let queued_ms = now.saturating_sub(job.arrived_ms);
         self.metrics
@@ -1016,6 +1051,43 @@ impl Dispatcher {
             events,
         }));
         true
+    }
+}
+
+/// A pool's dispatches per second, smoothed over one-second windows.
+struct DispatchRate {
+    per_s: f64,
+    /// Dispatched since the window began.
+    dispatched: u64,
+    window_start_ms: u64,
+}
+
+impl DispatchRate {
+    fn new(now_ms: u64) -> Self {
+        DispatchRate {
+            per_s: 0.0,
+            dispatched: 0,
+            window_start_ms: now_ms,
+        }
+    }
+
+    /// Closes the window once a second has passed. Idle windows (nothing dispatched, nothing
+    /// `queued`) say nothing about capacity and leave the rate as it was.
+    fn measure(&mut self, now_ms: u64, queued: usize) {
+        let elapsed = now_ms.saturating_sub(self.window_start_ms);
+        if elapsed < 1_000 {
+            return;
+        }
+        if self.dispatched > 0 || queued > 0 {
+            let current = self.dispatched as f64 * 1_000.0 / elapsed as f64;
+            self.per_s = if self.per_s == 0.0 {
+                current
+            } else {
+                0.7 * self.per_s + 0.3 * current
+            };
+        }
+        self.dispatched = 0;
+        self.window_start_ms = now_ms;
     }
 }
 
@@ -1723,7 +1795,7 @@ mod tests {
             d.apply(Event::Enqueue(j));
             waiting.push(rx);
         }
-        d.rate = 1.0; // one dispatch a second
+        d.rates[0].per_s = 1.0; // one dispatch a second
         let (mut late, mut late_rx) = job("c", "standard", 500);
         late.deadline_ms = now_ms() + 1_000;
         d.apply(Event::Enqueue(late));

@@ -5,6 +5,7 @@
 //! usage ledger and Prometheus metrics.
 
 pub mod answer;
+pub mod backoff;
 pub mod config;
 pub mod credential;
 pub mod demand;

@@ -87,6 +87,14 @@ async fn main() -> anyhow::Result<()> {
     let mut reloader = Reloader::new(cli.config.clone(), overrides, resolver, events.clone())?;
     let plan = reloader.plan(config.clone())?;
 
+    let dispatcher = Dispatcher::new(
+        policy,
+        config.fair_share,
+        Vec::new(),
+        config.queue.clone(),
+        metrics.clone(),
+        &events,
+    );
     let ledger = Ledger::start(&config.ledger, metrics.ledger.clone())?;
     let (cut, cut_rx) = watch::channel(false);
     let app = Arc::new(App {
@@ -105,19 +113,12 @@ async fn main() -> anyhow::Result<()> {
         trust: weir_sidecar::trust::Trust::new(secrets),
         idempotency: weir_sidecar::idempotency::Idempotency::new(config.idempotency.clone()),
         relay: Live::new(config.relay.clone()),
+        backoff: dispatcher.backoff(),
         cut: cut_rx,
     });
     let (health, checks) = mpsc::unbounded_channel();
     tokio::spawn(weir_sidecar::health::supervise(checks, events.clone()));
-    let dispatcher = Dispatcher::new(
-        policy,
-        config.fair_share,
-        Vec::new(),
-        config.queue.clone(),
-        metrics,
-        &events,
-    )
-    .with_health(health);
+    let dispatcher = dispatcher.with_health(health);
     tokio::spawn(dispatcher.run(rx));
     // The pools, their replicas and discovery, as every later reload applies them.
     reloader.apply(plan, &app);

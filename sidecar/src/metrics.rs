@@ -25,6 +25,7 @@ pub struct Metrics {
     pub queue_depth: Family<Labels, Gauge>,
     pub queue_wait: Family<Labels, Histogram, fn() -> Histogram>,
     pub vtc_counter: Family<Labels, Gauge<f64, AtomicU64>>,
+    pub projected_wait: Family<Labels, Gauge<f64, AtomicU64>>,
     pub active_kv_tokens: Family<Labels, Gauge>,
     pub ttft: Family<Labels, Histogram, fn() -> Histogram>,
     pub itl: Family<Labels, Histogram, fn() -> Histogram>,
@@ -56,6 +57,7 @@ impl Metrics {
             queue_depth: Family::default(),
             queue_wait: Family::new_with_constructor(latency_histogram),
             vtc_counter: Family::default(),
+            projected_wait: Family::default(),
             active_kv_tokens: Family::default(),
             ttft: Family::new_with_constructor(latency_histogram),
             itl: Family::new_with_constructor(latency_histogram),
@@ -91,6 +93,11 @@ impl Metrics {
             "vtc_counter",
             "Virtual token counter per tenant and pool (fairness debt)",
             m.vtc_counter.clone(),
+        );
+        r.register(
+            "projected_wait_seconds",
+            "How long a pool's queue takes to dispatch at the current rate (what Retry-After is drawn from)",
+            m.projected_wait.clone(),
         );
         r.register(
             "active_kv_tokens",

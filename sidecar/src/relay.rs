@@ -113,7 +113,12 @@ impl Flight {
 
     /// An error reply to the caller, in its API's shape.
     fn refusal(&self, error: ApiError) -> Response {
-        error_response(&error, self.endpoint.error_shape())
+        error_response(&error, self.endpoint.error_shape(), self.retry_after_s())
+    }
+
+    /// `Retry-After` for a retryable answer: drawn around the pool's projected wait.
+    fn retry_after_s(&self) -> u64 {
+        self.app.backoff.retry_after_s(Some(self.assignment.pool))
     }
 
     /// Keeps a copy of response bytes for replays, up to the bound of what is kept.
@@ -413,8 +418,14 @@ pub async fn relay(
                 let mut resp = (status, bytes).into_response();
                 let headers = resp.headers_mut();
                 headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
-                if let Some(retry_after) = retry_after {
-                    headers.insert(header::RETRY_AFTER, retry_after);
+                match retry_after {
+                    Some(retry_after) => {
+                        headers.insert(header::RETRY_AFTER, retry_after);
+                    }
+                    None if matches!(status.as_u16(), 502 | 503) => {
+                        headers.insert(header::RETRY_AFTER, flight.retry_after_s().into());
+                    }
+                    None => {}
                 }
                 resp
             }

@@ -65,6 +65,8 @@ pub struct App {
     /// Claims on callers' idempotency keys.
     pub idempotency: Arc<Idempotency>,
     pub relay: Live<crate::config::RelayConfig>,
+    /// What refusals' `Retry-After` is drawn from.
+    pub backoff: crate::backoff::Backoff,
     /// Turns true when the shutdown grace period ends: every request still running is ended
     /// and recorded.
     pub cut: tokio::sync::watch::Receiver<bool>,
@@ -90,7 +92,7 @@ pub fn router(app: Arc<App>) -> Router {
     }
     router
         .fallback(|headers: HeaderMap| async move {
-            error_response(&ApiError::not_found("no such route"), shape_of(&headers))
+            error_response(&ApiError::not_found("no such route"), shape_of(&headers), 0)
         })
         .with_state(app)
 }
@@ -113,7 +115,7 @@ pub fn admin_router(app: Arc<App>) -> Router {
         .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .fallback(|| async {
-            error_response(&ApiError::not_found("no such route"), ErrorShape::OpenAi)
+            error_response(&ApiError::not_found("no such route"), ErrorShape::OpenAi, 0)
         })
         .with_state(app)
 }
@@ -149,12 +151,13 @@ async fn ready(State(app): State<Arc<App>>) -> Response {
     }
 }
 
-pub fn error_response(e: &ApiError, shape: ErrorShape) -> Response {
+/// An error in the called API's shape; a retryable one (429, 502, 503) says when to retry.
+pub fn error_response(e: &ApiError, shape: ErrorShape, retry_after_s: u64) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut resp = (status, axum::Json(e.to_json_in(shape))).into_response();
     if matches!(e.status, 429 | 502 | 503) {
         resp.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
     }
     resp
 }
@@ -167,7 +170,7 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
         Ok(who) => who,
         Err(refusal) => {
             app.metrics.reject("untrusted");
-            return error_response(&refusal, shape);
+            return error_response(&refusal, shape, 0);
         }
     };
     let allowed = |m: &str| {
@@ -252,7 +255,7 @@ fn prompt_fields(endpoint: Endpoint) -> &'static [&'static str] {
 async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let arrived = Instant::now();
     let shape = endpoint.error_shape();
-    let error_response = |e: &ApiError| error_response(e, shape);
+    let error_response = |e: &ApiError| error_response(e, shape, app.backoff.retry_after_s(None));
     // The signature first: the filter sends the headers on before the body, so they are
     // checked on arrival, however long the body then takes.
     let who = match app.trust.check(&headers, now_ms()) {
@@ -283,6 +286,9 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
                 .with_param("model"),
         );
     };
+    // From here a refusal's `Retry-After` follows the pool's projected wait.
+    let error_response =
+        |e: &ApiError| self::error_response(e, shape, app.backoff.retry_after_s(Some(pool)));
     let demand = demand::of(endpoint, &body, encoding, *app.exact_below_bytes.load());
     let prompt: String = prompt_fields(endpoint)
         .iter()

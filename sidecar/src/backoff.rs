@@ -1,0 +1,65 @@
+//! `Retry-After` from the queue: a refused client is told to come back about when the pool's
+//! projected wait has passed, not after a constant, and each is told a slightly different time
+//! so refused clients do not all retry in the same second and refuse each other again.
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+/// What the dispatcher last projected (every tick): per pool, how long the work queued there
+/// takes to dispatch at the current rate; and the longest `Retry-After` to give.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Waits {
+    pub projected_ms: Vec<u64>,
+    pub cap_ms: u64,
+}
+
+/// The handlers' view of [`Waits`].
+#[derive(Clone)]
+pub struct Backoff {
+    waits: watch::Receiver<Arc<Waits>>,
+}
+
+impl Backoff {
+    pub fn new(waits: watch::Receiver<Arc<Waits>>) -> Self {
+        Backoff { waits }
+    }
+
+    /// Seconds to send in `Retry-After` for a refusal in `pool` (none: before a pool is known).
+    pub fn retry_after_s(&self, pool: Option<usize>) -> u64 {
+        let waits = self.waits.borrow();
+        let projected = pool
+            .and_then(|p| waits.projected_ms.get(p).copied())
+            .unwrap_or(0);
+        spread(projected, waits.cap_ms, fastrand::f64())
+    }
+}
+
+/// `Retry-After` seconds for a projected wait: the wait (at least a second) scaled by a factor
+/// between 0.5 and 1.5 drawn from `jitter` (in `[0, 1)`), rounded up, at least 1 and at most
+/// the cap (itself at least a second).
+pub fn spread(projected_ms: u64, cap_ms: u64, jitter: f64) -> u64 {
+    let base = projected_ms.max(1_000) as f64;
+    let factor = 0.5 + jitter.clamp(0.0, 1.0);
+    let seconds = (base * factor / 1_000.0).ceil() as u64;
+    seconds.clamp(1, cap_ms.div_ceil(1_000).max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::spread;
+
+    #[test]
+    fn the_wait_is_spread_around_the_projection_and_capped() {
+        // A projected 10 s becomes 5-15 s, depending on the draw.
+        assert_eq!(spread(10_000, 60_000, 0.0), 5);
+        assert_eq!(spread(10_000, 60_000, 0.5), 10);
+        assert_eq!(spread(10_000, 60_000, 0.999), 15);
+        // Nothing queued: a second or two.
+        assert_eq!(spread(0, 60_000, 0.0), 1);
+        assert_eq!(spread(0, 60_000, 0.9), 2);
+        // Never past the cap, never below a second.
+        assert_eq!(spread(600_000, 30_000, 0.7), 30);
+        assert_eq!(spread(600_000, 0, 0.7), 1);
+    }
+}
