@@ -243,6 +243,22 @@ impl<T> Scheduler<T> {
             Some(&w) if w.is_finite() && w > 0.0 => w,
             _ => 1.0,
         };
+        // A tenant seen before: its nodes are known, only the weights may have changed.
+        if let Some(&leaf) = self.by_name.get(tenant) {
+            let mut path = self.ancestry(leaf);
+            path.reverse();
+            match self.share {
+                Share::Hierarchy => {
+                    for (i, &n) in path.iter().enumerate() {
+                        self.nodes[n].weight = sane(weights.get(i));
+                    }
+                }
+                Share::Key => {
+                    self.nodes[leaf].weight = weights.iter().map(|w| sane(Some(w))).product();
+                }
+            }
+            return path;
+        }
         let levels: Vec<(&str, f64)> = match self.share {
             Share::Hierarchy => tenant
                 .split('/')
