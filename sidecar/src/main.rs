@@ -105,6 +105,7 @@ async fn main() -> anyhow::Result<()> {
         trust: weir_sidecar::trust::Trust::new(secrets),
         idempotency: weir_sidecar::idempotency::Idempotency::new(config.idempotency.clone()),
         relay: Live::new(config.relay.clone()),
+        predictions: weir_sidecar::prediction::Predictions::new(config.prediction.clone()),
         cut: cut_rx,
     });
     let (health, checks) = mpsc::unbounded_channel();

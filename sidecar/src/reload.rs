@@ -221,6 +221,7 @@ impl Reloader {
         app.pools.store(routes);
         app.queue_deadline_ms.store(config.queue.deadline_ms);
         app.relay.store(config.relay.clone());
+        app.predictions.config.store(config.prediction.clone());
         app.max_body_bytes.store(config.max_body_bytes);
         app.exact_below_bytes
             .store(config.estimator.exact_below_bytes);
