@@ -26,6 +26,7 @@ fn weir_config(prediction: Value) -> Value {
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "sdk", "keys": [
             api_key_limited("on", limits.clone()),
             api_key_limited("off", limits),
+            api_key_limited("long", json!({})),
         ]}]}]}],
         "models": {MODEL: {"max_context_tokens": CONTEXT}},
         "prediction": prediction,
@@ -140,6 +141,17 @@ async fn reserved_from_full(envoy: &Envoy, key: &str) -> u64 {
     BUDGET - remaining
 }
 
+/// The KV tokens the sidecar holds on its replicas.
+async fn sidecar_reserved_kv(sidecar: &Sidecar) -> u64 {
+    sidecar
+        .metrics()
+        .await
+        .lines()
+        .filter(|l| l.starts_with("weir_replica_reserved_kv_tokens{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// Waits until the key's bucket has refilled what `tokens` of output took from it.
 async fn refill(tokens: u64) {
     tokio::time::sleep(Duration::from_millis(tokens * 60_000 / BUDGET + 1_000)).await;
@@ -166,6 +178,31 @@ async fn sdk_default_requests_are_admitted_at_the_rate_of_their_real_outputs() {
         sidecar.port,
     );
     sidecar.wait_for_probes(1);
+
+    // A stream that runs past the output its KV hold was sized for (cold: the initial 1,024)
+    // goes on, and its hold grows with it, so admission sees what the replica holds.
+    let body = chat_body(
+        MODEL,
+        "a long one",
+        json!({"stream": true, "max_tokens": 3000, "ignore_eos": true}),
+    );
+    let url = format!("{}/v1/chat/completions", predicted.url);
+    let mut resp = post_json(&url, Some("long"), body.to_string(), &[]).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut streamed = 0;
+    while streamed < 2000 {
+        let chunk = resp.chunk().await.unwrap().unwrap();
+        streamed += String::from_utf8_lossy(&chunk)
+            .matches("\"content\":\"")
+            .count();
+    }
+    let held = sidecar_reserved_kv(&sidecar).await;
+    println!("a stream {streamed} tokens in (hold sized for 1,024): {held} KV tokens held");
+    assert!(
+        held >= streamed as u64,
+        "{held} held for {streamed} streamed"
+    );
+    while resp.chunk().await.unwrap().is_some() {}
 
     // Cold, the filter reserves the configured initial value; 24 answers teach it the tenant's
     // lengths (20 are needed), then it reserves their p90.

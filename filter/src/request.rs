@@ -721,6 +721,10 @@ impl Request {
             (_, Some(BodyUsage::Reported(u))) => Some(u),
             _ => None,
         };
+        // What the answer's length was read from: a report or a count, not the reservation.
+        let measured = reported.is_some()
+            || matches!(self.meter, Meter::Stream(_))
+            || matches!(body, Some(BodyUsage::Estimated { .. }));
         // Without a report, a response weir could not read is charged what was reserved.
         let reserved_output = self.admitted.as_ref().map_or(0, |a| a.reserved_output);
         self.usage = match reported {
@@ -748,7 +752,7 @@ impl Request {
         if self.replayed {
             // The same completed work is never charged twice, to quota either.
             self.usage = Demand::default();
-        } else if outcome == "ok" {
+        } else if outcome == "ok" && measured {
             self.learn_output();
         }
         if let Some(r) = self.reservation.take() {

@@ -431,6 +431,7 @@ mod tests {
         assert!(restart_only_changes(&old, &new).is_empty());
         new.queue.max_total = 1;
         new.relay.first_byte_ms = 5;
+        new.prediction.quantile = 0.95;
         assert!(restart_only_changes(&old, &new).is_empty(), "live settings");
         new.listen = "127.0.0.1:1".parse().unwrap();
         new.policy = "fifo".into();
