@@ -305,13 +305,18 @@ mod tests {
         run_on(config, Endpoint::ChatCompletions, body)
     }
 
-    fn run_on(config: &Config, endpoint: Endpoint, body: &str) -> Result<Admitted, Rejection> {
-        let tenant = config
+    /// The tenant of the one key in [`config`]'s configs.
+    fn tenant_of(config: &Config) -> Tenant {
+        config
             .directory()
             .lookup(&"a".repeat(64))
             .unwrap()
             .as_ref()
-            .clone();
+            .clone()
+    }
+
+    fn run_on(config: &Config, endpoint: Endpoint, body: &str) -> Result<Admitted, Rejection> {
+        let tenant = tenant_of(config);
         admit(config, &tenant, endpoint, body.as_bytes(), |_| {
             OutputHistory::default()
         })
@@ -464,12 +469,7 @@ mod tests {
                 enabled,
                 ..prediction.clone()
             };
-            let tenant = c
-                .directory()
-                .lookup(&"a".repeat(64))
-                .unwrap()
-                .as_ref()
-                .clone();
+            let tenant = tenant_of(&c);
             let mut asked = None;
             let a = admit(
                 &c,
