@@ -273,10 +273,10 @@ async fn sdk_default_requests_are_admitted_at_the_rate_of_their_real_outputs() {
     for body in &received {
         assert!(body.get("max_tokens").is_none(), "{body}");
     }
-    // The sidecar learned and published its prediction error per model: some answers ran past
+    // The sidecar learned and published its prediction error per pool: some answers ran past
     // what their KV hold was sized for, and went on (their hold grew as they streamed).
     let metrics = sidecar.metrics().await;
-    let model = format!("model=\"{MODEL}\"");
+    let model = format!("pool=\"{MODEL}\"");
     let series = |name: &str, label: &str| {
         metrics
             .lines()

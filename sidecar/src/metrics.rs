@@ -132,7 +132,7 @@ impl Metrics {
         );
         r.register(
             "output_prediction_ratio",
-            "Completed answers' output over the output predicted for them, per model (pool)",
+            "Completed answers' output over the output predicted for them, per pool (its model)",
             m.output_prediction_ratio.clone(),
         );
         r.register(

@@ -328,7 +328,7 @@ impl Flight {
 
 impl Flight {
     /// A completed answer teaches the tenant's prediction on this pool its real length, and
-    /// the prediction's error is published (per model: no tenant label).
+    /// the prediction's error is published (per pool: no tenant label).
     fn learn_output(&self, completion: u64) {
         let per_sequence = completion / self.sequences.max(1);
         let pool = self.assignment.pool;
@@ -339,7 +339,7 @@ impl Flight {
             self.app
                 .metrics
                 .output_prediction_ratio
-                .get_or_create(&vec![("model", self.model.clone())])
+                .get_or_create(&vec![("pool", self.model.clone())])
                 .observe(completion as f64 / self.output_held as f64);
         }
     }
