@@ -12,6 +12,7 @@ use anyhow::{Context, bail};
 use serde::Deserialize;
 use serde_json::Value;
 use weir_core::config::Config;
+use weir_core::prediction::PredictionConfig;
 use weir_sidecar::config::SidecarConfig;
 
 /// Which config a file (or a part of a manifest) holds.
@@ -243,19 +244,36 @@ fn describe_filter(config: &Config) -> String {
         ""
     };
     format!(
-        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}]{warning}",
+        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}], {}{warning}",
         config.orgs.len(),
         directory.len(),
-        routes.join(", ").to_lowercase()
+        routes.join(", ").to_lowercase(),
+        describe_prediction(&config.prediction)
     )
 }
 
 fn describe_sidecar(config: &SidecarConfig) -> String {
     let pools: Vec<&str> = config.pools.iter().map(|p| p.model.as_str()).collect();
     format!(
-        "sidecar config, policy {}, pools [{}]",
+        "sidecar config, policy {}, pools [{}], {}",
         config.policy,
-        pools.join(", ")
+        pools.join(", "),
+        describe_prediction(&config.prediction)
+    )
+}
+
+/// What a request without an output limit is reserved for.
+fn describe_prediction(p: &PredictionConfig) -> String {
+    if !p.enabled {
+        return "output prediction off".into();
+    }
+    format!(
+        "output prediction p{} (half-life {} samples, floor {}, initial {} until {} samples)",
+        p.quantile * 100.0,
+        p.half_life_samples,
+        p.floor,
+        p.initial,
+        p.min_samples
     )
 }
 
@@ -278,7 +296,14 @@ mod tests {
     #[test]
     fn each_class_of_mistake_is_caught_with_its_field() {
         let key = format!("      - {{id: k, sha256: {KEY}}}\n");
-        assert!(check(&filter(&key), Kind::Auto).is_ok());
+        let report = check(&filter(&key), Kind::Auto).unwrap();
+        assert!(
+            report[0]
+                .contains("output prediction p90 (half-life 200 samples, floor 16, initial 1024"),
+            "{report:?}"
+        );
+        let off = format!("{}prediction: {{enabled: false}}\n", filter(&key));
+        assert!(check(&off, Kind::Auto).unwrap()[0].contains("output prediction off"));
         let cases = [
             (
                 filter(&format!("      - {{id: k, sha256: {KEY}, limitz: {{}}}}\n")),
@@ -307,6 +332,14 @@ mod tests {
                 "unknown field `replicaz`",
             ),
             ("pools: []\nsigning: {secret_env: S}\n".into(), "at least one pool"),
+            (
+                format!("{}prediction: {{quantile: 1.5}}\n", filter(&key)),
+                "prediction.quantile: must be between 0.5 and 0.999",
+            ),
+            (
+                "pools:\n- model: m\n  replicas: [http://e:8000]\nsigning: {secret_env: S}\nprediction: {floor: 0}\n".into(),
+                "prediction.floor: must be at least 1",
+            ),
         ];
         for (text, expected) in cases {
             let error = error_of(&text);

@@ -5,13 +5,16 @@
 //! Nothing is silently downgraded: a request over a limit is rejected with the limit named.
 //! The only value weir fills in is the API's own output limit (`max_tokens`, the Responses
 //! API's `max_output_tokens`) when the request sets none and the tenant's config states a cap
-//! (`default_max_tokens`, else the `max_output_tokens` limit).
+//! (`default_max_tokens`, else the `max_output_tokens` limit). A request with no output limit
+//! of its own nor a `default_max_tokens` is reserved a prediction of its output
+//! ([`crate::prediction`]), which limits nothing.
 
 use crate::config::{Config, Tenant};
 use crate::endpoint::Endpoint;
 use crate::error::ApiError;
 use crate::estimate::{self, Method};
 use crate::json::{self, TopLevel};
+use crate::prediction::OutputHistory;
 use crate::request::InferenceRequest;
 use crate::trusted;
 
@@ -29,6 +32,11 @@ pub struct Admitted {
     /// Output tokens to reserve: the request's cap, or the cap weir filled in, for every answer
     /// it asks for (each prompt of a completions batch); 0 for embeddings.
     pub reserved_output: u64,
+    /// `reserved_output` is a prediction ([`crate::prediction`]): the answer's real length is
+    /// learned when it settles.
+    pub predicted: bool,
+    /// Answers the request asks for (each prompt of a completions batch).
+    pub answers: u64,
     pub stream: bool,
     /// weir asked the engine for a usage event the client did not ask for: the meter removes
     /// it again.
@@ -48,12 +56,14 @@ fn reject(reason: &'static str, error: ApiError) -> Rejection {
     Rejection { error, reason }
 }
 
-/// Decides on a complete request body.
+/// Decides on a complete request body. `history` gives the tenant's recent output lengths on a
+/// model, read only for a request whose output is predicted.
 pub fn admit(
     config: &Config,
     tenant: &Tenant,
     endpoint: Endpoint,
     body: &[u8],
+    history: impl FnOnce(&str) -> OutputHistory,
 ) -> Result<Admitted, Rejection> {
     if body.len() > config.max_body_bytes {
         return Err(reject(
@@ -131,9 +141,22 @@ pub fn admit(
             ApiError::context_length_exceeded(cap, estimate.longest, per_answer.unwrap_or(0)),
         ));
     }
-    let per_answer = per_answer
-        .or_else(|| context_cap.map(|cap| cap - estimate.longest))
-        .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION);
+    let rest_of_context = context_cap.map(|cap| cap - estimate.longest);
+    // Neither the caller nor its policy's `default_max_tokens` says how long the answer may be:
+    // reserve what this tenant's answers on this model have recently needed, never more than the
+    // rest of the context or the key's `max_output_tokens` (which is still filled in above).
+    let predicted = generates
+        && requested.is_none()
+        && tenant.default_max_tokens.is_none()
+        && config.prediction.enabled;
+    let per_answer = if predicted {
+        let cap = [per_answer, rest_of_context].into_iter().flatten().min();
+        history(&req.model).predict(&config.prediction, cap)
+    } else {
+        per_answer
+            .or(rest_of_context)
+            .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION)
+    };
     let reserved_output = per_answer.saturating_mul(req.answers());
     if reserved_output > trusted::MAX_TOKENS {
         return Err(reject(
@@ -156,6 +179,8 @@ pub fn admit(
         prompt_tokens: estimate.tokens,
         method: estimate.method,
         reserved_output,
+        predicted,
+        answers: req.answers(),
         stream,
         hide_usage_event: ask_usage,
         rewritten_body,
@@ -280,14 +305,21 @@ mod tests {
         run_on(config, Endpoint::ChatCompletions, body)
     }
 
-    fn run_on(config: &Config, endpoint: Endpoint, body: &str) -> Result<Admitted, Rejection> {
-        let tenant = config
+    /// The tenant of the one key in [`config`]'s configs.
+    fn tenant_of(config: &Config) -> Tenant {
+        config
             .directory()
             .lookup(&"a".repeat(64))
             .unwrap()
             .as_ref()
-            .clone();
-        admit(config, &tenant, endpoint, body.as_bytes())
+            .clone()
+    }
+
+    fn run_on(config: &Config, endpoint: Endpoint, body: &str) -> Result<Admitted, Rejection> {
+        let tenant = tenant_of(config);
+        admit(config, &tenant, endpoint, body.as_bytes(), |_| {
+            OutputHistory::default()
+        })
     }
 
     fn reason(r: Result<Admitted, Rejection>) -> (&'static str, u16) {
@@ -418,6 +450,65 @@ mod tests {
             a.reserved_output,
             100 - a.prompt_tokens,
             "the rest of the context"
+        );
+    }
+
+    #[test]
+    fn a_request_without_a_limit_reserves_its_tenant_s_predicted_output() {
+        let prediction = crate::prediction::PredictionConfig {
+            min_samples: 3,
+            ..Default::default()
+        };
+        let mut history = OutputHistory::default();
+        for _ in 0..3 {
+            history.learn(300, &prediction);
+        }
+        let admit_with = |key_limits: &str, policy: &str, enabled: bool, body: &str| {
+            let mut c = config(key_limits, policy);
+            c.prediction = crate::prediction::PredictionConfig {
+                enabled,
+                ..prediction.clone()
+            };
+            let tenant = tenant_of(&c);
+            let mut asked = None;
+            let a = admit(
+                &c,
+                &tenant,
+                Endpoint::ChatCompletions,
+                body.as_bytes(),
+                |m| {
+                    asked = Some(m.to_owned());
+                    history.clone()
+                },
+            )
+            .unwrap();
+            (a, asked)
+        };
+        let plain = format!("{HELLO}}}");
+        let (a, asked) = admit_with("{}", "{}", true, &plain);
+        assert_eq!((a.reserved_output, a.predicted), (304, true));
+        assert_eq!(asked.as_deref(), Some("big"), "the model's history");
+        assert_eq!(a.rewritten_body, None, "no limit is added");
+
+        // The key's cap is still filled in, and bounds the prediction.
+        let (a, _) = admit_with(r#"{"max_output_tokens":200}"#, "{}", true, &plain);
+        assert_eq!((a.reserved_output, a.predicted), (200, true));
+        assert_eq!(sent(&a)["max_tokens"], 200);
+        // The rest of the context bounds it too.
+        let small = r#"{"model":"small","messages":[{"role":"user","content":"hello"}]}"#;
+        let (a, _) = admit_with("{}", "{}", true, small);
+        assert_eq!(a.reserved_output, 100 - a.prompt_tokens);
+
+        // A limit of the caller's or of its policy is reserved as before, and so is the context
+        // with prediction off.
+        let (a, asked) = admit_with("{}", "{}", true, &format!("{HELLO},\"max_tokens\":50}}"));
+        assert_eq!((a.reserved_output, a.predicted, asked), (50, false, None));
+        let (a, _) = admit_with("{}", r#"{"default_max_tokens":20}"#, true, &plain);
+        assert_eq!((a.reserved_output, a.predicted), (20, false));
+        let (a, _) = admit_with("{}", "{}", false, small);
+        assert_eq!(
+            (a.reserved_output, a.predicted),
+            (100 - a.prompt_tokens, false)
         );
     }
 

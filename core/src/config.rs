@@ -16,6 +16,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use crate::path::AllowedPaths;
+use crate::prediction::PredictionConfig;
 use crate::tokens::Encoding;
 use crate::trusted;
 
@@ -54,6 +55,9 @@ pub struct Config {
     /// the longest a leaked slot stays taken. Live requests renew every third of it.
     #[serde(default = "default_slot_lease_ms")]
     pub slot_lease_ms: u64,
+    /// How much output a request that sets no limit is reserved for ([`crate::prediction`]).
+    #[serde(default)]
+    pub prediction: PredictionConfig,
 }
 
 /// Where the signing secret comes from (never inline) and how long a signature stays valid.
@@ -499,6 +503,9 @@ impl Config {
         if self.slot_lease_ms < 1_000 {
             return Err(invalid("slot_lease_ms", "must be at least 1000"));
         }
+        self.prediction
+            .validate()
+            .map_err(|(field, message)| invalid(field, message))?;
         let mut seen_hashes = HashSet::new();
         let mut seen_ids = HashSet::new();
         for (o, org) in self.orgs.iter().enumerate() {

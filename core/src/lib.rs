@@ -20,6 +20,7 @@ pub mod messages;
 pub mod meter;
 pub mod openai;
 pub mod path;
+pub mod prediction;
 pub mod prompt;
 pub mod reply;
 pub mod request;

@@ -204,14 +204,14 @@ fn initial(c: &Counter, now_ms: u64) -> Vec<u8> {
 }
 
 /// Outcome of one compare-and-swap update.
-enum Update<T, D = ()> {
+pub(crate) enum Update<T, D = ()> {
     Done(D),
     Refused(T),
     Contended,
 }
 
 /// Reads, transforms and conditionally writes one key, retrying on CAS conflicts.
-fn update<T>(
+pub(crate) fn update<T>(
     store: &impl SharedStore,
     key: &str,
     mut f: impl FnMut(Option<&[u8]>) -> Result<Vec<u8>, T>,
@@ -522,7 +522,7 @@ fn release(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::cell::{Cell, RefCell};
     use std::collections::HashMap;
 
@@ -531,9 +531,9 @@ mod tests {
 
     /// Shared data as Envoy keeps it, with optional injected CAS conflicts.
     #[derive(Default)]
-    struct Memory {
+    pub(crate) struct Memory {
         data: RefCell<HashMap<String, (Vec<u8>, u32)>>,
-        conflicts: Cell<usize>,
+        pub(crate) conflicts: Cell<usize>,
     }
 
     impl SharedStore for Memory {

@@ -37,6 +37,7 @@ use weir_core::error::{ApiError, ErrorShape};
 use weir_core::keys::{hash_key, key_from_headers};
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::path::{self, Route};
+use weir_core::prediction;
 use weir_core::reply::{self, Reply};
 use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation, SlotLease, Standing};
 use weir_core::trusted;
@@ -548,7 +549,8 @@ impl Request {
             let error = ApiError::internal("the request lost its admission state");
             return self.refuse(self.error_reply(&error), "internal", Stage::Passthrough);
         };
-        let admitted = match admission::admit(&self.gw.config, &tenant, endpoint, &body) {
+        let history = |model: &str| prediction::load_shared(&SharedData, &self.history_key(model));
+        let admitted = match admission::admit(&self.gw.config, &tenant, endpoint, &body, history) {
             Ok(admitted) => admitted,
             Err(rejection) => {
                 let reply = self.error_reply(&rejection.error);
@@ -719,6 +721,10 @@ impl Request {
             (_, Some(BodyUsage::Reported(u))) => Some(u),
             _ => None,
         };
+        // What the answer's length was read from: a report or a count, not the reservation.
+        let measured = reported.is_some()
+            || matches!(self.meter, Meter::Stream(_))
+            || matches!(body, Some(BodyUsage::Estimated { .. }));
         // Without a report, a response weir could not read is charged what was reserved.
         let reserved_output = self.admitted.as_ref().map_or(0, |a| a.reserved_output);
         self.usage = match reported {
@@ -746,6 +752,8 @@ impl Request {
         if self.replayed {
             // The same completed work is never charged twice, to quota either.
             self.usage = Demand::default();
+        } else if outcome == "ok" && measured {
+            self.learn_output();
         }
         if let Some(r) = self.reservation.take() {
             if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
@@ -763,6 +771,36 @@ impl Request {
         self.gw
             .metrics
             .add(telemetry::TOKENS_OUT, self.usage.output_tokens as i64);
+    }
+
+    /// The shared-data key of the tenant's output history on `model` (see
+    /// [`prediction::shared_key`]: only configured models get their own).
+    fn history_key(&self, model: &str) -> String {
+        let tenant = self.tenant.as_ref().map_or("", |t| t.path());
+        prediction::shared_key(tenant, model, self.gw.config.models.contains_key(model))
+    }
+
+    /// A completed answer whose output was predicted: its real length per answer goes into the
+    /// tenant's history, and how it compared into the metrics.
+    fn learn_output(&self) {
+        let Some(a) = self.admitted.as_ref().filter(|a| a.predicted) else {
+            return;
+        };
+        let actual = self.usage.output_tokens;
+        let per_answer = actual / a.answers.max(1);
+        let config = &self.gw.config.prediction;
+        if !prediction::learn_shared(&SharedData, &self.history_key(&a.model), per_answer, config) {
+            self.gw.metrics.add(telemetry::SETTLE_CONFLICTS, 1);
+        }
+        if let Some(pct) = (actual * 100).checked_div(a.reserved_output) {
+            self.gw
+                .metrics
+                .record(telemetry::PREDICTION_ACTUAL_PCT, pct);
+        }
+        let overrun = actual.saturating_sub(a.reserved_output);
+        self.gw
+            .metrics
+            .add(telemetry::PREDICTION_OVERRUN, overrun as i64);
     }
 
     fn on_log_entry(&mut self) {

@@ -43,6 +43,12 @@ pub const TOKENS_IN: &str = "weir.tokens.input";
 pub const TOKENS_OUT: &str = "weir.tokens.output";
 /// |estimate − engine count| / engine count, in percent, per request with engine usage.
 pub const ESTIMATE_ERROR: &str = "weir.estimate.error_pct";
+/// A predicted answer's length over its prediction, in percent (100: exact), per settled request
+/// whose output was predicted.
+pub const PREDICTION_ACTUAL_PCT: &str = "weir.prediction.actual_pct";
+/// Output tokens generated past their prediction, charged when they settled: what the bound on
+/// overshoot is made of.
+pub const PREDICTION_OVERRUN: &str = "weir.prediction.overrun_tokens";
 /// Tokens currently held by reservations on this Envoy.
 pub const RESERVED: &str = "weir.reserved_tokens";
 pub const SHADOW_WOULD_REJECT: &str = "weir.shadow.would_reject";
@@ -72,11 +78,13 @@ pub fn define() -> Metrics {
         SHADOW_WOULD_REJECT,
         SETTLE_CONFLICTS,
         UNREADABLE_RESPONSES,
+        PREDICTION_OVERRUN,
     ] {
         m.define(MetricType::Counter, counter);
     }
     m.define(MetricType::Gauge, RESERVED);
     m.define(MetricType::Histogram, ESTIMATE_ERROR);
+    m.define(MetricType::Histogram, PREDICTION_ACTUAL_PCT);
     m
 }
 

@@ -11,6 +11,7 @@ pub use crate::engine::EngineChoice;
 pub use crate::idempotency::IdempotencyConfig;
 use crate::isolation::CacheIsolation;
 pub use weir_core::config::EstimatorConfig;
+pub use weir_core::prediction::PredictionConfig;
 use weir_core::scheduler::Share;
 use weir_core::tokens::Encoding;
 
@@ -61,6 +62,10 @@ pub struct SidecarConfig {
     /// How the config file is watched for changes ([`crate::reload`]).
     #[serde(default)]
     pub reload: ReloadConfig,
+    /// How much output KV admission holds for a request beyond its prompt
+    /// ([`crate::prediction`]).
+    #[serde(default)]
+    pub prediction: PredictionConfig,
 }
 
 /// Live reload: the config is read again on SIGHUP and whenever the file changes.
@@ -448,6 +453,9 @@ impl SidecarConfig {
             bail!(
                 "relay: client_stall_ms, max_stream_ms, max_response_ms and first_byte_ms must be above 0"
             );
+        }
+        if let Err((field, message)) = self.prediction.validate() {
+            bail!("{field}: {message}");
         }
         if self.signing.is_none() {
             bail!("signing: required (secret_file or secret_env with the filter's signing secret)");

@@ -10,8 +10,9 @@ use weir_core::estimate;
 use weir_core::request::InferenceRequest;
 use weir_core::tokens::Encoding;
 
-/// Output tokens assumed per answer of a request that sets no output limit (requests on routes
-/// the filter does not meter may set none): KV admission needs a figure.
+/// Output tokens held per sequence when prediction is off ([`crate::prediction`]): KV
+/// admission needs a figure, and holding a whole `max_tokens` would admit a fraction of what
+/// fits.
 pub const UNBOUNDED_OUTPUT_TOKENS: u64 = 512;
 
 /// Bytes per token assumed for a body that cannot be read as its API's request.
@@ -20,8 +21,9 @@ const BYTES_PER_TOKEN: u64 = 4;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Demand {
     pub input_tokens: u64,
-    /// The most output the engine may generate for it, every answer together.
-    pub output_tokens: u64,
+    /// The most output the engine may generate for it, every answer together: `None` when the
+    /// body sets no limit.
+    pub output_tokens: Option<u64>,
 }
 
 /// The demand of `body` sent to `endpoint`, counted with `encoding` (exactly up to
@@ -30,15 +32,16 @@ pub fn of(endpoint: Endpoint, body: &[u8], encoding: Encoding, exact_below_bytes
     let Ok(req) = InferenceRequest::parse(endpoint, body) else {
         return Demand {
             input_tokens: body.len() as u64 / BYTES_PER_TOKEN,
-            output_tokens: UNBOUNDED_OUTPUT_TOKENS,
+            output_tokens: None,
         };
     };
-    let per_answer = req
-        .largest_output_limit()
-        .map_or(UNBOUNDED_OUTPUT_TOKENS, u64::from);
+    let output_tokens = match req.largest_output_limit() {
+        _ if req.answers() == 0 => Some(0),
+        limit => limit.map(|n| u64::from(n).saturating_mul(req.answers())),
+    };
     Demand {
         input_tokens: estimate::prompt_tokens(&req, encoding, exact_below_bytes).tokens,
-        output_tokens: per_answer.saturating_mul(req.answers()),
+        output_tokens,
     }
 }
 
@@ -60,29 +63,29 @@ mod tests {
             chat,
             Demand {
                 input_tokens: 8,
-                output_tokens: 40
+                output_tokens: Some(40)
             }
         );
         let batch = demand(
             Endpoint::Completions,
             r#"{"model":"m","max_tokens":5,"prompt":["a","b","c"]}"#,
         );
-        assert_eq!(batch.output_tokens, 15, "each prompt is answered");
+        assert_eq!(batch.output_tokens, Some(15), "each prompt is answered");
         let embeddings = demand(Endpoint::Embeddings, r#"{"model":"m","input":["a b","c"]}"#);
         assert_eq!(
             embeddings,
             Demand {
                 input_tokens: 3,
-                output_tokens: 0
+                output_tokens: Some(0)
             }
         );
         let unbounded = demand(Endpoint::Responses, r#"{"model":"m","input":"hi"}"#);
-        assert_eq!(unbounded.output_tokens, UNBOUNDED_OUTPUT_TOKENS);
+        assert_eq!(unbounded.output_tokens, None);
         let unreadable = demand(
             Endpoint::ChatCompletions,
             r#"{"model":"m","messages":7,"x":"......"}"#,
         );
-        assert_eq!(unreadable.output_tokens, UNBOUNDED_OUTPUT_TOKENS);
+        assert_eq!(unreadable.output_tokens, None);
         assert!(unreadable.input_tokens > 0);
     }
 }

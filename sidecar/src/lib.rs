@@ -20,6 +20,7 @@ pub mod ledger;
 pub mod limiter;
 pub mod metrics;
 pub mod pool;
+pub mod prediction;
 pub mod readiness;
 pub mod relay;
 pub mod reload;

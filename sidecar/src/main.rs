@@ -114,6 +114,7 @@ async fn main() -> anyhow::Result<()> {
         idempotency: weir_sidecar::idempotency::Idempotency::new(config.idempotency.clone()),
         relay: Live::new(config.relay.clone()),
         backoff: dispatcher.backoff(),
+        predictions: weir_sidecar::prediction::Predictions::new(config.prediction.clone()),
         cut: cut_rx,
     });
     let (health, checks) = mpsc::unbounded_channel();

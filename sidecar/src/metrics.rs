@@ -44,7 +44,13 @@ pub struct Metrics {
     pub replica_ttfb_floor: Family<Labels, Gauge<f64, AtomicU64>>,
     pub replica_first_byte_timeouts: Family<Labels, Counter>,
     pub replica_cache_isolation: Family<Labels, Gauge>,
+    pub output_prediction_ratio: Family<Labels, Histogram, fn() -> Histogram>,
     pub ledger: LedgerGauges,
+}
+
+/// Actual output over the output held for it: 1 is exact, above 1 the hold had to grow.
+fn prediction_ratio_histogram() -> Histogram {
+    Histogram::new([0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 4.0, 8.0])
 }
 
 pub fn tenant(t: &str) -> Labels {
@@ -76,6 +82,7 @@ impl Metrics {
             replica_ttfb_floor: Family::default(),
             replica_first_byte_timeouts: Family::default(),
             replica_cache_isolation: Family::default(),
+            output_prediction_ratio: Family::new_with_constructor(prediction_ratio_histogram),
             ledger: LedgerGauges::default(),
         };
         let mut r = Registry::with_prefix("weir");
@@ -129,6 +136,11 @@ impl Metrics {
             "replica_kv_usage",
             "Engine-reported KV usage (0-1)",
             m.replica_kv_usage.clone(),
+        );
+        r.register(
+            "output_prediction_ratio",
+            "Completed answers' output over the output predicted for them, per pool (its model)",
+            m.output_prediction_ratio.clone(),
         );
         r.register(
             "replica_running",

@@ -50,6 +50,10 @@ pub struct Attempt {
     pub model: String,
     /// The prompt as counted before dispatch, until the engine reports its own count.
     pub input_tokens: u64,
+    /// Output tokens its KV hold was sized for (the prediction, see [`crate::prediction`]).
+    pub output_held: u64,
+    /// Sequences the engine runs for it: what one answer's length is learned from.
+    pub sequences: u64,
     pub arrived: Instant,
     /// Until when it could wait for dispatch (Unix ms): an answer after it is not goodput.
     pub deadline_ms: u64,
@@ -64,6 +68,10 @@ pub struct Flight {
     who: Trusted,
     model: String,
     input_tokens: u64,
+    /// The prompt part of the KV hold: the estimate, then the engine's count.
+    prompt_held: u64,
+    output_held: u64,
+    sequences: u64,
     assignment: Assignment,
     arrived: Instant,
     deadline_ms: u64,
@@ -96,6 +104,9 @@ impl Flight {
             who: attempt.who,
             model: attempt.model,
             input_tokens: attempt.input_tokens,
+            prompt_held: attempt.input_tokens,
+            output_held: attempt.output_held,
+            sequences: attempt.sequences,
             assignment,
             arrived: attempt.arrived,
             deadline_ms: attempt.deadline_ms,
@@ -206,6 +217,11 @@ impl Flight {
             });
             self.charged = served;
         }
+        // Past its prediction, the hold follows what the replica really holds.
+        let used = self.prompt_held + served;
+        if used > self.assignment.kv_held() {
+            self.assignment.resize(used);
+        }
     }
 
     /// Replaces the filter's prompt estimate with the engine's count, once: in the tenant's
@@ -226,6 +242,7 @@ impl Flight {
         });
         let output_part = self.assignment.kv_held().saturating_sub(estimated);
         self.assignment.resize(prompt_tokens + output_part);
+        self.prompt_held = prompt_tokens;
     }
 
     /// Settles once: gives the KV back, charges what was left, writes the ledger record,
@@ -266,6 +283,9 @@ impl Flight {
         }
         self.charge(completion);
         self.assignment.release();
+        if outcome == "ok" && !self.nothing_ran {
+            self.learn_output(completion);
+        }
         let m = &self.app.metrics;
         let labels = |dir: &str| {
             vec![
@@ -308,6 +328,25 @@ impl Flight {
             queued_ms: self.assignment.queued_ms,
             finished_at_ms: now_ms(),
         });
+    }
+}
+
+impl Flight {
+    /// A completed answer teaches the tenant's prediction on this pool its real length, and
+    /// the prediction's error is published (per pool: no tenant label).
+    fn learn_output(&self, completion: u64) {
+        let per_sequence = completion / self.sequences.max(1);
+        let pool = self.assignment.pool;
+        self.app
+            .predictions
+            .learn(&self.who.tenant, pool, per_sequence);
+        if self.output_held > 0 {
+            self.app
+                .metrics
+                .output_prediction_ratio
+                .get_or_create(&vec![("pool", self.model.clone())])
+                .observe(completion as f64 / self.output_held as f64);
+        }
     }
 }
 

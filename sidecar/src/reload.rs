@@ -224,6 +224,7 @@ impl Reloader {
         app.pools.store(routes);
         app.queue_deadline_ms.store(config.queue.deadline_ms);
         app.relay.store(config.relay.clone());
+        app.predictions.config.store(config.prediction.clone());
         app.max_body_bytes.store(config.max_body_bytes);
         app.exact_below_bytes
             .store(config.estimator.exact_below_bytes);
@@ -433,6 +434,7 @@ mod tests {
         assert!(restart_only_changes(&old, &new).is_empty());
         new.queue.max_total = 1;
         new.relay.first_byte_ms = 5;
+        new.prediction.quantile = 0.95;
         assert!(restart_only_changes(&old, &new).is_empty(), "live settings");
         new.listen = "127.0.0.1:1".parse().unwrap();
         new.policy = "fifo".into();

@@ -19,7 +19,7 @@ use weir_core::admission::ENGINE_CONTROL_FIELDS;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
 
-use crate::demand::{self, UNBOUNDED_OUTPUT_TOKENS};
+use crate::demand;
 use crate::dispatcher::{Event, Job, Refusal, now_ms};
 use crate::idempotency::{self, Claimed, Idempotency, StoredResponse};
 use crate::ledger::Ledger;
@@ -29,11 +29,6 @@ use crate::relay::{Attempt, Flight, TRACE_ID, relay};
 use crate::reload::{Live, Route};
 use crate::trust::Trust;
 pub use crate::trust::Trusted;
-
-/// Output tokens assumed for KV admission when the request may produce more: reserving the
-/// whole `max_tokens` would admit a fraction of what fits. The engine preempts if a guess is
-/// too low, and the per-tenant cap bounds the damage.
-const EXPECTED_OUTPUT_TOKENS: u64 = UNBOUNDED_OUTPUT_TOKENS;
 
 /// A pool as requests are matched to it: its model, how much of a prompt picks the affine
 /// replica, and how its prompts are counted.
@@ -67,6 +62,8 @@ pub struct App {
     pub relay: Live<crate::config::RelayConfig>,
     /// What refusals' `Retry-After` is drawn from.
     pub backoff: crate::backoff::Backoff,
+    /// The output KV admission holds per request, learned per tenant and pool.
+    pub predictions: crate::prediction::Predictions,
     /// Turns true when the shutdown grace period ends: every request still running is ended
     /// and recorded.
     pub cut: tokio::sync::watch::Receiver<bool>,
@@ -317,10 +314,16 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let hide_usage = stream && usage_is_optional && ask_stream_usage(&mut value);
     // Each sequence the engine runs for the request takes a slot, and may produce output.
     let sequences = engine_sequences(endpoint, &value);
-    let kv_need = demand.input_tokens
-        + demand
-            .output_tokens
-            .min(EXPECTED_OUTPUT_TOKENS.saturating_mul(sequences));
+    // Held for the output it will likely produce, not the most it may (the hold grows if it
+    // runs past: see the relay).
+    let predicted = app
+        .predictions
+        .predict(&who.tenant, pool)
+        .saturating_mul(sequences);
+    let output_held = demand
+        .output_tokens
+        .map_or(predicted, |cap| cap.min(predicted));
+    let kv_need = demand.input_tokens + output_held;
 
     let (reply, assigned) = oneshot::channel();
     let job = Job {
@@ -398,6 +401,8 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         who,
         model,
         input_tokens: demand.input_tokens,
+        output_held,
+        sequences,
         arrived,
         deadline_ms,
         hide_usage,
