@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, keep_backlogged, post_json};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, idle_turn, keep_backlogged, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -88,12 +88,7 @@ fn stack() -> &'static Stack {
 /// One test at a time, each once every replica is idle.
 async fn turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::const_new(());
-    let guard = TURN.lock().await;
-    for sim in &stack().sims {
-        sim.wait_idle().await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    guard
+    idle_turn(&TURN, &stack().sims).await
 }
 
 /// Tokens each tenant was served (prompt + completion of its answered requests) that

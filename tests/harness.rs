@@ -906,6 +906,20 @@ pub async fn post_json(
     req.send().await.unwrap()
 }
 
+/// A test's turn on a stack shared by a test binary: `turn` taken once every one of `sims` is
+/// idle, and 300 ms more for the sidecars' probes to see it (so nothing routes on stale load).
+pub async fn idle_turn<'a>(
+    turn: &'a tokio::sync::Mutex<()>,
+    sims: &[Sim],
+) -> tokio::sync::MutexGuard<'a, ()> {
+    let guard = turn.lock().await;
+    for sim in sims {
+        sim.wait_idle().await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    guard
+}
+
 /// One client keeping its tenant backlogged until `until`: posts `body(n)` (the `n`th
 /// request) to `url` as `key`, again and again. A 429 `queue_full` (the tenant's queue at its
 /// bound: still backlogged) is retried after 20 ms; any other answer but 200 fails the test.

@@ -10,7 +10,7 @@ use std::time::Duration;
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, idle_turn, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -105,12 +105,7 @@ fn stack() -> &'static Stack {
 /// One test at a time on the shared pools, starting once the previous test's work has drained.
 async fn turn() -> MutexGuard<'static, ()> {
     static TURN: Mutex<()> = Mutex::const_new(());
-    let guard = TURN.lock().await;
-    for sim in &stack().sims {
-        sim.wait_idle().await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    guard
+    idle_turn(&TURN, &stack().sims).await
 }
 
 fn chat(model: &str, content: &str, extra: Value) -> String {
