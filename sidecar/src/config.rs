@@ -149,6 +149,9 @@ pub struct QueueConfig {
     pub kv_headroom: f64,
     /// A tenant counts as active this long after its last request arrived.
     pub active_window_ms: u64,
+    /// Interactive work that has waited this long for room in a pool that has none preempts
+    /// running batch streams to make it (invariant 7; see the README's "Preemption"); 0: never.
+    pub preempt_batch_after_ms: u64,
 }
 
 impl Default for QueueConfig {
@@ -161,6 +164,7 @@ impl Default for QueueConfig {
             shed_free_tier_above: 0.5,
             kv_headroom: 0.2,
             active_window_ms: 10_000,
+            preempt_batch_after_ms: 500,
         }
     }
 }

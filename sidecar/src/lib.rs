@@ -22,6 +22,7 @@ pub mod pool;
 pub mod readiness;
 pub mod relay;
 pub mod reload;
+pub mod resume;
 pub mod roster;
 pub mod server;
 pub mod stream_end;
