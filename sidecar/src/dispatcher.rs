@@ -1083,9 +1083,10 @@ impl Dispatcher {
 
     /// Preempts running batch streams of a pool for the first interactive request, in fair
     /// order, that has waited `queue.preempt_batch_after_ms` and fits no replica: on the
-    /// replica where the fewest streams free room for it, the most recently dispatched first
-    /// (the least to prefill again), each having run at least that long since its last
-    /// dispatch (so a resumed stream makes progress before it can be preempted again). Each is
+    /// replica where the fewest streams free room for it, the latest arrived first (as vLLM
+    /// picks its own victims: the least generated, so the least to prefill again), each having
+    /// run at least that long since its last dispatch (so a resumed stream makes progress
+    /// before it can be preempted again). Each is
     /// queued again at the head of its tenant's batch queue and its relay told; the room comes
     /// back when the relay lets the stream go. One preemption at a time per pool.
     fn preempt(&mut self, pool: usize, now: u64) {
@@ -1133,7 +1134,7 @@ impl Dispatcher {
                 let mut candidates: Vec<usize> = (0..running.len())
                     .filter(|&i| running[i].replica == r.id && waited(running[i].dispatched_ms))
                     .collect();
-                candidates.sort_by_key(|&i| std::cmp::Reverse(running[i].dispatched_ms));
+                candidates.sort_by_key(|&i| std::cmp::Reverse(running[i].job.arrived_ms));
                 let (mut kv, mut seqs, mut chosen) = (0, 0, Vec::new());
                 for i in candidates {
                     kv += running[i].job.kv_need;
@@ -1563,7 +1564,7 @@ mod tests {
     }
 
     #[test]
-    fn waiting_interactive_work_preempts_the_latest_batch_stream_which_resumes_first_after() {
+    fn waiting_interactive_work_preempts_the_latest_arrived_batch_stream_which_resumes_first() {
         let (mut d, mut events) = slotted(1, 2);
         d.queue.preempt_batch_after_ms = 100;
         let batch = |d: &mut Dispatcher| {
@@ -1576,7 +1577,7 @@ mod tests {
         };
         let mut older = assigned(&mut batch(&mut d));
         let mut newer = assigned(&mut batch(&mut d));
-        d.preemptible[0][1].dispatched_ms = 50;
+        d.preemptible[0][1].job.arrived_ms = 50;
         let mut waiting = batch(&mut d);
         let (mut older_word, mut newer_word) = (
             older.take_preemption().unwrap(),
@@ -1592,7 +1593,7 @@ mod tests {
         d.preempt(0, 1_050);
         assert_eq!(preemptions(&d), 0, "not waited long enough yet");
         d.preempt(0, 1_100);
-        let mut requeued = newer_word.try_recv().expect("the latest dispatched goes");
+        let mut requeued = newer_word.try_recv().expect("the latest arrived goes");
         assert!(older_word.try_recv().is_err());
         assert_eq!(preemptions(&d), 1);
         assert_eq!(d.schedulers[0].depth("b"), 2, "queued again");
