@@ -86,10 +86,11 @@ async fn stream(base: &str, key: &str, body: Value, id: &str) -> (f64, u64, Stri
     (first.unwrap_or(f64::MAX), tokens, text)
 }
 
-fn interactive(n: usize) -> Value {
+/// An interactive request, its prompt distinct per run (no prefix-cache hits across runs).
+fn interactive(run: &str, n: usize) -> Value {
     chat_body(
         "tiny",
-        &prompt(&format!("ask {n}"), 900),
+        &prompt(&format!("{run} ask {n}"), 900),
         json!({"stream": true, "max_tokens": 4}),
     )
 }
@@ -98,7 +99,7 @@ fn interactive(n: usize) -> Value {
 async fn interactive_ttfts(base: &str, run: &str, count: usize) -> Vec<f64> {
     let mut ttfts = Vec::new();
     for n in 0..count {
-        let body = interactive(n);
+        let body = interactive(run, n);
         let (ttft, _, _) = stream(base, "chat", body, &format!("{run}-ask-{n}")).await;
         ttfts.push(ttft);
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -120,7 +121,8 @@ async fn under_batch_load(base: &str, run: &str) -> (Vec<f64>, Vec<(String, u64,
                 let body = chat_body(
                     "tiny",
                     &prompt(&format!("bulk {c} {round}"), 300),
-                    json!({"stream": true, "max_tokens": BATCH_TOKENS, "ignore_eos": true}),
+                    json!({"stream": true, "max_tokens": BATCH_TOKENS, "ignore_eos": true,
+                           "stream_options": {"include_usage": true}}),
                 );
                 let (_, tokens, text) = stream(base, BULK[c], body, &id).await;
                 streams.push((id, tokens, text));
@@ -159,20 +161,38 @@ fn check_batch(sidecar: &Sidecar, streams: &[(String, u64, String)]) -> u64 {
             .lines()
             .filter_map(|l| serde_json::from_str(l.strip_prefix("data: ")?).ok())
             .collect();
-        let ids: std::collections::BTreeSet<String> =
-            events.iter().map(|e| format!("{}/{}", e["id"], e["created"])).collect();
-        assert_eq!(ids.len(), 1, "{id}: one chunk id and creation time: {ids:?}");
+        let ids: std::collections::BTreeSet<String> = events
+            .iter()
+            .map(|e| format!("{}/{}", e["id"], e["created"]))
+            .collect();
+        assert_eq!(
+            ids.len(),
+            1,
+            "{id}: one chunk id and creation time: {ids:?}"
+        );
         let roles = events
             .iter()
             .filter(|e| !e["choices"][0]["delta"]["role"].is_null())
             .count();
         assert_eq!(roles, 1, "{id}: one role delta");
+        let usage = events.iter().find(|e| e["usage"].is_object()).unwrap();
+        assert_eq!(
+            usage["usage"]["completion_tokens"], BATCH_TOKENS,
+            "{id}: every token"
+        );
         let rows = sidecar.attempts(id);
         assert_eq!(rows.len(), 1, "{id}: one record");
         let row = &rows[0];
         assert_eq!(row.outcome, "ok", "{id}");
-        assert_eq!(row.completion_tokens, BATCH_TOKENS, "{id}: the tokens generated, once");
+        assert_eq!(
+            row.completion_tokens, BATCH_TOKENS,
+            "{id}: the tokens generated, once"
+        );
         assert_eq!(row.source, "engine");
+        assert_eq!(
+            usage["usage"]["prompt_tokens"], row.prompt_tokens,
+            "{id}: as billed"
+        );
         let p = *prompt_tokens.get_or_insert(row.prompt_tokens);
         assert!(
             row.prompt_tokens.abs_diff(p) <= 2,
@@ -192,6 +212,8 @@ async fn interactive_work_preempts_batch_streams_which_still_complete_billed_onc
         "0.2",
         "--output-len",
         "fixed:20",
+        "--record-requests",
+        "1000",
     ]);
     let preempting = Sidecar::start(sidecar_config(&sim, 20));
     let waiting = Sidecar::start(sidecar_config(&sim, 0));
@@ -223,12 +245,47 @@ async fn interactive_work_preempts_batch_streams_which_still_complete_billed_onc
         without_streams.len(),
     );
     assert!(preempted >= 1.0, "batch streams were preempted");
+    // Each preempted stream went on where it stopped: its text as the final assistant message,
+    // continued (vLLM's fields), asked for what remained.
+    let continued: Vec<Value> = sim
+        .received()
+        .await
+        .into_iter()
+        .map(|r| r["body"].clone())
+        .filter(|b| b["continue_final_message"] == true)
+        .collect();
+    assert!(
+        continued.len() as f64 >= preempted,
+        "{} continuations",
+        continued.len()
+    );
+    for body in &continued {
+        assert_eq!(body["add_generation_prompt"], false);
+        let messages = body["messages"].as_array().unwrap();
+        let last = messages.last().unwrap();
+        assert_eq!(last["role"], "assistant");
+        let generated = last["content"].as_str().unwrap().split(' ').count() as u64 - 1;
+        assert!(generated > 0);
+        assert!(
+            body["max_tokens"].as_u64().unwrap() < BATCH_TOKENS,
+            "the limit lowered by what was generated"
+        );
+    }
     assert_eq!(preemptions(&waiting.metrics().await), 0.0);
-    assert!(with <= 2.0 * idle, "with preemption: {with:.3} s vs idle {idle:.3} s");
-    assert!(without > 2.0 * idle, "without, interactive work waits for batch to drain");
+    assert!(
+        with <= 2.0 * idle,
+        "with preemption: {with:.3} s vs idle {idle:.3} s"
+    );
+    assert!(
+        without > 2.0 * idle,
+        "without, interactive work waits for batch to drain"
+    );
     let a = check_batch(&preempting, &with_streams);
     let b = check_batch(&waiting, &without_streams);
-    assert!(a.abs_diff(b) <= 2, "preempted prompts billed as unpreempted ones: {a} vs {b}");
+    assert!(
+        a.abs_diff(b) <= 2,
+        "preempted prompts billed as unpreempted ones: {a} vs {b}"
+    );
     // Every hold came back: nothing in flight, no KV reserved.
     let metrics = preempting.metrics().await;
     for series in ["weir_replica_in_flight{", "weir_replica_reserved_kv{"] {
