@@ -224,20 +224,8 @@ impl<T> Scheduler<T> {
         self.queue(tenant, weight, priority, item, now_ms, true);
     }
 
-    fn queue(
-        &mut self,
-        tenant: &str,
-        weight: f64,
-        priority: Priority,
-        item: T,
-        now_ms: u64,
-        front: bool,
-    ) {
-        let weight = if weight.is_finite() && weight > 0.0 {
-            weight
-        } else {
-            1.0
-        };
+    fn queue(&mut self, tenant: &str, w: f64, priority: Priority, item: T, now: u64, front: bool) {
+        let weight = if w.is_finite() && w > 0.0 { w } else { 1.0 };
         let t = self.intern(tenant, weight);
         if !self.tenants[t].backlogged() {
             // Returning from idle: no credit for the time away.
@@ -255,7 +243,7 @@ impl<T> Scheduler<T> {
         let entry = Entry {
             item,
             seq,
-            enqueued_ms: now_ms,
+            enqueued_ms: now,
         };
         // The head is indexed by its own arrival: a new head is indexed afresh.
         self.unindex_head(t, class);

@@ -744,40 +744,6 @@ async fn pump(
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn a_client_that_does_not_take_a_chunk_in_time_is_stalled_and_one_that_left_is_gone() {
-        let stall = Duration::from_millis(50);
-        let (tx, mut rx) = mpsc::channel(1);
-        let chunk = || Piece::Chunk(Bytes::from_static(b"data: {}\n\n"));
-        assert!(matches!(
-            deliver(&tx, chunk(), stall).await,
-            Delivery::Taken
-        ));
-        // The client has not taken that one: the next waits, then gives up.
-        let started = std::time::Instant::now();
-        assert!(matches!(
-            deliver(&tx, chunk(), stall).await,
-            Delivery::ClientStalled
-        ));
-        assert!(started.elapsed() >= stall);
-        // A client reading in time is never stalled.
-        assert!(rx.recv().await.is_some());
-        assert!(matches!(
-            deliver(&tx, chunk(), stall).await,
-            Delivery::Taken
-        ));
-        drop(rx);
-        assert!(matches!(
-            deliver(&tx, chunk(), stall).await,
-            Delivery::ClientGone
-        ));
-    }
-}
-
 /// Resolves with the dispatcher's word when it preempts the stream (never, if it does not).
 async fn preempted(preemption: &mut Option<oneshot::Receiver<Requeued>>) -> Requeued {
     if let Some(rx) = preemption
@@ -887,5 +853,39 @@ fn continuation(flight: &mut Flight) -> impl Future<Output = Option<Upstream>> +
         let first = rest.next().await?.ok()?;
         let upstream: Upstream = Box::pin(futures::stream::iter([Ok(first)]).chain(rest));
         Some(upstream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_client_that_does_not_take_a_chunk_in_time_is_stalled_and_one_that_left_is_gone() {
+        let stall = Duration::from_millis(50);
+        let (tx, mut rx) = mpsc::channel(1);
+        let chunk = || Piece::Chunk(Bytes::from_static(b"data: {}\n\n"));
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::Taken
+        ));
+        // The client has not taken that one: the next waits, then gives up.
+        let started = std::time::Instant::now();
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::ClientStalled
+        ));
+        assert!(started.elapsed() >= stall);
+        // A client reading in time is never stalled.
+        assert!(rx.recv().await.is_some());
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::Taken
+        ));
+        drop(rx);
+        assert!(matches!(
+            deliver(&tx, chunk(), stall).await,
+            Delivery::ClientGone
+        ));
     }
 }

@@ -61,12 +61,14 @@ mod tests {
     use std::borrow::Cow;
     use weir_core::tokens::ChatTurn;
 
-    fn turn<'a>(role: &'a str, content: &'a str) -> ChatTurn<'a> {
-        ChatTurn {
+    /// A chat's token ids, framed and primed for the reply.
+    fn chat(e: Encoding, turns: &[(&str, &str)]) -> Vec<TokenId> {
+        let turns = turns.iter().map(|&(role, text)| ChatTurn {
             role,
             name: None,
-            content: vec![Cow::Borrowed(content)],
-        }
+            content: vec![Cow::Borrowed(text)],
+        });
+        e.encode_chat(turns).unwrap()
     }
 
     #[test]
@@ -74,14 +76,12 @@ mod tests {
         let e = Encoding::Cl100kBase;
         let framing = |body: &str| Framing::of_request(body.as_bytes());
         let plain = framing("{}").unwrap();
-        let asked = e.encode_chat([turn("user", "hi")]).unwrap();
+        let asked = chat(e, &[("user", "hi")]);
         assert_eq!(plain.apply(asked.clone(), e).unwrap(), asked);
         let continuing =
             framing(r#"{"continue_final_message": true, "add_generation_prompt": false}"#).unwrap();
         let text = " the cache of";
-        let resumed = e
-            .encode_chat([turn("user", "hi"), turn("assistant", text)])
-            .unwrap();
+        let resumed = chat(e, &[("user", "hi"), ("assistant", text)]);
         let resumed = continuing.apply(resumed, e).unwrap();
         assert_eq!(
             resumed.len(),
