@@ -1571,6 +1571,7 @@ mod tests {
             let (mut j, rx) = job("b", "standard", 10);
             j.priority = Priority::Batch;
             j.preemptible = true;
+            j.deadline_ms = 5_000;
             d.apply(Event::Enqueue(j));
             d.dispatch(0);
             rx
@@ -1597,6 +1598,13 @@ mod tests {
         assert!(older_word.try_recv().is_err());
         assert_eq!(preemptions(&d), 1);
         assert_eq!(d.schedulers[0].depth("b"), 2, "queued again");
+        // Past the queue's deadline: the waiting request is dropped, the preempted one is not.
+        d.expire(10_000);
+        assert!(matches!(
+            waiting.try_recv(),
+            Ok(Err(Refusal::DeadlinePassed))
+        ));
+        assert_eq!(d.schedulers[0].depth("b"), 1);
         d.preempt(0, 1_100);
         assert_eq!(
             preemptions(&d),
@@ -1616,12 +1624,40 @@ mod tests {
         settle(&mut d, &mut events);
         let again = assigned(&mut requeued);
         assert_eq!(again.kv_held(), 10);
-        assert!(waiting.try_recv().is_err(), "still behind it");
         assert_eq!(
             d.schedulers[0].counter("b"),
             20.0,
             "its prompt charged once"
         );
+    }
+
+    #[test]
+    fn a_preempted_request_whose_client_left_is_dropped_and_its_room_comes_back_once() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 10;
+        let (mut b, mut b_rx) = job("b", "standard", 10);
+        (b.priority, b.preemptible) = (Priority::Batch, true);
+        d.apply(Event::Enqueue(b));
+        d.dispatch(0);
+        let mut running = assigned(&mut b_rx);
+        let mut word = running.take_preemption().unwrap();
+        let (i, mut i_rx) = job("i", "standard", 10);
+        d.apply(Event::Enqueue(i));
+        d.dispatch(0);
+        d.preempt(0, 100);
+        let requeued = word.try_recv().expect("preempted");
+        // The relay lets the stream go, and its client leaves while it waits to resume.
+        drop(running);
+        drop(requeued);
+        settle(&mut d, &mut events);
+        let interactive = assigned(&mut i_rx);
+        drop(interactive);
+        settle(&mut d, &mut events);
+        d.expire(100);
+        assert!(d.schedulers[0].is_empty(), "dropped, not dispatched");
+        let r = &d.pools[0].replicas[0];
+        assert_eq!((r.reserved, r.in_flight), (0, 0));
+        assert_eq!(d.tenant_kv["b"], 0);
     }
 
     #[test]
