@@ -820,7 +820,10 @@ async fn resumed(
             flight.assignment.started(flight.input_tokens);
             Resumed::Streaming(upstream)
         }
-        Ok(_) => {
+        Ok(result) => {
+            if result.is_err() {
+                flight.assignment.not_started();
+            }
             tracing::warn!(replica = %flight.assignment.url, "a preempted stream could not be resumed");
             flight.finish("not_resumed", None);
             Resumed::Ended(Some(Ending::NotResumed))

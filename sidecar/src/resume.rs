@@ -241,6 +241,14 @@ impl Splice {
             .and_then(Value::as_u64)
             .unwrap_or(0)
             + self.before;
+        // Cached tokens of the re-prefill are at most the prompt's.
+        if let Some(cached) = usage
+            .get_mut("prompt_tokens_details")
+            .and_then(|d| d.get_mut("cached_tokens"))
+            && let Some(n) = cached.as_u64()
+        {
+            *cached = json!(n.min(prompt));
+        }
         usage.insert("prompt_tokens".into(), json!(prompt));
         usage.insert("completion_tokens".into(), json!(completion));
         usage.insert("total_tokens".into(), json!(prompt + completion));
@@ -334,7 +342,7 @@ mod tests {
         assert_eq!(event["choices"][0]["delta"], json!({"content": " is"}));
         assert!(line.ends_with("\n\n"));
         let usage = s.feed(&chunk(
-            "data: {\"id\":\"chatcmpl-2\",\"created\":9,\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":1,\"total_tokens\":13}}\n\ndata: [DONE]\n\n",
+            "data: {\"id\":\"chatcmpl-2\",\"created\":9,\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":1,\"total_tokens\":13,\"prompt_tokens_details\":{\"cached_tokens\":12}}}\n\ndata: [DONE]\n\n",
         ));
         let text = std::str::from_utf8(&usage).unwrap();
         assert!(
@@ -342,6 +350,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("\"total_tokens\":13"));
+        assert!(text.contains("\"cached_tokens\":10"), "{text}");
         assert!(text.ends_with("data: [DONE]\n\n"));
         assert!(s.resumable());
         s.feed(&chunk(
