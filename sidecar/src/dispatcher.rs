@@ -59,7 +59,11 @@ pub type Requeued = oneshot::Receiver<Result<Assignment, Refusal>>;
 /// entry whose request ended is seen closed.
 struct Running {
     replica: ReplicaId,
+    ticket: Ticket,
     dispatched_ms: u64,
+    /// The engine has started it (its first bytes came): it has generated something to go on
+    /// from, so preempting it loses no progress.
+    started: bool,
     job: Job,
     preempt: oneshot::Sender<Requeued>,
 }
@@ -509,6 +513,13 @@ impl Dispatcher {
                     let in_flight = r.in_flight;
                     r.limiter
                         .first_byte(ticket, ttfb_ms, prompt_tokens, in_flight);
+                }
+                if let Some(running) = self.preemptible.get_mut(pool)
+                    && let Some(r) = running
+                        .iter_mut()
+                        .find(|r| r.replica == replica && r.ticket == ticket)
+                {
+                    r.started = true;
                 }
                 self.update_limits(pool, replica);
             }
@@ -1073,7 +1084,9 @@ impl Dispatcher {
         if let (Ok(()), Some(preempt)) = (sent, preempt) {
             self.preemptible[pool].push(Running {
                 replica,
+                ticket,
                 dispatched_ms: now,
+                started: false,
                 job,
                 preempt,
             });
@@ -1085,8 +1098,8 @@ impl Dispatcher {
     /// order, that has waited `queue.preempt_batch_after_ms` and fits no replica: on the
     /// replica where the fewest streams free room for it, the latest arrived first (as vLLM
     /// picks its own victims: the least generated, so the least to prefill again), each having
-    /// run at least that long since its last dispatch (so a resumed stream makes progress
-    /// before it can be preempted again). Each is
+    /// run at least that long since its last dispatch, and started (so a resumed stream makes
+    /// progress before it can be preempted again). Each is
     /// queued again at the head of its tenant's batch queue and its relay told; the room comes
     /// back when the relay lets the stream go. One preemption at a time per pool.
     fn preempt(&mut self, pool: usize, now: u64) {
@@ -1132,7 +1145,10 @@ impl Dispatcher {
             .filter(|r| r.serves())
             .filter_map(|r| {
                 let mut candidates: Vec<usize> = (0..running.len())
-                    .filter(|&i| running[i].replica == r.id && waited(running[i].dispatched_ms))
+                    .filter(|&i| {
+                        let c = &running[i];
+                        c.replica == r.id && c.started && waited(c.dispatched_ms)
+                    })
                     .collect();
                 candidates.sort_by_key(|&i| std::cmp::Reverse(running[i].job.arrived_ms));
                 let (mut kv, mut seqs, mut chosen) = (0, 0, Vec::new());
@@ -1584,6 +1600,7 @@ mod tests {
             older.take_preemption().unwrap(),
             newer.take_preemption().unwrap(),
         );
+
         let (mut i, mut i_rx) = job("i", "standard", 10);
         i.arrived_ms = 1_000;
         d.apply(Event::Enqueue(i));
@@ -1593,6 +1610,11 @@ mod tests {
         let preemptions = |d: &Dispatcher| d.metrics.preemptions.get_or_create(&labels).get();
         d.preempt(0, 1_050);
         assert_eq!(preemptions(&d), 0, "not waited long enough yet");
+        d.preempt(0, 1_100);
+        assert_eq!(preemptions(&d), 0, "neither started: nothing to go on from");
+        older.started(10);
+        newer.started(10);
+        settle(&mut d, &mut events);
         d.preempt(0, 1_100);
         let mut requeued = newer_word.try_recv().expect("the latest arrived goes");
         assert!(older_word.try_recv().is_err());
@@ -1641,6 +1663,8 @@ mod tests {
         d.dispatch(0);
         let mut running = assigned(&mut b_rx);
         let mut word = running.take_preemption().unwrap();
+        running.started(10);
+        settle(&mut d, &mut events);
         let (i, mut i_rx) = job("i", "standard", 10);
         d.apply(Event::Enqueue(i));
         d.dispatch(0);
