@@ -264,8 +264,8 @@ async fn interactive_work_preempts_batch_streams_which_still_complete_billed_onc
         let messages = body["messages"].as_array().unwrap();
         let last = messages.last().unwrap();
         assert_eq!(last["role"], "assistant");
-        let generated = last["content"].as_str().unwrap().split(' ').count() as u64 - 1;
-        assert!(generated > 0);
+        let generated = last["content"].as_str().unwrap();
+        assert!(!generated.is_empty(), "{body}");
         assert!(
             body["max_tokens"].as_u64().unwrap() < BATCH_TOKENS,
             "the limit lowered by what was generated"
