@@ -1668,6 +1668,19 @@ mod tests {
         let (i, mut i_rx) = job("i", "standard", 10);
         d.apply(Event::Enqueue(i));
         d.dispatch(0);
+        // Turned off by a reload: nothing is preempted; turned on again, it is.
+        let reload = |d: &mut Dispatcher, after| {
+            let queue = QueueConfig {
+                preempt_batch_after_ms: after,
+                ..d.queue.clone()
+            };
+            let pools = vec![spec(0, d.pools[0].config.clone())];
+            d.apply(Event::Configure { queue, pools });
+        };
+        reload(&mut d, 0);
+        d.preempt(0, 100);
+        assert!(word.try_recv().is_err());
+        reload(&mut d, 10);
         d.preempt(0, 100);
         let requeued = word.try_recv().expect("preempted");
         // The relay lets the stream go, and its client leaves while it waits to resume.
