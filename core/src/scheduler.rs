@@ -381,6 +381,33 @@ impl<T> Scheduler<T> {
         item: T,
         now_ms: u64,
     ) {
+        self.queue(tenant, weights, priority, item, now_ms, false);
+    }
+
+    /// Queues a request at the head of its tenant's queue of its class, ahead of the tenant's
+    /// other waiting requests (a preempted request resumes before the tenant's next one starts).
+    /// Otherwise as [`push`](Self::push): the lift rule applies, and its wait (for aging and
+    /// [`oldest_ms`](Self::oldest_ms)) counts from `now_ms`.
+    pub fn push_front(
+        &mut self,
+        tenant: &str,
+        weights: &[f64],
+        priority: Priority,
+        item: T,
+        now_ms: u64,
+    ) {
+        self.queue(tenant, weights, priority, item, now_ms, true);
+    }
+
+    fn queue(
+        &mut self,
+        tenant: &str,
+        weights: &[f64],
+        priority: Priority,
+        item: T,
+        now_ms: u64,
+        front: bool,
+    ) {
         let mut path = self.intern(tenant, weights);
         // Returning from idle, at any level: no credit for the time away.
         for &n in &path {
@@ -398,12 +425,18 @@ impl<T> Scheduler<T> {
         let class = class_of(priority);
         let seq = self.next_seq;
         self.next_seq += 1;
-        self.unindex_head(leaf, class);
-        self.nodes[leaf].queues[class].push_back(Entry {
+        let entry = Entry {
             item,
             seq,
             enqueued_ms: now_ms,
-        });
+        };
+        // The head is indexed by its own arrival: a new head is indexed afresh.
+        self.unindex_head(leaf, class);
+        if front {
+            self.nodes[leaf].queues[class].push_front(entry);
+        } else {
+            self.nodes[leaf].queues[class].push_back(entry);
+        }
         self.index_head(leaf, class);
         self.add_backlog(&path, class, 1);
         self.len += 1;
@@ -577,10 +610,12 @@ impl<T> Scheduler<T> {
         removed
     }
 
-    /// Arrival time of the oldest queued request, for projecting waits.
-    pub fn oldest_arrival_ms(&self) -> Option<u64> {
+    /// Arrival time of the oldest queued request of a class, for projecting waits.
+    pub fn oldest_ms(&self, priority: Priority) -> Option<u64> {
+        let class = class_of(priority);
         self.heads
             .iter()
+            .filter(|&&(_, _, c)| c == class)
             .filter_map(|&(_, t, c)| self.nodes[t].queues[c].front().map(|e| e.enqueued_ms))
             .min()
     }
@@ -757,6 +792,31 @@ mod tests {
             999,
             "the new tenant's counter is lowest"
         );
+    }
+
+    #[test]
+    fn a_request_pushed_to_the_front_goes_before_its_tenant_s_others_and_ages_from_then() {
+        let mut s = Scheduler::new(
+            Policy::Fair,
+            Share::Hierarchy,
+            TokenWeights::default(),
+            1_000,
+        );
+        s.push("a", &[1.0], B, 1, 0);
+        s.push("a", &[1.0], B, 2, 0);
+        s.push("b", &[1.0], I, 3, 0);
+        s.push_front("a", &[1.0], B, 0, 900);
+        assert_eq!(s.len(), 4);
+        assert_eq!(s.depth("a"), 3);
+        assert_eq!(s.oldest_ms(B), Some(900), "its wait counts from its push");
+        // At 1500 a's head has waited 600 ms, under the aging bound: interactive first.
+        assert_eq!(s.pop(1_500).unwrap().item, 3);
+        assert_eq!(s.pop(1_500).unwrap().item, 0, "the head of a's batch queue");
+        assert_eq!(s.pop(1_500).unwrap().item, 1);
+        // Aged from its push: ahead of interactive work once the bound has passed.
+        s.push("b", &[1.0], I, 4, 2_000);
+        s.push_front("a", &[1.0], B, 5, 2_000);
+        assert_eq!(s.pop(3_000).unwrap().item, 5);
     }
 
     #[test]

@@ -162,6 +162,9 @@ pub struct QueueConfig {
     pub active_window_ms: u64,
     /// The longest `Retry-After` a refusal gives (it is drawn around the pool's projected wait).
     pub retry_after_max_ms: u64,
+    /// Interactive work that has waited this long for room in a pool that has none preempts
+    /// running batch streams to make it (invariant 7; see the README's "Preemption"); 0: never.
+    pub preempt_batch_after_ms: u64,
 }
 
 impl Default for QueueConfig {
@@ -175,6 +178,7 @@ impl Default for QueueConfig {
             kv_headroom: 0.2,
             active_window_ms: 10_000,
             retry_after_max_ms: 60_000,
+            preempt_batch_after_ms: 500,
         }
     }
 }

@@ -46,8 +46,40 @@ pub struct Job {
     pub arrived_ms: u64,
     /// Wall-clock ms by which it must be dispatched, or it is dropped.
     pub deadline_ms: u64,
+    /// A batch stream its relay can resume elsewhere ([`crate::resume`]): it may be preempted
+    /// for interactive work.
+    pub preemptible: bool,
     pub reply: oneshot::Sender<Result<Assignment, Refusal>>,
 }
+
+/// What a preempted request's relay gets: the reply its next assignment comes on, once the
+/// request, back at the head of its tenant's queue, is dispatched again.
+pub type Requeued = oneshot::Receiver<Result<Assignment, Refusal>>;
+
+/// A preemptible request running on a replica: the job as it was queued (to queue it again)
+/// and the way to tell its relay. Its relay holds the other end in the [`Assignment`], so an
+/// entry whose request ended is seen closed.
+struct Running {
+    replica: ReplicaId,
+    ticket: Ticket,
+    dispatched_ms: u64,
+    /// The engine has started it (its first bytes came): it has generated something to go on
+    /// from, so preempting it loses no progress.
+    started: bool,
+    job: Job,
+    preempt: oneshot::Sender<Requeued>,
+}
+
+/// A preemption signalled whose room has not come back yet.
+struct Pending {
+    replica: ReplicaId,
+    tenant: String,
+    signalled_ms: u64,
+}
+
+/// How long a signalled preemption may take to free its room before another is tried: a
+/// relay that has just finished (or cannot resume) never frees it.
+const PREEMPTION_GRACE_MS: u64 = 1_000;
 
 /// Where a job runs, and its hold on that replica (KV tokens and an in-flight slot). The hold is
 /// given back exactly once, when the assignment is dropped or [released](Self::release):
@@ -68,6 +100,8 @@ pub struct Assignment {
     /// Slots held on the replica (the job's sequences).
     sequences: u64,
     released: bool,
+    /// Where the dispatcher's word comes if the request is preempted (preemptible jobs only).
+    preempt: Option<oneshot::Receiver<Requeued>>,
     /// Its place in the replica's dispatch order, for the replica's limiter.
     ticket: Ticket,
     dispatched: Instant,
@@ -103,6 +137,11 @@ impl Assignment {
             replica: self.replica,
             ticket: self.ticket,
         });
+    }
+
+    /// The dispatcher's word if it preempts this request (once; `None` if not preemptible).
+    pub fn take_preemption(&mut self) -> Option<oneshot::Receiver<Requeued>> {
+        self.preempt.take()
     }
 
     /// KV tokens held on the replica for this request.
@@ -280,6 +319,9 @@ pub struct Dispatcher {
     pool_kv: Vec<HashMap<String, u64>>,
     pool_running: Vec<HashMap<String, u64>>,
     active: Vec<HashMap<String, u64>>,
+    /// Per pool, the preemptible requests running and the preemptions not yet done.
+    preemptible: Vec<Vec<Running>>,
+    preempting: Vec<Vec<Pending>>,
     queue: QueueConfig,
     metrics: Metrics,
     /// Per pool, dispatches per second: what its projected waits are computed from (one
@@ -317,6 +359,8 @@ impl Dispatcher {
             pool_kv: per_pool(),
             pool_running: per_pool(),
             active: per_pool(),
+            preemptible: pools.iter().map(|_| Vec::new()).collect(),
+            preempting: pools.iter().map(|_| Vec::new()).collect(),
             schedulers: pools
                 .iter()
                 .map(|_| {
@@ -387,7 +431,11 @@ impl Dispatcher {
             while let Ok(event) = events.try_recv() {
                 self.apply(event);
             }
-            self.dispatch(now_ms());
+            let now = now_ms();
+            self.dispatch(now);
+            for pool in 0..self.pools.len() {
+                self.preempt(pool, now);
+            }
         }
     }
 
@@ -439,6 +487,13 @@ impl Dispatcher {
                     *n = n.saturating_sub(sequences);
                 }
                 self.adjust_hold(pool, replica, &t, 0, kv_need);
+                if let Some(pending) = self.preempting.get_mut(pool)
+                    && let Some(i) = pending
+                        .iter()
+                        .position(|p| p.replica == replica && p.tenant == t)
+                {
+                    pending.swap_remove(i);
+                }
                 if self.replica_mut(pool, replica).is_some_and(|r| r.leaving) {
                     let changes = self.pools[pool].drop_drained();
                     self.changed(pool, changes);
@@ -474,6 +529,13 @@ impl Dispatcher {
                     let in_flight = r.in_flight;
                     r.limiter
                         .first_byte(ticket, ttfb_ms, prompt_tokens, in_flight);
+                }
+                if let Some(running) = self.preemptible.get_mut(pool)
+                    && let Some(r) = running
+                        .iter_mut()
+                        .find(|r| r.replica == replica && r.ticket == ticket)
+                {
+                    r.started = true;
                 }
                 self.update_limits(pool, replica);
             }
@@ -584,6 +646,8 @@ impl Dispatcher {
                 self.pool_running.push(HashMap::new());
                 self.active.push(HashMap::new());
                 self.rates.push(DispatchRate::new(now_ms()));
+                self.preemptible.push(Vec::new());
+                self.preempting.push(Vec::new());
             }
             self.update_pool(index, spec);
         }
@@ -862,8 +926,10 @@ impl Dispatcher {
             .map(|pool| {
                 self.projected_ms(pool).map_or_else(
                     || {
-                        self.schedulers[pool]
-                            .oldest_arrival_ms()
+                        [Priority::Interactive, Priority::Batch]
+                            .into_iter()
+                            .filter_map(|c| self.schedulers[pool].oldest_ms(c))
+                            .min()
                             .map_or(0, |t| now.saturating_sub(t))
                     },
                     |ms| ms as u64,
@@ -1033,9 +1099,17 @@ impl Dispatcher {
             .queue_wait
             .get_or_create(&tenant(&t))
             .observe(queued_ms as f64 / 1e3);
+        let mut job = job;
+        let reply = std::mem::replace(&mut job.reply, oneshot::channel().0);
+        let (preempt, preempted) = if job.preemptible {
+            let (tx, rx) = oneshot::channel();
+            (Some(tx), Some(rx))
+        } else {
+            (None, None)
+        };
         // If the client left between the check and now, the assignment comes back and is
         // dropped here, which gives the room back.
-        let _ = job.reply.send(Ok(Assignment {
+        let sent = reply.send(Ok(Assignment {
             pool,
             replica,
             url,
@@ -1046,11 +1120,137 @@ impl Dispatcher {
             kv_held: job.kv_need,
             sequences: job.sequences,
             released: false,
+            preempt: preempted,
             ticket,
             dispatched: Instant::now(),
             events,
         }));
+        if let (Ok(()), Some(preempt)) = (sent, preempt) {
+            self.preemptible[pool].push(Running {
+                replica,
+                ticket,
+                dispatched_ms: now,
+                started: false,
+                job,
+                preempt,
+            });
+        }
         true
+    }
+
+    /// Preempts running batch streams of a pool for the first interactive request, in fair
+    /// order, that has waited `queue.preempt_batch_after_ms` and fits no replica: on the
+    /// replica where the fewest streams free room for it, the latest arrived first (as vLLM
+    /// picks its own victims: the least generated, so the least to prefill again), each having
+    /// run at least that long since its last dispatch, and started (so a resumed stream makes
+    /// progress before it can be preempted again). Each is
+    /// queued again at the head of its tenant's batch queue and its relay told; the room comes
+    /// back when the relay lets the stream go. One preemption at a time per pool.
+    fn preempt(&mut self, pool: usize, now: u64) {
+        let after = self.queue.preempt_batch_after_ms;
+        let (Some(running), Some(pending), Some(scheduler), Some(p)) = (
+            self.preemptible.get_mut(pool),
+            self.preempting.get_mut(pool),
+            self.schedulers.get_mut(pool),
+            self.pools.get(pool),
+        ) else {
+            return;
+        };
+        running.retain(|r| !r.preempt.is_closed());
+        pending.retain(|p| now.saturating_sub(p.signalled_ms) < PREEMPTION_GRACE_MS);
+        if after == 0 || running.is_empty() || !pending.is_empty() {
+            return;
+        }
+        let waited = |since: u64| now.saturating_sub(since) >= after;
+        if !scheduler
+            .oldest_ms(Priority::Interactive)
+            .is_some_and(waited)
+        {
+            return;
+        }
+        let mut wanted = None;
+        scheduler.pop_where(now, |_, job| {
+            if wanted.is_none()
+                && job.priority == Priority::Interactive
+                && waited(job.arrived_ms)
+                && !job.reply.is_closed()
+                && !p.fits_for(job.kv_need, job.sequences)
+            {
+                wanted = Some((job.kv_need, job.sequences));
+            }
+            Verdict::Skip
+        });
+        let Some((kv_need, sequences)) = wanted else {
+            return;
+        };
+        let victims = p
+            .replicas
+            .iter()
+            .filter(|r| r.serves())
+            .filter_map(|r| {
+                let mut candidates: Vec<usize> = (0..running.len())
+                    .filter(|&i| {
+                        let c = &running[i];
+                        c.replica == r.id && c.started && waited(c.dispatched_ms)
+                    })
+                    .collect();
+                candidates.sort_by_key(|&i| std::cmp::Reverse(running[i].job.arrived_ms));
+                let (mut kv, mut seqs, mut chosen) = (0, 0, Vec::new());
+                for i in candidates {
+                    kv += running[i].job.kv_need;
+                    seqs += running[i].job.sequences;
+                    chosen.push(i);
+                    let kv_room =
+                        r.kv_budget == 0 || r.reserved.saturating_sub(kv) + kv_need <= r.kv_budget;
+                    let slot_room = r.in_flight.saturating_sub(seqs) + sequences <= r.limit();
+                    if kv_room && slot_room {
+                        return Some(chosen);
+                    }
+                }
+                None
+            })
+            .min_by_key(Vec::len);
+        let Some(mut victims) = victims else {
+            return;
+        };
+        victims.sort_unstable_by(|a, b| b.cmp(a));
+        let model = p.model.clone();
+        let mut requeued_for = Vec::new();
+        for i in victims {
+            let Running {
+                replica,
+                mut job,
+                preempt,
+                ..
+            } = running.swap_remove(i);
+            let (reply, requeued) = oneshot::channel();
+            job.reply = reply;
+            // Charged at its first dispatch; bounded from now on by its stream's time
+            // (`relay.max_stream_ms`), not by the queue's deadline.
+            job.input_tokens = 0;
+            job.deadline_ms = u64::MAX;
+            if preempt.send(requeued).is_err() {
+                continue;
+            }
+            let t = job.tenant.clone();
+            tracing::info!(pool = %model, tenant = %t, tier = %job.tier, "batch stream preempted for waiting interactive work");
+            self.metrics
+                .preemptions
+                .get_or_create(&vec![("pool", model.clone()), ("tier", job.tier.clone())])
+                .inc();
+            pending.push(Pending {
+                replica,
+                tenant: t.clone(),
+                signalled_ms: now,
+            });
+            let (weights, priority) = (job.weights.clone(), job.priority);
+            scheduler.push_front(&t, &weights, priority, job, now);
+            requeued_for.push(t);
+        }
+        for t in requeued_for {
+            self.active[pool].insert(t.clone(), now);
+            self.update_depth(&t);
+        }
     }
 }
 
@@ -1189,6 +1389,7 @@ mod tests {
             affinity: 0,
             arrived_ms: 0,
             deadline_ms: u64::MAX,
+            preemptible: false,
             reply,
         };
         (job, rx)
@@ -1464,6 +1665,124 @@ mod tests {
             .iter_mut()
             .filter_map(|rx| rx.try_recv().ok()?.ok())
             .collect()
+    }
+
+    #[test]
+    fn waiting_interactive_work_preempts_the_latest_arrived_batch_stream_which_resumes_first() {
+        let (mut d, mut events) = slotted(1, 2);
+        d.queue.preempt_batch_after_ms = 100;
+        let batch = |d: &mut Dispatcher| {
+            let (mut j, rx) = job("b", "standard", 10);
+            j.priority = Priority::Batch;
+            j.preemptible = true;
+            j.deadline_ms = 5_000;
+            d.apply(Event::Enqueue(j));
+            d.dispatch(0);
+            rx
+        };
+        let mut older = assigned(&mut batch(&mut d));
+        let mut newer = assigned(&mut batch(&mut d));
+        d.preemptible[0][1].job.arrived_ms = 50;
+        let mut waiting = batch(&mut d);
+        let (mut older_word, mut newer_word) = (
+            older.take_preemption().unwrap(),
+            newer.take_preemption().unwrap(),
+        );
+
+        let (mut i, mut i_rx) = job("i", "standard", 10);
+        i.arrived_ms = 1_000;
+        d.apply(Event::Enqueue(i));
+        d.dispatch(1_000);
+        assert!(i_rx.try_recv().is_err(), "no slot");
+        let labels = vec![("pool", "slots".to_owned()), ("tier", "standard".into())];
+        let preemptions = |d: &Dispatcher| d.metrics.preemptions.get_or_create(&labels).get();
+        d.preempt(0, 1_050);
+        assert_eq!(preemptions(&d), 0, "not waited long enough yet");
+        d.preempt(0, 1_100);
+        assert_eq!(preemptions(&d), 0, "neither started: nothing to go on from");
+        older.started(10);
+        newer.started(10);
+        settle(&mut d, &mut events);
+        d.preempt(0, 1_100);
+        let mut requeued = newer_word.try_recv().expect("the latest arrived goes");
+        assert!(older_word.try_recv().is_err());
+        assert_eq!(preemptions(&d), 1);
+        assert_eq!(d.schedulers[0].depth("b"), 2, "queued again");
+        // Past the queue's deadline: the waiting request is dropped, the preempted one is not.
+        d.expire(10_000);
+        assert!(matches!(
+            waiting.try_recv(),
+            Ok(Err(Refusal::DeadlinePassed))
+        ));
+        assert_eq!(d.schedulers[0].depth("b"), 1);
+        d.preempt(0, 1_100);
+        assert_eq!(
+            preemptions(&d),
+            1,
+            "one at a time, until its room comes back"
+        );
+        // Its relay lets it go: the slot goes to the interactive request.
+        drop(newer);
+        settle(&mut d, &mut events);
+        let interactive = assigned(&mut i_rx);
+        assert!(requeued.try_recv().is_err());
+        assert_eq!(d.pools[0].replicas[0].in_flight, 2);
+        // Then the preempted one, ahead of its tenant's waiting request (one slot is kept for
+        // the interactive tenant, active still).
+        drop(interactive);
+        drop(older);
+        settle(&mut d, &mut events);
+        let again = assigned(&mut requeued);
+        assert_eq!(again.kv_held(), 10);
+        assert_eq!(
+            d.schedulers[0].counter("b"),
+            20.0,
+            "its prompt charged once"
+        );
+    }
+
+    #[test]
+    fn a_preempted_request_whose_client_left_is_dropped_and_its_room_comes_back_once() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 10;
+        let (mut b, mut b_rx) = job("b", "standard", 10);
+        (b.priority, b.preemptible) = (Priority::Batch, true);
+        d.apply(Event::Enqueue(b));
+        d.dispatch(0);
+        let mut running = assigned(&mut b_rx);
+        let mut word = running.take_preemption().unwrap();
+        running.started(10);
+        settle(&mut d, &mut events);
+        let (i, mut i_rx) = job("i", "standard", 10);
+        d.apply(Event::Enqueue(i));
+        d.dispatch(0);
+        // Turned off by a reload: nothing is preempted; turned on again, it is.
+        let reload = |d: &mut Dispatcher, after| {
+            let queue = QueueConfig {
+                preempt_batch_after_ms: after,
+                ..d.queue.clone()
+            };
+            let pools = vec![spec(0, d.pools[0].config.clone())];
+            d.apply(Event::Configure { queue, pools });
+        };
+        reload(&mut d, 0);
+        d.preempt(0, 100);
+        assert!(word.try_recv().is_err());
+        reload(&mut d, 10);
+        d.preempt(0, 100);
+        let requeued = word.try_recv().expect("preempted");
+        // The relay lets the stream go, and its client leaves while it waits to resume.
+        drop(running);
+        drop(requeued);
+        settle(&mut d, &mut events);
+        let interactive = assigned(&mut i_rx);
+        drop(interactive);
+        settle(&mut d, &mut events);
+        d.expire(100);
+        assert!(d.schedulers[0].is_empty(), "dropped, not dispatched");
+        let r = &d.pools[0].replicas[0];
+        assert_eq!((r.reserved, r.in_flight), (0, 0));
+        assert_eq!(d.tenant_kv["b"], 0);
     }
 
     #[test]

@@ -24,6 +24,7 @@ pub mod prediction;
 pub mod readiness;
 pub mod relay;
 pub mod reload;
+pub mod resume;
 pub mod roster;
 pub mod server;
 pub mod stream_end;

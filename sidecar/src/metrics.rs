@@ -32,6 +32,7 @@ pub struct Metrics {
     pub tokens: Family<Labels, Counter>,
     pub goodput_tokens: Family<Labels, Counter>,
     pub rejections: Family<Labels, Counter>,
+    pub preemptions: Family<Labels, Counter>,
     pub replica_kv_usage: Family<Labels, Gauge<f64, AtomicU64>>,
     pub replica_running: Family<Labels, Gauge>,
     pub replica_waiting: Family<Labels, Gauge>,
@@ -70,6 +71,7 @@ impl Metrics {
             tokens: Family::default(),
             goodput_tokens: Family::default(),
             rejections: Family::default(),
+            preemptions: Family::default(),
             replica_kv_usage: Family::default(),
             replica_running: Family::default(),
             replica_waiting: Family::default(),
@@ -131,6 +133,11 @@ impl Metrics {
             "rejections",
             "Requests turned away, by reason",
             m.rejections.clone(),
+        );
+        r.register(
+            "preemptions",
+            "Batch streams preempted for waiting interactive work, per pool and tier",
+            m.preemptions.clone(),
         );
         r.register(
             "replica_kv_usage",

@@ -22,15 +22,16 @@ use axum::body::{Body, Bytes};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures::{Stream, StreamExt};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 
-use crate::dispatcher::{Assignment, Event, now_ms};
+use crate::dispatcher::{Assignment, Event, Requeued, now_ms};
 use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
 use crate::metrics::tenant;
+use crate::resume::{Splice, continued};
 use crate::server::{App, Trusted, error_response};
 use crate::stream_end::Ending;
 
@@ -59,7 +60,20 @@ pub struct Attempt {
     pub deadline_ms: u64,
     /// weir asked the engine for the stream's usage chunk: the caller gets the stream without it.
     pub hide_usage: bool,
+    /// How to resume the stream if it is preempted ([`crate::resume`]; preemptible requests only).
+    pub continuation: Option<Continuation>,
 }
+
+/// What a preemptible stream needs to go on after preemption: the body as sent (before a
+/// replica's isolation mode), the engine's `x-request-id`, and the stream followed so far.
+pub struct Continuation {
+    pub body: serde_json::Value,
+    pub trace_id: Option<HeaderValue>,
+    pub splice: Splice,
+}
+
+/// The replica's stream, whichever segment of it is running.
+type Upstream = std::pin::Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
 
 /// A request from dispatch to settlement.
 pub struct Flight {
@@ -89,6 +103,7 @@ pub struct Flight {
     /// The request never reached the engine, or the engine answered with an error status: it
     /// ran nothing, so nothing is billed.
     nothing_ran: bool,
+    continuation: Option<Continuation>,
 }
 
 impl Flight {
@@ -119,6 +134,7 @@ impl Flight {
             captured: claim.as_ref().map(|_| Vec::new()),
             claim,
             nothing_ran: false,
+            continuation: attempt.continuation,
         }
     }
 
@@ -179,6 +195,21 @@ impl Flight {
             self.charge(served);
         }
         out
+    }
+
+    /// What the client gets of a chunk of the current segment ([`Splice::feed`]).
+    fn splice(&mut self, chunk: &Bytes) -> Bytes {
+        match &mut self.continuation {
+            Some(c) => c.splice.feed(chunk),
+            None => chunk.clone(),
+        }
+    }
+
+    /// What the splice still holds once a stream has ended.
+    fn splice_rest(&mut self) -> Bytes {
+        self.continuation
+            .as_mut()
+            .map_or_else(Bytes::new, |c| c.splice.flush())
     }
 
     /// How a stream the engine ended went: an error event in it (an engine failing once the
@@ -388,13 +419,7 @@ pub async fn relay(
         flight.nothing_ran = true;
         return cut_short(flight);
     }
-    let mut request = (flight.assignment.upstream)
-        .post(&url)
-        .header(header::CONTENT_TYPE, JSON);
-    if let Some(trace_id) = trace_id {
-        request = request.header(TRACE_ID, trace_id);
-    }
-    let request = request.body(body).send();
+    let request = post(&flight.assignment, &url, body, trace_id);
     let sent = tokio::select! {
         sent = request => sent,
         () = cut(&app) => return cut_short(flight),
@@ -493,12 +518,28 @@ pub async fn relay(
     if matches!(first, Some(Ok(_))) {
         flight.assignment.started(flight.input_tokens);
     }
-    let upstream = futures::stream::iter(first).chain(upstream);
+    let upstream = Box::pin(futures::stream::iter(first).chain(upstream));
     let body = Body::from_stream(relay_stream(flight, upstream, stream_deadline));
     let mut resp = Response::new(body);
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
     resp
+}
+
+/// Sends a request body to the assigned replica.
+fn post(
+    assignment: &Assignment,
+    url: &str,
+    body: Vec<u8>,
+    trace_id: Option<HeaderValue>,
+) -> impl Future<Output = reqwest::Result<reqwest::Response>> + use<> {
+    let mut request = (assignment.upstream)
+        .post(url)
+        .header(header::CONTENT_TYPE, JSON);
+    if let Some(trace_id) = trace_id {
+        request = request.header(TRACE_ID, trace_id);
+    }
+    request.body(body).send()
 }
 
 /// Whether the engine answered with an event stream: its content type says, whatever the
@@ -618,7 +659,7 @@ enum Delivery {
 
 fn relay_stream(
     flight: Flight,
-    upstream: impl Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+    upstream: Upstream,
     deadline: tokio::time::Instant,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
     let (tx, rx) = mpsc::channel(1);
@@ -650,16 +691,38 @@ async fn deliver(tx: &mpsc::Sender<Piece>, piece: Piece, stall: Duration) -> Del
 /// path.
 async fn pump(
     mut flight: Flight,
-    mut upstream: impl Stream<Item = reqwest::Result<Bytes>> + Unpin,
+    mut upstream: Upstream,
     tx: mpsc::Sender<Piece>,
     deadline: tokio::time::Instant,
 ) {
     let app = flight.app.clone();
     let stall = Duration::from_millis(app.relay.load().client_stall_ms);
     let deliver = |piece: Piece| deliver(&tx, piece, stall);
+    let mut preemption = flight.assignment.take_preemption();
     loop {
         let next = tokio::select! {
             next = tokio::time::timeout(IDLE_TIMEOUT, upstream.next()) => next,
+            requeued = preempted(&mut preemption) => {
+                if !flight.continuation.as_ref().is_some_and(|c| c.splice.resumable()) {
+                    // It streamed what a continuation would not reproduce: it runs on.
+                    continue;
+                }
+                drop(upstream);
+                flight.assignment.release();
+                match resumed(&mut flight, requeued, &tx, deadline).await {
+                    Resumed::Streaming(next) => {
+                        upstream = next;
+                        preemption = flight.assignment.take_preemption();
+                        continue;
+                    }
+                    Resumed::Ended(ending) => {
+                        if let Some(ending) = ending {
+                            deliver(Piece::Last(ending.event(flight.endpoint))).await;
+                        }
+                        return;
+                    }
+                }
+            }
             () = tx.closed() => {
                 flight.finish("cancelled", None);
                 return;
@@ -679,6 +742,10 @@ async fn pump(
         };
         match next {
             Ok(Some(Ok(chunk))) => {
+                let chunk = flight.splice(&chunk);
+                if chunk.is_empty() {
+                    continue;
+                }
                 let chunk = flight.observe(&chunk);
                 if chunk.is_empty() {
                     continue;
@@ -697,7 +764,14 @@ async fn pump(
                 }
             }
             Ok(None) => {
-                let rest = flight.drain();
+                let spliced = flight.splice_rest();
+                let mut rest = if spliced.is_empty() {
+                    Vec::new()
+                } else {
+                    flight.observe(&spliced).to_vec()
+                };
+                rest.extend_from_slice(&flight.drain());
+                let rest = Bytes::from(rest);
                 let outcome = flight.ended_outcome();
                 flight.finish(outcome, None);
                 if !rest.is_empty() {
@@ -717,6 +791,121 @@ async fn pump(
                 return;
             }
         }
+    }
+}
+
+/// Resolves with the dispatcher's word when it preempts the stream (never, if it does not).
+async fn preempted(preemption: &mut Option<oneshot::Receiver<Requeued>>) -> Requeued {
+    if let Some(rx) = preemption
+        && let Ok(requeued) = rx.await
+    {
+        *preemption = None;
+        return requeued;
+    }
+    *preemption = None;
+    std::future::pending().await
+}
+
+/// How a preempted stream went on.
+enum Resumed {
+    /// Dispatched again and continued: the next segment of the replica's stream.
+    Streaming(Upstream),
+    /// Settled: the client left, time ran out, or it could not be resumed (with the event
+    /// the client gets, if any).
+    Ended(Option<Ending>),
+}
+
+/// Runs `work` unless the client leaves, the stream's time is up or the grace period ends
+/// first; then the outcome to record and the event the client gets.
+async fn unless_ended<T>(
+    work: impl Future<Output = T>,
+    tx: &mpsc::Sender<Piece>,
+    deadline: tokio::time::Instant,
+    app: &App,
+) -> Result<T, (&'static str, Option<Ending>)> {
+    tokio::select! {
+        t = work => Ok(t),
+        () = tx.closed() => Err(("cancelled", None)),
+        () = tokio::time::sleep_until(deadline) => Err(("stream_deadline", Some(Ending::Deadline))),
+        () = cut(app) => Err(("shutdown", Some(Ending::Shutdown))),
+    }
+}
+
+/// A preempted stream, its upstream request aborted and its hold given back, waits for its
+/// next dispatch (at the head of its tenant's batch queue) and asks the new replica to
+/// continue what was generated ([`crate::resume`]). Settles the flight unless it streams on.
+async fn resumed(
+    flight: &mut Flight,
+    requeued: Requeued,
+    tx: &mpsc::Sender<Piece>,
+    deadline: tokio::time::Instant,
+) -> Resumed {
+    let app = flight.app.clone();
+    let assigned = match unless_ended(requeued, tx, deadline, &app).await {
+        Ok(assigned) => assigned,
+        Err((outcome, ending)) => {
+            flight.finish(outcome, None);
+            return Resumed::Ended(ending);
+        }
+    };
+    let started = match assigned {
+        Ok(Ok(assignment)) => {
+            // The previous hold was given back when it was preempted.
+            flight.assignment = assignment;
+            let first_byte = Duration::from_millis(app.relay.load().first_byte_ms);
+            let request = continuation(flight);
+            unless_ended(
+                tokio::time::timeout(first_byte, request),
+                tx,
+                deadline,
+                &app,
+            )
+            .await
+        }
+        // Refused (no replica took it) or dropped by the dispatcher.
+        Ok(Err(_)) | Err(_) => Ok(Ok(None)),
+    };
+    match started {
+        Ok(Ok(Some(upstream))) => {
+            flight.assignment.started(flight.input_tokens);
+            Resumed::Streaming(upstream)
+        }
+        Ok(result) => {
+            if result.is_err() {
+                flight.assignment.not_started();
+            }
+            tracing::warn!(replica = %flight.assignment.url, "a preempted stream could not be resumed");
+            flight.finish("not_resumed", None);
+            Resumed::Ended(Some(Ending::NotResumed))
+        }
+        Err((outcome, ending)) => {
+            flight.finish(outcome, None);
+            Resumed::Ended(ending)
+        }
+    }
+}
+
+/// Sends the continuation of a preempted stream to its new replica; its stream from the first
+/// chunk once the engine has started it, `None` if the engine refused or failed.
+fn continuation(flight: &mut Flight) -> impl Future<Output = Option<Upstream>> + use<> {
+    let before = flight.meter.generated_tokens();
+    let request = flight.continuation.as_mut().map(|c| {
+        c.splice.next_segment(before);
+        let mut body = continued(flight.endpoint, &c.body, c.splice.text(), before);
+        flight.assignment.isolation.apply(&mut body);
+        let url = format!("{}{}", flight.assignment.url, flight.endpoint.path());
+        let body = serde_json::to_vec(&body).unwrap_or_default();
+        post(&flight.assignment, &url, body, c.trace_id.clone())
+    });
+    async move {
+        let resp = request?.await.ok()?;
+        if !resp.status().is_success() || !streamed(resp.headers(), true) {
+            return None;
+        }
+        let mut rest = resp.bytes_stream();
+        let first = rest.next().await?.ok()?;
+        let upstream: Upstream = Box::pin(futures::stream::iter([Ok(first)]).chain(rest));
+        Some(upstream)
     }
 }
 

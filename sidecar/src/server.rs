@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::sync::{mpsc, oneshot};
 use weir_core::admission::ENGINE_CONTROL_FIELDS;
+use weir_core::config::Priority;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
 
@@ -25,8 +26,9 @@ use crate::idempotency::{self, Claimed, Idempotency, StoredResponse};
 use crate::ledger::Ledger;
 use crate::metrics::Metrics;
 use crate::pool::affinity_key;
-use crate::relay::{Attempt, Flight, TRACE_ID, relay};
+use crate::relay::{Attempt, Continuation, Flight, TRACE_ID, relay};
 use crate::reload::{Live, Route};
+use crate::resume::{self, Splice};
 use crate::trust::Trust;
 pub use crate::trust::Trusted;
 
@@ -314,6 +316,8 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let hide_usage = stream && usage_is_optional && ask_stream_usage(&mut value);
     // Each sequence the engine runs for the request takes a slot, and may produce output.
     let sequences = engine_sequences(endpoint, &value);
+    let preemptible =
+        who.priority == Priority::Batch && resume::resumable(endpoint, &value, stream);
     // Held for the output it will likely produce, not the most it may (the hold grows if it
     // runs past: see the relay).
     let predicted = app
@@ -339,6 +343,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         affinity,
         arrived_ms: now_ms(),
         deadline_ms,
+        preemptible,
         reply,
     };
     if app.events.send(Event::Enqueue(job)).is_err() {
@@ -392,10 +397,20 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
             ));
         }
     };
+    // The caller's trace id goes back to the caller and, suffixed with weir's attempt id, to
+    // the engine: engines such as vLLM take `x-request-id` as their own request id, so two
+    // calls of one mesh trace (or another tenant's copy of the id) must not meet there.
+    let trace_id = headers.get(TRACE_ID).cloned();
+    let engine_request_id = engine_request_id(trace_id.as_ref(), &who.request_id);
+    // Kept before the replica's isolation mode is applied: a resumed stream may run elsewhere.
+    let continuation = preemptible.then(|| Continuation {
+        body: value.clone(),
+        trace_id: engine_request_id.clone(),
+        splice: Splice::new(encoding),
+    });
     // Last, over whatever the caller sent: the replica's isolation mode (its off-switch).
     assignment.isolation.apply(&mut value);
     let body = serde_json::to_vec(&value).unwrap_or_default();
-    let who_request_id = who.request_id.clone();
     let attempt = Attempt {
         endpoint,
         who,
@@ -406,13 +421,9 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         arrived,
         deadline_ms,
         hide_usage,
+        continuation,
     };
     let flight = Flight::new(app, attempt, assignment, claim);
-    // The caller's trace id goes back to the caller and, suffixed with weir's attempt id, to
-    // the engine: engines such as vLLM take `x-request-id` as their own request id, so two
-    // calls of one mesh trace (or another tenant's copy of the id) must not meet there.
-    let trace_id = headers.get(TRACE_ID).cloned();
-    let engine_request_id = engine_request_id(trace_id.as_ref(), &who_request_id);
     let mut resp = relay(flight, endpoint.path(), body, stream, engine_request_id).await;
     if let Some(trace_id) = trace_id {
         resp.headers_mut().insert(TRACE_ID, trace_id);

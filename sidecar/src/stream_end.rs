@@ -16,6 +16,8 @@ pub enum Ending {
     Deadline,
     Shutdown,
     SlowClient,
+    /// Preempted for interactive work, and not dispatched again (no replica took it).
+    NotResumed,
 }
 
 impl Ending {
@@ -47,6 +49,13 @@ impl Ending {
                 "slow_client",
                 "the stream was read too slowly and was ended to free the engine; the partial \
                  answer was billed as streamed",
+            ),
+            Ending::NotResumed => (
+                503,
+                "ServiceUnavailableError",
+                "preempted",
+                "the batch stream was preempted for interactive work and could not be resumed; \
+                 the partial answer was billed as streamed; retry",
             ),
         };
         ApiError::new(status, kind, message).with_code(code)

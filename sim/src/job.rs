@@ -16,6 +16,7 @@ use crate::app::App;
 use crate::dialect::{CacheScope, Refusal};
 use crate::engine::SeqSpec;
 use crate::faults::Verdict;
+use crate::framing::Framing;
 use crate::kv_cache::block_hashes;
 use crate::text::TextGen;
 use crate::tool_call::ToolCall;
@@ -65,7 +66,16 @@ pub async fn prepare(app: &App, endpoint: Endpoint, body: &Bytes) -> Result<Job,
         Verdict::Fail => return Err(ApiError::internal("injected engine failure").into()),
         Verdict::Throttle => return Err(ApiError::rate_limited("injected throttling").into()),
     }
-    let (req, prompts) = tokenize(app, req, body.len()).await?;
+    // vLLM reads the chat's framing before it renders the template.
+    let framing = (endpoint == Endpoint::ChatCompletions)
+        .then(|| Framing::of_request(body))
+        .transpose()?;
+    let (req, mut prompts) = tokenize(app, req, body.len()).await?;
+    if let (Some(framing), Some(prompt)) = (framing, prompts.first_mut()) {
+        *prompt = framing
+            .apply(std::mem::take(prompt), app.profile.model.tokenizer)
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+    }
     if prompts.iter().any(Vec::is_empty) {
         return Err(ApiError::bad_request("The decoder prompt cannot be empty").into());
     }

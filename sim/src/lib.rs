@@ -11,6 +11,7 @@ pub mod dialect;
 pub mod driver;
 pub mod engine;
 pub mod faults;
+pub mod framing;
 pub mod job;
 pub mod kv_cache;
 pub mod metrics;

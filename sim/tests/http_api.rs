@@ -129,6 +129,50 @@ async fn prefix_cache_is_scoped_by_cache_salt() {
 }
 
 #[tokio::test]
+async fn a_continued_final_message_is_prompted_open_as_vllm_frames_it() {
+    let sim = Sim::start(&["--preset", "tiny", "--time-scale", "50"]);
+    let usage = |body: Value| {
+        let sim = &sim;
+        async move {
+            let resp = sim.post("/v1/chat/completions", body.to_string()).await;
+            assert_eq!(resp.status(), 200);
+            let v: Value = resp.json().await.unwrap();
+            v["usage"]["prompt_tokens"].as_u64().unwrap()
+        }
+    };
+    let user = json!({"role": "user", "content": "tell me of caches"});
+    let asked = usage(json!({"model": "tiny", "messages": [user], "max_tokens": 2})).await;
+    let continued = usage(json!({
+        "model": "tiny", "max_tokens": 2,
+        "messages": [user, {"role": "assistant", "content": " the cache"}],
+        "continue_final_message": true, "add_generation_prompt": false,
+    }))
+    .await;
+    assert_eq!(
+        continued,
+        asked + 2,
+        "the reply opened, its two tokens, left open"
+    );
+    let closed = usage(json!({
+        "model": "tiny", "max_tokens": 2,
+        "messages": [user, {"role": "assistant", "content": " the cache"}],
+        "add_generation_prompt": false,
+    }))
+    .await;
+    assert_eq!(closed, continued + 1, "its end-of-turn token");
+    let both = json!({"model": "tiny", "messages": [user], "continue_final_message": true});
+    let (status, error) = error_of(sim.post("/v1/chat/completions", both.to_string()).await).await;
+    assert_eq!(status, 400);
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("Cannot set both"),
+        "{error}"
+    );
+}
+
+#[tokio::test]
 async fn client_disconnect_aborts_and_frees_kv() {
     let sim = Sim::start(&["--preset", "tiny", "--time-scale", "5"]);
     let before = sim.metric("vllm:kv_cache_usage_perc").await;

@@ -1,0 +1,361 @@
+//! Resuming a preempted batch stream (invariant 7): the relay aborts the upstream stream (the
+//! engine frees the sequence), and once the request is dispatched again it asks the engine to
+//! continue from what was generated, so the client's stream pauses and goes on.
+//!
+//! - Chat Completions: the generated text becomes a final assistant message, continued with
+//!   vLLM's `continue_final_message: true, add_generation_prompt: false` (SGLang reads the same
+//!   fields; llama.cpp continues a final assistant message by itself).
+//! - Completions: the prompt (a string) with the generated text after it.
+//!
+//! Either way the output limits are lowered by what was generated. The continued stream is
+//! rewritten as the client first saw it ([`Splice`]): the first segment's chunk `id` and
+//! `created`, no second `role` delta, and a usage chunk with the original prompt and every
+//! token generated. Requests that cannot be continued this way (not streamed, other APIs,
+//! several answers, tools, structured output, log-probabilities, token-id prompts) are never
+//! preempted; one that turns out to stream reasoning or tool calls is left running.
+
+use axum::body::Bytes;
+use serde_json::{Map, Value, json};
+use weir_core::endpoint::Endpoint;
+use weir_core::tokens::Encoding;
+
+/// Fields whose answer a continuation would not reproduce: tool calls and structured output
+/// restart their grammar, log-probabilities and echoes cover the whole answer.
+const NOT_RESUMABLE: [&str; 11] = [
+    "tools",
+    "functions",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "logprobs",
+    "echo",
+    "suffix",
+];
+
+/// Output limits lowered by what was generated before a continuation.
+const LIMITS: [&str; 3] = ["max_completion_tokens", "max_tokens", "min_tokens"];
+
+/// Whether a request's stream can be continued after preemption (see the module doc).
+pub fn resumable(endpoint: Endpoint, body: &Value, stream: bool) -> bool {
+    let single = ["n", "best_of", "n_cmpl"]
+        .iter()
+        .all(|f| body[*f].as_u64().is_none_or(|n| n <= 1));
+    let plain = NOT_RESUMABLE
+        .iter()
+        .all(|f| body[*f].is_null() || body[*f] == Value::Bool(false));
+    let prompt = match endpoint {
+        Endpoint::ChatCompletions => body["messages"].is_array(),
+        Endpoint::Completions => body["prompt"].is_string(),
+        _ => false,
+    };
+    stream && single && plain && prompt
+}
+
+/// The body that continues `body` after `text` (`tokens` of it) was generated.
+pub fn continued(endpoint: Endpoint, body: &Value, text: &str, tokens: u64) -> Value {
+    let mut next = body.clone();
+    for limit in LIMITS {
+        if let Some(n) = next[limit].as_u64() {
+            next[limit] = json!(n.saturating_sub(tokens).max(1));
+        }
+    }
+    match endpoint {
+        Endpoint::Completions => {
+            let prompt = next["prompt"].as_str().unwrap_or_default();
+            next["prompt"] = json!(format!("{prompt}{text}"));
+        }
+        _ => {
+            let already_continuing = next["continue_final_message"] == Value::Bool(true);
+            let messages = next["messages"].as_array_mut();
+            match messages {
+                Some(m) if already_continuing => {
+                    if let Some(last) = m.last_mut() {
+                        let before = last["content"].as_str().unwrap_or_default();
+                        last["content"] = json!(format!("{before}{text}"));
+                    }
+                }
+                Some(m) => m.push(json!({"role": "assistant", "content": text})),
+                None => {}
+            }
+            next["continue_final_message"] = json!(true);
+            next["add_generation_prompt"] = json!(false);
+        }
+    }
+    next
+}
+
+/// Follows a stream across its segments: collects the generated text (for the continuation),
+/// and rewrites every segment after the first as the continuation of the first.
+pub struct Splice {
+    encoding: Encoding,
+    /// Bytes of an event line not complete yet.
+    partial: Vec<u8>,
+    /// The first segment's chunk id and creation time.
+    id: Option<Value>,
+    created: Option<Value>,
+    text: String,
+    /// Which segment is streaming (0: the first).
+    segment: u32,
+    /// Output tokens generated before the current segment (weir's count: those streams were
+    /// aborted before their usage chunk).
+    before: u64,
+    /// Prompt tokens the current segment's prompt has beyond the original (the generated
+    /// text, counted with the pool's tokenizer).
+    prompt_extra: u64,
+    /// It streamed something a continuation would not reproduce (reasoning, tool calls).
+    unresumable: bool,
+}
+
+impl Splice {
+    pub fn new(encoding: Encoding) -> Self {
+        Splice {
+            encoding,
+            partial: Vec::new(),
+            id: None,
+            created: None,
+            text: String::new(),
+            segment: 0,
+            before: 0,
+            prompt_extra: 0,
+            unresumable: false,
+        }
+    }
+
+    pub fn resumable(&self) -> bool {
+        !self.unresumable
+    }
+
+    /// The text generated so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// The next segment starts, `before` output tokens having been generated.
+    pub fn next_segment(&mut self, before: u64) {
+        self.segment += 1;
+        self.before = before;
+        self.partial.clear();
+        self.prompt_extra = self
+            .encoding
+            .encode(&self.text)
+            .map_or(before, |ids| ids.len() as u64);
+    }
+
+    /// Reads a chunk of the current segment; returns what the client gets: the chunk itself
+    /// in the first segment, its complete lines rewritten in later ones.
+    pub fn feed(&mut self, chunk: &Bytes) -> Bytes {
+        self.partial.extend_from_slice(chunk);
+        let Some(end) = self.partial.iter().rposition(|&b| b == b'\n') else {
+            return if self.segment == 0 {
+                chunk.clone()
+            } else {
+                Bytes::new()
+            };
+        };
+        let lines: Vec<u8> = self.partial.drain(..=end).collect();
+        let mut out = Vec::with_capacity(lines.len());
+        for line in lines.split_inclusive(|&b| b == b'\n') {
+            let rewritten = self.line(line);
+            out.extend_from_slice(rewritten.as_deref().unwrap_or(line));
+        }
+        if self.segment == 0 {
+            chunk.clone()
+        } else {
+            Bytes::from(out)
+        }
+    }
+
+    /// What the client still lacks when a later segment ends (a last line without a newline).
+    pub fn flush(&mut self) -> Bytes {
+        let rest = std::mem::take(&mut self.partial);
+        if self.segment == 0 {
+            return Bytes::new();
+        }
+        let rewritten = self.line(&rest);
+        Bytes::from(rewritten.unwrap_or(rest))
+    }
+
+    /// Reads one event line; in a later segment returns it rewritten.
+    fn line(&mut self, line: &[u8]) -> Option<Vec<u8>> {
+        let text = std::str::from_utf8(line).ok()?;
+        let data = text.trim_end().strip_prefix("data:")?.trim_start();
+        let mut event: Value = serde_json::from_str(data).ok()?;
+        for choice in event["choices"].as_array().into_iter().flatten() {
+            let delta = &choice["delta"];
+            if !delta["tool_calls"].is_null()
+                || !delta["reasoning_content"].is_null()
+                || !delta["reasoning"].is_null()
+            {
+                self.unresumable = true;
+            }
+            let piece = delta["content"].as_str().or(choice["text"].as_str());
+            self.text.push_str(piece.unwrap_or_default());
+        }
+        if self.segment == 0 {
+            self.id = self.id.take().or_else(|| Some(event["id"].clone()));
+            self.created = self
+                .created
+                .take()
+                .or_else(|| Some(event["created"].clone()));
+            return None;
+        }
+        let fields = event.as_object_mut()?;
+        if let Some(id) = &self.id {
+            fields.insert("id".into(), id.clone());
+        }
+        if let Some(created) = &self.created {
+            fields.insert("created".into(), created.clone());
+        }
+        for choice in fields
+            .get_mut("choices")
+            .and_then(Value::as_array_mut)
+            .into_iter()
+            .flatten()
+        {
+            if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
+                delta.remove("role");
+            }
+        }
+        if let Some(usage) = fields.get_mut("usage").and_then(Value::as_object_mut) {
+            self.restate(usage);
+        }
+        let mut out = b"data: ".to_vec();
+        out.extend(serde_json::to_vec(&event).ok()?);
+        out.extend_from_slice(&line[line.trim_ascii_end().len()..]);
+        Some(out)
+    }
+
+    /// A later segment's usage as the whole request's: the original prompt, every token
+    /// generated.
+    fn restate(&self, usage: &mut Map<String, Value>) {
+        let prompt = usage
+            .get("prompt_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            .saturating_sub(self.prompt_extra);
+        let completion = usage
+            .get("completion_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+            + self.before;
+        // Cached tokens of the re-prefill are at most the prompt's.
+        if let Some(cached) = usage
+            .get_mut("prompt_tokens_details")
+            .and_then(|d| d.get_mut("cached_tokens"))
+            && let Some(n) = cached.as_u64()
+        {
+            *cached = json!(n.min(prompt));
+        }
+        usage.insert("prompt_tokens".into(), json!(prompt));
+        usage.insert("completion_tokens".into(), json!(completion));
+        usage.insert("total_tokens".into(), json!(prompt + completion));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(s: &str) -> Bytes {
+        Bytes::from(s.to_owned())
+    }
+
+    #[test]
+    fn only_plain_single_streams_of_chat_and_completions_resume() {
+        let chat = json!({"messages": [], "stream": true});
+        assert!(resumable(Endpoint::ChatCompletions, &chat, true));
+        assert!(!resumable(Endpoint::ChatCompletions, &chat, false));
+        let tools = json!({"messages": [], "tools": [{}]});
+        assert!(!resumable(Endpoint::ChatCompletions, &tools, true));
+        assert!(!resumable(
+            Endpoint::ChatCompletions,
+            &json!({"messages": [], "n": 2}),
+            true
+        ));
+        assert!(resumable(
+            Endpoint::Completions,
+            &json!({"prompt": "a", "logprobs": false}),
+            true
+        ));
+        assert!(!resumable(
+            Endpoint::Completions,
+            &json!({"prompt": [1, 2]}),
+            true
+        ));
+        assert!(!resumable(
+            Endpoint::Responses,
+            &json!({"input": "a"}),
+            true
+        ));
+    }
+
+    #[test]
+    fn a_continuation_carries_the_text_and_lowers_the_limits() {
+        let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10});
+        let next = continued(Endpoint::ChatCompletions, &chat, " the cache", 2);
+        assert_eq!(
+            next["messages"][1],
+            json!({"role": "assistant", "content": " the cache"})
+        );
+        assert_eq!(next["max_tokens"], 8);
+        assert_eq!(next["continue_final_message"], true);
+        assert_eq!(next["add_generation_prompt"], false);
+        // Continued again: the same final message grows.
+        let again = continued(Endpoint::ChatCompletions, &next, " is", 1);
+        assert_eq!(again["messages"].as_array().map(Vec::len), Some(2));
+        assert_eq!(again["messages"][1]["content"], " the cache is");
+        assert_eq!(again["max_tokens"], 7);
+        let completion = json!({"prompt": "Once", "max_tokens": 3});
+        let next = continued(Endpoint::Completions, &completion, " upon", 1);
+        assert_eq!(next["prompt"], "Once upon");
+        assert_eq!(next["max_tokens"], 2);
+    }
+
+    #[test]
+    fn later_segments_read_as_the_first() {
+        let mut s = Splice::new(Encoding::Cl100kBase);
+        let first = chunk(
+            "data: {\"id\":\"chatcmpl-1\",\"created\":7,\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\" the\"}}]}\n\n",
+        );
+        assert_eq!(s.feed(&first), first, "the first segment passes as it came");
+        // Split across chunks.
+        assert!(
+            !s.feed(&chunk("data: {\"id\":\"chatcmpl-1\",\"cre"))
+                .is_empty()
+        );
+        s.feed(&chunk(
+            "ated\":7,\"choices\":[{\"delta\":{\"content\":\" cache\"}}]}\n\n",
+        ));
+        assert_eq!(s.text(), " the cache");
+        s.next_segment(2);
+        let out = s.feed(&chunk(
+            "data: {\"id\":\"chatcmpl-2\",\"created\":9,\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\" is\"}}]}\n\n",
+        ));
+        let line = std::str::from_utf8(&out).unwrap();
+        let event: Value =
+            serde_json::from_str(line.trim().strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(event["id"], "chatcmpl-1");
+        assert_eq!(event["created"], 7);
+        assert_eq!(event["choices"][0]["delta"], json!({"content": " is"}));
+        assert!(line.ends_with("\n\n"));
+        let usage = s.feed(&chunk(
+            "data: {\"id\":\"chatcmpl-2\",\"created\":9,\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":1,\"total_tokens\":13,\"prompt_tokens_details\":{\"cached_tokens\":12}}}\n\ndata: [DONE]\n\n",
+        ));
+        let text = std::str::from_utf8(&usage).unwrap();
+        assert!(
+            text.contains("\"prompt_tokens\":10") && text.contains("\"completion_tokens\":3"),
+            "{text}"
+        );
+        assert!(text.contains("\"total_tokens\":13"));
+        assert!(text.contains("\"cached_tokens\":10"), "{text}");
+        assert!(text.ends_with("data: [DONE]\n\n"));
+        assert!(s.resumable());
+        s.feed(&chunk(
+            "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{}]}}]}\n\n",
+        ));
+        assert!(!s.resumable());
+    }
+}
