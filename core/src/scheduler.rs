@@ -639,6 +639,21 @@ mod tests {
         served
     }
 
+    /// The next `n` keys served 100 + 100 tokens each; those under `refill` (a path prefix;
+    /// empty: none) queue another request after each turn, so they stay backlogged.
+    fn turns(s: &mut Scheduler<u32>, n: usize, refill: &str) -> Vec<String> {
+        (0..n)
+            .map(|_| {
+                let t = s.pop(0).unwrap().tenant.to_owned();
+                s.charge(&t, 100, 100);
+                if !refill.is_empty() && t.starts_with(refill) {
+                    s.push(&t, &[], I, 0, 0);
+                }
+                t
+            })
+            .collect()
+    }
+
     /// Tokens served below `prefix` (a tenant path or a level of one).
     fn below(served: &HashMap<String, u64>, prefix: &str) -> u64 {
         served
@@ -737,14 +752,7 @@ mod tests {
         for _ in 0..3 {
             s.push("o/c/p/k", &[], I, 8, 0);
         }
-        let next: Vec<String> = (0..3)
-            .map(|_| {
-                let d = s.pop(0).unwrap();
-                let t = d.tenant.to_owned();
-                s.charge(&t, 100, 100);
-                t
-            })
-            .collect();
+        let next = turns(&mut s, 3, "");
         assert!(
             next.iter().filter(|t| *t == "o/c/p/k").count() <= 2,
             "{next:?}"
@@ -753,49 +761,25 @@ mod tests {
 
     #[test]
     fn queued_batch_work_banks_no_interactive_credit() {
-        let mut s = fair();
-        // Org x keeps a batch request queued (interactive traffic goes first, no aging) while
-        // its interactive key is idle; org y's interactive key is served meanwhile.
-        s.push("x/w/p/batch", &[], B, 0, 0);
-        serve(&mut s, 200, &[("y/w/p/chat", &[])]);
-        // x's chat key wakes up: a turn in turn with y, not the pool until x catches up on
-        // everything y was served while x's batch request waited.
-        for _ in 0..20 {
-            s.push("x/w/p/chat", &[], I, 1, 0);
+        // An org (then, within an org, a workspace) keeps a batch request queued while its
+        // interactive key is idle (interactive traffic goes first, no aging); another org's
+        // (workspace's) interactive key is served meanwhile. When the idle key wakes up it
+        // takes turns with the busy one, not the pool until it has caught up on everything
+        // the busy one was served while the batch request waited.
+        for (batch, busy, waking) in [
+            ("x/w/p/batch", "y/w/p/chat", "x/w/p/chat"),
+            ("o/bulk/p/k", "o/chat/p/k", "o/bulk/p/chat"),
+        ] {
+            let mut s = fair();
+            s.push(batch, &[], B, 0, 0);
+            serve(&mut s, 200, &[(busy, &[])]);
+            for _ in 0..20 {
+                s.push(waking, &[], I, 1, 0);
+            }
+            let next = turns(&mut s, 20, busy);
+            let woken = next.iter().filter(|t| *t == waking).count();
+            assert!((9..=11).contains(&woken), "{waking} took {woken} of 20");
         }
-        let next: Vec<String> = (0..20)
-            .map(|_| {
-                let d = s.pop(0).unwrap();
-                let t = d.tenant.to_owned();
-                s.charge(&t, 100, 100);
-                if t.starts_with("y/") {
-                    s.push(&t, &[], I, 0, 0);
-                }
-                t
-            })
-            .collect();
-        let x = next.iter().filter(|t| t.starts_with("x/")).count();
-        assert!((9..=11).contains(&x), "x took {x} of 20: {next:?}");
-        // The same within an org: a workspace with batch work queued banks nothing against
-        // its sibling workspace's interactive key.
-        let mut s = fair();
-        s.push("o/bulk/p/k", &[], B, 0, 0);
-        serve(&mut s, 200, &[("o/chat/p/k", &[])]);
-        for _ in 0..20 {
-            s.push("o/bulk/p/chat", &[], I, 1, 0);
-        }
-        let bulk = (0..20)
-            .filter(|_| {
-                let d = s.pop(0).unwrap();
-                let t = d.tenant.to_owned();
-                s.charge(&t, 100, 100);
-                if t.starts_with("o/chat/") {
-                    s.push(&t, &[], I, 0, 0);
-                }
-                t.starts_with("o/bulk/")
-            })
-            .count();
-        assert!((9..=11).contains(&bulk), "o/bulk took {bulk} of 20");
     }
 
     #[test]
