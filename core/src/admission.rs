@@ -35,6 +35,12 @@ pub struct Admitted {
     /// `reserved_output` is a prediction ([`crate::prediction`]): the answer's real length is
     /// learned when it settles.
     pub predicted: bool,
+    /// Output tokens an answer weir could not read (no usage, too large to buffer) is charged:
+    /// the reservation it would have had without a prediction. Charging the prediction instead
+    /// would let a key train its prediction low and then get long unreadable answers (a body
+    /// past the filter's buffer, e.g. with logprobs) for the price of short ones, without ever
+    /// going into debt.
+    pub unread_output: u64,
     /// Answers the request asks for (each prompt of a completions batch).
     pub answers: u64,
     pub stream: bool,
@@ -149,13 +155,15 @@ pub fn admit(
         && requested.is_none()
         && tenant.default_max_tokens.is_none()
         && config.prediction.enabled;
+    // What is reserved without a prediction: the most weir can bound the answer to.
+    let bounded = per_answer
+        .or(rest_of_context)
+        .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION);
     let per_answer = if predicted {
         let cap = [per_answer, rest_of_context].into_iter().flatten().min();
         history(&req.model).predict(&config.prediction, cap)
     } else {
-        per_answer
-            .or(rest_of_context)
-            .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION)
+        bounded
     };
     let reserved_output = per_answer.saturating_mul(req.answers());
     if reserved_output > trusted::MAX_TOKENS {
@@ -180,6 +188,7 @@ pub fn admit(
         method: estimate.method,
         reserved_output,
         predicted,
+        unread_output: bounded.saturating_mul(req.answers()),
         answers: req.answers(),
         stream,
         hide_usage_event: ask_usage,
@@ -487,22 +496,35 @@ mod tests {
         let plain = format!("{HELLO}}}");
         let (a, asked) = admit_with("{}", "{}", true, &plain);
         assert_eq!((a.reserved_output, a.predicted), (304, true));
+        assert_eq!(
+            a.unread_output, UNBOUNDED_OUTPUT_RESERVATION,
+            "an answer it cannot read is charged what it would have reserved, not the prediction"
+        );
         assert_eq!(asked.as_deref(), Some("big"), "the model's history");
         assert_eq!(a.rewritten_body, None, "no limit is added");
 
         // The key's cap is still filled in, and bounds the prediction.
         let (a, _) = admit_with(r#"{"max_output_tokens":200}"#, "{}", true, &plain);
         assert_eq!((a.reserved_output, a.predicted), (200, true));
+        assert_eq!(
+            a.unread_output, 200,
+            "the key's cap bounds what it may produce"
+        );
         assert_eq!(sent(&a)["max_tokens"], 200);
         // The rest of the context bounds it too.
         let small = r#"{"model":"small","messages":[{"role":"user","content":"hello"}]}"#;
         let (a, _) = admit_with("{}", "{}", true, small);
         assert_eq!(a.reserved_output, 100 - a.prompt_tokens);
+        assert_eq!(a.unread_output, 100 - a.prompt_tokens);
 
         // A limit of the caller's or of its policy is reserved as before, and so is the context
         // with prediction off.
         let (a, asked) = admit_with("{}", "{}", true, &format!("{HELLO},\"max_tokens\":50}}"));
         assert_eq!((a.reserved_output, a.predicted, asked), (50, false, None));
+        assert_eq!(
+            a.unread_output, 50,
+            "without a prediction, what was reserved"
+        );
         let (a, _) = admit_with("{}", r#"{"default_max_tokens":20}"#, true, &plain);
         assert_eq!((a.reserved_output, a.predicted), (20, false));
         let (a, _) = admit_with("{}", "{}", false, small);

@@ -11,7 +11,9 @@
 //! are served). A node returning from idle cannot bank credit while away (the paper's
 //! Algorithm 2, at every level): it is lifted to the smallest counter among its backlogged
 //! siblings, or, when none is backlogged, to the counter of the sibling whose queue emptied
-//! last. Without the second rule counters drift apart while the pool is unsaturated, and a
+//! last. The rule holds per priority class: a node with only batch work queued is idle to the
+//! interactive class (its batch work waits, so its counter stands still), and its interactive
+//! work is lifted to its interactive siblings' smallest counter. Without the second rule counters drift apart while the pool is unsaturated, and a
 //! tenant that ran alone for an hour would be starved by one that stayed quiet once contention
 //! starts.
 //!
@@ -328,13 +330,24 @@ impl<T> Scheduler<T> {
         }
     }
 
-    /// The smallest counter among a node's backlogged children, else that of the child that
-    /// went idle last: where a child returning from idle is lifted to.
-    fn floor(&self, parent: usize) -> Option<f64> {
+    /// Where child `n` of `parent`, with nothing of `class` queued below it, is lifted to as
+    /// work of `class` arrives: the smallest counter among its siblings with work of that class
+    /// queued (its competitors in it); with none, if `n` has nothing queued at all, the smallest
+    /// among the siblings with any work queued, else that of the child that went idle last.
+    /// Work of another class queued below `n` earns it no credit in this one: a batch request
+    /// waiting behind interactive traffic is not served, so its counter stands still.
+    fn floor(&self, parent: usize, n: usize, class: usize) -> Option<f64> {
         let node = &self.nodes[parent];
+        let first = |r: &BTreeSet<(Counter, u64, usize)>| r.first().map(|(c, _, _)| c.0);
+        if let Some(floor) = first(&node.ready[class]) {
+            return Some(floor);
+        }
+        if self.nodes[n].backlogged() {
+            return None;
+        }
         node.ready
             .iter()
-            .filter_map(|r| r.first().map(|(c, _, _)| c.0))
+            .filter_map(first)
             .reduce(f64::min)
             .or_else(|| node.last_left.map(|l| self.nodes[l].counter))
     }
@@ -409,20 +422,19 @@ impl<T> Scheduler<T> {
         front: bool,
     ) {
         let mut path = self.intern(tenant, weights);
-        // Returning from idle, at any level: no credit for the time away.
+        let class = class_of(priority);
+        // Returning from idle (in this class), at any level: no credit for the time away.
         for &n in &path {
-            if !self.nodes[n].backlogged()
-                && let Some(floor) = self.floor(self.nodes[n].parent)
+            if self.nodes[n].backlog[class] == 0
+                && let Some(floor) = self.floor(self.nodes[n].parent, n, class)
             {
-                let node = &mut self.nodes[n];
-                node.counter = node.counter.max(floor);
+                self.rekey(n, |node| node.counter = node.counter.max(floor));
             }
         }
         path.reverse();
         let Some(&leaf) = path.first() else {
             return;
         };
-        let class = class_of(priority);
         let seq = self.next_seq;
         self.next_seq += 1;
         let entry = Entry {
@@ -662,6 +674,21 @@ mod tests {
         served
     }
 
+    /// The next `n` keys served 100 + 100 tokens each; those under `refill` (a path prefix;
+    /// empty: none) queue another request after each turn, so they stay backlogged.
+    fn turns(s: &mut Scheduler<u32>, n: usize, refill: &str) -> Vec<String> {
+        (0..n)
+            .map(|_| {
+                let t = s.pop(0).unwrap().tenant.to_owned();
+                s.charge(&t, 100, 100);
+                if !refill.is_empty() && t.starts_with(refill) {
+                    s.push(&t, &[], I, 0, 0);
+                }
+                t
+            })
+            .collect()
+    }
+
     /// Tokens served below `prefix` (a tenant path or a level of one).
     fn below(served: &HashMap<String, u64>, prefix: &str) -> u64 {
         served
@@ -760,18 +787,34 @@ mod tests {
         for _ in 0..3 {
             s.push("o/c/p/k", &[], I, 8, 0);
         }
-        let next: Vec<String> = (0..3)
-            .map(|_| {
-                let d = s.pop(0).unwrap();
-                let t = d.tenant.to_owned();
-                s.charge(&t, 100, 100);
-                t
-            })
-            .collect();
+        let next = turns(&mut s, 3, "");
         assert!(
             next.iter().filter(|t| *t == "o/c/p/k").count() <= 2,
             "{next:?}"
         );
+    }
+
+    #[test]
+    fn queued_batch_work_banks_no_interactive_credit() {
+        // An org (then, within an org, a workspace) keeps a batch request queued while its
+        // interactive key is idle (interactive traffic goes first, no aging); another org's
+        // (workspace's) interactive key is served meanwhile. When the idle key wakes up it
+        // takes turns with the busy one, not the pool until it has caught up on everything
+        // the busy one was served while the batch request waited.
+        for (batch, busy, waking) in [
+            ("x/w/p/batch", "y/w/p/chat", "x/w/p/chat"),
+            ("o/bulk/p/k", "o/chat/p/k", "o/bulk/p/chat"),
+        ] {
+            let mut s = fair();
+            s.push(batch, &[], B, 0, 0);
+            serve(&mut s, 200, &[(busy, &[])]);
+            for _ in 0..20 {
+                s.push(waking, &[], I, 1, 0);
+            }
+            let next = turns(&mut s, 20, busy);
+            let woken = next.iter().filter(|t| *t == waking).count();
+            assert!((9..=11).contains(&woken), "{waking} took {woken} of 20");
+        }
     }
 
     #[test]
@@ -1017,5 +1060,131 @@ mod tests {
         s.pop(0);
         s.charge("x", 10, 0);
         assert_eq!(s.counter("x"), 10.0);
+    }
+}
+
+#[cfg(test)]
+mod invariants {
+    //! Random pushes, pops (with every verdict), charges and removals, checking after each
+    //! operation that the tree's bookkeeping matches its queues.
+    use super::*;
+
+    /// A small xorshift: reproducible without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// Tenant paths of different depths, some of whose levels share ids with others' keys.
+    const TENANTS: &[&str] = &[
+        "a", "a/b", "a/b/c/d", "a/b/c/e", "a/x/c/d", "b/a", "b/a/c/d", "c/c/c/c", "d",
+    ];
+
+    fn check(s: &Scheduler<u32>) {
+        let mut queued = vec![[0usize; CLASSES]; s.nodes.len()];
+        let mut heads = BTreeSet::new();
+        let mut batch_heads = BTreeSet::new();
+        for (name, &leaf) in &s.by_name {
+            assert_eq!(s.nodes[leaf].name, *name);
+            for (c, q) in s.nodes[leaf].queues.iter().enumerate() {
+                if let Some(h) = q.front() {
+                    heads.insert((h.seq, leaf, c));
+                    if c == 1 {
+                        batch_heads.insert((h.enqueued_ms, h.seq, leaf));
+                    }
+                }
+                let mut at = leaf;
+                loop {
+                    queued[at][c] += q.len();
+                    if at == ROOT {
+                        break;
+                    }
+                    at = s.nodes[at].parent;
+                }
+            }
+        }
+        assert_eq!(heads, s.heads, "FIFO heads");
+        assert_eq!(batch_heads, s.batch_heads, "batch heads");
+        assert_eq!(s.len, queued[ROOT].iter().sum::<usize>(), "len");
+        for (n, node) in s.nodes.iter().enumerate() {
+            assert_eq!(node.backlog, queued[n], "backlog of {:?}", node.name);
+            for (c, ready) in node.ready.iter().enumerate() {
+                let expected: BTreeSet<_> = node
+                    .children
+                    .values()
+                    .filter(|&&child| queued[child][c] > 0)
+                    .map(|&child| s.nodes[child].key(child))
+                    .collect();
+                assert_eq!(*ready, expected, "ready set {c} of {:?}", node.name);
+            }
+        }
+    }
+
+    fn run(policy: Policy, share: Share, seed: u64) {
+        let mut rng = Rng(seed);
+        let mut s = Scheduler::new(policy, share, TokenWeights::default(), 500);
+        let mut item = 0u32;
+        for step in 0..3_000u64 {
+            let now = step * 10;
+            let tenant = TENANTS[rng.below(TENANTS.len() as u64) as usize];
+            match rng.below(10) {
+                0..=3 => {
+                    let weights: Vec<f64> = (0..rng.below(6))
+                        .map(|_| [0.5, 1.0, 3.0, 0.0, f64::NAN][rng.below(5) as usize])
+                        .collect();
+                    let priority = if rng.below(3) == 0 {
+                        Priority::Batch
+                    } else {
+                        Priority::Interactive
+                    };
+                    item += 1;
+                    s.push(tenant, &weights, priority, item, now);
+                }
+                4..=6 => {
+                    let verdicts = [Verdict::Take, Verdict::Skip, Verdict::Wait];
+                    let chosen: HashMap<&str, Verdict> = TENANTS
+                        .iter()
+                        .map(|&t| (t, verdicts[(rng.below(7) as usize).min(2)]))
+                        .collect();
+                    let popped = s
+                        .pop_where(now, |t, _| chosen[t])
+                        .map(|d| d.tenant.to_owned());
+                    if let Some(t) = popped {
+                        s.charge(&t, rng.below(500), rng.below(500));
+                    }
+                }
+                7 => s.charge(tenant, rng.below(300), rng.below(300)),
+                8 => s.correct_input(tenant, rng.below(300), rng.below(300)),
+                _ => {
+                    let m = rng.below(5) as u32 + 2;
+                    s.remove_where(|&i| i % m == 0);
+                }
+            }
+            check(&s);
+        }
+        while s.pop(u64::MAX).is_some() {
+            check(&s);
+        }
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn the_tree_s_bookkeeping_matches_its_queues_under_random_operations() {
+        for seed in 1..=20u64 {
+            let seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            run(Policy::Fair, Share::Hierarchy, seed);
+            run(Policy::Fair, Share::Key, seed);
+            run(Policy::Fifo, Share::Hierarchy, seed);
+        }
     }
 }

@@ -725,8 +725,9 @@ impl Request {
         let measured = reported.is_some()
             || matches!(self.meter, Meter::Stream(_))
             || matches!(body, Some(BodyUsage::Estimated { .. }));
-        // Without a report, a response weir could not read is charged what was reserved.
-        let reserved_output = self.admitted.as_ref().map_or(0, |a| a.reserved_output);
+        // Without a report, a response weir could not read is charged what would have been
+        // reserved without a prediction (with one, a low prediction would be all it paid).
+        let unread_output = self.admitted.as_ref().map_or(0, |a| a.unread_output);
         self.usage = match reported {
             Some(u) => {
                 let off = estimate.abs_diff(u.prompt_tokens) * 100;
@@ -744,7 +745,7 @@ impl Request {
                 output_tokens: match (&self.meter, body) {
                     (Meter::Stream(m), _) => m.generated_tokens(),
                     (_, Some(BodyUsage::Estimated { completion_tokens })) => completion_tokens,
-                    (Meter::Body(_) | Meter::Unreadable, _) => reserved_output,
+                    (Meter::Body(_) | Meter::Unreadable, _) => unread_output,
                     (Meter::None, _) => 0,
                 },
             },

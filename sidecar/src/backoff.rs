@@ -33,6 +33,14 @@ impl Backoff {
             .unwrap_or(0);
         spread(projected, waits.cap_ms, fastrand::f64())
     }
+
+    /// Seconds to send in `Retry-After` for an engine's refusal in `pool` that gave its own
+    /// `Retry-After` of `engine_s` seconds: see [`after_engine`].
+    pub fn after_engine_s(&self, pool: usize, engine_s: u64) -> u64 {
+        let waits = self.waits.borrow();
+        let projected = waits.projected_ms.get(pool).copied().unwrap_or(0);
+        after_engine(engine_s, projected, waits.cap_ms, fastrand::f64())
+    }
 }
 
 /// `Retry-After` seconds for a projected wait: the wait (at least a second) scaled by a factor
@@ -45,9 +53,37 @@ pub fn spread(projected_ms: u64, cap_ms: u64, jitter: f64) -> u64 {
     seconds.clamp(1, cap_ms.div_ceil(1_000).max(1))
 }
 
+/// `Retry-After` seconds for a refusal the engine gave its own `Retry-After` for: the pool's
+/// projected wait, [`spread`], when it is longer; else never sooner than the engine asked but
+/// up to half as long again, drawn from `jitter` (an engine gives every throttled request the
+/// same figure, and they would all retry in the same second); capped like every other (an
+/// engine's `0` is not passed on, nor its hour).
+pub fn after_engine(engine_s: u64, projected_ms: u64, cap_ms: u64, jitter: f64) -> u64 {
+    if engine_s.saturating_mul(1_000) <= projected_ms {
+        return spread(projected_ms, cap_ms, jitter);
+    }
+    let seconds = (engine_s as f64 * (1.0 + 0.5 * jitter.clamp(0.0, 1.0))).ceil() as u64;
+    seconds.clamp(1, cap_ms.div_ceil(1_000).max(1))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::spread;
+    use super::{after_engine, spread};
+
+    #[test]
+    fn an_engine_s_own_wait_is_the_least_given_spread_and_capped() {
+        // The engine asks for 10 s: 10-15 s, never sooner.
+        assert_eq!(after_engine(10, 0, 60_000, 0.0), 10);
+        assert_eq!(after_engine(10, 0, 60_000, 0.5), 13);
+        assert_eq!(after_engine(10, 0, 60_000, 0.999), 15);
+        // A longer projected wait of the pool's own counts as ever.
+        assert_eq!(after_engine(10, 40_000, 60_000, 0.5), 40);
+        // An engine's 0 is not passed on as 0, nor its hour past the cap.
+        assert_eq!(after_engine(0, 0, 60_000, 0.0), 1);
+        assert_eq!(after_engine(0, 0, 60_000, 0.9), 2);
+        assert_eq!(after_engine(3_600, 0, 60_000, 0.3), 60);
+        assert_eq!(after_engine(u64::MAX, u64::MAX, 0, 0.3), 1);
+    }
 
     #[test]
     fn the_wait_is_spread_around_the_projection_and_capped() {

@@ -148,6 +148,18 @@ impl Flight {
         self.app.backoff.retry_after_s(Some(self.assignment.pool))
     }
 
+    /// The engine's own `Retry-After`, never sooner than it asked but spread and capped as
+    /// weir's are ([`crate::backoff::after_engine`]); an HTTP date is passed on as it is.
+    fn engine_retry_after(&self, engine: HeaderValue) -> HeaderValue {
+        let seconds = engine.to_str().ok().and_then(|v| v.trim().parse().ok());
+        seconds.map_or(engine, |s| {
+            self.app
+                .backoff
+                .after_engine_s(self.assignment.pool, s)
+                .into()
+        })
+    }
+
     /// Keeps a copy of response bytes for replays, up to the bound of what is kept.
     fn capture(&mut self, bytes: &[u8]) {
         let limit = self.app.idempotency.max_response_bytes();
@@ -484,7 +496,7 @@ pub async fn relay(
                 headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
                 match retry_after {
                     Some(retry_after) => {
-                        headers.insert(header::RETRY_AFTER, retry_after);
+                        headers.insert(header::RETRY_AFTER, flight.engine_retry_after(retry_after));
                     }
                     None if matches!(status.as_u16(), 502 | 503) => {
                         headers.insert(header::RETRY_AFTER, flight.retry_after_s().into());
@@ -603,6 +615,7 @@ fn throttled(mut flight: Flight, retry_after: Option<HeaderValue>) -> Response {
             .with_code("engine_rate_limited"),
     );
     if let Some(retry_after) = retry_after {
+        let retry_after = flight.engine_retry_after(retry_after);
         resp.headers_mut().insert(header::RETRY_AFTER, retry_after);
     }
     resp
