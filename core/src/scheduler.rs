@@ -85,6 +85,11 @@ impl Ord for Counter {
 const CLASSES: usize = 2;
 const ROOT: usize = 0;
 
+/// The org of a tenant path: its first id.
+fn org_of(tenant: &str) -> &str {
+    tenant.split('/').next().unwrap_or(tenant)
+}
+
 fn class_of(priority: Priority) -> usize {
     match priority {
         Priority::Interactive => 0,
@@ -184,6 +189,9 @@ pub struct Scheduler<T> {
     nodes: Vec<Node<T>>,
     /// Keys by tenant path.
     by_name: HashMap<String, usize>,
+    /// Requests queued per org (the first id of a tenant path), whatever the share: what an
+    /// org's queue bound is held to.
+    org_depth: HashMap<String, usize>,
     /// Batch queue heads by arrival, for aging.
     batch_heads: BTreeSet<(u64, u64, usize)>,
     /// Every queue head by arrival, for FIFO.
@@ -203,6 +211,7 @@ impl<T> Scheduler<T> {
             aging_ms,
             nodes: vec![Node::new(String::new(), ROOT)],
             by_name: HashMap::new(),
+            org_depth: HashMap::new(),
             batch_heads: BTreeSet::new(),
             heads: BTreeSet::new(),
             next_seq: 0,
@@ -229,6 +238,29 @@ impl<T> Scheduler<T> {
         self.by_name
             .get(tenant)
             .map_or(0, |&n| self.nodes[n].queues.iter().map(VecDeque::len).sum())
+    }
+
+    /// Requests the org of a tenant has waiting, under all its keys.
+    pub fn org_depth(&self, tenant: &str) -> usize {
+        self.org_depth.get(org_of(tenant)).copied().unwrap_or(0)
+    }
+
+    /// Counts `k` more (`add`) or fewer queued requests for a tenant's org.
+    fn count_org(&mut self, tenant: &str, k: usize, add: bool) {
+        let org = org_of(tenant);
+        match self.org_depth.get_mut(org) {
+            Some(n) if add => *n += k,
+            Some(n) => {
+                *n = n.saturating_sub(k);
+                if *n == 0 {
+                    self.org_depth.remove(org);
+                }
+            }
+            None if add => {
+                self.org_depth.insert(org.to_owned(), k);
+            }
+            None => {}
+        }
     }
 
     /// A tenant's (a key's) virtual token counter (0 for a tenant never seen).
@@ -451,6 +483,7 @@ impl<T> Scheduler<T> {
         }
         self.index_head(leaf, class);
         self.add_backlog(&path, class, 1);
+        self.count_org(tenant, 1, true);
         self.len += 1;
     }
 
@@ -561,6 +594,9 @@ impl<T> Scheduler<T> {
             self.rekey(n, |node| node.last_served = decision);
         }
         self.remove_backlog(&path, class, 1);
+        let tenant = std::mem::take(&mut self.nodes[leaf].name);
+        self.count_org(&tenant, 1, false);
+        self.nodes[leaf].name = tenant;
         self.len -= 1;
         Some(Dispatch {
             tenant: &self.nodes[leaf].name,
@@ -615,6 +651,9 @@ impl<T> Scheduler<T> {
                 self.index_head(leaf, class);
                 let path = self.ancestry(leaf);
                 self.remove_backlog(&path, class, gone.len());
+                let tenant = std::mem::take(&mut self.nodes[leaf].name);
+                self.count_org(&tenant, gone.len(), false);
+                self.nodes[leaf].name = tenant;
                 self.len -= gone.len();
                 removed.extend(gone.into_iter().map(|e| e.item));
             }
@@ -1114,6 +1153,14 @@ mod invariants {
             }
         }
         assert_eq!(heads, s.heads, "FIFO heads");
+        let mut by_org: HashMap<String, usize> = HashMap::new();
+        for (name, &leaf) in &s.by_name {
+            let n: usize = s.nodes[leaf].queues.iter().map(VecDeque::len).sum();
+            if n > 0 {
+                *by_org.entry(org_of(name).to_owned()).or_default() += n;
+            }
+        }
+        assert_eq!(by_org, s.org_depth, "queued per org");
         assert_eq!(batch_heads, s.batch_heads, "batch heads");
         assert_eq!(s.len, queued[ROOT].iter().sum::<usize>(), "len");
         for (n, node) in s.nodes.iter().enumerate() {
@@ -1148,7 +1195,11 @@ mod invariants {
                         Priority::Interactive
                     };
                     item += 1;
-                    s.push(tenant, &weights, priority, item, now);
+                    if rng.below(4) == 0 {
+                        s.push_front(tenant, &weights, priority, item, now);
+                    } else {
+                        s.push(tenant, &weights, priority, item, now);
+                    }
                 }
                 4..=6 => {
                     let verdicts = [Verdict::Take, Verdict::Skip, Verdict::Wait];

@@ -52,10 +52,20 @@ pub fn format_weights(weights: &[f64]) -> String {
         .join(",")
 }
 
-/// The weights of a tenant path of `levels` levels: one valid weight per level.
+/// The weights of a tenant path of `levels` levels: one valid weight per level. A single
+/// weight is a filter from before per-level weights, whose one weight was the tenant's own:
+/// it weighs the key among its siblings (never its org among the orgs), so sidecars can be
+/// upgraded before the filters.
 pub fn parse_weights(value: &str, levels: usize) -> Option<Vec<f64>> {
     let weights: Vec<f64> = value.split(',').map(parse_weight).collect::<Option<_>>()?;
-    (weights.len() == levels).then_some(weights)
+    match weights[..] {
+        [key] if levels > 1 => {
+            let mut all = vec![1.0; levels - 1];
+            all.push(key);
+            Some(all)
+        }
+        _ => (weights.len() == levels).then_some(weights),
+    }
 }
 
 /// A token count or cap: plain decimal digits, at most [`MAX_TOKENS`].
@@ -145,6 +155,8 @@ mod tests {
             Some(vec![3.0, 1.0, 0.5, 1.0])
         );
         assert_eq!(parse_weights("2", 1), Some(vec![2.0]));
+        // An older filter's single weight is the key's, not its org's.
+        assert_eq!(parse_weights("3", 4), Some(vec![1.0, 1.0, 1.0, 3.0]));
         for (bad, levels) in [
             ("3,1", 4),
             ("3,1,1,1,1", 4),

@@ -730,7 +730,7 @@ impl Request {
         let unread_output = self.admitted.as_ref().map_or(0, |a| a.unread_output);
         self.usage = match reported {
             Some(u) => {
-                let off = estimate.abs_diff(u.prompt_tokens) * 100;
+                let off = estimate.abs_diff(u.prompt_tokens).saturating_mul(100);
                 if let Some(err_pct) = off.checked_div(u.prompt_tokens) {
                     self.gw.metrics.record(telemetry::ESTIMATE_ERROR, err_pct);
                 }
@@ -793,7 +793,7 @@ impl Request {
         if !prediction::learn_shared(&SharedData, &self.history_key(&a.model), per_answer, config) {
             self.gw.metrics.add(telemetry::SETTLE_CONFLICTS, 1);
         }
-        if let Some(pct) = (actual * 100).checked_div(a.reserved_output) {
+        if let Some(pct) = actual.saturating_mul(100).checked_div(a.reserved_output) {
             self.gw
                 .metrics
                 .record(telemetry::PREDICTION_ACTUAL_PCT, pct);

@@ -144,6 +144,9 @@ fn read_secret(
 pub struct QueueConfig {
     /// Requests one tenant may have waiting; more get 429 at once.
     pub max_per_tenant: usize,
+    /// Requests one org may have waiting under all its keys: an org cannot fill the queue
+    /// for everyone by minting keys.
+    pub max_per_org: usize,
     /// Requests waiting in total; more get 429 at once.
     pub max_total: usize,
     /// How long a request may wait for dispatch, counted from when its body has come (the
@@ -171,6 +174,7 @@ impl Default for QueueConfig {
     fn default() -> Self {
         QueueConfig {
             max_per_tenant: 256,
+            max_per_org: 1024,
             max_total: 4096,
             deadline_ms: 30_000,
             batch_aging_ms: 30_000,

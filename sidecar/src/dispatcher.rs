@@ -890,7 +890,15 @@ impl Dispatcher {
     /// shed first under overload, and no waiting that would outlast the deadline anyway.
     fn refusal(&self, job: &Job, now: u64) -> Option<(Refusal, &'static str)> {
         let queued = self.queued();
-        if self.depth(&job.tenant) >= self.queue.max_per_tenant || queued >= self.queue.max_total {
+        let org_queued: usize = self
+            .schedulers
+            .iter()
+            .map(|s| s.org_depth(&job.tenant))
+            .sum();
+        if self.depth(&job.tenant) >= self.queue.max_per_tenant
+            || org_queued >= self.queue.max_per_org
+            || queued >= self.queue.max_total
+        {
             return Some((Refusal::QueueFull, "queue_full"));
         }
         if job.tier == "free"
@@ -1343,6 +1351,7 @@ mod tests {
             .collect();
         let queue = QueueConfig {
             max_per_tenant: 3,
+            max_per_org: 5,
             max_total,
             ..QueueConfig::default()
         };
@@ -1634,6 +1643,27 @@ mod tests {
         );
         rx = held.pop().unwrap();
         assert!(rx.try_recv().is_err(), "standard tier still queues");
+    }
+
+    #[test]
+    fn an_org_cannot_fill_the_queue_by_minting_keys() {
+        let (mut d, _events) = dispatcher(100);
+        let mut held = Vec::new();
+        // Queue from many keys of one org (3 per key would allow all 8): 5 per org.
+        for i in 0..8 {
+            let (j, rx) = job(&format!("org/w/p/k{i}"), "standard", 2_000);
+            d.apply(Event::Enqueue(j));
+            held.push(rx);
+        }
+        let refused = held
+            .iter_mut()
+            .map(|rx| rx.try_recv())
+            .filter(|r| matches!(r, Ok(Err(Refusal::QueueFull))))
+            .count();
+        assert_eq!(refused, 8 - 5, "five queued, the rest refused");
+        let (j, mut rx) = job("other/w/p/k", "standard", 2_000);
+        d.apply(Event::Enqueue(j));
+        assert!(rx.try_recv().is_err(), "another org still queues");
     }
 
     /// A dispatcher over one pool of `replicas` replicas with room for `limit` requests each

@@ -53,6 +53,9 @@ pub struct Attempt {
     pub input_tokens: u64,
     /// Output tokens its KV hold was sized for (the prediction, see [`crate::prediction`]).
     pub output_held: u64,
+    /// The request set no output limit: its answer's length teaches the prediction (one cut
+    /// short by a small `max_tokens` would teach it low, as the filter also holds).
+    pub uncapped: bool,
     /// Sequences the engine runs for it: what one answer's length is learned from.
     pub sequences: u64,
     pub arrived: Instant,
@@ -85,6 +88,7 @@ pub struct Flight {
     /// The prompt part of the KV hold: the estimate, then the engine's count.
     prompt_held: u64,
     output_held: u64,
+    uncapped: bool,
     sequences: u64,
     assignment: Assignment,
     arrived: Instant,
@@ -121,6 +125,7 @@ impl Flight {
             input_tokens: attempt.input_tokens,
             prompt_held: attempt.input_tokens,
             output_held: attempt.output_held,
+            uncapped: attempt.uncapped,
             sequences: attempt.sequences,
             assignment,
             arrived: attempt.arrived,
@@ -326,7 +331,7 @@ impl Flight {
         }
         self.charge(completion);
         self.assignment.release();
-        if outcome == "ok" && !self.nothing_ran {
+        if outcome == "ok" && !self.nothing_ran && self.uncapped {
             self.learn_output(completion);
         }
         let m = &self.app.metrics;

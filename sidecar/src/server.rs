@@ -417,6 +417,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         model,
         input_tokens: demand.input_tokens,
         output_held,
+        uncapped: demand.output_tokens.is_none(),
         sequences,
         arrived,
         deadline_ms,

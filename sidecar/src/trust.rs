@@ -291,9 +291,9 @@ mod tests {
             (trusted::WEIGHT, "1,1,1,NaN"),
             (trusted::WEIGHT, "1e300,1,1,1"),
             (trusted::WEIGHT, "1,inf,1,1"),
-            // One weight per level: a key claiming its weight for its org, or more levels.
-            (trusted::WEIGHT, "1000"),
+            // One weight per level (or an older filter's one), never more levels.
             (trusted::WEIGHT, "1,1,1,1,1"),
+            (trusted::WEIGHT, "1,1"),
             (trusted::PRIORITY, "urgent"),
             (trusted::KV_LIMIT, "-1"),
             (trusted::KV_LIMIT, "99999999999999999999"),
