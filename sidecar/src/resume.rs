@@ -35,8 +35,13 @@ const NOT_RESUMABLE: [&str; 11] = [
     "suffix",
 ];
 
-/// Output limits lowered by what was generated before a continuation.
-const LIMITS: [&str; 3] = ["max_completion_tokens", "max_tokens", "min_tokens"];
+/// Output limits lowered by what was generated before a continuation, with the least each may
+/// become (an engine refuses a maximum of 0; a minimum already generated is 0).
+const LIMITS: [(&str, u64); 3] = [
+    ("max_completion_tokens", 1),
+    ("max_tokens", 1),
+    ("min_tokens", 0),
+];
 
 /// Whether a request's stream can be continued after preemption (see the module doc).
 pub fn resumable(endpoint: Endpoint, body: &Value, stream: bool) -> bool {
@@ -57,9 +62,9 @@ pub fn resumable(endpoint: Endpoint, body: &Value, stream: bool) -> bool {
 /// The body that continues `body` after `text` (`tokens` of it) was generated.
 pub fn continued(endpoint: Endpoint, body: &Value, text: &str, tokens: u64) -> Value {
     let mut next = body.clone();
-    for limit in LIMITS {
+    for (limit, least) in LIMITS {
         if let Some(n) = next[limit].as_u64() {
-            next[limit] = json!(n.saturating_sub(tokens).max(1));
+            next[limit] = json!(n.saturating_sub(tokens).max(least));
         }
     }
     match endpoint {
@@ -73,8 +78,7 @@ pub fn continued(endpoint: Endpoint, body: &Value, text: &str, tokens: u64) -> V
             match messages {
                 Some(m) if already_continuing => {
                     if let Some(last) = m.last_mut() {
-                        let before = last["content"].as_str().unwrap_or_default();
-                        last["content"] = json!(format!("{before}{text}"));
+                        append(&mut last["content"], text);
                     }
                 }
                 Some(m) => m.push(json!({"role": "assistant", "content": text})),
@@ -85,6 +89,24 @@ pub fn continued(endpoint: Endpoint, body: &Value, text: &str, tokens: u64) -> V
         }
     }
     next
+}
+
+/// Appends generated text to the final message the caller asked to continue, whichever shape
+/// its content has: a string, or parts (the text goes into the last text part, as engines join
+/// parts with a newline; after a non-text part, into a new one).
+fn append(content: &mut Value, text: &str) {
+    if let Some(parts) = content.as_array_mut() {
+        match parts.last_mut() {
+            Some(part) if part["type"] == "text" => {
+                let before = part["text"].as_str().unwrap_or_default();
+                part["text"] = json!(format!("{before}{text}"));
+            }
+            _ => parts.push(json!({"type": "text", "text": text})),
+        }
+        return;
+    }
+    let before = content.as_str().unwrap_or_default();
+    *content = json!(format!("{before}{text}"));
 }
 
 /// Follows a stream across its segments: collects the generated text (for the continuation),
@@ -105,7 +127,9 @@ pub struct Splice {
     /// Prompt tokens the current segment's prompt has beyond the original (the generated
     /// text, counted with the pool's tokenizer).
     prompt_extra: u64,
-    /// It streamed something a continuation would not reproduce (reasoning, tool calls).
+    /// It streamed something a continuation would not reproduce (reasoning, tool calls), or
+    /// the end of its answer (a finish reason, usage, `[DONE]`): there is nothing to go on
+    /// with, and a continuation would stream after the client's end of stream.
     unresumable: bool,
 }
 
@@ -124,8 +148,10 @@ impl Splice {
         }
     }
 
+    /// Whether the stream can be continued now: nothing unresumable streamed, and the client
+    /// has no half event (a continuation starts with a new one).
     pub fn resumable(&self) -> bool {
-        !self.unresumable
+        !self.unresumable && self.partial.is_empty()
     }
 
     /// The text generated so far.
@@ -182,12 +208,21 @@ impl Splice {
     fn line(&mut self, line: &[u8]) -> Option<Vec<u8>> {
         let text = std::str::from_utf8(line).ok()?;
         let data = text.trim_end().strip_prefix("data:")?.trim_start();
+        if data == "[DONE]" {
+            self.unresumable = true;
+            return None;
+        }
         let mut event: Value = serde_json::from_str(data).ok()?;
+        // The last usage chunk (continuous usage stats ride on chunks with choices).
+        if !event["usage"].is_null() && event["choices"].as_array().is_none_or(Vec::is_empty) {
+            self.unresumable = true;
+        }
         for choice in event["choices"].as_array().into_iter().flatten() {
             let delta = &choice["delta"];
             if !delta["tool_calls"].is_null()
                 || !delta["reasoning_content"].is_null()
                 || !delta["reasoning"].is_null()
+                || !choice["finish_reason"].is_null()
             {
                 self.unresumable = true;
             }
@@ -315,6 +350,50 @@ mod tests {
     }
 
     #[test]
+    fn a_caller_s_own_final_message_in_parts_keeps_its_prefix_and_min_tokens_may_reach_zero() {
+        let chat = json!({
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "text", "text": "Sure,"}]},
+            ],
+            "continue_final_message": true,
+            "add_generation_prompt": false,
+            "min_tokens": 2,
+        });
+        let next = continued(Endpoint::ChatCompletions, &chat, " here", 3);
+        assert_eq!(next["messages"].as_array().map(Vec::len), Some(2));
+        assert_eq!(
+            next["messages"][1]["content"],
+            json!([{"type": "text", "text": "Sure, here"}]),
+            "the caller's prefix stays, the text follows it in the same part"
+        );
+        assert_eq!(next["min_tokens"], 0, "its minimum was already generated");
+    }
+
+    #[test]
+    fn a_stream_that_has_finished_or_stopped_mid_event_is_not_resumed() {
+        let content =
+            "data: {\"choices\":[{\"delta\":{\"content\":\" a\"},\"finish_reason\":null}]}\n\n";
+        let ends = [
+            "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n",
+            "data: [DONE]\n\n",
+            // Half an event: the client has a partial line a continuation cannot complete.
+            "data: {\"choices\":[{\"delta\":{\"content\":\" b",
+        ];
+        let continuous_usage = "data: {\"choices\":[{\"delta\":{\"content\":\" c\"}}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n";
+        for end in ends {
+            let mut s = Splice::new(Encoding::Cl100kBase);
+            s.feed(&chunk(content));
+            s.feed(&chunk(continuous_usage));
+            assert!(s.resumable(), "mid-answer it can go on");
+            s.feed(&chunk(end));
+            assert!(!s.resumable(), "{end}");
+        }
+    }
+
+    #[test]
     fn later_segments_read_as_the_first() {
         let mut s = Splice::new(Encoding::Cl100kBase);
         let first = chunk(
@@ -352,10 +431,11 @@ mod tests {
         assert!(text.contains("\"total_tokens\":13"));
         assert!(text.contains("\"cached_tokens\":10"), "{text}");
         assert!(text.ends_with("data: [DONE]\n\n"));
-        assert!(s.resumable());
-        s.feed(&chunk(
+        let mut tools = Splice::new(Encoding::Cl100kBase);
+        assert!(tools.resumable());
+        tools.feed(&chunk(
             "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{}]}}]}\n\n",
         ));
-        assert!(!s.resumable());
+        assert!(!tools.resumable());
     }
 }
