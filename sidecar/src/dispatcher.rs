@@ -157,6 +157,7 @@ impl Assignment {
         let _ = self.events.send(Event::Resized {
             pool: self.pool,
             replica: self.replica,
+            ticket: self.ticket,
             tenant: self.tenant.clone(),
             from: self.kv_held,
             to: kv,
@@ -220,6 +221,7 @@ pub enum Event {
     Resized {
         pool: usize,
         replica: ReplicaId,
+        ticket: Ticket,
         tenant: String,
         from: u64,
         to: u64,
@@ -466,12 +468,22 @@ impl Dispatcher {
             Event::Resized {
                 pool,
                 replica,
+                ticket,
                 tenant: t,
                 from,
                 to,
             } => {
                 self.adjust_hold(pool, replica, &t, 0, from);
                 self.adjust_hold(pool, replica, &t, to, 0);
+                // Preempted, it goes on from what it holds now (its prompt and what it has
+                // generated), not from its first prediction.
+                if let Some(r) = self.preemptible.get_mut(pool).and_then(|running| {
+                    running
+                        .iter_mut()
+                        .find(|r| r.replica == replica && r.ticket == ticket)
+                }) {
+                    r.job.kv_need = to;
+                }
             }
             Event::Finished {
                 pool,
@@ -1739,6 +1751,39 @@ mod tests {
             20.0,
             "its prompt charged once"
         );
+    }
+
+    #[test]
+    fn a_preempted_stream_that_ran_past_its_prediction_is_dispatched_again_with_its_grown_hold() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 10;
+        let (mut b, mut b_rx) = job("b", "standard", 10);
+        (b.priority, b.preemptible) = (Priority::Batch, true);
+        d.apply(Event::Enqueue(b));
+        d.dispatch(0);
+        let mut running = assigned(&mut b_rx);
+        let mut word = running.take_preemption().unwrap();
+        running.started(10);
+        // Past its prediction, its relay grew the hold to what the replica holds.
+        running.resize(40);
+        settle(&mut d, &mut events);
+        let (i, mut i_rx) = job("i", "standard", 10);
+        d.apply(Event::Enqueue(i));
+        d.dispatch(0);
+        d.preempt(0, 100);
+        let mut requeued = word.try_recv().expect("preempted");
+        drop(running);
+        settle(&mut d, &mut events);
+        drop(assigned(&mut i_rx));
+        settle(&mut d, &mut events);
+        let again = assigned(&mut requeued);
+        println!("hold after resuming: {}", again.kv_held());
+        assert_eq!(again.kv_held(), 40, "it goes on from what it had generated");
+        assert_eq!(d.pools[0].replicas[0].reserved, 40);
+        assert_eq!(d.tenant_kv["b"], 40);
+        drop(again);
+        settle(&mut d, &mut events);
+        assert_eq!(d.pools[0].replicas[0].reserved, 0);
     }
 
     #[test]
