@@ -124,8 +124,9 @@ pub struct Splice {
     /// Output tokens generated before the current segment (weir's count: those streams were
     /// aborted before their usage chunk).
     before: u64,
-    /// Prompt tokens the current segment's prompt has beyond the original (the generated
-    /// text, counted with the pool's tokenizer).
+    /// Prompt tokens the current segment's prompt has beyond the original: the generated text
+    /// counted with the pool's tokenizer, at most the tokens generated (a tokenizer that splits
+    /// the text finer than the engine must not bill less than the engine reported).
     prompt_extra: u64,
     /// It streamed something a continuation would not reproduce (reasoning, tool calls), or
     /// the end of its answer (a finish reason, usage, `[DONE]`): there is nothing to go on
@@ -167,7 +168,8 @@ impl Splice {
         self.prompt_extra = self
             .encoding
             .encode(&self.text)
-            .map_or(before, |ids| ids.len() as u64);
+            .map_or(before, |ids| ids.len() as u64)
+            .min(before);
     }
 
     /// Reads a chunk of the current segment; returns what the client gets: the chunk itself
@@ -391,6 +393,30 @@ mod tests {
             s.feed(&chunk(end));
             assert!(!s.resumable(), "{end}");
         }
+    }
+
+    #[test]
+    fn the_prompt_is_restated_less_no_more_than_the_tokens_generated() {
+        // Generated text the pool's tokenizer splits finer than the engine did: 40 emoji
+        // streamed as 40 tokens, more for cl100k. Taking the tokenizer's count off the engine's
+        // prompt would bill less than the engine reported for the last segment alone.
+        let mut s = Splice::new(Encoding::Cl100kBase);
+        let piece = "data: {\"choices\":[{\"delta\":{\"content\":\"\u{1F600}\"}}]}\n\n";
+        for _ in 0..40 {
+            s.feed(&chunk(piece));
+        }
+        let counted = Encoding::Cl100kBase.encode(s.text()).map(|t| t.len());
+        s.next_segment(40);
+        let usage = s.feed(&chunk(
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":140,\"completion_tokens\":5,\"total_tokens\":145}}\n\n",
+        ));
+        let text = std::str::from_utf8(&usage).unwrap();
+        println!("tokenizer count {counted:?} for 40 generated; restated {text}");
+        assert!(counted.is_ok_and(|n| n > 40));
+        assert!(
+            text.contains("\"prompt_tokens\":100") && text.contains("\"total_tokens\":145"),
+            "{text}"
+        );
     }
 
     #[test]
