@@ -70,10 +70,11 @@ struct Running {
     preempt: oneshot::Sender<Requeued>,
 }
 
-/// A preemption signalled whose room has not come back yet.
+/// A preemption signalled whose room has not come back yet: it comes back when that dispatch
+/// (not another of the tenant's on the replica) finishes.
 struct Pending {
     replica: ReplicaId,
-    tenant: String,
+    ticket: Ticket,
     signalled_ms: u64,
 }
 
@@ -173,6 +174,7 @@ impl Assignment {
         let _ = self.events.send(Event::Finished {
             pool: self.pool,
             replica: self.replica,
+            ticket: self.ticket,
             tenant: std::mem::take(&mut self.tenant),
             kv_need: self.kv_held,
             sequences: self.sequences,
@@ -230,6 +232,7 @@ pub enum Event {
     Finished {
         pool: usize,
         replica: ReplicaId,
+        ticket: Ticket,
         tenant: String,
         kv_need: u64,
         sequences: u64,
@@ -488,6 +491,7 @@ impl Dispatcher {
             Event::Finished {
                 pool,
                 replica,
+                ticket,
                 tenant: t,
                 kv_need,
                 sequences,
@@ -502,7 +506,7 @@ impl Dispatcher {
                 if let Some(pending) = self.preempting.get_mut(pool)
                     && let Some(i) = pending
                         .iter()
-                        .position(|p| p.replica == replica && p.tenant == t)
+                        .position(|p| p.replica == replica && p.ticket == ticket)
                 {
                     pending.swap_remove(i);
                 }
@@ -1231,6 +1235,7 @@ impl Dispatcher {
         for i in victims {
             let Running {
                 replica,
+                ticket,
                 mut job,
                 preempt,
                 ..
@@ -1252,7 +1257,7 @@ impl Dispatcher {
                 .inc();
             pending.push(Pending {
                 replica,
-                tenant: t.clone(),
+                ticket,
                 signalled_ms: now,
             });
             let (weights, priority) = (job.weights.clone(), job.priority);
@@ -1784,6 +1789,49 @@ mod tests {
         drop(again);
         settle(&mut d, &mut events);
         assert_eq!(d.pools[0].replicas[0].reserved, 0);
+    }
+
+    #[test]
+    fn another_stream_of_the_preempted_tenant_ending_does_not_start_a_second_preemption() {
+        let (mut d, mut events) = dispatcher(100);
+        d.queue.preempt_batch_after_ms = 10;
+        let budget = d.pools[0].replicas[0].kv_budget;
+        let unit = budget / 10;
+        let mut batch = |d: &mut Dispatcher, kv, preemptible, arrived| {
+            let (mut b, mut rx) = job("b", "standard", kv);
+            (b.priority, b.preemptible, b.arrived_ms) = (Priority::Batch, preemptible, arrived);
+            d.apply(Event::Enqueue(b));
+            d.dispatch(0);
+            let mut a = assigned(&mut rx);
+            a.started(10);
+            a
+        };
+        let mut older = batch(&mut d, 4 * unit, true, 0);
+        let mut newer = batch(&mut d, 4 * unit, true, 1);
+        let short = batch(&mut d, unit, false, 2);
+        settle(&mut d, &mut events);
+        let (mut older_word, mut newer_word) = (
+            older.take_preemption().unwrap(),
+            newer.take_preemption().unwrap(),
+        );
+        // Interactive work that fits once one 4-unit stream goes.
+        let (i, mut i_rx) = job("i", "standard", 5 * unit);
+        d.apply(Event::Enqueue(i));
+        d.dispatch(0);
+        assert!(i_rx.try_recv().is_err(), "no room");
+        d.preempt(0, 100);
+        let _requeued = newer_word.try_recv().expect("the latest arrived goes");
+        // The tenant's short stream ends before the preempted one's relay lets it go.
+        drop(short);
+        settle(&mut d, &mut events);
+        d.preempt(0, 100);
+        assert!(
+            older_word.try_recv().is_err(),
+            "one preemption frees the room: no second victim while it is under way"
+        );
+        drop(newer);
+        settle(&mut d, &mut events);
+        assigned(&mut i_rx);
     }
 
     #[test]
