@@ -63,9 +63,10 @@ struct Running {
     replica: ReplicaId,
     ticket: Ticket,
     dispatched_ms: u64,
-    /// The engine has started it (its first bytes came): it has generated something to go on
-    /// from, so preempting it loses no progress.
-    started: bool,
+    /// When the engine started it (its first bytes came, on the dispatcher's clock): it has
+    /// generated something to go on from. The preemption bound runs from then, not from its
+    /// dispatch, so a stream whose (re-)prefill was long decodes before it can go again.
+    started_ms: Option<u64>,
     job: Job,
     preempt: oneshot::Sender<Requeued>,
 }
@@ -551,7 +552,7 @@ impl Dispatcher {
                         .iter_mut()
                         .find(|r| r.replica == replica && r.ticket == ticket)
                 {
-                    r.started = true;
+                    r.started_ms = Some(r.dispatched_ms + ttfb_ms as u64);
                 }
                 self.update_limits(pool, replica);
             }
@@ -1146,7 +1147,7 @@ impl Dispatcher {
                 replica,
                 ticket,
                 dispatched_ms: now,
-                started: false,
+                started_ms: None,
                 job,
                 preempt,
             });
@@ -1158,7 +1159,7 @@ impl Dispatcher {
     /// order, that has waited `queue.preempt_batch_after_ms` and fits no replica: on the
     /// replica where the fewest streams free room for it, the latest arrived first (as vLLM
     /// picks its own victims: the least generated, so the least to prefill again), each having
-    /// run at least that long since its last dispatch, and started (so a resumed stream makes
+    /// streamed at least that long since its engine last started it (so a resumed stream makes
     /// progress before it can be preempted again). Each is
     /// queued again at the head of its tenant's batch queue and its relay told; the room comes
     /// back when the relay lets the stream go. One preemption at a time per pool.
@@ -1207,7 +1208,7 @@ impl Dispatcher {
                 let mut candidates: Vec<usize> = (0..running.len())
                     .filter(|&i| {
                         let c = &running[i];
-                        c.replica == r.id && c.started && waited(c.dispatched_ms)
+                        c.replica == r.id && c.started_ms.is_some_and(waited)
                     })
                     .collect();
                 candidates.sort_by_key(|&i| std::cmp::Reverse(running[i].job.arrived_ms));
@@ -1832,6 +1833,39 @@ mod tests {
         drop(newer);
         settle(&mut d, &mut events);
         assigned(&mut i_rx);
+    }
+
+    #[test]
+    fn a_stream_runs_the_preemption_bound_from_its_first_byte_not_its_dispatch() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 500;
+        let (mut b, mut b_rx) = job("b", "standard", 10);
+        (b.priority, b.preemptible) = (Priority::Batch, true);
+        d.apply(Event::Enqueue(b));
+        d.dispatch(0);
+        let mut running = assigned(&mut b_rx);
+        let mut word = running.take_preemption().unwrap();
+        settle(&mut d, &mut events);
+        // A long (re-)prefill: its first byte comes 900 ms after its dispatch.
+        d.apply(Event::FirstByte {
+            pool: 0,
+            replica: running.replica,
+            ticket: running.ticket,
+            ttfb_ms: 900.0,
+            prompt_tokens: 10,
+        });
+        let (mut i, _i_rx) = job("i", "standard", 10);
+        i.arrived_ms = 0;
+        d.apply(Event::Enqueue(i));
+        d.dispatch(0);
+        d.preempt(0, 1_000);
+        assert!(
+            word.try_recv().is_err(),
+            "100 ms of decoding: preempted now, it would prefill again for a token or two"
+        );
+        d.preempt(0, 1_400);
+        word.try_recv()
+            .expect("500 ms after its first byte it may go");
     }
 
     #[test]
