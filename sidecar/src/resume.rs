@@ -11,8 +11,9 @@
 //! rewritten as the client first saw it ([`Splice`]): the first segment's chunk `id` and
 //! `created`, no second `role` delta, and a usage chunk with the original prompt and every
 //! token generated. Requests that cannot be continued this way (not streamed, other APIs,
-//! several answers, tools, structured output, log-probabilities, token-id prompts) are never
-//! preempted; one that turns out to stream reasoning or tool calls is left running.
+//! several answers, tools, structured output, log-probabilities, token-id prompts, chats without
+//! a generation prompt that continue no final message) are never preempted; one that turns
+//! out to stream reasoning or tool calls, or whose answer has ended, is left running.
 
 use axum::body::Bytes;
 use serde_json::{Map, Value, json};
@@ -51,8 +52,12 @@ pub fn resumable(endpoint: Endpoint, body: &Value, stream: bool) -> bool {
     let plain = NOT_RESUMABLE
         .iter()
         .all(|f| body[*f].is_null() || body[*f] == Value::Bool(false));
+    // A chat its caller left without a generation prompt, and not continuing its final
+    // message, has the model go on from the raw chat: a continuation would open a turn.
+    let framed = body["add_generation_prompt"] != Value::Bool(false)
+        || body["continue_final_message"] == Value::Bool(true);
     let prompt = match endpoint {
-        Endpoint::ChatCompletions => body["messages"].is_array(),
+        Endpoint::ChatCompletions => body["messages"].is_array() && framed,
         Endpoint::Completions => body["prompt"].is_string(),
         _ => false,
     };
@@ -327,6 +332,18 @@ mod tests {
             &json!({"input": "a"}),
             true
         ));
+    }
+
+    #[test]
+    fn a_chat_left_unframed_by_its_caller_is_not_resumed() {
+        // No generation prompt and no final message to continue: the model continues the raw
+        // chat; a continuation would open an assistant turn it never had.
+        let raw = json!({"messages": [{"role": "user", "content": "hi"}],
+                         "add_generation_prompt": false});
+        assert!(!resumable(Endpoint::ChatCompletions, &raw, true));
+        let prefilled = json!({"messages": [{"role": "assistant", "content": "Sure"}],
+                               "add_generation_prompt": false, "continue_final_message": true});
+        assert!(resumable(Endpoint::ChatCompletions, &prefilled, true));
     }
 
     #[test]
