@@ -16,6 +16,7 @@
 //! out to stream reasoning or tool calls, or whose answer has ended, is left running.
 
 use axum::body::Bytes;
+use axum::http::HeaderValue;
 use serde_json::{Map, Value, json};
 use weir_core::endpoint::Endpoint;
 use weir_core::tokens::Encoding;
@@ -114,6 +115,14 @@ fn append(content: &mut Value, text: &str) {
     *content = json!(format!("{before}{text}"));
 }
 
+/// The engine request id (`x-request-id`) of a segment after the first: a new engine request,
+/// so not the id of the aborted one, which the engine may still be aborting (vLLM refuses an id
+/// it runs, and an abort in flight can hit the newcomer that reuses it).
+pub fn segment_id(id: &HeaderValue, segment: u32) -> Option<HeaderValue> {
+    let id = id.to_str().ok()?;
+    HeaderValue::from_str(&format!("{id}.resume-{segment}")).ok()
+}
+
 /// Follows a stream across its segments: collects the generated text (for the continuation),
 /// and rewrites every segment after the first as the continuation of the first.
 pub struct Splice {
@@ -158,6 +167,11 @@ impl Splice {
     /// has no half event (a continuation starts with a new one).
     pub fn resumable(&self) -> bool {
         !self.unresumable && self.partial.is_empty()
+    }
+
+    /// Which segment is streaming (0: the first).
+    pub fn segment(&self) -> u32 {
+        self.segment
     }
 
     /// The text generated so far.
@@ -434,6 +448,13 @@ mod tests {
             text.contains("\"prompt_tokens\":100") && text.contains("\"total_tokens\":145"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn each_segment_is_its_own_engine_request() {
+        let id = HeaderValue::from_static("trace.att-1");
+        let ids: Vec<_> = (1..=2).filter_map(|n| segment_id(&id, n)).collect();
+        assert_eq!(ids, ["trace.att-1.resume-1", "trace.att-1.resume-2"]);
     }
 
     #[test]
