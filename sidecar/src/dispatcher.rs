@@ -1759,23 +1759,36 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_preempted_stream_that_ran_past_its_prediction_is_dispatched_again_with_its_grown_hold() {
-        let (mut d, mut events) = slotted(1, 1);
-        d.queue.preempt_batch_after_ms = 10;
+    /// A preemptible batch stream of tenant `b` (10 KV tokens), dispatched, and the word of
+    /// its preemption.
+    fn preemptible_stream(d: &mut Dispatcher) -> (Assignment, oneshot::Receiver<Requeued>) {
         let (mut b, mut b_rx) = job("b", "standard", 10);
         (b.priority, b.preemptible) = (Priority::Batch, true);
         d.apply(Event::Enqueue(b));
         d.dispatch(0);
         let mut running = assigned(&mut b_rx);
-        let mut word = running.take_preemption().unwrap();
+        let word = running.take_preemption().unwrap();
+        (running, word)
+    }
+
+    /// An interactive request (10 KV tokens) of tenant `i`, queued.
+    fn waiting_interactive(d: &mut Dispatcher) -> Reply {
+        let (i, i_rx) = job("i", "standard", 10);
+        d.apply(Event::Enqueue(i));
+        d.dispatch(0);
+        i_rx
+    }
+
+    #[test]
+    fn a_preempted_stream_that_ran_past_its_prediction_is_dispatched_again_with_its_grown_hold() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 10;
+        let (mut running, mut word) = preemptible_stream(&mut d);
         running.started(10);
         // Past its prediction, its relay grew the hold to what the replica holds.
         running.resize(40);
         settle(&mut d, &mut events);
-        let (i, mut i_rx) = job("i", "standard", 10);
-        d.apply(Event::Enqueue(i));
-        d.dispatch(0);
+        let mut i_rx = waiting_interactive(&mut d);
         d.preempt(0, 100);
         let mut requeued = word.try_recv().expect("preempted");
         drop(running);
@@ -1798,12 +1811,12 @@ mod tests {
         d.queue.preempt_batch_after_ms = 10;
         let budget = d.pools[0].replicas[0].kv_budget;
         let unit = budget / 10;
-        let mut batch = |d: &mut Dispatcher, kv, preemptible, arrived| {
+        let batch = |d: &mut Dispatcher, kv, preemptible, arrived| {
             let (mut b, mut rx) = job("b", "standard", kv);
             (b.priority, b.preemptible, b.arrived_ms) = (Priority::Batch, preemptible, arrived);
             d.apply(Event::Enqueue(b));
             d.dispatch(0);
-            let mut a = assigned(&mut rx);
+            let a = assigned(&mut rx);
             a.started(10);
             a
         };
@@ -1839,12 +1852,7 @@ mod tests {
     fn a_stream_runs_the_preemption_bound_from_its_first_byte_not_its_dispatch() {
         let (mut d, mut events) = slotted(1, 1);
         d.queue.preempt_batch_after_ms = 500;
-        let (mut b, mut b_rx) = job("b", "standard", 10);
-        (b.priority, b.preemptible) = (Priority::Batch, true);
-        d.apply(Event::Enqueue(b));
-        d.dispatch(0);
-        let mut running = assigned(&mut b_rx);
-        let mut word = running.take_preemption().unwrap();
+        let (running, mut word) = preemptible_stream(&mut d);
         settle(&mut d, &mut events);
         // A long (re-)prefill: its first byte comes 900 ms after its dispatch.
         d.apply(Event::FirstByte {
@@ -1854,10 +1862,7 @@ mod tests {
             ttfb_ms: 900.0,
             prompt_tokens: 10,
         });
-        let (mut i, _i_rx) = job("i", "standard", 10);
-        i.arrived_ms = 0;
-        d.apply(Event::Enqueue(i));
-        d.dispatch(0);
+        let _i_rx = waiting_interactive(&mut d);
         d.preempt(0, 1_000);
         assert!(
             word.try_recv().is_err(),
@@ -1872,17 +1877,10 @@ mod tests {
     fn a_preempted_request_whose_client_left_is_dropped_and_its_room_comes_back_once() {
         let (mut d, mut events) = slotted(1, 1);
         d.queue.preempt_batch_after_ms = 10;
-        let (mut b, mut b_rx) = job("b", "standard", 10);
-        (b.priority, b.preemptible) = (Priority::Batch, true);
-        d.apply(Event::Enqueue(b));
-        d.dispatch(0);
-        let mut running = assigned(&mut b_rx);
-        let mut word = running.take_preemption().unwrap();
+        let (running, mut word) = preemptible_stream(&mut d);
         running.started(10);
         settle(&mut d, &mut events);
-        let (i, mut i_rx) = job("i", "standard", 10);
-        d.apply(Event::Enqueue(i));
-        d.dispatch(0);
+        let mut i_rx = waiting_interactive(&mut d);
         // Turned off by a reload: nothing is preempted; turned on again, it is.
         let reload = |d: &mut Dispatcher, after| {
             let queue = QueueConfig {
