@@ -247,9 +247,27 @@ async fn interactive_work_preempts_batch_streams_which_still_complete_billed_onc
     assert!(preempted >= 1.0, "batch streams were preempted");
     // Each preempted stream went on where it stopped: its text as the final assistant message,
     // continued (vLLM's fields), asked for what remained.
-    let continued: Vec<Value> = sim
-        .received()
-        .await
+    let received = sim.received().await;
+    // Each continuation is a new engine request: its engine request id (vLLM takes
+    // `x-request-id` as its own) is not the aborted segment's, which the engine may still be
+    // aborting (vLLM refuses a running id, or aborts the newcomer with the old one).
+    let engine_ids: Vec<&str> = received
+        .iter()
+        .filter_map(|r| r["headers"]["x-request-id"].as_str())
+        .filter(|id| id.contains("-bulk-"))
+        .collect();
+    let distinct: std::collections::BTreeSet<&str> = engine_ids.iter().copied().collect();
+    println!(
+        "{} batch engine requests, {} distinct engine request ids",
+        engine_ids.len(),
+        distinct.len()
+    );
+    let reused: Vec<&&str> = engine_ids
+        .iter()
+        .filter(|id| engine_ids.iter().filter(|o| o == id).count() > 1)
+        .collect();
+    assert!(reused.is_empty(), "engine request ids reused: {reused:?}");
+    let continued: Vec<Value> = received
         .into_iter()
         .map(|r| r["body"].clone())
         .filter(|b| b["continue_final_message"] == true)

@@ -63,17 +63,19 @@ struct Running {
     replica: ReplicaId,
     ticket: Ticket,
     dispatched_ms: u64,
-    /// The engine has started it (its first bytes came): it has generated something to go on
-    /// from, so preempting it loses no progress.
-    started: bool,
+    /// When the engine started it (its first bytes came, on the dispatcher's clock): it has
+    /// generated something to go on from. The preemption bound runs from then, not from its
+    /// dispatch, so a stream whose (re-)prefill was long decodes before it can go again.
+    started_ms: Option<u64>,
     job: Job,
     preempt: oneshot::Sender<Requeued>,
 }
 
-/// A preemption signalled whose room has not come back yet.
+/// A preemption signalled whose room has not come back yet: it comes back when that dispatch
+/// (not another of the tenant's on the replica) finishes.
 struct Pending {
     replica: ReplicaId,
-    tenant: String,
+    ticket: Ticket,
     signalled_ms: u64,
 }
 
@@ -157,6 +159,7 @@ impl Assignment {
         let _ = self.events.send(Event::Resized {
             pool: self.pool,
             replica: self.replica,
+            ticket: self.ticket,
             tenant: self.tenant.clone(),
             from: self.kv_held,
             to: kv,
@@ -172,6 +175,7 @@ impl Assignment {
         let _ = self.events.send(Event::Finished {
             pool: self.pool,
             replica: self.replica,
+            ticket: self.ticket,
             tenant: std::mem::take(&mut self.tenant),
             kv_need: self.kv_held,
             sequences: self.sequences,
@@ -220,6 +224,7 @@ pub enum Event {
     Resized {
         pool: usize,
         replica: ReplicaId,
+        ticket: Ticket,
         tenant: String,
         from: u64,
         to: u64,
@@ -228,6 +233,7 @@ pub enum Event {
     Finished {
         pool: usize,
         replica: ReplicaId,
+        ticket: Ticket,
         tenant: String,
         kv_need: u64,
         sequences: u64,
@@ -466,16 +472,27 @@ impl Dispatcher {
             Event::Resized {
                 pool,
                 replica,
+                ticket,
                 tenant: t,
                 from,
                 to,
             } => {
                 self.adjust_hold(pool, replica, &t, 0, from);
                 self.adjust_hold(pool, replica, &t, to, 0);
+                // Preempted, it goes on from what it holds now (its prompt and what it has
+                // generated), not from its first prediction.
+                if let Some(r) = self.preemptible.get_mut(pool).and_then(|running| {
+                    running
+                        .iter_mut()
+                        .find(|r| r.replica == replica && r.ticket == ticket)
+                }) {
+                    r.job.kv_need = to;
+                }
             }
             Event::Finished {
                 pool,
                 replica,
+                ticket,
                 tenant: t,
                 kv_need,
                 sequences,
@@ -490,7 +507,7 @@ impl Dispatcher {
                 if let Some(pending) = self.preempting.get_mut(pool)
                     && let Some(i) = pending
                         .iter()
-                        .position(|p| p.replica == replica && p.tenant == t)
+                        .position(|p| p.replica == replica && p.ticket == ticket)
                 {
                     pending.swap_remove(i);
                 }
@@ -535,7 +552,7 @@ impl Dispatcher {
                         .iter_mut()
                         .find(|r| r.replica == replica && r.ticket == ticket)
                 {
-                    r.started = true;
+                    r.started_ms = Some(r.dispatched_ms + ttfb_ms as u64);
                 }
                 self.update_limits(pool, replica);
             }
@@ -1138,7 +1155,7 @@ impl Dispatcher {
                 replica,
                 ticket,
                 dispatched_ms: now,
-                started: false,
+                started_ms: None,
                 job,
                 preempt,
             });
@@ -1150,7 +1167,7 @@ impl Dispatcher {
     /// order, that has waited `queue.preempt_batch_after_ms` and fits no replica: on the
     /// replica where the fewest streams free room for it, the latest arrived first (as vLLM
     /// picks its own victims: the least generated, so the least to prefill again), each having
-    /// run at least that long since its last dispatch, and started (so a resumed stream makes
+    /// streamed at least that long since its engine last started it (so a resumed stream makes
     /// progress before it can be preempted again). Each is
     /// queued again at the head of its tenant's batch queue and its relay told; the room comes
     /// back when the relay lets the stream go. One preemption at a time per pool.
@@ -1199,7 +1216,7 @@ impl Dispatcher {
                 let mut candidates: Vec<usize> = (0..running.len())
                     .filter(|&i| {
                         let c = &running[i];
-                        c.replica == r.id && c.started && waited(c.dispatched_ms)
+                        c.replica == r.id && c.started_ms.is_some_and(waited)
                     })
                     .collect();
                 candidates.sort_by_key(|&i| std::cmp::Reverse(running[i].job.arrived_ms));
@@ -1227,6 +1244,7 @@ impl Dispatcher {
         for i in victims {
             let Running {
                 replica,
+                ticket,
                 mut job,
                 preempt,
                 ..
@@ -1248,7 +1266,7 @@ impl Dispatcher {
                 .inc();
             pending.push(Pending {
                 replica,
-                tenant: t.clone(),
+                ticket,
                 signalled_ms: now,
             });
             let (weights, priority) = (job.weights.clone(), job.priority);
@@ -1771,21 +1789,128 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_preempted_request_whose_client_left_is_dropped_and_its_room_comes_back_once() {
-        let (mut d, mut events) = slotted(1, 1);
-        d.queue.preempt_batch_after_ms = 10;
+    /// A preemptible batch stream of tenant `b` (10 KV tokens), dispatched, and the word of
+    /// its preemption.
+    fn preemptible_stream(d: &mut Dispatcher) -> (Assignment, oneshot::Receiver<Requeued>) {
         let (mut b, mut b_rx) = job("b", "standard", 10);
         (b.priority, b.preemptible) = (Priority::Batch, true);
         d.apply(Event::Enqueue(b));
         d.dispatch(0);
         let mut running = assigned(&mut b_rx);
-        let mut word = running.take_preemption().unwrap();
-        running.started(10);
-        settle(&mut d, &mut events);
-        let (i, mut i_rx) = job("i", "standard", 10);
+        let word = running.take_preemption().unwrap();
+        (running, word)
+    }
+
+    /// An interactive request (10 KV tokens) of tenant `i`, queued.
+    fn waiting_interactive(d: &mut Dispatcher) -> Reply {
+        let (i, i_rx) = job("i", "standard", 10);
         d.apply(Event::Enqueue(i));
         d.dispatch(0);
+        i_rx
+    }
+
+    #[test]
+    fn a_preempted_stream_that_ran_past_its_prediction_is_dispatched_again_with_its_grown_hold() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 10;
+        let (mut running, mut word) = preemptible_stream(&mut d);
+        running.started(10);
+        // Past its prediction, its relay grew the hold to what the replica holds.
+        running.resize(40);
+        settle(&mut d, &mut events);
+        let mut i_rx = waiting_interactive(&mut d);
+        d.preempt(0, 100);
+        let mut requeued = word.try_recv().expect("preempted");
+        drop(running);
+        settle(&mut d, &mut events);
+        drop(assigned(&mut i_rx));
+        settle(&mut d, &mut events);
+        let again = assigned(&mut requeued);
+        println!("hold after resuming: {}", again.kv_held());
+        assert_eq!(again.kv_held(), 40, "it goes on from what it had generated");
+        assert_eq!(d.pools[0].replicas[0].reserved, 40);
+        assert_eq!(d.tenant_kv["b"], 40);
+        drop(again);
+        settle(&mut d, &mut events);
+        assert_eq!(d.pools[0].replicas[0].reserved, 0);
+    }
+
+    #[test]
+    fn another_stream_of_the_preempted_tenant_ending_does_not_start_a_second_preemption() {
+        let (mut d, mut events) = dispatcher(100);
+        d.queue.preempt_batch_after_ms = 10;
+        let budget = d.pools[0].replicas[0].kv_budget;
+        let unit = budget / 10;
+        let batch = |d: &mut Dispatcher, kv, preemptible, arrived| {
+            let (mut b, mut rx) = job("b", "standard", kv);
+            (b.priority, b.preemptible, b.arrived_ms) = (Priority::Batch, preemptible, arrived);
+            d.apply(Event::Enqueue(b));
+            d.dispatch(0);
+            let a = assigned(&mut rx);
+            a.started(10);
+            a
+        };
+        let mut older = batch(&mut d, 4 * unit, true, 0);
+        let mut newer = batch(&mut d, 4 * unit, true, 1);
+        let short = batch(&mut d, unit, false, 2);
+        settle(&mut d, &mut events);
+        let (mut older_word, mut newer_word) = (
+            older.take_preemption().unwrap(),
+            newer.take_preemption().unwrap(),
+        );
+        // Interactive work that fits once one 4-unit stream goes.
+        let (i, mut i_rx) = job("i", "standard", 5 * unit);
+        d.apply(Event::Enqueue(i));
+        d.dispatch(0);
+        assert!(i_rx.try_recv().is_err(), "no room");
+        d.preempt(0, 100);
+        let _requeued = newer_word.try_recv().expect("the latest arrived goes");
+        // The tenant's short stream ends before the preempted one's relay lets it go.
+        drop(short);
+        settle(&mut d, &mut events);
+        d.preempt(0, 100);
+        assert!(
+            older_word.try_recv().is_err(),
+            "one preemption frees the room: no second victim while it is under way"
+        );
+        drop(newer);
+        settle(&mut d, &mut events);
+        assigned(&mut i_rx);
+    }
+
+    #[test]
+    fn a_stream_runs_the_preemption_bound_from_its_first_byte_not_its_dispatch() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 500;
+        let (running, mut word) = preemptible_stream(&mut d);
+        settle(&mut d, &mut events);
+        // A long (re-)prefill: its first byte comes 900 ms after its dispatch.
+        d.apply(Event::FirstByte {
+            pool: 0,
+            replica: running.replica,
+            ticket: running.ticket,
+            ttfb_ms: 900.0,
+            prompt_tokens: 10,
+        });
+        let _i_rx = waiting_interactive(&mut d);
+        d.preempt(0, 1_000);
+        assert!(
+            word.try_recv().is_err(),
+            "100 ms of decoding: preempted now, it would prefill again for a token or two"
+        );
+        d.preempt(0, 1_400);
+        word.try_recv()
+            .expect("500 ms after its first byte it may go");
+    }
+
+    #[test]
+    fn a_preempted_request_whose_client_left_is_dropped_and_its_room_comes_back_once() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 10;
+        let (running, mut word) = preemptible_stream(&mut d);
+        running.started(10);
+        settle(&mut d, &mut events);
+        let mut i_rx = waiting_interactive(&mut d);
         // Turned off by a reload: nothing is preempted; turned on again, it is.
         let reload = |d: &mut Dispatcher, after| {
             let queue = QueueConfig {

@@ -31,7 +31,7 @@ use crate::dispatcher::{Assignment, Event, Requeued, now_ms};
 use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
 use crate::metrics::tenant;
-use crate::resume::{Splice, continued};
+use crate::resume::{Splice, continued, segment_id};
 use crate::server::{App, Trusted, error_response};
 use crate::stream_end::Ending;
 
@@ -68,7 +68,8 @@ pub struct Attempt {
 }
 
 /// What a preemptible stream needs to go on after preemption: the body as sent (before a
-/// replica's isolation mode), the engine's `x-request-id`, and the stream followed so far.
+/// replica's isolation mode), the first segment's engine `x-request-id` (later segments'
+/// derive from it: [`segment_id`]), and the stream followed so far.
 pub struct Continuation {
     pub body: serde_json::Value,
     pub trace_id: Option<HeaderValue>,
@@ -913,7 +914,11 @@ fn continuation(flight: &mut Flight) -> impl Future<Output = Option<Upstream>> +
         flight.assignment.isolation.apply(&mut body);
         let url = format!("{}{}", flight.assignment.url, flight.endpoint.path());
         let body = serde_json::to_vec(&body).unwrap_or_default();
-        post(&flight.assignment, &url, body, c.trace_id.clone())
+        let engine_id = c
+            .trace_id
+            .as_ref()
+            .and_then(|id| segment_id(id, c.splice.segment()));
+        post(&flight.assignment, &url, body, engine_id)
     });
     async move {
         let resp = request?.await.ok()?;

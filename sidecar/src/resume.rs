@@ -11,10 +11,12 @@
 //! rewritten as the client first saw it ([`Splice`]): the first segment's chunk `id` and
 //! `created`, no second `role` delta, and a usage chunk with the original prompt and every
 //! token generated. Requests that cannot be continued this way (not streamed, other APIs,
-//! several answers, tools, structured output, log-probabilities, token-id prompts) are never
-//! preempted; one that turns out to stream reasoning or tool calls is left running.
+//! several answers, tools, structured output, log-probabilities, token-id prompts, chats without
+//! a generation prompt that continue no final message) are never preempted; one that turns
+//! out to stream reasoning or tool calls, or whose answer has ended, is left running.
 
 use axum::body::Bytes;
+use axum::http::HeaderValue;
 use serde_json::{Map, Value, json};
 use weir_core::endpoint::Endpoint;
 use weir_core::tokens::Encoding;
@@ -35,8 +37,13 @@ const NOT_RESUMABLE: [&str; 11] = [
     "suffix",
 ];
 
-/// Output limits lowered by what was generated before a continuation.
-const LIMITS: [&str; 3] = ["max_completion_tokens", "max_tokens", "min_tokens"];
+/// Output limits lowered by what was generated before a continuation, with the least each may
+/// become (an engine refuses a maximum of 0; a minimum already generated is 0).
+const LIMITS: [(&str, u64); 3] = [
+    ("max_completion_tokens", 1),
+    ("max_tokens", 1),
+    ("min_tokens", 0),
+];
 
 /// Whether a request's stream can be continued after preemption (see the module doc).
 pub fn resumable(endpoint: Endpoint, body: &Value, stream: bool) -> bool {
@@ -46,8 +53,12 @@ pub fn resumable(endpoint: Endpoint, body: &Value, stream: bool) -> bool {
     let plain = NOT_RESUMABLE
         .iter()
         .all(|f| body[*f].is_null() || body[*f] == Value::Bool(false));
+    // A chat its caller left without a generation prompt, and not continuing its final
+    // message, has the model go on from the raw chat: a continuation would open a turn.
+    let framed = body["add_generation_prompt"] != Value::Bool(false)
+        || body["continue_final_message"] == Value::Bool(true);
     let prompt = match endpoint {
-        Endpoint::ChatCompletions => body["messages"].is_array(),
+        Endpoint::ChatCompletions => body["messages"].is_array() && framed,
         Endpoint::Completions => body["prompt"].is_string(),
         _ => false,
     };
@@ -57,9 +68,9 @@ pub fn resumable(endpoint: Endpoint, body: &Value, stream: bool) -> bool {
 /// The body that continues `body` after `text` (`tokens` of it) was generated.
 pub fn continued(endpoint: Endpoint, body: &Value, text: &str, tokens: u64) -> Value {
     let mut next = body.clone();
-    for limit in LIMITS {
+    for (limit, least) in LIMITS {
         if let Some(n) = next[limit].as_u64() {
-            next[limit] = json!(n.saturating_sub(tokens).max(1));
+            next[limit] = json!(n.saturating_sub(tokens).max(least));
         }
     }
     match endpoint {
@@ -73,8 +84,7 @@ pub fn continued(endpoint: Endpoint, body: &Value, text: &str, tokens: u64) -> V
             match messages {
                 Some(m) if already_continuing => {
                     if let Some(last) = m.last_mut() {
-                        let before = last["content"].as_str().unwrap_or_default();
-                        last["content"] = json!(format!("{before}{text}"));
+                        append(&mut last["content"], text);
                     }
                 }
                 Some(m) => m.push(json!({"role": "assistant", "content": text})),
@@ -85,6 +95,32 @@ pub fn continued(endpoint: Endpoint, body: &Value, text: &str, tokens: u64) -> V
         }
     }
     next
+}
+
+/// Appends generated text to the final message the caller asked to continue, whichever shape
+/// its content has: a string, or parts (the text goes into the last text part, as engines join
+/// parts with a newline; after a non-text part, into a new one).
+fn append(content: &mut Value, text: &str) {
+    if let Some(parts) = content.as_array_mut() {
+        match parts.last_mut() {
+            Some(part) if part["type"] == "text" => {
+                let before = part["text"].as_str().unwrap_or_default();
+                part["text"] = json!(format!("{before}{text}"));
+            }
+            _ => parts.push(json!({"type": "text", "text": text})),
+        }
+        return;
+    }
+    let before = content.as_str().unwrap_or_default();
+    *content = json!(format!("{before}{text}"));
+}
+
+/// The engine request id (`x-request-id`) of a segment after the first: a new engine request,
+/// so not the id of the aborted one, which the engine may still be aborting (vLLM refuses an id
+/// it runs, and an abort in flight can hit the newcomer that reuses it).
+pub fn segment_id(id: &HeaderValue, segment: u32) -> Option<HeaderValue> {
+    let id = id.to_str().ok()?;
+    HeaderValue::from_str(&format!("{id}.resume-{segment}")).ok()
 }
 
 /// Follows a stream across its segments: collects the generated text (for the continuation),
@@ -102,10 +138,13 @@ pub struct Splice {
     /// Output tokens generated before the current segment (weir's count: those streams were
     /// aborted before their usage chunk).
     before: u64,
-    /// Prompt tokens the current segment's prompt has beyond the original (the generated
-    /// text, counted with the pool's tokenizer).
+    /// Prompt tokens the current segment's prompt has beyond the original: the generated text
+    /// counted with the pool's tokenizer, at most the tokens generated (a tokenizer that splits
+    /// the text finer than the engine must not bill less than the engine reported).
     prompt_extra: u64,
-    /// It streamed something a continuation would not reproduce (reasoning, tool calls).
+    /// It streamed something a continuation would not reproduce (reasoning, tool calls), or
+    /// the end of its answer (a finish reason, usage, `[DONE]`): there is nothing to go on
+    /// with, and a continuation would stream after the client's end of stream.
     unresumable: bool,
 }
 
@@ -124,8 +163,15 @@ impl Splice {
         }
     }
 
+    /// Whether the stream can be continued now: nothing unresumable streamed, and the client
+    /// has no half event (a continuation starts with a new one).
     pub fn resumable(&self) -> bool {
-        !self.unresumable
+        !self.unresumable && self.partial.is_empty()
+    }
+
+    /// Which segment is streaming (0: the first).
+    pub fn segment(&self) -> u32 {
+        self.segment
     }
 
     /// The text generated so far.
@@ -141,7 +187,8 @@ impl Splice {
         self.prompt_extra = self
             .encoding
             .encode(&self.text)
-            .map_or(before, |ids| ids.len() as u64);
+            .map_or(before, |ids| ids.len() as u64)
+            .min(before);
     }
 
     /// Reads a chunk of the current segment; returns what the client gets: the chunk itself
@@ -182,12 +229,21 @@ impl Splice {
     fn line(&mut self, line: &[u8]) -> Option<Vec<u8>> {
         let text = std::str::from_utf8(line).ok()?;
         let data = text.trim_end().strip_prefix("data:")?.trim_start();
+        if data == "[DONE]" {
+            self.unresumable = true;
+            return None;
+        }
         let mut event: Value = serde_json::from_str(data).ok()?;
+        // The last usage chunk (continuous usage stats ride on chunks with choices).
+        if !event["usage"].is_null() && event["choices"].as_array().is_none_or(Vec::is_empty) {
+            self.unresumable = true;
+        }
         for choice in event["choices"].as_array().into_iter().flatten() {
             let delta = &choice["delta"];
             if !delta["tool_calls"].is_null()
                 || !delta["reasoning_content"].is_null()
                 || !delta["reasoning"].is_null()
+                || !choice["finish_reason"].is_null()
             {
                 self.unresumable = true;
             }
@@ -293,6 +349,18 @@ mod tests {
     }
 
     #[test]
+    fn a_chat_left_unframed_by_its_caller_is_not_resumed() {
+        // No generation prompt and no final message to continue: the model continues the raw
+        // chat; a continuation would open an assistant turn it never had.
+        let raw = json!({"messages": [{"role": "user", "content": "hi"}],
+                         "add_generation_prompt": false});
+        assert!(!resumable(Endpoint::ChatCompletions, &raw, true));
+        let prefilled = json!({"messages": [{"role": "assistant", "content": "Sure"}],
+                               "add_generation_prompt": false, "continue_final_message": true});
+        assert!(resumable(Endpoint::ChatCompletions, &prefilled, true));
+    }
+
+    #[test]
     fn a_continuation_carries_the_text_and_lowers_the_limits() {
         let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10});
         let next = continued(Endpoint::ChatCompletions, &chat, " the cache", 2);
@@ -312,6 +380,81 @@ mod tests {
         let next = continued(Endpoint::Completions, &completion, " upon", 1);
         assert_eq!(next["prompt"], "Once upon");
         assert_eq!(next["max_tokens"], 2);
+    }
+
+    #[test]
+    fn a_caller_s_own_final_message_in_parts_keeps_its_prefix_and_min_tokens_may_reach_zero() {
+        let chat = json!({
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "text", "text": "Sure,"}]},
+            ],
+            "continue_final_message": true,
+            "add_generation_prompt": false,
+            "min_tokens": 2,
+        });
+        let next = continued(Endpoint::ChatCompletions, &chat, " here", 3);
+        assert_eq!(next["messages"].as_array().map(Vec::len), Some(2));
+        assert_eq!(
+            next["messages"][1]["content"],
+            json!([{"type": "text", "text": "Sure, here"}]),
+            "the caller's prefix stays, the text follows it in the same part"
+        );
+        assert_eq!(next["min_tokens"], 0, "its minimum was already generated");
+    }
+
+    #[test]
+    fn a_stream_that_has_finished_or_stopped_mid_event_is_not_resumed() {
+        let content =
+            "data: {\"choices\":[{\"delta\":{\"content\":\" a\"},\"finish_reason\":null}]}\n\n";
+        let ends = [
+            "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n",
+            "data: [DONE]\n\n",
+            // Half an event: the client has a partial line a continuation cannot complete.
+            "data: {\"choices\":[{\"delta\":{\"content\":\" b",
+        ];
+        let continuous_usage = "data: {\"choices\":[{\"delta\":{\"content\":\" c\"}}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n";
+        for end in ends {
+            let mut s = Splice::new(Encoding::Cl100kBase);
+            s.feed(&chunk(content));
+            s.feed(&chunk(continuous_usage));
+            assert!(s.resumable(), "mid-answer it can go on");
+            s.feed(&chunk(end));
+            assert!(!s.resumable(), "{end}");
+        }
+    }
+
+    #[test]
+    fn the_prompt_is_restated_less_no_more_than_the_tokens_generated() {
+        // Generated text the pool's tokenizer splits finer than the engine did: 40 emoji
+        // streamed as 40 tokens, more for cl100k. Taking the tokenizer's count off the engine's
+        // prompt would bill less than the engine reported for the last segment alone.
+        let mut s = Splice::new(Encoding::Cl100kBase);
+        let piece = "data: {\"choices\":[{\"delta\":{\"content\":\"\u{1F600}\"}}]}\n\n";
+        for _ in 0..40 {
+            s.feed(&chunk(piece));
+        }
+        let counted = Encoding::Cl100kBase.encode(s.text()).map(|t| t.len());
+        s.next_segment(40);
+        let usage = s.feed(&chunk(
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":140,\"completion_tokens\":5,\"total_tokens\":145}}\n\n",
+        ));
+        let text = std::str::from_utf8(&usage).unwrap();
+        println!("tokenizer count {counted:?} for 40 generated; restated {text}");
+        assert!(counted.is_ok_and(|n| n > 40));
+        assert!(
+            text.contains("\"prompt_tokens\":100") && text.contains("\"total_tokens\":145"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn each_segment_is_its_own_engine_request() {
+        let id = HeaderValue::from_static("trace.att-1");
+        let ids: Vec<_> = (1..=2).filter_map(|n| segment_id(&id, n)).collect();
+        assert_eq!(ids, ["trace.att-1.resume-1", "trace.att-1.resume-2"]);
     }
 
     #[test]
@@ -352,10 +495,11 @@ mod tests {
         assert!(text.contains("\"total_tokens\":13"));
         assert!(text.contains("\"cached_tokens\":10"), "{text}");
         assert!(text.ends_with("data: [DONE]\n\n"));
-        assert!(s.resumable());
-        s.feed(&chunk(
+        let mut tools = Splice::new(Encoding::Cl100kBase);
+        assert!(tools.resumable());
+        tools.feed(&chunk(
             "data: {\"choices\":[{\"delta\":{\"tool_calls\":[{}]}}]}\n\n",
         ));
-        assert!(!s.resumable());
+        assert!(!tools.resumable());
     }
 }
