@@ -49,6 +49,8 @@ pub struct Job {
     /// A batch stream its relay can resume elsewhere ([`crate::resume`]): it may be preempted
     /// for interactive work.
     pub preemptible: bool,
+    /// Times it was preempted: past [`MAX_PREEMPTIONS`] it runs to its end.
+    pub preemptions: u32,
     pub reply: oneshot::Sender<Result<Assignment, Refusal>>,
 }
 
@@ -78,6 +80,11 @@ struct Pending {
     ticket: Ticket,
     signalled_ms: u64,
 }
+
+/// How many times one request may be preempted: each costs it a wait in the queue and a
+/// prefill again, and a stream preempted without end would run into `relay.max_stream_ms`
+/// and end unfinished.
+pub const MAX_PREEMPTIONS: u32 = 3;
 
 /// How long a signalled preemption may take to free its room before another is tried: a
 /// relay that has just finished (or cannot resume) never frees it.
@@ -1126,7 +1133,7 @@ impl Dispatcher {
             .observe(queued_ms as f64 / 1e3);
         let mut job = job;
         let reply = std::mem::replace(&mut job.reply, oneshot::channel().0);
-        let (preempt, preempted) = if job.preemptible {
+        let (preempt, preempted) = if job.preemptible && job.preemptions < MAX_PREEMPTIONS {
             let (tx, rx) = oneshot::channel();
             (Some(tx), Some(rx))
         } else {
@@ -1255,6 +1262,7 @@ impl Dispatcher {
             // (`relay.max_stream_ms`), not by the queue's deadline.
             job.input_tokens = 0;
             job.deadline_ms = u64::MAX;
+            job.preemptions += 1;
             if preempt.send(requeued).is_err() {
                 continue;
             }
@@ -1417,6 +1425,7 @@ mod tests {
             arrived_ms: 0,
             deadline_ms: u64::MAX,
             preemptible: false,
+            preemptions: 0,
             reply,
         };
         (job, rx)
@@ -1876,6 +1885,39 @@ mod tests {
         drop(newer);
         settle(&mut d, &mut events);
         assigned(&mut i_rx);
+    }
+
+    #[test]
+    fn a_stream_is_preempted_a_bounded_number_of_times_then_runs_to_its_end() {
+        let (mut d, mut events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 10;
+        let (mut running, mut word) = preemptible_stream(&mut d);
+        let later = now_ms() + 60_000;
+        for _ in 0..MAX_PREEMPTIONS {
+            running.started(10);
+            settle(&mut d, &mut events);
+            let mut i_rx = waiting_interactive(&mut d);
+            d.preempt(0, later);
+            let mut requeued = word.try_recv().expect("preempted");
+            drop(running);
+            settle(&mut d, &mut events);
+            drop(assigned(&mut i_rx));
+            settle(&mut d, &mut events);
+            running = assigned(&mut requeued);
+            match running.take_preemption() {
+                Some(next) => word = next,
+                None => break,
+            }
+        }
+        assert!(
+            running.take_preemption().is_none(),
+            "after {MAX_PREEMPTIONS} preemptions it is not preemptible"
+        );
+        let labels = vec![("pool", "slots".to_owned()), ("tier", "standard".into())];
+        assert_eq!(
+            d.metrics.preemptions.get_or_create(&labels).get(),
+            u64::from(MAX_PREEMPTIONS)
+        );
     }
 
     #[test]

@@ -344,6 +344,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         arrived_ms: now_ms(),
         deadline_ms,
         preemptible,
+        preemptions: 0,
         reply,
     };
     if app.events.send(Event::Enqueue(job)).is_err() {
