@@ -255,6 +255,8 @@ pub enum Event {
         pool: usize,
         replica: ReplicaId,
         limits: EngineLimits,
+        /// Its engine can resume a preempted stream.
+        resumes: bool,
     },
     /// Sent by [`Assignment::started`].
     FirstByte {
@@ -532,10 +534,12 @@ impl Dispatcher {
                 pool,
                 replica,
                 limits,
+                resumes,
             } => {
                 let configured = self.budget_configured(pool);
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.join(limits);
+                    r.resumes = resumes;
                     if !configured {
                         r.kv_budget = limits.kv_tokens.unwrap_or(r.kv_budget);
                     }
@@ -1116,6 +1120,7 @@ impl Dispatcher {
         let r = &mut self.pools[pool].replicas[index];
         r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
+        let resumes = r.resumes;
         let (replica, url, isolation) = (r.id, r.url.clone(), r.isolation);
         let running = self.pool_running[pool].entry(t.clone()).or_default();
         *running = running.saturating_add(job.sequences);
@@ -1133,12 +1138,15 @@ impl Dispatcher {
             .observe(queued_ms as f64 / 1e3);
         let mut job = job;
         let reply = std::mem::replace(&mut job.reply, oneshot::channel().0);
-        let (preempt, preempted) = if job.preemptible && job.preemptions < MAX_PREEMPTIONS {
-            let (tx, rx) = oneshot::channel();
-            (Some(tx), Some(rx))
-        } else {
-            (None, None)
-        };
+        // Only where its engine could continue it (a mixed pool could send the continuation
+        // elsewhere; pools are one engine in practice).
+        let (preempt, preempted) =
+            if job.preemptible && resumes && job.preemptions < MAX_PREEMPTIONS {
+                let (tx, rx) = oneshot::channel();
+                (Some(tx), Some(rx))
+            } else {
+                (None, None)
+            };
         // If the client left between the check and now, the assignment comes back and is
         // dropped here, which gives the room back.
         let sent = reply.send(Ok(Assignment {
@@ -1362,7 +1370,8 @@ mod tests {
     /// The handlers' side of the event channel (the dispatcher holds the sender only weakly).
     type Events = (mpsc::UnboundedSender<Event>, mpsc::UnboundedReceiver<Event>);
 
-    /// A dispatcher over healthy pools, with the channel of the events it is sent.
+    /// A dispatcher over healthy pools (of engines that can resume a preempted stream), with
+    /// the channel of the events it is sent.
     fn dispatcher_of(configs: &[PoolConfig], max_total: usize) -> (Dispatcher, Events) {
         let pools = configs
             .iter()
@@ -1371,6 +1380,7 @@ mod tests {
                 for r in &mut pool.replicas {
                     r.healthy = true;
                     r.isolation = Isolation::Salt;
+                    r.resumes = true;
                 }
                 pool
             })
@@ -1888,6 +1898,20 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_on_an_engine_that_cannot_continue_it_is_never_preempted() {
+        let (mut d, _events) = slotted(1, 1);
+        d.queue.preempt_batch_after_ms = 10;
+        d.pools[0].replicas[0].resumes = false;
+        let (mut b, mut b_rx) = job("b", "standard", 10);
+        (b.priority, b.preemptible) = (Priority::Batch, true);
+        d.apply(Event::Enqueue(b));
+        d.dispatch(0);
+        let mut running = assigned(&mut b_rx);
+        assert!(running.take_preemption().is_none());
+        assert!(d.preemptible[0].is_empty());
+    }
+
+    #[test]
     fn a_stream_is_preempted_a_bounded_number_of_times_then_runs_to_its_end() {
         let (mut d, mut events) = slotted(1, 1);
         d.queue.preempt_batch_after_ms = 10;
@@ -1992,6 +2016,7 @@ mod tests {
                 max_concurrency: Some(3),
                 kv_tokens: None,
             },
+            resumes: true,
         });
         let mut replies = enqueue(&mut d, "t", 3);
         replies.extend(enqueue(&mut d, "u", 3));

@@ -86,6 +86,12 @@ enum Figure {
 }
 
 impl Dialect {
+    /// Whether it continues a final assistant message (vLLM's `continue_final_message`, which
+    /// SGLang reads too; llama.cpp does it by itself): what resuming a preempted stream needs.
+    pub fn resumes(self) -> bool {
+        !matches!(self, Dialect::Tgi)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Dialect::Vllm => "vllm",

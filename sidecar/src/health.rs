@@ -158,6 +158,7 @@ async fn check(
                             pool,
                             replica,
                             limits,
+                            resumes: dialect.is_some_and(Dialect::resumes),
                         })
                         .is_err()
                     {

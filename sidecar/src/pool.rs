@@ -46,6 +46,9 @@ pub struct Replica {
     pub configured_limit: Option<u64>,
     /// The adaptive limit, never above the engine's (or configured) one.
     pub limiter: Limiter,
+    /// Its engine can resume a preempted stream (see [`crate::engine::Dialect::resumes`]):
+    /// batch streams dispatched here may be preempted. Unknown engines cannot.
+    pub resumes: bool,
 }
 
 impl Replica {
@@ -65,6 +68,7 @@ impl Replica {
             engine_limit: None,
             configured_limit: config.max_concurrency_per_replica,
             limiter: Limiter::new(config.max_concurrency_per_replica),
+            resumes: false,
         }
     }
 
