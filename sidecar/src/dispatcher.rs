@@ -1296,12 +1296,18 @@ impl Dispatcher {
     }
 }
 
-/// A pool's dispatches per second, smoothed over one-second windows.
+/// A pool's capacity in dispatches per second, smoothed over one-second windows: what its
+/// projected waits divide its queue by. Only a window throughout which work was queued
+/// measures capacity; one in which the queue ran dry measures demand, which says only that
+/// capacity is at least that (a pool that served 3 requests a second while 3 came must not
+/// turn a burst away as if it could serve no more).
 struct DispatchRate {
     per_s: f64,
     /// Dispatched since the window began.
     dispatched: u64,
     window_start_ms: u64,
+    /// Work was queued at every tick of the window so far.
+    backlogged: bool,
 }
 
 impl DispatchRate {
@@ -1310,26 +1316,33 @@ impl DispatchRate {
             per_s: 0.0,
             dispatched: 0,
             window_start_ms: now_ms,
+            backlogged: true,
         }
     }
 
-    /// Closes the window once a second has passed. Idle windows (nothing dispatched, nothing
-    /// `queued`) say nothing about capacity and leave the rate as it was.
+    /// Called every tick with what is `queued`. While the pool is idle the window keeps
+    /// starting afresh, so the first window of a burst is not diluted by the idle time before
+    /// it; once a second has passed the window closes.
     fn measure(&mut self, now_ms: u64, queued: usize) {
+        if self.dispatched == 0 && queued == 0 {
+            self.window_start_ms = now_ms;
+            self.backlogged = true;
+            return;
+        }
+        self.backlogged &= queued > 0;
         let elapsed = now_ms.saturating_sub(self.window_start_ms);
         if elapsed < 1_000 {
             return;
         }
-        if self.dispatched > 0 || queued > 0 {
-            let current = self.dispatched as f64 * 1_000.0 / elapsed as f64;
-            self.per_s = if self.per_s == 0.0 {
-                current
-            } else {
-                0.7 * self.per_s + 0.3 * current
-            };
+        let current = self.dispatched as f64 * 1_000.0 / elapsed as f64;
+        if self.per_s == 0.0 {
+            self.per_s = current;
+        } else if self.backlogged || current > self.per_s {
+            self.per_s = 0.7 * self.per_s + 0.3 * current;
         }
         self.dispatched = 0;
         self.window_start_ms = now_ms;
+        self.backlogged = true;
     }
 }
 
@@ -2321,6 +2334,41 @@ mod tests {
             link.borrow_and_update().cache_isolation,
             crate::isolation::CacheIsolation::Shared
         );
+    }
+
+    #[test]
+    fn the_dispatch_rate_measures_capacity_not_demand() {
+        let mut r = DispatchRate::new(0);
+        // Idle for 900 ms, then a burst: the window starts with the burst, not before it.
+        for t in (0..900).step_by(25) {
+            r.measure(t, 0);
+        }
+        for t in (900..1_950).step_by(25) {
+            r.dispatched += 1;
+            r.measure(t, 60);
+        }
+        assert!(
+            r.per_s > 30.0,
+            "a burst's first window reads its pace: {}",
+            r.per_s
+        );
+        // A quiet stretch with the queue running dry (3 a second, as they come) never lowers it.
+        let before = r.per_s;
+        for t in (2_000..5_000).step_by(25) {
+            if t % 325 == 0 {
+                r.dispatched += 1;
+            }
+            r.measure(t, 0);
+        }
+        assert_eq!(r.per_s, before, "demand is not capacity");
+        // A backlogged window that serves less does lower it.
+        for t in (5_000..7_200).step_by(25) {
+            if t % 100 == 0 {
+                r.dispatched += 1;
+            }
+            r.measure(t, 60);
+        }
+        assert!(r.per_s < before, "{} < {before}", r.per_s);
     }
 
     #[test]
