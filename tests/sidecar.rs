@@ -36,7 +36,7 @@ fn weir_config() -> Value {
             let mut key = api_key(id);
             match *id {
                 "bulk" => key["policy"] = json!({"priority": "batch"}),
-                "heavy" => key["policy"] = json!({"weight": 3}),
+                "heavy" => key["policy"] = json!({"weight": 2}),
                 "hog" => key["limits"] = json!({"active_kv_tokens": 4000}),
                 _ => {}
             }
@@ -339,16 +339,18 @@ async fn interactive_requests_overtake_queued_batch_work() {
 }
 
 #[tokio::test]
-async fn weights_divide_service_three_to_one_and_returning_tenants_are_lifted() {
+async fn weights_divide_service_two_to_one_and_returning_tenants_are_lifted() {
     let _turn = turn().await;
     // Enough clients that both tenants stay backlogged: VTC shares service among backlogged
     // tenants, and one whose queue keeps emptying is (rightly) lifted each time it returns.
     // The pool runs about 12 of these at once; the rest of each tenant's clients are queued or
     // on their way (gateway and sidecar each count a 1,500-token prompt), so the heavy tenant,
-    // served three times as fast, needs that many more to stay backlogged on a busy machine:
-    // with 24 each its queue ran dry (depth 1 against the light one's 10) and it got 1.5x,
-    // and with 40 each it got 1.9-2.7x while other builds ran. Clients the queue's bound
-    // turns away (429 queue_full) retry.
+    // served faster, needs that many more to stay backlogged on a busy machine: with 24 each
+    // its queue ran dry and it got less than its share. Clients the queue's bound turns away
+    // (429 queue_full) retry. Two to one, not three: a tenant served 3x as fast holds 75% of
+    // the pool's KV, right at the 80% the headroom rule lets one tenant take while others are
+    // active, and it got 2.6x in one run where its share was capped (`tests/fair_share.rs`
+    // shows 3:1 between keys that each hold a small part of the pool).
     let window = Duration::from_secs(6);
     let until = Instant::now() + window;
     let started_ms = weir_sidecar::dispatcher::now_ms();
@@ -399,9 +401,9 @@ async fn weights_divide_service_three_to_one_and_returning_tenants_are_lifted() 
     };
     let (heavy, light) = (served("acme/lab/e2e/heavy"), served("acme/lab/e2e/light"));
     let ratio = heavy as f64 / light as f64;
-    println!("weights 3:1 -> served heavy:light = {ratio:.3} ({heavy} vs {light} tokens)");
+    println!("weights 2:1 -> served heavy:light = {ratio:.3} ({heavy} vs {light} tokens)");
     assert!(
-        (ratio / 3.0 - 1.0).abs() <= 0.10,
+        (ratio / 2.0 - 1.0).abs() <= 0.10,
         "heavy:light = {ratio:.2} ({heavy} vs {light} tokens)"
     );
 }
