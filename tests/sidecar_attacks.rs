@@ -206,18 +206,30 @@ fn ledger() -> Vec<weir_sidecar::ledger::UsageRecord> {
 
 /// The ledger's records of one tenant's idempotency key, once the writer has caught up.
 async fn records_of(tenant: &str, key: &str) -> Vec<weir_sidecar::ledger::UsageRecord> {
+    records_at_least(tenant, key, 1).await
+}
+
+/// The ledger rows of a tenant's idempotency key, once there are at least `n` (a record is
+/// written as its attempt ends, just after the client has the answer), waiting up to five
+/// seconds; whatever there is then.
+async fn records_at_least(
+    tenant: &str,
+    key: &str,
+    n: usize,
+) -> Vec<weir_sidecar::ledger::UsageRecord> {
     let tenant = format!("acme/lab/atk/{tenant}");
+    let mut rows = Vec::new();
     for _ in 0..50 {
-        let rows: Vec<_> = ledger()
+        rows = ledger()
             .into_iter()
             .filter(|r| r.tenant == tenant && r.idempotency_key == key)
             .collect();
-        if !rows.is_empty() {
-            return rows;
+        if rows.len() >= n {
+            break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    Vec::new()
+    rows
 }
 
 #[tokio::test]
@@ -712,7 +724,7 @@ async fn retried_not_replayed(key: &str, prompt: &str, outcome: &str) -> String 
         "a {outcome} attempt was replayed as the key's completed answer"
     );
     retry.bytes().await.unwrap();
-    let rows = records_of("normal", key).await;
+    let rows = records_at_least("normal", key, 2).await;
     assert_eq!(rows.iter().map(|r| r.attempt).collect::<Vec<_>>(), [1, 2]);
     text
 }
