@@ -679,13 +679,18 @@ mod tests {
     const I: Priority = Priority::Interactive;
     const B: Priority = Priority::Batch;
 
-    fn fair() -> Scheduler<u32> {
+    /// The fair policy over the hierarchy, with batch aging after `aging_ms`.
+    fn fair_aged(aging_ms: u64) -> Scheduler<u32> {
         Scheduler::new(
             Policy::Fair,
             Share::Hierarchy,
             TokenWeights::default(),
-            60_000,
+            aging_ms,
         )
+    }
+
+    fn fair() -> Scheduler<u32> {
+        fair_aged(60_000)
     }
 
     /// Queues four requests for each of `tenants` (path and per-level weights), then serves
@@ -878,12 +883,7 @@ mod tests {
 
     #[test]
     fn a_request_pushed_to_the_front_goes_before_its_tenant_s_others_and_ages_from_then() {
-        let mut s = Scheduler::new(
-            Policy::Fair,
-            Share::Hierarchy,
-            TokenWeights::default(),
-            1_000,
-        );
+        let mut s = fair_aged(1_000);
         s.push("a", &[1.0], B, 1, 0);
         s.push("a", &[1.0], B, 2, 0);
         s.push("b", &[1.0], I, 3, 0);
@@ -966,12 +966,7 @@ mod tests {
 
     #[test]
     fn interactive_goes_before_batch_and_batch_ages() {
-        let mut s = Scheduler::new(
-            Policy::Fair,
-            Share::Hierarchy,
-            TokenWeights::default(),
-            5_000,
-        );
+        let mut s = fair_aged(5_000);
         s.push("bulk", &[1.0], B, 1, 0);
         s.push("chat", &[1.0], I, 2, 1_000);
         assert_eq!(s.pop(1_000).unwrap().item, 2);
@@ -1077,12 +1072,7 @@ mod tests {
 
     #[test]
     fn an_estimate_is_replaced_by_the_engines_count() {
-        let mut s = Scheduler::new(
-            Policy::Fair,
-            Share::Hierarchy,
-            TokenWeights::default(),
-            60_000,
-        );
+        let mut s = fair();
         s.push("x", &[2.0], I, 1, 0);
         s.pop(0);
         s.charge("x", 10, 0);
