@@ -681,19 +681,16 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
 
     // Every sidecar metric the shipped alerts use is one the sidecar registers, and serves once
     // it has a series (a counter of first-byte timeouts has none until one happens).
-    let source = std::fs::read_to_string(workspace_root().join("sidecar/src/metrics.rs")).unwrap();
-    let registered: BTreeSet<String> = source
-        .split("register(")
-        .skip(1)
-        .filter_map(|call| call.split('"').nth(1))
-        .map(|name| format!("weir_{name}"))
-        .collect();
     let served = sidecar.metrics().await;
     let families: BTreeSet<&str> = served
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
         .filter_map(|l| l.split_whitespace().next())
         .collect();
+    // What it registers: its instruments, and the ledger's unlabelled series (always served).
+    let (metrics, _) = weir_sidecar::metrics::Metrics::new(&Default::default(), None);
+    let mut registered: BTreeSet<String> = metrics.families.iter().cloned().collect();
+    registered.extend(families.iter().map(|f| (*f).to_owned()));
     let rules = the(&base.docs, "PrometheusRule", None).to_string();
     let used: BTreeSet<&str> = rules
         .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
@@ -726,4 +723,34 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
         );
     }
     eprintln!("alerted-on metrics with no series yet: {unseen:?}");
+}
+
+#[test]
+fn every_shipped_gateway_hashes_an_org_to_one_sidecar_of_the_pool() {
+    let org = weir_core::trusted::ORG;
+    let service = the_shipped("deploy/istio/virtualservice.yaml", "VirtualService");
+    let rule = the_shipped("deploy/istio/virtualservice.yaml", "DestinationRule");
+    assert_eq!(
+        rule["spec"]["host"], service["spec"]["http"][0]["route"][0]["destination"]["host"],
+        "the rule is for the sidecars' Service"
+    );
+    assert_eq!(
+        rule["spec"]["trafficPolicy"]["loadBalancer"]["consistentHash"]["httpHeaderName"],
+        org
+    );
+    let gateway = file_docs("deploy/envoy-gateway/extensionpolicy.yaml");
+    let policy = the(&gateway, "BackendTrafficPolicy", None);
+    let route = the(&gateway, "HTTPRoute", None);
+    assert_eq!(
+        policy["spec"]["targetRefs"][0]["name"],
+        route["metadata"]["name"]
+    );
+    assert_eq!(
+        policy["spec"]["loadBalancer"]["consistentHash"]["header"]["name"],
+        org
+    );
+    let plain = std::fs::read_to_string(workspace_root().join("deploy/envoy/envoy.yaml")).unwrap();
+    assert!(
+        plain.contains(&format!("header_name: {org}")) && plain.contains("lb_policy: RING_HASH")
+    );
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use weir_core::keys::hash_key;
-use weir_e2e::{Envoy, Sim, api_key_limited, chat_body, post_json};
+use weir_e2e::{Envoy, Sim, api_key_limited, chat_body, metric_sum, post_json};
 
 struct Stack {
     sim: Sim,
@@ -126,6 +126,10 @@ async fn spoofed_identity_and_cache_salt_never_reach_the_upstream() {
     assert_eq!(
         h["x-weir-tenant"], "acme/lab/e2e/plain",
         "tenant comes from the key"
+    );
+    assert_eq!(
+        h["x-weir-org"], "acme",
+        "and its org, which Envoy hashes on to pick the org's sidecar"
     );
     assert_eq!(h["x-weir-priority"], "interactive");
     assert!(
@@ -416,6 +420,41 @@ async fn shadow_and_enforce_routes_in_one_envoy_behave_as_configured() {
         "would-reject; reason=invalid_api_key"
     );
     assert!(stack().envoy.stats().await["weir.shadow.would_reject"] >= 3);
+
+    // The decisions by route and mode, as Prometheus scrapes them (the template's stats_tags).
+    let text = reqwest::get(format!("{}/stats/prometheus", stack().envoy.admin))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let decisions = |route: &str, mode: &str, decision: &str| {
+        let series = format!(
+            r#"weir_filter_decisions{{route="{route}",mode="{mode}",decision="{decision}"}}"#
+        );
+        metric_sum(&text, &series).unwrap_or(0.0)
+    };
+    assert!(
+        decisions("enforced", "enforce", "admitted") >= 1.0,
+        "{text}"
+    );
+    assert!(
+        decisions("enforced", "enforce", "rejected") >= 1.0,
+        "{text}"
+    );
+    assert!(decisions("shadowed", "shadow", "admitted") >= 1.0, "{text}");
+    assert!(
+        decisions("shadowed", "shadow", "would_reject") >= 3.0,
+        "{text}"
+    );
+    assert_eq!(
+        decisions("shadowed", "shadow", "rejected"),
+        0.0,
+        "shadow never rejects"
+    );
+    // The filter's other stats keep their names.
+    assert!(metric_sum(&text, "weir_shadow_would_reject").unwrap() >= 3.0);
+    assert!(metric_sum(&text, "weir_rejections_requests_per_minute").unwrap() >= 1.0);
 }
 
 #[tokio::test]

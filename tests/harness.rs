@@ -1,10 +1,11 @@
 //! Starts weir's real parts on loopback, for the end-to-end tests and `cargo xtask up`: the
-//! simulator, the sidecar, Envoy with the built filter, and llama.cpp's `llama-server`
-//! ([`llama`]). Binaries come from the workspace's target directory (built by `cargo xtask
-//! test`) or from `WEIR_SIM_BIN`, `WEIR_FILTER_WASM`, `WEIR_FAULT_FILTER_WASM` (the filter's
-//! fault-injection build, for tests that make its VMs trap), `ENVOY_BIN`, `WEIR_KUBECTL` and
-//! `WEIR_XTASK_BIN` (the `cargo xtask` binary, whose OCI image the tests pull back);
-//! llama-server from its cache.
+//! simulator, the sidecar, Envoy with the built filter, llama.cpp's `llama-server`
+//! ([`llama`]) and Redis for the quota service ([`redis_server`]). Binaries come from the
+//! workspace's target directory (built by `cargo xtask test`) or from `WEIR_SIM_BIN`,
+//! `WEIR_FILTER_WASM`, `WEIR_FAULT_FILTER_WASM` (the filter's fault-injection build, for tests
+//! that make its VMs trap), `WEIR_BENCH_BIN`, `ENVOY_BIN`, `WEIR_KUBECTL` and `WEIR_XTASK_BIN`
+//! (the `cargo xtask` binary, whose OCI image the tests pull back); llama-server from its
+//! cache; `redis-server` from `PATH`.
 //!
 //! Every child process is started from one long-lived thread with `PR_SET_PDEATHSIG`, so the
 //! whole stack dies with the test binary, however it exits.
@@ -22,6 +23,11 @@ use std::time::{Duration, Instant};
 
 pub mod ecds;
 pub mod llama;
+pub mod loopback_ca;
+pub mod postgres;
+pub mod prometheus;
+pub mod redis_server;
+pub mod ring;
 
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -45,6 +51,20 @@ pub fn sim_bin() -> PathBuf {
         "WEIR_SIM_BIN",
         workspace_root().join("target/debug/weir-sim"),
     )
+}
+
+/// Runs the `weir` CLI (the debug build) with `args`; its stdout, once it succeeded.
+pub fn weir_cli<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> Vec<u8> {
+    let out = Command::new(workspace_root().join("target/debug/weir"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
 }
 
 pub fn sidecar_bin() -> PathBuf {
@@ -80,6 +100,15 @@ pub fn kubectl_bin() -> PathBuf {
     from_env_or(
         "WEIR_KUBECTL",
         workspace_root().join(".weir/venv/bin/kubectl"),
+    )
+}
+
+/// `weir-bench` (the debug build, as `cargo xtask test` builds every binary), for tests that
+/// drive a stack with it.
+pub fn bench_bin() -> PathBuf {
+    from_env_or(
+        "WEIR_BENCH_BIN",
+        workspace_root().join("target/debug/weir-bench"),
     )
 }
 
@@ -212,23 +241,8 @@ impl Sim {
             .text()
             .await
             .unwrap();
-        let values: Vec<f64> = text
-            .lines()
-            .filter_map(|l| {
-                let rest = l.strip_prefix(name)?;
-                let value = match rest.strip_prefix('{') {
-                    Some(labelled) => labelled.split_once("} ")?.1,
-                    None => rest.strip_prefix(' ')?,
-                };
-                value.split_whitespace().next()?.parse().ok()
-            })
-            .collect();
-        assert!(
-            !values.is_empty(),
-            "{name} missing from {}/metrics",
-            self.url
-        );
-        values.iter().sum()
+        metric_sum(&text, name)
+            .unwrap_or_else(|| panic!("{name} missing from {}/metrics", self.url))
     }
 
     /// What the simulator received, newest last (needs `--record-requests`).
@@ -329,6 +343,17 @@ impl Sidecar {
 
     /// [`Sidecar::start_from`] with more command-line arguments.
     pub fn start_with_args(bin: &Path, config: serde_json::Value, args: &[&str]) -> Sidecar {
+        Sidecar::start_with_env(bin, config, args, &[])
+    }
+
+    /// [`Sidecar::start_with_args`] with more environment variables (what a config names by
+    /// `*_env`, such as the quota store's URL).
+    pub fn start_with_env(
+        bin: &Path,
+        config: serde_json::Value,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Sidecar {
         let dir = tempfile::tempdir().unwrap();
         let ledger = dir.path().join("ledger.sqlite");
         let path = dir.path().join("sidecar.json");
@@ -338,7 +363,8 @@ impl Sidecar {
         cmd.arg("--config")
             .arg(&path)
             .args(args)
-            .env(SIGNING_SECRET_ENV, signing_secret());
+            .env(SIGNING_SECRET_ENV, signing_secret())
+            .envs(env.iter().copied());
         let (child, addr, port, banner) = spawn_server(cmd, Stdio::from(log));
         let admin = banner
             .split("admin on http://")
@@ -860,6 +886,23 @@ pub fn p95(mut xs: Vec<f64>) -> f64 {
 /// of a few; queueing behind the flood adds seconds.
 pub fn kept_latency(quiet_p95: f64, flooded_p95: f64) -> bool {
     flooded_p95 <= (2.0 * quiet_p95).max(quiet_p95 + 0.050)
+}
+
+/// The sum of every series of `name` in a Prometheus text exposition, labelled or not; `None`
+/// if it has none.
+pub fn metric_sum(text: &str, name: &str) -> Option<f64> {
+    let values: Vec<f64> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let value = match rest.strip_prefix('{') {
+                Some(labelled) => labelled.split_once("} ")?.1,
+                None => rest.strip_prefix(' ')?,
+            };
+            value.split_whitespace().next()?.parse().ok()
+        })
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
 }
 
 /// An API key entry for a weir config: id `id`, whose key is `key-{id}`.

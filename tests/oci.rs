@@ -304,8 +304,15 @@ fn weir_config() -> Value {
 }
 
 /// `deploy/envoy/envoy.yaml` filled in as its header says, on loopback ports of the OS's
-/// choosing, fetching the module from `module_port` and checking it against `sha256`.
-fn deploy_config(dir: &Path, module_port: u16, sha256: &str, sidecar_port: u16) -> PathBuf {
+/// choosing, fetching the module from `module_port` and checking it against `sha256`, the
+/// sidecar at `sidecar_port` health-checked on `admin_port`.
+fn deploy_config(
+    dir: &Path,
+    module_port: u16,
+    sha256: &str,
+    sidecar_port: u16,
+    admin_port: u16,
+) -> PathBuf {
     let shipped = workspace_root().join("deploy/envoy/envoy.yaml");
     let mut config = std::fs::read_to_string(&shipped).unwrap();
     for (name, value) in [
@@ -314,6 +321,7 @@ fn deploy_config(dir: &Path, module_port: u16, sha256: &str, sidecar_port: u16) 
         ("WEIR_ADMIN_PORT", "0".to_owned()),
         ("WEIR_SIDECAR_HOST", "127.0.0.1".to_owned()),
         ("WEIR_SIDECAR_PORT", sidecar_port.to_string()),
+        ("WEIR_SIDECAR_ADMIN_PORT", admin_port.to_string()),
         (
             "WEIR_MODULE_URL",
             format!("http://127.0.0.1:{module_port}/weir_filter.wasm"),
@@ -350,6 +358,7 @@ async fn plain_envoy_fetches_the_module_over_http_and_runs_it() {
         module_port,
         &sha256,
         sidecar.port,
+        sidecar.admin.rsplit(':').next().unwrap().parse().unwrap(),
     ));
     assert!(fetches.load(Ordering::SeqCst) >= 1);
 
@@ -364,6 +373,7 @@ async fn plain_envoy_fetches_the_module_over_http_and_runs_it() {
 
     // And a key's request goes through, signed, to the sidecar and the engine.
     sidecar.wait_for_probes(1);
+    envoy.wait_for_healthy("sidecar", 1);
     let resp = post_json(&url, Some("remote"), body, &[("x-request-id", "remote-ok")]).await;
     assert_eq!(resp.status(), 200);
     let answer: Value = resp.json().await.unwrap();
@@ -396,6 +406,8 @@ async fn plain_envoy_refuses_a_tampered_module_and_fails_closed() {
         module_port,
         &sha256,
         upstream_port,
+        // Nothing listens there: no health check reaches the stub (nor does any request).
+        1,
     ));
     assert!(
         fetches.load(Ordering::SeqCst) >= 1,

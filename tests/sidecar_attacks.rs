@@ -280,7 +280,7 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
     .expect("the retry is answered too");
     let body = retry.text().await.unwrap();
     assert!(body.contains("response_deadline"), "{body}");
-    assert_eq!(records_of("stalled", "stall-1").await.len(), 2);
+    assert_eq!(records_at_least("stalled", "stall-1", 2).await.len(), 2);
 }
 
 #[tokio::test]

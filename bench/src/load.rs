@@ -10,6 +10,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::scenario::{Arrival, Length, Scenario, TenantLoad};
+use crate::target::Endpoint;
 
 /// One request as the client saw it.
 #[derive(Clone, Debug, Serialize)]
@@ -45,17 +46,17 @@ fn prompt(tenant: &TenantLoad, tokens: usize, n: u64) -> String {
     )
 }
 
-/// Sends one request and times it.
-/// Where requests go and as whom.
+/// Where one tenant's requests go and as whom.
 #[derive(Clone)]
-struct Target {
+struct Caller {
     http: reqwest::Client,
     url: String,
     model: String,
     key: String,
 }
 
-async fn send(to: &Target, tenant: &TenantLoad, n: u64, rng_seed: u64, start: Instant) -> Record {
+/// Sends one request and times it.
+async fn send(to: &Caller, tenant: &TenantLoad, n: u64, rng_seed: u64, start: Instant) -> Record {
     let mut rng = SmallRng::seed_from_u64(rng_seed);
     let (prompt_tokens, output_tokens) = (
         draw(&tenant.prompt_tokens, &mut rng),
@@ -122,13 +123,7 @@ async fn send(to: &Target, tenant: &TenantLoad, n: u64, rng_seed: u64, start: In
 }
 
 /// Runs every tenant's arrival process for the scenario's duration.
-pub async fn run(
-    scenario: &Scenario,
-    url: &str,
-    model: &str,
-    key_of: impl Fn(&str) -> String,
-    records: Records,
-) {
+pub async fn run(scenario: &Scenario, endpoint: &Endpoint, records: Records) {
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(512)
         .build()
@@ -137,11 +132,11 @@ pub async fn run(
     let end = Duration::from_secs_f64(scenario.duration_s);
     let mut tasks = Vec::new();
     for (i, tenant) in scenario.tenants.iter().enumerate() {
-        let to = Target {
+        let to = Caller {
             http: http.clone(),
-            url: url.to_owned(),
-            model: model.to_owned(),
-            key: key_of(&tenant.name),
+            url: endpoint.url.clone(),
+            model: endpoint.model.clone(),
+            key: endpoint.keys.of(&tenant.name).to_owned(),
         };
         let (tenant, records) = (tenant.clone(), records.clone());
         let stop = tenant

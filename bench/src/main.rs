@@ -1,78 +1,28 @@
-//! weir-bench: runs scenario files against the real stack and reports per-tenant latency,
-//! rejections, tokens and goodput as a table, JSON and an SVG plot.
+//! weir-bench: runs scenario files against the real stack it starts, or against any
+//! deployment's gateway (`--endpoint`), and reports per-tenant latency, rejections, tokens and
+//! goodput as a table, JSON and an SVG plot.
 
+mod cli;
+mod keys;
 mod load;
 mod report;
 mod scenario;
 mod stack;
+mod target;
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::scenario::Scenario;
-use crate::stack::{Stack, key_of};
-
-#[derive(Parser)]
-#[command(
-    name = "weir-bench",
-    version,
-    about = "Run a load scenario against Envoy + weir filter + sidecar + simulated engines"
-)]
-struct Cli {
-    /// Scenario file (YAML).
-    scenario: PathBuf,
-    /// Overrides the scenario's scheduling policy: `fair` or `fifo`.
-    #[arg(long)]
-    policy: Option<String>,
-    /// Overrides whether per-tenant token budgets are on.
-    #[arg(long)]
-    budgets: Option<bool>,
-    /// Overrides whether tenant-scoped prefix affinity is on.
-    #[arg(long)]
-    affinity: Option<bool>,
-    /// Overrides the scenario's duration, in seconds.
-    #[arg(long)]
-    duration: Option<f64>,
-    /// Where results.json and ttft.svg go.
-    #[arg(long, default_value = "target/bench")]
-    out: PathBuf,
-}
+use crate::cli::Cli;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let mut scenario = Scenario::load(&cli.scenario)?;
-    if let Some(policy) = cli.policy {
-        scenario.stack.policy = policy;
-    }
-    if let Some(budgets) = cli.budgets {
-        scenario.stack.budgets = budgets;
-    }
-    if let Some(affinity) = cli.affinity {
-        scenario.stack.affinity = affinity;
-    }
-    if let Some(d) = cli.duration {
-        scenario.duration_s = d;
-    }
-    let label = format!(
-        "{}-{}{}{}",
-        scenario.name,
-        scenario.stack.policy,
-        if scenario.stack.budgets {
-            "-budgets"
-        } else {
-            ""
-        },
-        if scenario.stack.affinity {
-            ""
-        } else {
-            "-no-affinity"
-        }
-    );
-    let stack = Stack::start(&scenario);
+    let scenario = cli.scenario()?;
+    let target = cli.target(&scenario)?;
+    let label = target.label(&scenario);
     let records: load::Records = Arc::new(Mutex::new(Vec::new()));
 
     let bar = ProgressBar::new((scenario.duration_s * 10.0) as u64);
@@ -84,13 +34,7 @@ fn main() -> anyhow::Result<()> {
     bar.set_prefix(label.clone());
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
-        let run = load::run(
-            &scenario,
-            &stack.envoy.url,
-            &stack.model,
-            key_of,
-            records.clone(),
-        );
+        let run = load::run(&scenario, &target.endpoint, records.clone());
         let ticker = async {
             let start = Instant::now();
             loop {
@@ -110,14 +54,21 @@ fn main() -> anyhow::Result<()> {
     let records = records.lock().map(|r| r.clone()).unwrap_or_default();
     let stats = report::summarize(&records, scenario.duration_s);
     println!(
-        "{label}: {} requests in {:.0} s",
+        "{label}: {} requests in {:.0} s to {} ({})",
         records.len(),
-        scenario.duration_s
+        scenario.duration_s,
+        target.endpoint.url,
+        target.endpoint.model,
     );
     print!("{}", report::table(&stats));
     let dir = cli.out.join(&label);
     std::fs::create_dir_all(&dir)?;
-    let json = serde_json::json!({"scenario": scenario, "tenants": stats, "requests": records});
+    let json = serde_json::json!({
+        "scenario": scenario,
+        "target": target.record(),
+        "tenants": stats,
+        "requests": records,
+    });
     std::fs::write(
         dir.join("results.json"),
         serde_json::to_string_pretty(&json)?,
@@ -132,13 +83,14 @@ fn main() -> anyhow::Result<()> {
         dir.display(),
         dir.display()
     );
-    drop(stack);
+    drop(target);
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scenario::Scenario;
 
     /// A short, time-scaled run on the real stack: the shape of the results, not their times.
     #[test]
@@ -153,13 +105,11 @@ tenants:
   - {name: capped, arrival: {kind: burst, every_s: 0.5, count: 5}, prompt_tokens: 400, output_tokens: 5, budget_tokens_per_minute: 2000}
 "#;
         let scenario: Scenario = serde_yaml_ng::from_str(yaml).unwrap();
-        let stack = Stack::start(&scenario);
+        let target = target::Target::start(&scenario);
         let records: load::Records = Arc::new(Mutex::new(Vec::new()));
         tokio::runtime::Runtime::new().unwrap().block_on(load::run(
             &scenario,
-            &stack.envoy.url,
-            &stack.model,
-            key_of,
+            &target.endpoint,
             records.clone(),
         ));
         let records = records.lock().unwrap().clone();

@@ -1,5 +1,5 @@
-//! Starts the real stack a scenario runs against: simulated replicas, the sidecar, and Envoy
-//! with the weir filter, with one key per scenario tenant.
+//! Starts the real stack a scenario runs against when no `--endpoint` is given: simulated
+//! replicas, the sidecar, and Envoy with the weir filter, with one key per scenario tenant.
 
 use serde_json::json;
 use weir_core::keys::hash_key;
@@ -15,6 +15,7 @@ pub struct Stack {
     _replicas: Vec<Sim>,
 }
 
+/// The key the started stack gives `tenant`.
 pub fn key_of(tenant: &str) -> String {
     format!("wk-bench-{tenant}")
 }

@@ -33,6 +33,13 @@ enum Command {
         /// The ledger database (the sidecar's `ledger` setting).
         #[arg(long, default_value = "weir-ledger.sqlite")]
         ledger: std::path::PathBuf,
+        /// Read the ledger from PostgreSQL (the sidecar's `ledger_store`) instead, its URL in
+        /// this environment variable.
+        #[arg(long, conflicts_with = "postgres_url_file")]
+        postgres_url_env: Option<String>,
+        /// Read the ledger from PostgreSQL, its URL in this file.
+        #[arg(long)]
+        postgres_url_file: Option<std::path::PathBuf>,
         /// Only this tenant (`org/workspace/project/key`); all tenants when omitted.
         #[arg(long)]
         tenant: Option<String>,
@@ -69,8 +76,15 @@ fn since_ms(since: &str, now_ms: u64) -> anyhow::Result<u64> {
     Ok(now_ms.saturating_sub(n.saturating_mul(unit_ms)))
 }
 
+/// Where `weir usage` reads: the SQLite file, or PostgreSQL at a URL (which may hold a
+/// password, so never on the command line).
+enum Source<'a> {
+    Sqlite(&'a std::path::Path),
+    Postgres(String),
+}
+
 fn export_usage(
-    ledger: &std::path::Path,
+    source: Source<'_>,
     tenant: Option<&str>,
     since: &str,
     format: Format,
@@ -78,9 +92,19 @@ fn export_usage(
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
         .as_millis() as u64;
-    let conn = weir_sidecar::ledger::open(ledger)
-        .with_context(|| format!("opening ledger {}", ledger.display()))?;
-    let rows = weir_sidecar::ledger::query(&conn, tenant, since_ms(since, now)?)?;
+    let since = since_ms(since, now)?;
+    let rows = match source {
+        Source::Sqlite(ledger) => {
+            let conn = weir_sidecar::ledger::open(ledger)
+                .with_context(|| format!("opening ledger {}", ledger.display()))?;
+            weir_sidecar::ledger::query(&conn, tenant, since)?
+        }
+        Source::Postgres(url) => {
+            let mut client = weir_sidecar::ledger::postgres::connect(&url)
+                .context("connecting to the PostgreSQL ledger")?;
+            weir_sidecar::ledger::postgres::query(&mut client, tenant, since)?
+        }
+    };
     match format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
         Format::Csv => print!("{}", usage_csv::table(&rows)),
@@ -180,10 +204,22 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Usage {
             ledger,
+            postgres_url_env,
+            postgres_url_file,
             tenant,
             since,
             format,
-        } => export_usage(&ledger, tenant.as_deref(), &since, format)?,
+        } => {
+            let source = if postgres_url_env.is_some() || postgres_url_file.is_some() {
+                Source::Postgres(weir_sidecar::ledger::read_url(
+                    postgres_url_env.as_deref(),
+                    postgres_url_file.as_deref(),
+                )?)
+            } else {
+                Source::Sqlite(&ledger)
+            };
+            export_usage(source, tenant.as_deref(), &since, format)?
+        }
     }
     Ok(())
 }
@@ -242,12 +278,13 @@ mod tests {
                 outcome: "ok".into(),
                 queued_ms: 0,
                 finished_at_ms: u64::MAX / 2,
+                ..UsageRecord::default()
             };
             append(&conn, &record).unwrap();
         }
         let rows = weir_sidecar::ledger::query(&conn, Some("a/w/p/k"), 0).unwrap();
         assert_eq!(rows.len(), 1);
-        assert!(export_usage(&path, Some("a/w/p/k"), "all", Format::Json).is_ok());
+        assert!(export_usage(Source::Sqlite(&path), Some("a/w/p/k"), "all", Format::Json).is_ok());
         let _ = std::fs::remove_file(&path);
     }
 

@@ -5,7 +5,7 @@
 
 use weir_sidecar::ledger::UsageRecord;
 
-const HEADER: &str = "tenant,idempotency_key,attempt,request_id,model,api,replica,prompt_tokens,completion_tokens,source,outcome,queued_ms,finished_at_ms";
+const HEADER: &str = "tenant,idempotency_key,attempt,request_id,model,api,replica,prompt_tokens,completion_tokens,cached_prompt_tokens,source,outcome,queued_ms,finished_at_ms,currency,price_input,price_cached_input,price_output,cost_micros";
 
 /// The header line and one line per record.
 pub fn table(rows: &[UsageRecord]) -> String {
@@ -21,16 +21,27 @@ pub fn table(rows: &[UsageRecord]) -> String {
             r.replica.clone(),
             r.prompt_tokens.to_string(),
             r.completion_tokens.to_string(),
+            r.cached_prompt_tokens.to_string(),
             r.source.clone(),
             r.outcome.clone(),
             r.queued_ms.to_string(),
             r.finished_at_ms.to_string(),
+            r.currency.clone().unwrap_or_default(),
+            optional(r.price_input),
+            optional(r.price_cached_input),
+            optional(r.price_output),
+            optional(r.cost_micros),
         ];
         let line: Vec<String> = fields.iter().map(|f| field(f)).collect();
         out.push_str(&line.join(","));
         out.push('\n');
     }
     out
+}
+
+/// A figure, or an empty field for a record without a price.
+fn optional(value: Option<impl ToString>) -> String {
+    value.map(|v| v.to_string()).unwrap_or_default()
 }
 
 /// A field as RFC 4180 writes it: quoted, its quotes doubled, when it holds a comma, a quote or
@@ -85,6 +96,12 @@ mod tests {
             outcome: "ok".into(),
             queued_ms: 4,
             finished_at_ms: 5,
+            cached_prompt_tokens: 200,
+            currency: Some("USD".into()),
+            price_input: Some(0.15),
+            price_cached_input: Some(0.075),
+            price_output: Some(0.6),
+            cost_micros: Some(345),
         };
         let text = table(&[record]);
         let lines: Vec<&str> = text.lines().collect();
@@ -95,6 +112,14 @@ mod tests {
         assert_eq!(column("idempotency_key"), key);
         assert_eq!(column("prompt_tokens"), "1200");
         assert_eq!(column("completion_tokens"), "300");
+        assert_eq!(
+            (
+                column("currency").as_str(),
+                column("price_cached_input").as_str()
+            ),
+            ("USD", "0.075")
+        );
+        assert_eq!(column("cost_micros"), "345", "the cost with the price used");
         assert_eq!(
             field("plain-id_1.2"),
             "plain-id_1.2",

@@ -6,7 +6,7 @@
 //! requests wait out. State is a fixed 16-byte record so every worker reads the same layout.
 
 /// The stored state of a bucket: its level in tokens and when it was last refilled.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Bucket {
     pub level: f64,
     pub updated_ms: u64,
@@ -35,7 +35,12 @@ impl Bucket {
         out
     }
 
+    /// `None` for anything but a bucket's 16 bytes (a fleet-wide counter's lease, say, left by
+    /// an earlier configuration of the same limit).
     pub fn decode(bytes: &[u8]) -> Option<Self> {
+        if bytes.len() != 16 {
+            return None;
+        }
         let level = f64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
         let updated_ms = u64::from_le_bytes(bytes.get(8..16)?.try_into().ok()?);
         level.is_finite().then_some(Bucket { level, updated_ms })

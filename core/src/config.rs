@@ -15,8 +15,11 @@ use std::sync::Arc;
 
 use serde::Deserialize;
 
+use crate::fleet;
+use crate::fleet_config::{BudgetConfig, FailMode, FleetConfig, LeaseTerms};
 use crate::path::AllowedPaths;
 use crate::prediction::PredictionConfig;
+use crate::price::Prices;
 use crate::tokens::Encoding;
 use crate::trusted;
 
@@ -58,6 +61,12 @@ pub struct Config {
     /// How much output a request that sets no limit is reserved for ([`crate::prediction`]).
     #[serde(default)]
     pub prediction: PredictionConfig,
+    /// The quota service behind fleet-wide limits ([`crate::fleet_config`]).
+    #[serde(default)]
+    pub fleet: Option<FleetConfig>,
+    /// Prices per model per million tokens: what spend budgets count and the ledger records.
+    #[serde(default)]
+    pub prices: Option<Prices>,
 }
 
 /// Where the signing secret comes from (never inline) and how long a signature stays valid.
@@ -154,7 +163,22 @@ pub struct Limits {
     pub max_output_tokens: Option<u64>,
     /// Enforced by the sidecar: KV tokens a tenant may hold at once.
     pub active_kv_tokens: Option<u64>,
+    /// Which of this level's per-minute limits hold across the whole fleet (by limit name),
+    /// and what each does while the quota store is unreachable.
+    #[serde(default)]
+    pub fleet_wide: BTreeMap<String, FailMode>,
+    /// Long-window budgets (hour, day, month; tokens or spend), always fleet-wide.
+    #[serde(default)]
+    pub budgets: Vec<BudgetConfig>,
 }
+
+/// The limits `limits.fleet_wide` may name: per-minute rates. Concurrency stays local (a slot
+/// is held for a request's life, which a lease renewed every `renew_ms` cannot track).
+pub const FLEET_WIDE_LIMITS: [&str; 3] = [
+    "requests_per_minute",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+];
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -297,6 +321,18 @@ pub enum Mode {
     Enforce,
 }
 
+impl Mode {
+    /// The mode as the config spells it (and the filter's metrics label it).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Ignore => "ignore",
+            Mode::Off => "off",
+            Mode::Shadow => "shadow",
+            Mode::Enforce => "enforce",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouteConfig {
@@ -400,6 +436,8 @@ pub struct Tenant {
     pub disabled: bool,
     /// When the key expires, in ms since the Unix epoch.
     pub expires_ms: Option<u64>,
+    /// How leases of its fleet-wide limits are sized, when the config has a `fleet` section.
+    pub lease_terms: Option<LeaseTerms>,
 }
 
 impl Tenant {
@@ -506,6 +544,7 @@ impl Config {
         self.prediction
             .validate()
             .map_err(|(field, message)| invalid(field, message))?;
+        self.validate_fleet()?;
         let mut seen_hashes = HashSet::new();
         let mut seen_ids = HashSet::new();
         for (o, org) in self.orgs.iter().enumerate() {
@@ -535,6 +574,60 @@ impl Config {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The `fleet` section, and that fleet-wide limits have one (and signing: lease calls are
+    /// signed like forwarded requests).
+    fn validate_fleet(&self) -> Result<(), ConfigError> {
+        if let Some(fleet) = &self.fleet {
+            fleet
+                .check()
+                .map_err(|(field, message)| invalid(field, message))?;
+        }
+        let levels = self.orgs.iter().flat_map(|o| {
+            let ws = o.workspaces.iter().flat_map(|w| {
+                let projects = w
+                    .projects
+                    .iter()
+                    .flat_map(|p| p.keys.iter().map(|k| &k.limits).chain([&p.limits]));
+                projects.chain([&w.limits])
+            });
+            ws.chain([&o.limits])
+        });
+        if let Some(prices) = &self.prices {
+            prices
+                .check()
+                .map_err(|(field, message)| invalid(field, message))?;
+        }
+        let levels: Vec<&Limits> = levels.collect();
+        let spends = levels
+            .iter()
+            .flat_map(|l| &l.budgets)
+            .any(|b| b.spend.is_some());
+        if spends && self.prices.as_ref().is_none_or(|p| p.default.is_none()) {
+            return Err(invalid(
+                "prices.default",
+                "a spend budget needs a price for every request: set prices.default",
+            ));
+        }
+        let fleet_wide = levels
+            .iter()
+            .any(|l| !l.fleet_wide.is_empty() || !l.budgets.is_empty());
+        if fleet_wide && self.fleet.is_none() {
+            return Err(invalid(
+                "fleet",
+                "limits.fleet_wide and limits.budgets need a fleet section naming the quota \
+                 service's cluster",
+            ));
+        }
+        if fleet_wide && self.signing.is_none() {
+            return Err(invalid(
+                "signing",
+                "limits.fleet_wide and limits.budgets need signing: lease calls to the quota \
+                 service are signed",
+            ));
         }
         Ok(())
     }
@@ -594,6 +687,7 @@ impl Config {
             default_max_tokens: None,
             disabled: false,
             expires_ms: None,
+            lease_terms: None,
         }
     }
 
@@ -613,6 +707,7 @@ impl Config {
                         let tenant = Arc::new(Tenant {
                             disabled: key.disabled,
                             expires_ms: key.expires_at.as_deref().and_then(parse_rfc3339),
+                            lease_terms: self.fleet.as_ref().map(FleetConfig::terms),
                             ..resolve(&chain)
                         });
                         for hash in key.sha256.iter() {
@@ -720,6 +815,7 @@ fn check_level(
             "0 would reject every request; remove the key or the limit instead",
         ));
     }
+    check_fleet_wide(at, limits)?;
     // Token counts past this cannot be vouched for to the sidecar (nor are they any model's).
     let huge = [
         ("limits.max_context_tokens", limits.max_context_tokens),
@@ -734,6 +830,47 @@ fn check_level(
             format!("{at}.{name}"),
             format!("at most {} tokens", trusted::MAX_TOKENS),
         ));
+    }
+    Ok(())
+}
+
+/// That `limits.fleet_wide` names per-minute limits this level sets.
+fn check_fleet_wide(at: &str, limits: &Limits) -> Result<(), ConfigError> {
+    for name in limits.fleet_wide.keys() {
+        let field = format!("{at}.limits.fleet_wide.{name}");
+        if name == "concurrent_requests" {
+            return Err(invalid(
+                field,
+                "concurrency stays local to each Envoy (a slot lives as long as its request); \
+                 set a per-Envoy concurrent_requests instead",
+            ));
+        }
+        let set = match name.as_str() {
+            "requests_per_minute" => limits.requests_per_minute,
+            "input_tokens_per_minute" => limits.input_tokens_per_minute,
+            "output_tokens_per_minute" => limits.output_tokens_per_minute,
+            _ => {
+                return Err(invalid(
+                    field,
+                    format!("not a limit that can be fleet-wide: one of {FLEET_WIDE_LIMITS:?}"),
+                ));
+            }
+        };
+        match set {
+            None => return Err(invalid(field, format!("this level sets no {name}"))),
+            Some(limit) if limit > fleet::MAX_LIMIT => {
+                return Err(invalid(
+                    field,
+                    format!("a fleet-wide limit is at most {}", fleet::MAX_LIMIT),
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    for (i, budget) in limits.budgets.iter().enumerate() {
+        budget
+            .measure()
+            .map_err(|message| invalid(format!("{at}.limits.budgets[{i}]"), message))?;
     }
     Ok(())
 }
@@ -899,6 +1036,7 @@ fn resolve(chain: &Chain<'_>) -> Tenant {
         default_max_tokens: most_specific(chain, |p| p.default_max_tokens),
         disabled: false,
         expires_ms: None,
+        lease_terms: None,
     }
 }
 
@@ -964,6 +1102,14 @@ mod tests {
         assert_eq!(dev.weights, [3.0, 1.0, 1.0, 2.0]);
         assert_eq!(dev.priority, Priority::Interactive);
         assert!(dir.lookup(&hash('c')).is_none());
+    }
+
+    #[test]
+    fn modes_are_named_as_the_config_spells_them() {
+        for mode in [Mode::Ignore, Mode::Off, Mode::Shadow, Mode::Enforce] {
+            let parsed: Mode = serde_json::from_value(mode.as_str().into()).unwrap();
+            assert_eq!(parsed, mode);
+        }
     }
 
     #[test]
@@ -1040,6 +1186,93 @@ mod tests {
         assert_eq!(config.max_body_bytes, 4 * 1024 * 1024);
         assert_eq!(config.signing, None);
         assert_eq!(config.default_tenant().path(), "anonymous");
+    }
+
+    #[test]
+    fn fleet_wide_limits_need_a_fleet_section_signing_and_a_limit_they_name() {
+        let with = |fleet: &str, limits: &str| {
+            format!(
+                r#"{{{fleet}"orgs":[{{"id":"a","limits":{limits},"workspaces":[{{"id":"w",
+                "projects":[{{"id":"p","keys":[{{"id":"k","sha256":"{h}"}}]}}]}}]}}]}}"#,
+                h = "b".repeat(64)
+            )
+        };
+        let both = r#""signing":{"secret_env":"S"},"fleet":{"cluster":"quota"},"#;
+        let limits = r#"{"input_tokens_per_minute":600,
+            "fleet_wide":{"input_tokens_per_minute":"fail_open"}}"#;
+        let ok = Config::parse(with(both, limits).as_bytes()).unwrap();
+        let fleet = ok.fleet.as_ref().map(FleetConfig::terms);
+        assert_eq!(
+            fleet.map(|t| (t.renew_ms, t.lease_ttl_ms)),
+            Some((250, 60_000))
+        );
+        let tenant = ok.directory().tenants().next().cloned();
+        assert_eq!(tenant.and_then(|t| t.lease_terms), fleet);
+        for (fleet, limits, field) in [
+            ("", limits, "fleet"),
+            (r#""fleet":{"cluster":"quota"},"#, limits, "signing"),
+            (
+                both,
+                r#"{"concurrent_requests":2,"fleet_wide":{"concurrent_requests":"fail_open"}}"#,
+                "orgs[0].limits.fleet_wide.concurrent_requests",
+            ),
+            (
+                both,
+                r#"{"fleet_wide":{"requests_per_minute":"fail_closed"}}"#,
+                "orgs[0].limits.fleet_wide.requests_per_minute",
+            ),
+            (
+                both,
+                r#"{"requests_per_minute":5,"fleet_wide":{"rpm":"fail_closed"}}"#,
+                "orgs[0].limits.fleet_wide.rpm",
+            ),
+            (
+                r#""signing":{"secret_env":"S"},"fleet":{"cluster":"q","max_lease_fraction":2},"#,
+                limits,
+                "fleet.max_lease_fraction",
+            ),
+            (
+                r#""signing":{"secret_env":"S"},"fleet":{"cluster":"q","lease_ttl_ms":100},"#,
+                limits,
+                "fleet.lease_ttl_ms",
+            ),
+            (
+                both,
+                r#"{"budgets":[{"window":"month","spend":5}]}"#,
+                "prices.default",
+            ),
+            (
+                both,
+                r#"{"budgets":[{"window":"day","tokens":5,"input_tokens":3}]}"#,
+                "orgs[0].limits.budgets[0]",
+            ),
+            (
+                both,
+                r#"{"budgets":[{"window":"minute","tokens":5}]}"#,
+                "orgs[0].limits.budgets[0]",
+            ),
+            (
+                r#""signing":{"secret_env":"S"},"#,
+                r#"{"budgets":[{"window":"hour","tokens":5}]}"#,
+                "fleet",
+            ),
+            // Above what the quota service takes (2^49: its asks reach twice the limit), which
+            // would refuse every renewal of the Envoy, every tenant's.
+            (
+                both,
+                r#"{"input_tokens_per_minute":562949953421313,
+                    "fleet_wide":{"input_tokens_per_minute":"fail_open"}}"#,
+                "orgs[0].limits.fleet_wide.input_tokens_per_minute",
+            ),
+            (
+                both,
+                r#"{"budgets":[{"window":"month","tokens":562949953421313}]}"#,
+                "orgs[0].limits.budgets[0]",
+            ),
+        ] {
+            let error = error_of(&with(fleet, limits));
+            assert_eq!(error.field, field, "{}", error.message);
+        }
     }
 
     #[test]

@@ -4,12 +4,16 @@
 //! and for `wasm32-wasip1`, so the same code is tested on the host and inside the proxy-wasm VM.
 
 pub mod admission;
+pub mod allowance;
 pub mod bucket;
 pub mod config;
 pub mod embeddings;
 pub mod endpoint;
 pub mod error;
 pub mod estimate;
+pub mod fairness;
+pub mod fleet;
+pub mod fleet_config;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod json;
@@ -21,7 +25,9 @@ pub mod meter;
 pub mod openai;
 pub mod path;
 pub mod prediction;
+pub mod price;
 pub mod prompt;
+pub mod renewal;
 pub mod reply;
 pub mod request;
 pub mod reservation;

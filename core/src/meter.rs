@@ -23,6 +23,9 @@ pub const MAX_HELD_BYTES: usize = 64 * 1024;
 pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    /// Of `prompt_tokens`, those the engine served from its prefix cache (0 when it does not
+    /// say): they are priced apart ([`crate::price::Price::cached_input`]).
+    pub cached_prompt_tokens: u64,
 }
 
 /// A usage object as any of the APIs spells it: OpenAI's `prompt_tokens`/`completion_tokens`,
@@ -44,6 +47,19 @@ struct Reported {
     cache_read_input_tokens: Option<u64>,
     #[serde(default)]
     cache_creation_input_tokens: Option<u64>,
+    /// OpenAI's (and vLLM's) count of cached prompt tokens, `{"cached_tokens": n}`.
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+    /// The Responses API's spelling of the same.
+    #[serde(default)]
+    input_tokens_details: Option<Details>,
+}
+
+/// The part of a usage object that breaks the prompt down.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 impl Reported {
@@ -67,6 +83,15 @@ impl Reported {
                 *field = value;
             }
         }
+        let details = [
+            (&mut self.prompt_tokens_details, newer.prompt_tokens_details),
+            (&mut self.input_tokens_details, newer.input_tokens_details),
+        ];
+        for (field, value) in details {
+            if value.is_some() {
+                *field = value;
+            }
+        }
     }
 
     /// The counts, once the prompt's is known.
@@ -75,9 +100,15 @@ impl Reported {
             i.saturating_add(self.cache_read_input_tokens.unwrap_or(0))
                 .saturating_add(self.cache_creation_input_tokens.unwrap_or(0))
         });
+        let cached = (self.prompt_tokens_details.or(self.input_tokens_details))
+            .and_then(|d| d.cached_tokens)
+            .or(self.cache_read_input_tokens)
+            .unwrap_or(0);
+        let prompt_tokens = self.prompt_tokens.or(anthropic_input)?;
         Some(Usage {
-            prompt_tokens: self.prompt_tokens.or(anthropic_input)?,
+            prompt_tokens,
             completion_tokens: self.completion_tokens.or(self.output_tokens).unwrap_or(0),
+            cached_prompt_tokens: cached.min(prompt_tokens),
         })
     }
 }
@@ -379,7 +410,8 @@ mod tests {
             meter.usage(),
             Some(Usage {
                 prompt_tokens: 16,
-                completion_tokens: 16
+                completion_tokens: 16,
+                cached_prompt_tokens: 0
             })
         );
         assert_eq!(meter.generated_tokens(), 2);
@@ -513,12 +545,13 @@ mod tests {
     fn non_streamed_bodies_report_or_estimate() {
         let mut m = BodyMeter::new(Endpoint::ChatCompletions, 1024);
         m.feed(br#"{"choices":[{"message":{"content":"hello"}}],"#);
-        m.feed(br#""usage":{"prompt_tokens":5,"completion_tokens":1}}"#);
+        m.feed(br#""usage":{"prompt_tokens":5,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":3}}}"#);
         assert_eq!(
             m.finish(),
             BodyUsage::Reported(Usage {
                 prompt_tokens: 5,
-                completion_tokens: 1
+                completion_tokens: 1,
+                cached_prompt_tokens: 3
             })
         );
 
@@ -527,7 +560,7 @@ mod tests {
         assert_eq!(
             m.finish(),
             BodyUsage::Estimated {
-                completion_tokens: 2
+                completion_tokens: 2,
             }
         );
 
@@ -578,7 +611,8 @@ mod tests {
             meter.usage(),
             Some(Usage {
                 prompt_tokens: 12,
-                completion_tokens: 7
+                completion_tokens: 7,
+                cached_prompt_tokens: 4
             })
         );
         let expected = generated_tokens([" the model", " think", "{\"a\":1}"]);
@@ -629,9 +663,10 @@ mod tests {
             meter.usage(),
             Some(Usage {
                 prompt_tokens: 11,
-                completion_tokens: 5
+                completion_tokens: 5,
+                cached_prompt_tokens: 8
             }),
-            "cache reads are part of the prompt; the last delta's output stands"
+            "cache reads are part of the prompt (and cached); the last delta's output stands"
         );
         assert_eq!(
             meter.generated_tokens(),
@@ -671,7 +706,8 @@ mod tests {
             meter.usage(),
             Some(Usage {
                 prompt_tokens: 9,
-                completion_tokens: streamed
+                completion_tokens: streamed,
+                cached_prompt_tokens: 0
             }),
             "the engine's prompt count, and the output that streamed"
         );
@@ -698,7 +734,8 @@ mod tests {
             ),
             BodyUsage::Reported(Usage {
                 prompt_tokens: 9,
-                completion_tokens: 1
+                completion_tokens: 1,
+                cached_prompt_tokens: 0
             })
         );
         assert_eq!(
@@ -717,7 +754,8 @@ mod tests {
             ),
             BodyUsage::Reported(Usage {
                 prompt_tokens: 6,
-                completion_tokens: 6
+                completion_tokens: 6,
+                cached_prompt_tokens: 0
             })
         );
         assert_eq!(
@@ -726,7 +764,7 @@ mod tests {
                 r#"{"type":"message","content":[{"type":"text","text":"hi there"}]}"#
             ),
             BodyUsage::Estimated {
-                completion_tokens: 2
+                completion_tokens: 2,
             }
         );
         assert_eq!(
@@ -743,7 +781,8 @@ mod tests {
             ),
             BodyUsage::Reported(Usage {
                 prompt_tokens: 8,
-                completion_tokens: 0
+                completion_tokens: 0,
+                cached_prompt_tokens: 0
             })
         );
     }

@@ -9,7 +9,12 @@
 //! name: `x-ratelimit-{limit,remaining}-concurrent-requests`.
 
 use crate::error::{ApiError, ErrorShape};
+use crate::fleet_config::Measure;
+use crate::price;
 use crate::reservation::{Denial, LimitKind, Standing};
+
+/// On a `budget_exceeded` refusal: which budget (level, window, measure, limit, reset).
+pub const BUDGET_HEADER: &str = "x-weir-budget-exceeded";
 
 /// A complete response to send back.
 #[derive(Clone, Debug, PartialEq)]
@@ -31,6 +36,8 @@ impl Reply {
     /// 429 for a reservation that did not fit, with `Retry-After` and the refused limit's
     /// rate-limit headers.
     pub fn denied(denial: &Denial, shape: ErrorShape, now_ms: u64) -> Reply {
+        let mut code = "rate_limit_exceeded";
+        let mut budget = None;
         let (message, retry_after_ms, standing) = match denial {
             Denial::Limit {
                 level,
@@ -53,14 +60,61 @@ impl Reply {
                 };
                 (message, *retry_after_ms, Some(standing))
             }
+            Denial::QuotaUnavailable {
+                level,
+                kind,
+                retry_after_ms,
+            } => {
+                code = "quota_unavailable";
+                let message = format!(
+                    "The fleet-wide {} on {level} cannot be checked: the quota store is \
+                     unreachable and this limit fails closed. Retry after {}.",
+                    kind.name(),
+                    duration(*retry_after_ms)
+                );
+                (message, *retry_after_ms, None)
+            }
+            Denial::BudgetExceeded {
+                level,
+                window,
+                measure,
+                limit,
+                resets_ms,
+            } => {
+                code = "budget_exceeded";
+                let amount = match measure {
+                    Measure::Spend => format!("{}", *limit as f64 / price::MICROS),
+                    _ => format!("{limit} tokens"),
+                };
+                let resets = rfc3339(*resets_ms);
+                budget = Some(format!(
+                    "level={level}; window={}; measure={}; limit={limit}; resets={resets}",
+                    window.name(),
+                    measure.name()
+                ));
+                let message = format!(
+                    "The {} {} budget of {amount} on {level} is exhausted; it resets at {resets}.",
+                    window.name(),
+                    measure.name(),
+                );
+                (message, resets_ms.saturating_sub(now_ms), None)
+            }
             Denial::Contended => (
                 "Quota counters are busy; retry shortly.".to_owned(),
                 1_000,
                 None,
             ),
         };
-        let error = ApiError::rate_limited(message).with_code("rate_limit_exceeded");
+        let error = match budget {
+            // OpenAI's type for exhausted billing quota, so clients tell it from a rate limit.
+            Some(_) => ApiError::new(429, "insufficient_quota", message),
+            None => ApiError::rate_limited(message),
+        }
+        .with_code(code);
         let mut reply = Reply::error(&error, shape);
+        if let Some(budget) = budget {
+            reply.headers.push((BUDGET_HEADER, budget));
+        }
         let seconds = retry_after_ms.div_ceil(1_000).max(1);
         reply.headers.push(("retry-after", seconds.to_string()));
         reply
@@ -189,16 +243,7 @@ fn duration(ms: u64) -> String {
 fn rfc3339(ms: u64) -> String {
     let secs = ms.div_ceil(1_000);
     let (days, rest) = (secs / 86_400, secs % 86_400);
-    // Days to a civil date (Howard Hinnant's algorithm), for days since 1970-01-01.
-    let z = days as i64 + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = crate::fleet::civil_from_days(days);
     format!(
         "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
         rest / 3_600,

@@ -8,11 +8,18 @@
 //! if one level refuses, the ones already taken are given back. Each counter is updated with a compare-and-swap loop over the host's
 //! shared data, bounded so a hot key can never spin a worker. Concurrency slots are leases
 //! ([`crate::lease`]) that the holder renews while the request lives ([`renew`]), so a slot
-//! whose release never happened comes back by itself.
+//! whose release never happened comes back by itself. A limit marked fleet-wide is charged to
+//! this Envoy's lease of the fleet's budget instead of a local bucket ([`crate::allowance`]);
+//! everything else (all-or-nothing, rollback, settle, extend) is the same for it.
 
+use crate::allowance::{self, Allowance, Shortage, Source};
 use crate::bucket::Bucket;
 use crate::config::{Level, Limits, Tenant};
+use crate::fleet::Window;
+use crate::fleet_config::BudgetConfig;
+use crate::fleet_config::{FailMode, LeaseTerms, Measure};
 use crate::lease::Leases;
+use crate::renewal;
 
 /// Attempts per counter before a reservation gives up as contended.
 pub const MAX_CAS_ATTEMPTS: usize = 16;
@@ -38,6 +45,8 @@ pub enum LimitKind {
     InputTokens,
     OutputTokens,
     Concurrency,
+    /// A long-window budget (`limits.budgets`), always fleet-wide.
+    Budget(Measure),
 }
 
 impl LimitKind {
@@ -55,11 +64,13 @@ impl LimitKind {
             LimitKind::InputTokens => "input_tokens_per_minute",
             LimitKind::OutputTokens => "output_tokens_per_minute",
             LimitKind::Concurrency => "concurrent_requests",
+            LimitKind::Budget(_) => "budget",
         }
     }
 
     fn limit(self, limits: &Limits) -> Option<u64> {
         match self {
+            LimitKind::Budget(_) => None,
             LimitKind::Requests => limits.requests_per_minute,
             LimitKind::InputTokens => limits.input_tokens_per_minute,
             LimitKind::OutputTokens => limits.output_tokens_per_minute,
@@ -81,7 +92,24 @@ pub enum Ledger {
 pub struct Demand {
     pub input_tokens: u64,
     pub output_tokens: u64,
+    /// What the tokens cost at the request's price, in micro-units (0 without a price).
+    pub cost_micros: u64,
 }
+
+impl Demand {
+    /// The amount a budget of `measure` counts.
+    fn of(&self, measure: Measure) -> u64 {
+        match measure {
+            Measure::InputTokens => self.input_tokens,
+            Measure::OutputTokens => self.output_tokens,
+            Measure::Tokens => self.input_tokens.saturating_add(self.output_tokens),
+            Measure::Spend => self.cost_micros,
+        }
+    }
+}
+
+/// A counter's source before any take (a local bucket's for good: it has no lease).
+const NO_LEASE: Source = Source::Lease { window_start_ms: 0 };
 
 /// One counter on the request's path.
 #[derive(Clone, Debug, PartialEq)]
@@ -89,6 +117,19 @@ struct Counter {
     key: String,
     kind: LimitKind,
     limit: u64,
+    /// Set for a fleet-wide counter: its state is a lease, not a bucket.
+    fleet: Option<Fleet>,
+    /// For a held fleet-wide counter: where its tokens came from, so that settling gives them
+    /// back there (share if any take of the request was served from it).
+    source: Source,
+}
+
+/// How a fleet-wide counter is leased.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fleet {
+    pub window: Window,
+    pub fail: FailMode,
+    pub terms: LeaseTerms,
 }
 
 /// The lease a request takes on its concurrency slots: a unique id (random, so ids never
@@ -148,10 +189,27 @@ pub enum Denial {
         remaining: u64,
         retry_after_ms: u64,
     },
+    /// A fleet-wide limit's lease is spent, the store is unreachable and the limit fails
+    /// closed.
+    QuotaUnavailable {
+        level: String,
+        kind: LimitKind,
+        retry_after_ms: u64,
+    },
+    /// A long-window budget is spent for its window.
+    BudgetExceeded {
+        level: String,
+        window: Window,
+        measure: Measure,
+        limit: u64,
+        resets_ms: u64,
+    },
     /// A counter kept changing under us; retrying shortly will do.
     Contended,
 }
 
+/// The counter's shared-data key, also its name at the quota service for a fleet-wide one
+/// (whose value is then a lease, [`Allowance`], rather than a bucket).
 fn counter_key(ledger: Ledger, level: &Level, kind: LimitKind) -> String {
     let ns = match ledger {
         Ledger::Enforce => "e",
@@ -162,20 +220,72 @@ fn counter_key(ledger: Ledger, level: &Level, kind: LimitKind) -> String {
         LimitKind::InputTokens => "itpm",
         LimitKind::OutputTokens => "otpm",
         LimitKind::Concurrency => "conc",
+        LimitKind::Budget(_) => "budget",
     };
     format!("weir:{ns}:{}:{suffix}", level.path)
 }
 
+/// A budget's counter (`weir:e:acme:month:spend`): one per window and measure at a level.
+fn budget_counter(level: &Level, budget: &BudgetConfig, terms: LeaseTerms) -> Option<Counter> {
+    let (measure, limit) = budget.measure().ok()?;
+    Some(Counter {
+        key: format!(
+            "weir:e:{}:{}:{}",
+            level.path,
+            budget.window.name(),
+            measure.name()
+        ),
+        kind: LimitKind::Budget(measure),
+        limit,
+        fleet: Some(Fleet {
+            window: budget.window,
+            fail: budget.on_store_down,
+            terms,
+        }),
+        source: NO_LEASE,
+    })
+}
+
 fn counters(tenant: &Tenant, ledger: Ledger) -> impl Iterator<Item = Counter> + '_ {
     tenant.levels.iter().flat_map(move |level| {
-        LimitKind::ALL.into_iter().filter_map(move |kind| {
-            kind.limit(&level.limits).map(|limit| Counter {
-                key: counter_key(ledger, level, kind),
-                kind,
-                limit,
+        LimitKind::ALL
+            .into_iter()
+            .filter_map(move |kind| {
+                // Shadow traffic never rejects: it is counted locally, never leased.
+                let fleet = match (ledger, tenant.lease_terms) {
+                    (Ledger::Enforce, Some(terms)) => {
+                        level.limits.fleet_wide.get(kind.name()).map(|&fail| Fleet {
+                            window: Window::Minute,
+                            fail,
+                            terms,
+                        })
+                    }
+                    _ => None,
+                };
+                kind.limit(&level.limits).map(|limit| Counter {
+                    key: counter_key(ledger, level, kind),
+                    kind,
+                    limit,
+                    fleet,
+                    source: NO_LEASE,
+                })
             })
-        })
+            .chain(
+                // Budgets live in the store: enforced traffic only, and only with a fleet section.
+                level
+                    .limits
+                    .budgets
+                    .iter()
+                    .filter(move |_| ledger == Ledger::Enforce)
+                    .filter_map(move |b| budget_counter(level, b, tenant.lease_terms?)),
+            )
     })
+}
+
+/// The fleet-wide counters of a tenant: their keys (the same on every Envoy), limits and
+/// leasing, for the renewal to know what it asks for.
+pub fn fleet_counters(tenant: &Tenant) -> impl Iterator<Item = (String, u64, Fleet)> + '_ {
+    counters(tenant, Ledger::Enforce).filter_map(|c| c.fleet.map(|f| (c.key, c.limit, f)))
 }
 
 /// Creates the counters of every level that has none yet (full buckets, empty slots), so that
@@ -197,8 +307,9 @@ pub fn initialize<'a>(
 }
 
 fn initial(c: &Counter, now_ms: u64) -> Vec<u8> {
-    match c.kind {
-        LimitKind::Concurrency => Leases::default().encode(),
+    match (c.kind, c.fleet) {
+        (LimitKind::Concurrency, _) => Leases::default().encode(),
+        (_, Some(fleet)) => Allowance::cold(&c.lease_context(fleet, false), now_ms).encode(),
         _ => Bucket::full(c.limit, now_ms).encode().to_vec(),
     }
 }
@@ -237,6 +348,7 @@ impl Counter {
             LimitKind::Requests | LimitKind::Concurrency => 1,
             LimitKind::InputTokens => demand.input_tokens,
             LimitKind::OutputTokens => demand.output_tokens,
+            LimitKind::Budget(measure) => demand.of(measure),
         }
     }
 
@@ -246,8 +358,35 @@ impl Counter {
             .unwrap_or_default()
     }
 
+    fn lease_context(&self, fleet: Fleet, store_down: bool) -> allowance::Context {
+        allowance::Context {
+            limit: self.limit,
+            window: fleet.window,
+            fail: fleet.fail,
+            terms: fleet.terms,
+            store_down,
+        }
+    }
+
+    fn allowance(&self, current: Option<&[u8]>, fleet: Fleet, now_ms: u64) -> Allowance {
+        current
+            .and_then(Allowance::decode)
+            .unwrap_or_else(|| Allowance::cold(&self.lease_context(fleet, false), now_ms))
+    }
+
     /// Where the counter stands in the state `current` (see [`Standing`]).
     fn standing(&self, current: Option<&[u8]>, slot: SlotLease, now_ms: u64) -> Standing {
+        if let Some(fleet) = self.fleet {
+            // The fleet's figures as the last grant told them, plus what this Envoy holds.
+            let a = self.allowance(current, fleet, now_ms);
+            let held = a.usable(fleet.window, now_ms).max(0.0) as u64;
+            return Standing {
+                kind: self.kind,
+                limit: self.limit,
+                remaining: a.remaining.saturating_add(held).min(self.limit),
+                reset_ms: a.resets_ms.saturating_sub(now_ms),
+            };
+        }
         let standing = match self.kind {
             LimitKind::Concurrency => {
                 let held = Self::leases(current, now_ms, slot).held(now_ms) as u64;
@@ -272,16 +411,19 @@ impl Counter {
         }
     }
 
-    /// Takes this counter's share of `demand` (and says where the counter then stands), or
-    /// reports the shortfall.
+    /// Takes this counter's share of `demand` (and says where the counter then stands, and
+    /// where a fleet-wide one was served from), or reports the shortfall.
     fn take(
         &self,
         store: &impl SharedStore,
         demand: Demand,
         slot: SlotLease,
         now_ms: u64,
-    ) -> Update<Denial, Standing> {
+    ) -> Update<Denial, (Standing, Source)> {
         let amount = self.amount(demand);
+        if let Some(fleet) = self.fleet {
+            return self.take_leased(store, fleet, amount, slot, now_ms);
+        }
         let mut taken = None;
         let outcome = update(store, &self.key, |current| {
             let next = match self.kind {
@@ -312,10 +454,99 @@ impl Counter {
             retry_after_ms,
         });
         match (outcome, taken) {
-            (Update::Done(()), Some(standing)) => Update::Done(standing),
+            (Update::Done(()), Some(standing)) => Update::Done((standing, NO_LEASE)),
             (Update::Done(()), None) => Update::Contended,
             (Update::Refused(d), _) => Update::Refused(d),
             (Update::Contended, _) => Update::Contended,
+        }
+    }
+
+    /// [`Self::take`] for a fleet-wide counter: from this Envoy's lease. A shortfall is marked
+    /// on the lease, and the counter listed for renewal, so the next renewal asks for it.
+    fn take_leased(
+        &self,
+        store: &impl SharedStore,
+        fleet: Fleet,
+        amount: u64,
+        slot: SlotLease,
+        now_ms: u64,
+    ) -> Update<Denial, (Standing, Source)> {
+        let health = store.load(allowance::HEALTH_KEY);
+        let ctx = self.lease_context(
+            fleet,
+            allowance::store_down(health.as_ref().map(|(v, _)| v.as_slice())),
+        );
+        let mut taken = None;
+        let mut enlist = false;
+        let outcome = update(store, &self.key, |current| {
+            let (mut next, source) = self
+                .allowance(current, fleet, now_ms)
+                .take(amount, &ctx, now_ms)?;
+            enlist = !next.listed;
+            next.listed = true;
+            let encoded = next.encode();
+            taken = Some((self.standing(Some(&encoded), slot, now_ms), source));
+            Ok(encoded)
+        });
+        let outcome = match outcome {
+            Update::Refused(shortage) => {
+                let _ = update::<()>(store, &self.key, |current| {
+                    let mut next = self
+                        .allowance(current, fleet, now_ms)
+                        .want(amount, self.limit);
+                    enlist = !next.listed;
+                    next.listed = true;
+                    Ok(next.encode())
+                });
+                Update::Refused(self.denial(shortage, now_ms))
+            }
+            Update::Done(()) => Update::Done(()),
+            Update::Contended => Update::Contended,
+        };
+        if enlist {
+            renewal::enlist(store, &self.key);
+        }
+        match (outcome, taken) {
+            (Update::Done(()), Some(standing)) => Update::Done(standing),
+            (Update::Done(()), None) | (Update::Contended, _) => Update::Contended,
+            (Update::Refused(d), _) => Update::Refused(d),
+        }
+    }
+
+    fn denial(&self, shortage: Shortage, now_ms: u64) -> Denial {
+        let level = level_of(&self.key);
+        let (remaining, retry_after_ms) = match shortage {
+            Shortage::Unavailable { retry_after_ms } => {
+                return Denial::QuotaUnavailable {
+                    level,
+                    kind: self.kind,
+                    retry_after_ms,
+                };
+            }
+            Shortage::Cold { retry_after_ms } => (0, retry_after_ms),
+            Shortage::Spent {
+                remaining,
+                retry_after_ms,
+            } => (remaining, retry_after_ms),
+            Shortage::Exhausted { resets_ms } => match (self.kind, self.fleet) {
+                (LimitKind::Budget(measure), Some(fleet)) => {
+                    return Denial::BudgetExceeded {
+                        level,
+                        window: fleet.window,
+                        measure,
+                        limit: self.limit,
+                        resets_ms,
+                    };
+                }
+                _ => (0, resets_ms.saturating_sub(now_ms).max(1)),
+            },
+        };
+        Denial::Limit {
+            level,
+            kind: self.kind,
+            limit: self.limit,
+            remaining,
+            retry_after_ms,
         }
     }
 
@@ -327,6 +558,19 @@ impl Counter {
         slot: SlotLease,
         now_ms: u64,
     ) -> bool {
+        if let Some(fleet) = self.fleet {
+            if refund == 0.0 {
+                return true;
+            }
+            let ctx = self.lease_context(fleet, false);
+            let result = update::<()>(store, &self.key, |current| {
+                Ok(self
+                    .allowance(current, fleet, now_ms)
+                    .adjust(refund, self.source, &ctx, now_ms)
+                    .encode())
+            });
+            return matches!(result, Update::Done(()));
+        }
         let result = update::<()>(store, &self.key, |current| {
             Ok(match self.kind {
                 LimitKind::Concurrency => Self::leases(current, now_ms, slot)
@@ -354,11 +598,12 @@ impl<T> Update<T> {
     }
 }
 
-/// The tenant path a counter key belongs to (`weir:e:acme/team:rpm` → `acme/team`).
+/// The tenant path a counter key belongs to (`weir:e:acme/team:rpm` → `acme/team`, and
+/// `weir:e:acme:month:spend` → `acme`: ids never hold a ':').
 fn level_of(key: &str) -> String {
     let inner = key.splitn(3, ':').nth(2).unwrap_or(key);
     inner
-        .rsplit_once(':')
+        .split_once(':')
         .map_or(inner, |(path, _)| path)
         .to_owned()
 }
@@ -381,8 +626,8 @@ pub fn reserve(
     };
     for counter in counters(tenant, ledger) {
         let denial = match counter.take(store, demand, slot, now_ms) {
-            Update::Done(standing) => {
-                taken.held.push(counter);
+            Update::Done((standing, source)) => {
+                taken.held.push(Counter { source, ..counter });
                 taken.standing.push(standing);
                 continue;
             }
@@ -405,34 +650,42 @@ pub fn extend(
     now_ms: u64,
 ) -> Result<(), Denial> {
     let slot = reservation.slot;
-    let mut taken: Vec<(usize, Standing)> = Vec::new();
+    let mut taken: Vec<(usize, (Standing, Source))> = Vec::new();
     for (i, counter) in reservation.held.iter().enumerate() {
         if !matches!(
             counter.kind,
-            LimitKind::InputTokens | LimitKind::OutputTokens
+            LimitKind::InputTokens | LimitKind::OutputTokens | LimitKind::Budget(_)
         ) {
             continue;
         }
         let denial = match counter.take(store, more, slot, now_ms) {
-            Update::Done(standing) => {
-                taken.push((i, standing));
+            Update::Done(taken_now) => {
+                taken.push((i, taken_now));
                 continue;
             }
             Update::Refused(denial) => denial,
             Update::Contended => Denial::Contended,
         };
-        for &(j, _) in &taken {
-            let c = &reservation.held[j];
+        for &(j, (_, source)) in &taken {
+            // Back where this take came from, which may differ from the reservation's.
+            let c = Counter {
+                source,
+                ..reservation.held[j].clone()
+            };
             c.give_back(store, c.amount(more) as f64, slot, now_ms);
         }
         return Err(denial);
     }
-    for (i, standing) in taken {
+    for (i, (standing, source)) in taken {
         reservation.standing[i] = standing;
+        if source == Source::Share {
+            reservation.held[i].source = Source::Share;
+        }
     }
     let demand = &mut reservation.demand;
     demand.input_tokens = demand.input_tokens.saturating_add(more.input_tokens);
     demand.output_tokens = demand.output_tokens.saturating_add(more.output_tokens);
+    demand.cost_micros = demand.cost_micros.saturating_add(more.cost_micros);
     Ok(())
 }
 
@@ -515,6 +768,7 @@ fn release(
                 LimitKind::OutputTokens => {
                     reserved.output_tokens as f64 - actual.output_tokens as f64
                 }
+                LimitKind::Budget(m) => reserved.of(m) as f64 - actual.of(m) as f64,
             };
             !c.give_back(store, refund, reservation.slot, now_ms)
         })
@@ -597,6 +851,7 @@ pub(crate) mod tests {
     const IN_100: Demand = Demand {
         input_tokens: 100,
         output_tokens: 50,
+        cost_micros: 0,
     };
 
     #[test]
@@ -616,6 +871,7 @@ pub(crate) mod tests {
         let actual = Demand {
             input_tokens: 120,
             output_tokens: 10,
+            cost_micros: 0,
         };
         assert_eq!(settle(&store, &r, actual, 0), 0);
         assert_eq!(
@@ -647,6 +903,7 @@ pub(crate) mod tests {
         let small = Demand {
             input_tokens: 10,
             output_tokens: 10,
+            cost_micros: 0,
         };
         reserve(&store, &t, small, Ledger::Enforce, slot(), 0).unwrap();
         let denial = reserve(&store, &t, IN_100, Ledger::Enforce, slot(), 0).unwrap_err();
@@ -664,7 +921,7 @@ pub(crate) mod tests {
                 // Over the whole bucket: it waits until the bucket is full again (10 at 40/min).
                 assert_eq!(retry_after_ms, 15_000);
             }
-            Denial::Contended => panic!("not contended"),
+            other => panic!("not a limit: {other:?}"),
         }
         // The org's input tokens taken by the refused request were given back.
         assert_eq!(store.level("weir:e:acme:itpm"), 990.0);
@@ -793,6 +1050,7 @@ pub(crate) mod tests {
         let big = Demand {
             input_tokens: 500,
             output_tokens: 0,
+            cost_micros: 0,
         };
         reserve(&store, &t, big, Ledger::Enforce, slot(), 0).unwrap();
         let Err(Denial::Limit { retry_after_ms, .. }) =

@@ -270,6 +270,50 @@ impl<T> Scheduler<T> {
             .map_or(0.0, |&n| self.nodes[n].counter)
     }
 
+    /// What `tenant` shares the pool as at the top of the tree: its org, or the key itself
+    /// with [`Share::Key`].
+    pub fn share_of<'a>(&self, tenant: &'a str) -> &'a str {
+        match self.share {
+            Share::Hierarchy => org_of(tenant),
+            Share::Key => tenant,
+        }
+    }
+
+    /// The top-level shares with work queued: name, weight among its siblings and virtual
+    /// counter (what [`crate::fairness`] measures).
+    pub fn backlogged_shares(&self) -> impl Iterator<Item = (&str, f64, f64)> {
+        let root = &self.nodes[ROOT];
+        let mut ids: Vec<usize> = root.ready.iter().flatten().map(|&(_, _, n)| n).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_iter().map(|n| {
+            let node = &self.nodes[n];
+            (node.name.as_str(), node.weight, node.counter)
+        })
+    }
+
+    /// The weight of a top-level share (1 for one never seen).
+    pub fn share_weight(&self, share: &str) -> f64 {
+        let root = &self.nodes[ROOT];
+        [false, true]
+            .iter()
+            .find_map(|&leaf| root.children.get(&(share.to_owned(), leaf)))
+            .map_or(1.0, |&n| self.nodes[n].weight)
+    }
+
+    /// The virtual counter of a level of the tree (`acme`, `acme/search`) or of a key; `None`
+    /// where the tree has no such node (a level with [`Share::Key`], or one never seen).
+    pub fn counter_at(&self, path: &str) -> Option<f64> {
+        if let Some(&leaf) = self.by_name.get(path) {
+            return Some(self.nodes[leaf].counter);
+        }
+        let mut at = ROOT;
+        for id in path.split('/') {
+            at = *self.nodes[at].children.get(&(id.to_owned(), false))?;
+        }
+        Some(self.nodes[at].counter)
+    }
+
     /// The nodes from the top level down to the tenant's key, created as needed, with the
     /// weights given (`weights[i]` for level `i`, org first; 1 where missing or out of range).
     fn intern(&mut self, tenant: &str, weights: &[f64]) -> Vec<usize> {
@@ -620,18 +664,21 @@ impl<T> Scheduler<T> {
         }
     }
 
-    /// Adds served tokens to a tenant's counters.
-    pub fn charge(&mut self, tenant: &str, input_tokens: u64, output_tokens: u64) {
+    /// Adds served tokens to a tenant's counters; returns the weighted tokens charged.
+    pub fn charge(&mut self, tenant: &str, input_tokens: u64, output_tokens: u64) -> f64 {
         let cost =
             self.weights.input * input_tokens as f64 + self.weights.output * output_tokens as f64;
         self.add_cost(tenant, cost);
+        cost
     }
 
     /// Replaces an input charge made from an estimate with the engine's count: an
-    /// underestimate is charged in full, an overestimate refunded.
-    pub fn correct_input(&mut self, tenant: &str, estimated: u64, reported: u64) {
+    /// underestimate is charged in full, an overestimate refunded. Returns the weighted
+    /// tokens charged (negative for a refund).
+    pub fn correct_input(&mut self, tenant: &str, estimated: u64, reported: u64) -> f64 {
         let cost = self.weights.input * (reported as f64 - estimated as f64);
         self.add_cost(tenant, cost);
+        cost
     }
 
     /// Removes and returns every queued request matching `drop` (deadline passed, client gone).
@@ -782,6 +829,24 @@ mod tests {
         let served = one_key_against_ten(Share::Key);
         let (a, b) = (below(&served, "a/"), below(&served, "b/"));
         assert!(near(b as f64 / a as f64, 12.0), "a:b = {a}:{b}");
+    }
+
+    #[test]
+    fn the_backlogged_top_level_shares_and_each_level_s_counter_are_visible() {
+        let mut s = fair();
+        s.push("x/b/p/k", &[2.0, 1.0, 1.0, 1.0], I, 0, 0);
+        s.push("y/a/p/k", &[1.0, 1.0, 1.0, 1.0], B, 1, 0);
+        s.charge("x/b/p/k", 100, 0);
+        let shares: Vec<(&str, f64, f64)> = s.backlogged_shares().collect();
+        assert_eq!(shares, vec![("x", 2.0, 50.0), ("y", 1.0, 0.0)]);
+        assert_eq!(s.share_of("x/b/p/k"), "x");
+        assert_eq!(s.share_weight("x"), 2.0);
+        assert_eq!(s.counter_at("x/b"), Some(100.0));
+        assert_eq!(s.counter_at("x/b/p/k"), Some(100.0));
+        assert_eq!(s.counter_at("z"), None);
+        s.pop(0);
+        let left: Vec<&str> = s.backlogged_shares().map(|(n, _, _)| n).collect();
+        assert_eq!(left, vec!["y"], "x's queue emptied");
     }
 
     #[test]
@@ -1204,8 +1269,12 @@ mod invariants {
                         s.charge(&t, rng.below(500), rng.below(500));
                     }
                 }
-                7 => s.charge(tenant, rng.below(300), rng.below(300)),
-                8 => s.correct_input(tenant, rng.below(300), rng.below(300)),
+                7 => {
+                    s.charge(tenant, rng.below(300), rng.below(300));
+                }
+                8 => {
+                    s.correct_input(tenant, rng.below(300), rng.below(300));
+                }
                 _ => {
                     let m = rng.below(5) as u32 + 2;
                     s.remove_where(|&i| i % m == 0);

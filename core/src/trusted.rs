@@ -8,6 +8,10 @@
 pub const PREFIX: &str = "x-weir-";
 /// `org/workspace/project/key` of the authenticated key.
 pub const TENANT: &str = "x-weir-tenant";
+/// The org of [`TENANT`] alone: what Envoy hashes on to send an org's requests to one sidecar
+/// of a pool (its whole fair-queue hierarchy in one place). A header of its own because
+/// Istio's and Envoy Gateway's consistent hashing take a header's value as it is.
+pub const ORG: &str = "x-weir-org";
 pub const TIER: &str = "x-weir-tier";
 /// The scheduling weight of each level of the tenant path, org first, comma-separated.
 pub const WEIGHT: &str = "x-weir-weight";
@@ -24,6 +28,12 @@ pub const KV_LIMIT: &str = "x-weir-kv-limit";
 /// The models the key may use (`policy.models`), comma-separated; absent when it may use any.
 /// The sidecar's model list shows only these.
 pub const MODELS: &str = "x-weir-models";
+/// The price table the filter charges at (`<currency>:<model>=<input>,<cached_input>,<output>;…`
+/// per million tokens, [`crate::price::Prices::to_header`]): the ledger records each request's
+/// cost at its model's entry.
+pub const PRICE: &str = "x-weir-price";
+/// On quota lease calls: the hex SHA-256 of the body, so the signature covers the body too.
+pub const BODY_SHA256: &str = "x-weir-body-sha256";
 /// On responses of shadow routes: what enforcement would have done.
 pub const SHADOW_DECISION: &str = "x-weir-shadow";
 

@@ -2,8 +2,9 @@
 //! [`SharedStore`], the clock, properties, and metrics. Host calls that can fail report it;
 //! nothing here panics.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
@@ -83,31 +84,54 @@ pub fn set_filter_state(name: &str, value: &str) {
 /// (as `wasmcustom.<name>`), summed across workers.
 #[derive(Default)]
 pub struct Metrics {
-    ids: HashMap<String, u32>,
+    /// Each name's id, `None` once Envoy refused to define it: a name is defined at most once
+    /// per VM, also those named at run time ([`Metrics::count`]).
+    ids: RefCell<HashMap<String, Option<u32>>>,
 }
 
 impl Metrics {
     pub fn define(&mut self, kind: MetricType, name: &str) {
-        match hostcalls::define_metric(kind, name) {
-            Ok(id) => {
-                self.ids.insert(name.to_owned(), id);
-            }
-            Err(status) => log::warn!("weir: cannot define metric {name}: {status:?}"),
-        }
+        let id = define_metric(kind, name);
+        self.ids.get_mut().insert(name.to_owned(), id);
     }
 
     /// Adds to a counter or gauge (negative only for gauges).
     pub fn add(&self, name: &str, delta: i64) {
-        if let (Some(&id), true) = (self.ids.get(name), delta != 0) {
+        if let (Some(id), true) = (self.id(name), delta != 0) {
             let _ = hostcalls::increment_metric(id, delta);
         }
     }
 
     pub fn record(&self, name: &str, value: u64) {
-        if let Some(&id) = self.ids.get(name) {
+        if let Some(id) = self.id(name) {
             let _ = hostcalls::record_metric(id, value);
         }
     }
+
+    /// Adds one to a counter whose name is known only at run time (it carries a route's name),
+    /// defining it on first use.
+    pub fn count(&self, name: &str) {
+        // Callbacks never nest, so the map is never borrowed here; if it were, skip the count.
+        let Ok(mut ids) = self.ids.try_borrow_mut() else {
+            return;
+        };
+        let id = *ids
+            .entry(name.to_owned())
+            .or_insert_with(|| define_metric(MetricType::Counter, name));
+        if let Some(id) = id {
+            let _ = hostcalls::increment_metric(id, 1);
+        }
+    }
+
+    fn id(&self, name: &str) -> Option<u32> {
+        self.ids.try_borrow().ok()?.get(name).copied().flatten()
+    }
+}
+
+fn define_metric(kind: MetricType, name: &str) -> Option<u32> {
+    hostcalls::define_metric(kind, name)
+        .map_err(|status| log::warn!("weir: cannot define metric {name}: {status:?}"))
+        .ok()
 }
 
 /// Which side of the exchange a header or body call is about.
@@ -177,4 +201,34 @@ pub fn local_reply(status: u16, headers: &[(&str, String)], body: &[u8]) {
     if let Err(s) = hostcalls::send_http_response(u32::from(status), headers, Some(body)) {
         log::warn!("weir: cannot send local reply: {s:?}");
     }
+}
+
+/// Sends a call to `cluster` outside any request (the lease renewal); the answer comes to the
+/// root context's `on_http_call_response` with the returned token.
+pub fn dispatch(
+    cluster: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+    timeout_ms: u64,
+) -> Result<u32, Status> {
+    hostcalls::dispatch_http_call(
+        cluster,
+        headers.to_vec(),
+        Some(body),
+        Vec::new(),
+        Duration::from_millis(timeout_ms),
+    )
+}
+
+/// The status and body of a dispatched call's answer (no status: it failed or timed out).
+pub fn call_response(body_size: usize) -> (Option<u16>, Vec<u8>) {
+    let status = hostcalls::get_map_value(MapType::HttpCallResponseHeaders, ":status")
+        .ok()
+        .flatten()
+        .and_then(|s| s.parse().ok());
+    let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+        .ok()
+        .flatten()
+        .unwrap_or_default();
+    (status, body)
 }

@@ -5,6 +5,7 @@
 #[cfg(feature = "fault-injection")]
 mod fault;
 mod host;
+mod renewal;
 mod request;
 mod signer;
 mod telemetry;
@@ -22,6 +23,7 @@ use weir_core::config::{Config, Directory, Tenant};
 use weir_core::reservation::{self, Reservation};
 
 use crate::host::{Metrics, SharedData};
+use crate::renewal::Renewal;
 use crate::request::Request;
 use crate::signer::Signer;
 
@@ -42,11 +44,15 @@ pub struct Gateway {
     /// Reservations this VM's live requests hold, by slot lease id: the root context renews
     /// their slot leases on every tick, so a slot lapses only when its VM is gone.
     pub in_flight: RefCell<HashMap<u64, Reservation>>,
+    /// The price table as every forwarded request vouches for it (`x-weir-price`), so the
+    /// ledger prices each record at its model's entry; formatted once per configuration.
+    pub price_header: Option<String>,
 }
 
 impl Gateway {
     fn new(config: Config, signer: Option<Signer>, metrics: Metrics) -> Gateway {
         Gateway {
+            price_header: config.prices.as_ref().map(|p| p.to_header()),
             directory: config.directory(),
             default_tenant: Arc::new(config.default_tenant()),
             config,
@@ -60,9 +66,19 @@ impl Gateway {
 #[derive(Default)]
 struct Root {
     gateway: Option<Rc<Gateway>>,
+    /// Renews fleet-wide leases, when the config has any.
+    renewal: Option<Renewal>,
+    /// When this VM last renewed its requests' slot leases.
+    slots_renewed_ms: u64,
 }
 
-impl Context for Root {}
+impl Context for Root {
+    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
+        if let (Some(renewal), Some(gw)) = (self.renewal.as_mut(), &self.gateway) {
+            renewal.answered(token, body_size, &gw.metrics);
+        }
+    }
+}
 
 impl RootContext for Root {
     /// Validates the plugin configuration. An invalid one is logged with the offending field
@@ -94,9 +110,16 @@ impl RootContext for Root {
                 return false;
             }
         };
-        // Renew three times per lease: a late tick or two never costs a live request its slot.
-        self.set_tick_period(Duration::from_millis(config.slot_lease_ms / 3));
         let gateway = Gateway::new(config, signer, telemetry::define());
+        self.renewal = Renewal::new(&gateway.config, &gateway.directory);
+        // Renew three times per slot lease (a late tick or two never costs a live request its
+        // slot), and fleet-wide leases every renewal period.
+        let slot_period = gateway.config.slot_lease_ms / 3;
+        let period = self
+            .renewal
+            .as_ref()
+            .map_or(slot_period, |r| r.period_ms().min(slot_period));
+        self.set_tick_period(Duration::from_millis(period));
         reservation::initialize(&SharedData, gateway.directory.tenants(), host::now_ms());
         log::info!(
             "weir: configured with {} keys; trusted headers {}",
@@ -118,17 +141,29 @@ impl RootContext for Root {
         true
     }
 
-    /// Renews the slot leases of every request in flight on this VM: one CAS update per
-    /// concurrency limit on its path, so the cost is bounded by the requests this worker holds.
+    /// Renews the slot leases of every request in flight on this VM (one CAS update per
+    /// concurrency limit on its path, so the cost is bounded by the requests this worker
+    /// holds) every third of a slot lease, and fleet-wide leases every renewal period.
     fn on_tick(&mut self) {
         let Some(gw) = &self.gateway else {
             return;
         };
+        if let Some(renewal) = self.renewal.as_mut() {
+            renewal.tick(gw.signer.as_ref(), &gw.metrics);
+        }
+        let now = host::now_ms();
+        if now
+            < self
+                .slots_renewed_ms
+                .saturating_add(gw.config.slot_lease_ms / 3)
+        {
+            return;
+        }
         // Callbacks never nest, so the map is never borrowed here; if it were, skip a tick.
         let Ok(in_flight) = gw.in_flight.try_borrow() else {
             return;
         };
-        let now = host::now_ms();
+        self.slots_renewed_ms = now;
         let conflicts: usize = in_flight
             .values()
             .map(|r| reservation::renew(&SharedData, r, now))

@@ -31,20 +31,21 @@ use std::sync::Arc;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
 use weir_core::admission::{self, Admitted};
-use weir_core::config::{KeyRefusal, Mode, Tenant};
+use weir_core::config::{KeyRefusal, Mode, RouteConfig, Tenant};
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
 use weir_core::keys::{hash_key, key_from_headers};
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::path::{self, Route};
 use weir_core::prediction;
+use weir_core::price;
 use weir_core::reply::{self, Reply};
 use weir_core::reservation::{self, Demand, Denial, Ledger, Reservation, SlotLease, Standing};
 use weir_core::trusted;
 
 use crate::Gateway;
 use crate::host::{self, SharedData, Side};
-use crate::telemetry::{self, AccessRecord};
+use crate::telemetry::{self, AccessRecord, Decision};
 
 /// The caller's deduplication header (IETF httpapi `Idempotency-Key`).
 const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
@@ -98,6 +99,9 @@ pub struct Request {
     upstream_status: u16,
     /// In shadow mode, the first rejection enforcement would have made.
     would_reject: Option<&'static str>,
+    /// The route's metrics label and mode, which its decision is counted under (none on an
+    /// ignored route).
+    counted_as: Option<(String, Mode)>,
     outcome: &'static str,
     usage: Demand,
     /// The `x-weir-*` headers this request carries upstream, written and signed together when
@@ -130,6 +134,7 @@ impl Request {
             meter: Meter::None,
             upstream_status: 0,
             would_reject: None,
+            counted_as: None,
             outcome: "passthrough",
             usage: Demand::default(),
             vouched: Vec::new(),
@@ -147,9 +152,9 @@ impl Request {
         Reply::error(error, self.shape)
     }
 
-    /// The route's mode for this request, after its rollout share. The share is drawn from
-    /// `attempt_id`, which weir generates at random, so no caller can steer its bucket.
-    fn mode(&self, attempt_id: &str) -> Mode {
+    /// The request's route: its metrics label, and its config with what the route's metadata
+    /// sets.
+    fn route(&self) -> (String, RouteConfig) {
         let route_name = host::property(vec!["xds", "route_name"]);
         let mut route = self.gw.config.route(route_name.as_deref()).clone();
         let meta = |key| {
@@ -167,12 +172,22 @@ impl Request {
         if let Some(pct) = meta("rollout_percent").and_then(|p| p.parse().ok()) {
             route.rollout_percent = pct;
         }
-        if route.mode == Mode::Ignore
-            || rollout_bucket(attempt_id) < u32::from(route.rollout_percent)
-        {
-            route.mode
+        (telemetry::route_label(route_name.as_deref()), route)
+    }
+
+    /// What the filter decided on the request, once it has: none while the body it decides on
+    /// is awaited (the caller left before sending it all).
+    fn decision(&self) -> Option<Decision> {
+        if self.stage == Stage::Replied {
+            Some(Decision::Rejected)
+        } else if self.would_reject.is_some() {
+            Some(Decision::WouldReject)
+        } else if self.admitted.is_some() {
+            Some(Decision::Admitted)
+        } else if self.stage == Stage::AwaitingBody {
+            None
         } else {
-            Mode::Off
+            Some(Decision::Unmetered)
         }
     }
 
@@ -264,6 +279,7 @@ impl Request {
     /// Vouches for the identity the request is scheduled as.
     fn identify(&mut self, tenant: Arc<Tenant>) {
         self.vouch(trusted::TENANT, tenant.path());
+        self.vouch(trusted::ORG, tenant.org.clone());
         self.vouch(trusted::TIER, tenant.tier.as_str());
         self.vouch(trusted::WEIGHT, trusted::format_weights(&tenant.weights));
         self.vouch(trusted::PRIORITY, tenant.priority.as_str());
@@ -272,6 +288,9 @@ impl Request {
         }
         if let Some(models) = &tenant.models {
             self.vouch(trusted::MODELS, models.join(","));
+        }
+        if let Some(prices) = &self.gw.price_header {
+            self.vouch(trusted::PRICE, prices.clone());
         }
         self.tenant = Some(tenant);
     }
@@ -352,11 +371,13 @@ impl Request {
         // The caller's x-request-id is a trace id (a mesh propagates it across calls): it is
         // passed on untouched and never identifies an attempt.
         let attempt_id = host::unique_id();
-        let mode = self.mode(&attempt_id);
+        let (label, route) = self.route();
+        let mode = mode(&route, &attempt_id);
         if mode == Mode::Ignore {
             self.stage = Stage::Ignored;
             return Action::Continue;
         }
+        self.counted_as = Some((label, route.mode));
         self.vouch(trusted::REQUEST_ID, attempt_id);
         let idempotency_key = self.idempotency_key();
         if let Ok(Some(key)) = &idempotency_key {
@@ -560,6 +581,12 @@ impl Request {
         let demand = Demand {
             input_tokens: admitted.prompt_tokens,
             output_tokens: admitted.reserved_output,
+            cost_micros: self.cost(
+                &admitted.model,
+                admitted.prompt_tokens,
+                0,
+                admitted.reserved_output,
+            ),
         };
         // Shadow mode may have let the request on without a reservation (its headers' charge
         // was refused): it goes on holding none.
@@ -737,10 +764,12 @@ impl Request {
                 Demand {
                     input_tokens: u.prompt_tokens,
                     output_tokens: u.completion_tokens,
+                    cost_micros: 0,
                 }
             }
             None if self.upstream_status >= 400 => Demand::default(),
             None => Demand {
+                cost_micros: 0,
                 input_tokens: estimate,
                 output_tokens: match (&self.meter, body) {
                     (Meter::Stream(m), _) => m.generated_tokens(),
@@ -750,6 +779,15 @@ impl Request {
                 },
             },
         };
+        let cached = reported.map_or(0, |u| u.cached_prompt_tokens);
+        self.usage.cost_micros = self.admitted.as_ref().map_or(0, |a| {
+            self.cost(
+                &a.model,
+                self.usage.input_tokens,
+                cached,
+                self.usage.output_tokens,
+            )
+        });
         if self.replayed {
             // The same completed work is never charged twice, to quota either.
             self.usage = Demand::default();
@@ -772,6 +810,19 @@ impl Request {
         self.gw
             .metrics
             .add(telemetry::TOKENS_OUT, self.usage.output_tokens as i64);
+    }
+
+    /// What tokens of `model` cost at the configured price, in micro-units (0 without one).
+    fn cost(&self, model: &str, input: u64, cached: u64, output: u64) -> u64 {
+        let usage = price::Usage {
+            input_tokens: input,
+            cached_input_tokens: cached,
+            output_tokens: output,
+        };
+        let prices = self.gw.config.prices.as_ref();
+        prices
+            .and_then(|p| p.of(model))
+            .map_or(0, |p| p.cost_micros(usage))
     }
 
     /// The shared-data key of the tenant's output history on `model` (see
@@ -807,6 +858,10 @@ impl Request {
     fn on_log_entry(&mut self) {
         if self.stage == Stage::Ignored {
             return;
+        }
+        if let (Some((route, mode)), Some(decision)) = (&self.counted_as, self.decision()) {
+            let name = telemetry::decision_metric(route, *mode, decision);
+            self.gw.metrics.count(&name);
         }
         // The backstop: a stream that ended without its last chunk (client gone, upstream
         // reset) settles here with what was seen.
@@ -844,12 +899,24 @@ fn is_identity(encoding: &str) -> bool {
 fn denial_reason(denial: &Denial) -> &'static str {
     match denial {
         Denial::Limit { kind, .. } => kind.name(),
+        Denial::QuotaUnavailable { .. } => "quota_unavailable",
+        Denial::BudgetExceeded { .. } => "budget_exceeded",
         Denial::Contended => "contended",
     }
 }
 
 fn total(d: Demand) -> i64 {
     (d.input_tokens + d.output_tokens) as i64
+}
+
+/// The route's mode for a request, after the route's rollout share. The share is drawn from
+/// `attempt_id`, which weir generates at random, so no caller can steer its bucket.
+fn mode(route: &RouteConfig, attempt_id: &str) -> Mode {
+    if route.mode == Mode::Ignore || rollout_bucket(attempt_id) < u32::from(route.rollout_percent) {
+        route.mode
+    } else {
+        Mode::Off
+    }
 }
 
 /// A stable 0–99 bucket for a request id (FNV-1a), so rollout shares are deterministic.

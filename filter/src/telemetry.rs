@@ -2,6 +2,7 @@
 //! (filter state `wasm.weir.*`). Counts and labels only: never prompt or response content.
 
 use proxy_wasm::types::MetricType;
+use weir_core::config::Mode;
 
 use crate::host::{self, Metrics};
 
@@ -13,7 +14,7 @@ pub const OUTCOMES: [&str; 5] = [
     "passthrough",
 ];
 
-pub const REJECTIONS: [&str; 23] = [
+pub const REJECTIONS: [&str; 25] = [
     "invalid_idempotency_key",
     "missing_api_key",
     "invalid_api_key",
@@ -35,6 +36,8 @@ pub const REJECTIONS: [&str; 23] = [
     "input_tokens_per_minute",
     "output_tokens_per_minute",
     "concurrent_requests",
+    "quota_unavailable",
+    "budget_exceeded",
     "contended",
     "internal",
 ];
@@ -53,6 +56,9 @@ pub const PREDICTION_OVERRUN: &str = "weir.prediction.overrun_tokens";
 pub const RESERVED: &str = "weir.reserved_tokens";
 pub const SHADOW_WOULD_REJECT: &str = "weir.shadow.would_reject";
 pub const SETTLE_CONFLICTS: &str = "weir.settle.conflicts";
+/// Lease renewals answered by the quota service, and those that failed (store down).
+pub const FLEET_RENEWALS: &str = "weir.fleet.renewals";
+pub const FLEET_RENEWAL_FAILURES: &str = "weir.fleet.renewal_failures";
 /// Metered responses the upstream compressed anyway: charged their reservation.
 pub const UNREADABLE_RESPONSES: &str = "weir.meter.unreadable";
 
@@ -62,6 +68,59 @@ pub fn request_metric(outcome: &str) -> String {
 
 pub fn rejection_metric(reason: &str) -> String {
     format!("weir.rejections.{reason}")
+}
+
+/// What the filter made of one request it acted on, counted per route and mode as
+/// `weir.filter.decisions.route.<route>.mode.<mode>.decision.<decision>` (Envoy's `stats_tags`
+/// turn it into `weir_filter_decisions{route,mode,decision}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Metered and let through.
+    Admitted,
+    /// Refused (enforce).
+    Rejected,
+    /// Let through, but enforcement would have refused it (shadow).
+    WouldReject,
+    /// Let through without metering: the route is off, the request fell outside its rollout
+    /// share, or its path has nothing to meter (models, health).
+    Unmetered,
+}
+
+impl Decision {
+    fn as_str(self) -> &'static str {
+        match self {
+            Decision::Admitted => "admitted",
+            Decision::Rejected => "rejected",
+            Decision::WouldReject => "would_reject",
+            Decision::Unmetered => "unmetered",
+        }
+    }
+}
+
+/// The counter of `decision` on a route (its label from [`route_label`]) in `mode`.
+pub fn decision_metric(route: &str, mode: Mode, decision: Decision) -> String {
+    format!(
+        "weir.filter.decisions.route.{route}.mode.{}.decision.{}",
+        mode.as_str(),
+        decision.as_str()
+    )
+}
+
+/// A route's name as a metric label: `default` for a route without one; lower case, and any
+/// character but `[a-z0-9_-]` as `_`, so a name cannot add a dot (a stat-name segment) and
+/// shift the segments Envoy's `stats_tags` extract. Route names come from the operator's route
+/// table, so the labels are as few as its routes.
+pub fn route_label(name: Option<&str>) -> String {
+    match name {
+        None | Some("") => "default".to_owned(),
+        Some(name) => name
+            .chars()
+            .map(|c| match c.to_ascii_lowercase() {
+                c @ ('a'..='z' | '0'..='9' | '_' | '-') => c,
+                _ => '_',
+            })
+            .collect(),
+    }
 }
 
 pub fn define() -> Metrics {
@@ -79,6 +138,8 @@ pub fn define() -> Metrics {
         SETTLE_CONFLICTS,
         UNREADABLE_RESPONSES,
         PREDICTION_OVERRUN,
+        FLEET_RENEWALS,
+        FLEET_RENEWAL_FAILURES,
     ] {
         m.define(MetricType::Counter, counter);
     }
@@ -109,5 +170,27 @@ impl AccessRecord<'_> {
         host::set_filter_state("weir.tokens_out", &self.tokens_out.to_string());
         host::set_filter_state("weir.estimate", &self.estimate.to_string());
         host::set_filter_state("weir.outcome", self.outcome);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Decision, Mode, decision_metric, route_label};
+
+    #[test]
+    fn route_labels_cannot_add_stat_name_segments() {
+        assert_eq!(route_label(Some("chat-v1_2")), "chat-v1_2");
+        assert_eq!(route_label(Some("Chat.Eu:443/x")), "chat_eu_443_x");
+        assert_eq!(route_label(Some("é")), "_");
+        assert_eq!(route_label(Some("")), "default");
+        assert_eq!(route_label(None), "default");
+    }
+
+    #[test]
+    fn decision_metrics_name_route_mode_and_decision() {
+        assert_eq!(
+            decision_metric("shadowed", Mode::Shadow, Decision::WouldReject),
+            "weir.filter.decisions.route.shadowed.mode.shadow.decision.would_reject"
+        );
     }
 }

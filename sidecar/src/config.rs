@@ -10,6 +10,10 @@ pub use crate::credential::CredentialConfig;
 pub use crate::engine::EngineChoice;
 pub use crate::idempotency::IdempotencyConfig;
 use crate::isolation::CacheIsolation;
+pub use crate::ledger::LedgerStoreConfig;
+pub use crate::metrics::MetricsConfig;
+pub use crate::quota::QuotaConfig;
+use crate::share::EngineShare;
 pub use weir_core::config::EstimatorConfig;
 pub use weir_core::prediction::PredictionConfig;
 use weir_core::scheduler::Share;
@@ -41,8 +45,18 @@ pub struct SidecarConfig {
     /// accepted) before the rest are ended, each with its ledger record.
     #[serde(default = "default_shutdown_grace_ms")]
     pub shutdown_grace_ms: u64,
+    /// On SIGTERM, how long the sidecar goes on accepting requests while `/ready` already
+    /// answers 503, before it stops accepting and the grace period starts: time for gateways
+    /// that health-check it (several sidecars per pool) to take it out of their ring, so no
+    /// request meets a closed port. 0 (default) where the platform does that first (a
+    /// Kubernetes `preStop` sleep). Read at start-up.
+    #[serde(default)]
+    pub shutdown_leave_ms: u64,
     #[serde(default = "default_ledger")]
     pub ledger: PathBuf,
+    /// The ledger on PostgreSQL, behind a local spool; `ledger` (SQLite) when unset.
+    #[serde(default)]
+    pub ledger_store: Option<LedgerStoreConfig>,
     pub pools: Vec<PoolConfig>,
     /// The secrets the filter's signatures are checked with. Required: without them the
     /// sidecar would serve whatever a workload that reaches its port claims to be.
@@ -59,6 +73,9 @@ pub struct SidecarConfig {
     /// (4 MiB by default).
     #[serde(default = "default_max_body_bytes")]
     pub max_body_bytes: usize,
+    /// The tenant labels' depth, the fairness window, OTLP export ([`crate::metrics`]).
+    #[serde(default)]
+    pub metrics: MetricsConfig,
     /// How the config file is watched for changes ([`crate::reload`]).
     #[serde(default)]
     pub reload: ReloadConfig,
@@ -66,6 +83,10 @@ pub struct SidecarConfig {
     /// ([`crate::prediction`]).
     #[serde(default)]
     pub prediction: PredictionConfig,
+    /// The quota service for fleet-wide limits ([`crate::quota`]); without it the lease
+    /// endpoint answers 404.
+    #[serde(default)]
+    pub quota: Option<QuotaConfig>,
 }
 
 /// Live reload: the config is read again on SIGHUP and whenever the file changes.
@@ -265,6 +286,11 @@ pub struct PoolConfig {
     /// The model's tokenizer, for counting prompts until the engine reports its own count.
     #[serde(default)]
     pub encoding: Encoding,
+    /// How many sidecars front these replicas, this one included (several sidecars per pool,
+    /// each org on one): each admits against `1/sidecars` of every replica's KV and
+    /// concurrency ([`crate::share`]).
+    #[serde(default)]
+    pub sidecars: EngineShare,
 }
 
 /// A DNS name whose addresses are a pool's replicas ([`crate::discovery`]), resolved again every
@@ -335,6 +361,7 @@ impl PoolConfig {
             max_in_flight_without_kv: None,
             cache_isolation: CacheIsolation::Probe,
             encoding: Encoding::default(),
+            sidecars: EngineShare::default(),
         }
     }
 }
@@ -448,6 +475,9 @@ impl SidecarConfig {
             if pool.max_concurrency_per_replica == Some(0) {
                 bail!("pools[{i}].max_concurrency_per_replica: at least 1");
             }
+            if pool.sidecars.sidecars() == 0 {
+                bail!("pools[{i}].sidecars: at least 1 (this one)");
+            }
         }
         let relay = &self.relay;
         if [
@@ -556,6 +586,16 @@ mod tests {
         let config: SidecarConfig = serde_json::from_str(&json)?;
         config.validate()?;
         Ok(config)
+    }
+
+    #[test]
+    fn a_pool_counts_the_sidecars_that_share_it_one_by_default() {
+        let one = &pool_config("").unwrap().pools[0];
+        assert_eq!(one.sidecars.sidecars(), 1);
+        let two = &pool_config(r#", "sidecars": 2"#).unwrap().pools[0];
+        assert_eq!(two.sidecars.sidecars(), 2);
+        let none = pool_config(r#", "sidecars": 0"#).unwrap_err().to_string();
+        assert!(none.contains("pools[0].sidecars"), "{none}");
     }
 
     #[test]

@@ -5,12 +5,13 @@
 //! settings pools should have ([`crate::roster`]). Nothing else mutates this state, so it
 //! needs no locks.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
 use weir_core::config::Priority;
+use weir_core::fairness::{Window, gap_bound};
 use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights, Verdict};
 
 use crate::backoff::{Backoff, Waits};
@@ -19,7 +20,7 @@ use crate::engine::{EngineLimits, EngineSample};
 use crate::health::{Command, Link};
 use crate::isolation::Isolation;
 use crate::limiter::Ticket;
-use crate::metrics::{Metrics, tenant};
+use crate::metrics::{Labels, Metrics};
 use crate::pool::{Pool, Replica, ReplicaId};
 use crate::readiness::Readiness;
 use crate::roster::Change;
@@ -103,6 +104,8 @@ pub struct Assignment {
     pub upstream: Arc<Upstream>,
     /// The replica's isolation mode when the job was dispatched: what the body must carry.
     pub isolation: Isolation,
+    /// Its engine (`gen_ai.provider.name`).
+    pub provider: &'static str,
     pub queued_ms: u64,
     tenant: String,
     kv_held: u64,
@@ -196,8 +199,24 @@ impl Drop for Assignment {
     }
 }
 
+/// A pool's fairness window, and the tenant labels its last report showed a backlogged ratio
+/// for.
+struct Fairness {
+    window: Window,
+    published: HashSet<String>,
+}
+
+impl Fairness {
+    fn new(window_ms: u64) -> Self {
+        Fairness {
+            window: Window::new(window_ms, now_ms()),
+            published: HashSet::new(),
+        }
+    }
+}
+
 /// Why a job was not dispatched.
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Refusal {
     /// The tenant (or the whole sidecar) has as many requests waiting as it may.
     QueueFull,
@@ -209,6 +228,17 @@ pub enum Refusal {
     Shed,
     /// At the current dispatch rate it would wait past its deadline.
     ProjectedWait,
+}
+
+impl Refusal {
+    /// The HTTP status the caller gets for it: 429 for what the tenant can fix by slowing
+    /// down, 503 for a saturated or empty pool.
+    pub fn status(self) -> u16 {
+        match self {
+            Refusal::QueueFull | Refusal::Shed => 429,
+            Refusal::DeadlinePassed | Refusal::NoReplica | Refusal::ProjectedWait => 503,
+        }
+    }
 }
 
 pub enum Event {
@@ -257,6 +287,8 @@ pub enum Event {
         limits: EngineLimits,
         /// Its engine can resume a preempted stream.
         resumes: bool,
+        /// Its engine, as the GenAI conventions' `gen_ai.provider.name`.
+        provider: &'static str,
     },
     /// Sent by [`Assignment::started`].
     FirstByte {
@@ -328,6 +360,14 @@ pub struct Dispatcher {
     health: Option<mpsc::UnboundedSender<Command>>,
     /// KV each tenant holds across pools, against its `active_kv_tokens` cap.
     tenant_kv: HashMap<String, u64>,
+    /// What the metrics show per tenant label (a level above the keys, summed over them): KV
+    /// held in all and per replica URL, and queue depth (with each key's, to sum deltas).
+    label_kv: HashMap<String, u64>,
+    replica_label_kv: HashMap<(String, String), u64>,
+    leaf_depth: HashMap<String, usize>,
+    label_depth: HashMap<String, usize>,
+    /// Per pool, the live fairness measurement ([`weir_core::fairness`]).
+    fairness: Vec<Fairness>,
     /// Per pool, KV each tenant holds there, requests it has running there, and when its last
     /// request for it arrived: the headroom rule applies within a pool, so one pool's load never
     /// limits another's.
@@ -382,11 +422,19 @@ impl Dispatcher {
                     Scheduler::new(policy, share, TokenWeights::default(), queue.batch_aging_ms)
                 })
                 .collect(),
+            fairness: pools
+                .iter()
+                .map(|_| Fairness::new(metrics.fairness_window_ms))
+                .collect(),
             fair: policy == Policy::Fair,
             policy,
             share,
             pools,
             tenant_kv: HashMap::new(),
+            label_kv: HashMap::new(),
+            replica_label_kv: HashMap::new(),
+            leaf_depth: HashMap::new(),
+            label_depth: HashMap::new(),
             queue,
             metrics,
             events: events.downgrade(),
@@ -431,6 +479,7 @@ impl Dispatcher {
                     }
                     self.expire(now);
                     self.publish_waits(now);
+                    self.sample_fairness(now);
                     let window = self.queue.active_window_ms;
                     for active in &mut self.active {
                         active.retain(|_, seen| now.saturating_sub(*seen) < window);
@@ -462,10 +511,7 @@ impl Dispatcher {
                 tenant: t,
                 output_tokens,
             } => {
-                if let Some(s) = self.schedulers.get_mut(pool) {
-                    s.charge(&t, 0, output_tokens);
-                }
-                self.update_counter(pool, &t);
+                self.charge(pool, &t, |s, t| s.charge(t, 0, output_tokens));
             }
             Event::Reconciled {
                 pool,
@@ -473,10 +519,7 @@ impl Dispatcher {
                 estimated,
                 reported,
             } => {
-                if let Some(s) = self.schedulers.get_mut(pool) {
-                    s.correct_input(&t, estimated, reported);
-                }
-                self.update_counter(pool, &t);
+                self.charge(pool, &t, |s, t| s.correct_input(t, estimated, reported));
             }
             Event::Resized {
                 pool,
@@ -535,13 +578,15 @@ impl Dispatcher {
                 replica,
                 limits,
                 resumes,
+                provider,
             } => {
                 let configured = self.budget_configured(pool);
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.join(limits);
                     r.resumes = resumes;
-                    if !configured {
-                        r.kv_budget = limits.kv_tokens.unwrap_or(r.kv_budget);
+                    r.provider = provider;
+                    if let (false, Some(kv)) = (configured, limits.kv_tokens) {
+                        r.hold_kv(kv);
                     }
                 }
                 self.update_limits(pool, replica);
@@ -585,11 +630,8 @@ impl Dispatcher {
             } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.limiter.timed_out(ticket);
-                    let labels = vec![("replica", r.url.clone())];
-                    self.metrics
-                        .replica_first_byte_timeouts
-                        .get_or_create(&labels)
-                        .inc();
+                    let url = r.url.clone();
+                    (self.metrics.replica_first_byte_timeouts).inc(&[("replica", &url)]);
                 }
                 self.update_limits(pool, replica);
             }
@@ -674,6 +716,7 @@ impl Dispatcher {
                 self.pool_running.push(HashMap::new());
                 self.active.push(HashMap::new());
                 self.rates.push(DispatchRate::new(now_ms()));
+                (self.fairness).push(Fairness::new(self.metrics.fairness_window_ms));
                 self.preemptible.push(Vec::new());
                 self.preempting.push(Vec::new());
             }
@@ -707,18 +750,21 @@ impl Dispatcher {
         p.affinity_prefix_bytes = new.affinity_prefix_bytes;
         let isolation_changed = old.cache_isolation != new.cache_isolation;
         let limit_changed = old.max_concurrency_per_replica != new.max_concurrency_per_replica;
+        let share_changed = old.sidecars != new.sidecars;
         for r in &mut p.replicas {
+            r.share = new.sidecars;
             if let Some(kv) = new.kv_tokens_per_replica {
-                r.kv_budget = kv;
+                r.hold_kv(kv);
             }
             if isolation_changed {
                 r.isolation = Isolation::initial(new.cache_isolation);
             }
             if limit_changed {
                 r.configured_limit = new.max_concurrency_per_replica;
-                if r.engine_limit.is_none() {
-                    r.limiter.restart(r.configured_limit);
-                }
+            }
+            // A scraped KV budget takes the new share at the next scrape.
+            if (limit_changed && r.engine_limit.is_none()) || share_changed {
+                r.restart_limiter();
             }
         }
         p.config = spec.config;
@@ -785,6 +831,7 @@ impl Dispatcher {
                 Change::Left(id, url) => {
                     tracing::info!(%model, replica = %url, "replica left");
                     self.metrics.forget_replica(&url);
+                    self.forget_replica_holds(&url);
                     if let Some(health) = &self.health {
                         let _ = health.send(Command::Stop { pool, replica: id });
                     }
@@ -798,19 +845,15 @@ impl Dispatcher {
         let Some(r) = self.pools.get(pool).and_then(|p| p.replica(replica)) else {
             return;
         };
-        let labels = vec![("replica", r.url.clone())];
+        let labels: Labels = &[("replica", &r.url)];
         let m = &self.metrics;
-        m.replica_limit.get_or_create(&labels).set(r.limit() as i64);
-        m.replica_adaptive_limit
-            .get_or_create(&labels)
-            .set(r.limiter.adaptive());
+        m.replica_limit.set(labels, r.limit() as i64);
+        m.replica_adaptive_limit.set(labels, r.limiter.adaptive());
         if let Some(limit) = r.engine_limit {
-            m.replica_engine_limit
-                .get_or_create(&labels)
-                .set(limit as i64);
+            m.replica_engine_limit.set(labels, limit as i64);
         }
         if let Some(floor) = r.limiter.floor_ms() {
-            m.replica_ttfb_floor.get_or_create(&labels).set(floor / 1e3);
+            m.replica_ttfb_floor.set(labels, floor / 1e3);
         }
     }
 
@@ -826,10 +869,37 @@ impl Dispatcher {
         }
         let held = self.tenant_kv.entry(t.to_owned()).or_default();
         *held = (*held + add).saturating_sub(remove);
-        self.metrics
-            .active_kv_tokens
-            .get_or_create(&tenant(t))
-            .set(*held as i64);
+        self.publish_hold(pool, replica, t, add, remove);
+    }
+
+    /// What a tenant's label holds, in all and on the replica: the sums over its keys.
+    fn publish_hold(&mut self, pool: usize, replica: ReplicaId, t: &str, add: u64, remove: u64) {
+        let label = self.metrics.tenant(t);
+        let held = self.label_kv.entry(label.to_owned()).or_default();
+        *held = (*held + add).saturating_sub(remove);
+        let m = &self.metrics;
+        m.active_kv_tokens.set(&[("tenant", label)], *held as i64);
+        if let Some(r) = self.pools.get(pool).and_then(|p| p.replica(replica)) {
+            let on = (self.replica_label_kv)
+                .entry((r.url.clone(), label.to_owned()))
+                .or_default();
+            *on = (*on + add).saturating_sub(remove);
+            let labels: Labels = &[("replica", &r.url), ("tenant", label)];
+            m.replica_tenant_kv.set(labels, *on as i64);
+        }
+    }
+
+    /// Removes the per-tenant KV series of a replica that left.
+    fn forget_replica_holds(&mut self, url: &str) {
+        let m = &self.metrics;
+        self.replica_label_kv.retain(|(on, label), _| {
+            let gone = on == url;
+            if gone {
+                m.replica_tenant_kv
+                    .remove(&[("replica", on), ("tenant", label)]);
+            }
+            !gone
+        });
     }
 
     fn replica_mut(&mut self, pool: usize, replica: ReplicaId) -> Option<&mut Replica> {
@@ -838,29 +908,87 @@ impl Dispatcher {
             .and_then(|p| p.replica_mut(replica))
     }
 
+    /// Publishes the counter of a tenant's label: the tree's node at that level (or the key's,
+    /// where keys share the pool on their own).
     fn update_counter(&self, pool: usize, t: &str) {
         let (Some(s), Some(p)) = (self.schedulers.get(pool), self.pools.get(pool)) else {
             return;
         };
-        self.metrics
-            .vtc_counter
-            .get_or_create(&vec![("tenant", t.to_owned()), ("pool", p.model.clone())])
-            .set(s.counter(t));
+        let label = self.metrics.tenant(t);
+        let counter = s.counter_at(label).unwrap_or_else(|| s.counter(t));
+        (self.metrics.vtc_counter).set(&[("tenant", label), ("pool", &p.model)], counter);
+    }
+
+    /// Charges `t` on `pool` with `charge` (which returns the weighted tokens it charged), and
+    /// credits them to the fairness window.
+    fn charge(
+        &mut self,
+        pool: usize,
+        t: &str,
+        charge: impl FnOnce(&mut Scheduler<Job>, &str) -> f64,
+    ) {
+        let (Some(s), Some(w)) = (self.schedulers.get_mut(pool), self.fairness.get_mut(pool))
+        else {
+            return;
+        };
+        let cost = charge(s, t);
+        let share = s.share_of(t);
+        w.window.served(share, s.share_weight(share), cost);
+        self.update_counter(pool, t);
+    }
+
+    /// Samples every pool's fairness window and publishes the report of one that closed.
+    fn sample_fairness(&mut self, now: u64) {
+        for pool in 0..self.pools.len() {
+            let (Some(s), Some(w)) = (self.schedulers.get(pool), self.fairness.get_mut(pool))
+            else {
+                continue;
+            };
+            let Some(report) = w.window.sample(now, s.backlogged_shares()) else {
+                continue;
+            };
+            let p = &self.pools[pool];
+            let (m, labels): (_, Labels) = (&self.metrics, &[("pool", &p.model)]);
+            m.fairness_index.set(labels, report.index);
+            m.fairness_backlogged.set(labels, report.backlogged as i64);
+            m.fairness_gap.set(labels, report.gap);
+            // L_in and M: a prompt and a batch are both bounded by the largest replica's KV.
+            let kv = p.replicas.iter().map(|r| r.kv_budget).max().unwrap_or(0);
+            if kv > 0 {
+                let w = TokenWeights::default();
+                m.fairness_gap_bound
+                    .set(labels, gap_bound(w.input, kv, w.output, kv));
+            }
+            let mut ratios: HashMap<&str, f64> = HashMap::new();
+            for (share, ratio) in &report.backlogged_ratio {
+                let at = ratios.entry(m.tenant(share)).or_default();
+                *at = at.max(*ratio);
+            }
+            // A tenant idle through the window is not in its report: its series from an
+            // older window would otherwise stay at what it waited then.
+            for gone in w
+                .published
+                .iter()
+                .filter(|l| !ratios.contains_key(l.as_str()))
+            {
+                m.backlogged_ratio
+                    .remove(&[("tenant", gone), ("pool", &p.model)]);
+            }
+            w.published = ratios.keys().map(|l| (*l).to_owned()).collect();
+            for (label, ratio) in ratios {
+                m.backlogged_ratio
+                    .set(&[("tenant", label), ("pool", &p.model)], ratio);
+            }
+        }
     }
 
     fn update_replica_hold(&self, pool: usize, replica: ReplicaId) {
         let Some(r) = self.pools.get(pool).and_then(|p| p.replica(replica)) else {
             return;
         };
-        let labels = vec![("replica", r.url.clone())];
-        self.metrics
-            .replica_reserved_kv
-            .get_or_create(&labels)
-            .set(r.reserved as i64);
-        self.metrics
-            .replica_in_flight
-            .get_or_create(&labels)
-            .set(r.in_flight as i64);
+        let labels: Labels = &[("replica", &r.url)];
+        (self.metrics.replica_reserved_kv).set(labels, r.reserved as i64);
+        (self.metrics.replica_in_flight).set(labels, r.in_flight as i64);
     }
 
     fn observe(&mut self, pool: usize, replica: ReplicaId, sample: Option<EngineSample>) {
@@ -875,8 +1003,8 @@ impl Dispatcher {
         r.healthy = sample.is_some();
         if let Some(s) = sample {
             r.engine = s;
-            if !configured {
-                r.kv_budget = s.kv_tokens.unwrap_or(r.kv_budget);
+            if let (false, Some(kv)) = (configured, s.kv_tokens) {
+                r.hold_kv(kv);
             }
             // Without KV figures a queue in the engine is a shortage of slots; with them, of
             // KV, which admission handles (see `crate::limiter`).
@@ -884,23 +1012,12 @@ impl Dispatcher {
                 r.limiter.engine_scrape(s.waiting, s.running);
             }
         }
-        let labels = vec![("replica", r.url.clone())];
-        self.metrics
-            .replica_healthy
-            .get_or_create(&labels)
-            .set(i64::from(r.healthy));
-        self.metrics
-            .replica_kv_usage
-            .get_or_create(&labels)
-            .set(r.engine.kv_usage);
-        self.metrics
-            .replica_running
-            .get_or_create(&labels)
-            .set(r.engine.running as i64);
-        self.metrics
-            .replica_waiting
-            .get_or_create(&labels)
-            .set(r.engine.waiting as i64);
+        let (url, healthy, engine) = (r.url.clone(), r.healthy, r.engine);
+        let (labels, m): (Labels, _) = (&[("replica", &url)], &self.metrics);
+        m.replica_healthy.set(labels, i64::from(healthy));
+        m.replica_kv_usage.set(labels, engine.kv_usage);
+        m.replica_running.set(labels, engine.running as i64);
+        m.replica_waiting.set(labels, engine.waiting as i64);
         self.update_limits(pool, replica);
     }
 
@@ -973,10 +1090,7 @@ impl Dispatcher {
             })
             .collect();
         for (pool, ms) in self.pools.iter().zip(&projected_ms) {
-            self.metrics
-                .projected_wait
-                .get_or_create(&vec![("pool", pool.model.clone())])
-                .set(*ms as f64 / 1e3);
+            (self.metrics.projected_wait).set(&[("pool", &pool.model)], *ms as f64 / 1e3);
         }
         let next = Waits {
             projected_ms,
@@ -998,7 +1112,7 @@ impl Dispatcher {
             return;
         }
         if let Some((refusal, reason)) = self.refusal(&job, now_ms()) {
-            self.metrics.reject(reason);
+            (self.metrics).reject(reason, &job.tenant, refusal.status());
             let _ = job.reply.send(Err(refusal));
             return;
         }
@@ -1015,11 +1129,22 @@ impl Dispatcher {
         self.update_depth(&t);
     }
 
-    fn update_depth(&self, t: &str) {
-        self.metrics
-            .queue_depth
-            .get_or_create(&tenant(t))
-            .set(self.depth(t) as i64);
+    /// Publishes the queue depth of a tenant's label: the sum over its keys.
+    fn update_depth(&mut self, t: &str) {
+        let now = self.depth(t);
+        let before = if now == 0 {
+            self.leaf_depth.remove(t)
+        } else {
+            self.leaf_depth.insert(t.to_owned(), now)
+        };
+        let label = self.metrics.tenant(t);
+        let total = self.label_depth.entry(label.to_owned()).or_default();
+        *total = (*total + now).saturating_sub(before.unwrap_or(0));
+        let total = *total;
+        if total == 0 {
+            self.label_depth.remove(label);
+        }
+        (self.metrics.queue_depth).set(&[("tenant", label)], total as i64);
     }
 
     /// Drops jobs whose deadline passed (they get a retryable refusal) or whose client left.
@@ -1032,8 +1157,9 @@ impl Dispatcher {
         for job in gone {
             self.update_depth(&job.tenant);
             if !job.reply.is_closed() {
-                self.metrics.reject("deadline");
-                let _ = job.reply.send(Err(Refusal::DeadlinePassed));
+                let refusal = Refusal::DeadlinePassed;
+                (self.metrics).reject("deadline", &job.tenant, refusal.status());
+                let _ = job.reply.send(Err(refusal));
             }
         }
     }
@@ -1120,22 +1246,20 @@ impl Dispatcher {
         let r = &mut self.pools[pool].replicas[index];
         r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
-        let resumes = r.resumes;
+        let (resumes, provider) = (r.resumes, r.provider);
         let (replica, url, isolation) = (r.id, r.url.clone(), r.isolation);
         let running = self.pool_running[pool].entry(t.clone()).or_default();
         *running = running.saturating_add(job.sequences);
         self.adjust_hold(pool, replica, &t, job.kv_need, 0);
-        self.schedulers[pool].charge(&t, job.input_tokens, 0);
-        self.update_counter(pool, &t);
+        let input = job.input_tokens;
+        self.charge(pool, &t, |s, t| s.charge(t, input, 0));
         if let Some(rate) = self.rates.get_mut(pool) {
             rate.dispatched += 1;
         }
         self.update_depth(&t);
         let queued_ms = now.saturating_sub(job.arrived_ms);
-        self.metrics
-            .queue_wait
-            .get_or_create(&tenant(&t))
-            .observe(queued_ms as f64 / 1e3);
+        let labels: Labels = &[("tenant", self.metrics.tenant(&t))];
+        (self.metrics.queue_wait).observe(labels, queued_ms as f64 / 1e3);
         let mut job = job;
         let reply = std::mem::replace(&mut job.reply, oneshot::channel().0);
         // Only where its engine could continue it (a mixed pool could send the continuation
@@ -1155,6 +1279,7 @@ impl Dispatcher {
             url,
             upstream,
             isolation,
+            provider,
             queued_ms,
             tenant: t,
             kv_held: job.kv_need,
@@ -1276,10 +1401,7 @@ impl Dispatcher {
             }
             let t = job.tenant.clone();
             tracing::info!(pool = %model, tenant = %t, tier = %job.tier, "batch stream preempted for waiting interactive work");
-            self.metrics
-                .preemptions
-                .get_or_create(&vec![("pool", model.clone()), ("tier", job.tier.clone())])
-                .inc();
+            (self.metrics.preemptions).inc(&[("pool", &model), ("tier", &job.tier)]);
             pending.push(Pending {
                 replica,
                 ticket,
@@ -1410,7 +1532,7 @@ mod tests {
             Share::Hierarchy,
             pools,
             queue,
-            Metrics::new().0,
+            Metrics::new(&crate::metrics::MetricsConfig::default(), None).0,
             &tx,
         );
         (d, (tx, rx))
@@ -1774,8 +1896,8 @@ mod tests {
         d.apply(Event::Enqueue(i));
         d.dispatch(1_000);
         assert!(i_rx.try_recv().is_err(), "no slot");
-        let labels = vec![("pool", "slots".to_owned()), ("tier", "standard".into())];
-        let preemptions = |d: &Dispatcher| d.metrics.preemptions.get_or_create(&labels).get();
+        let labels: Labels = &[("pool", "slots"), ("tier", "standard")];
+        let preemptions = |d: &Dispatcher| d.metrics.preemptions.get(labels);
         d.preempt(0, 1_050);
         assert_eq!(preemptions(&d), 0, "not waited long enough yet");
         d.preempt(0, 1_100);
@@ -1950,9 +2072,9 @@ mod tests {
             running.take_preemption().is_none(),
             "after {MAX_PREEMPTIONS} preemptions it is not preemptible"
         );
-        let labels = vec![("pool", "slots".to_owned()), ("tier", "standard".into())];
+        let labels: Labels = &[("pool", "slots"), ("tier", "standard")];
         assert_eq!(
-            d.metrics.preemptions.get_or_create(&labels).get(),
+            d.metrics.preemptions.get(labels),
             u64::from(MAX_PREEMPTIONS)
         );
     }
@@ -2030,6 +2152,7 @@ mod tests {
                 kv_tokens: None,
             },
             resumes: true,
+            provider: "vllm",
         });
         let mut replies = enqueue(&mut d, "t", 3);
         replies.extend(enqueue(&mut d, "u", 3));
@@ -2082,8 +2205,7 @@ mod tests {
         settle(&mut d, &mut events);
         assert_eq!(d.pools[0].replicas[0].limit(), 2, "halved");
         let metrics = d.metrics.replica_first_byte_timeouts.clone();
-        let labels = vec![("replica", "http://r0".to_owned())];
-        assert_eq!(metrics.get_or_create(&labels).get(), 1);
+        assert_eq!(metrics.get(&[("replica", "http://r0")]), 1);
         let mut again = enqueue(&mut d, "t", 4);
         let running = assigned_of(&mut again);
         assert_eq!(running.len(), 2, "two at once now");
@@ -2392,5 +2514,39 @@ mod tests {
             late_rx.try_recv(),
             Ok(Err(Refusal::ProjectedWait))
         ));
+    }
+
+    #[test]
+    fn a_tenant_idle_through_a_fairness_window_shows_no_backlog_from_an_older_one() {
+        let (mut d, _events) = dispatcher(100);
+        // Nothing serves: both tenants' requests wait throughout the first window.
+        d.pools[0].replicas[0].healthy = false;
+        let (a, _a_rx) = job("a/w/p/k", "standard", 10);
+        let (b, b_rx) = job("b/w/p/k", "standard", 10);
+        d.apply(Event::Enqueue(a));
+        d.apply(Event::Enqueue(b));
+        let start = now_ms();
+        let window = d.metrics.fairness_window_ms;
+        let ratio = |d: &Dispatcher, org: &str| {
+            (d.metrics.backlogged_ratio).get(&[("tenant", org), ("pool", "m")])
+        };
+        for t in 1..=10 {
+            d.sample_fairness(start + t * window / 10);
+        }
+        assert_eq!(ratio(&d, "a"), Some(1.0));
+        assert_eq!(ratio(&d, "b"), Some(1.0));
+
+        // b's caller leaves: b is idle through the next window, a still waits.
+        drop(b_rx);
+        d.expire(start + window);
+        for t in 11..=20 {
+            d.sample_fairness(start + t * window / 10);
+        }
+        assert_eq!(ratio(&d, "a"), Some(1.0));
+        assert_eq!(
+            ratio(&d, "b"),
+            None,
+            "b waited for nothing in the last window"
+        );
     }
 }

@@ -73,7 +73,11 @@ async fn main() -> anyhow::Result<()> {
         .transpose()?
         .unwrap_or_default();
 
-    let (metrics, registry) = Metrics::new();
+    let export = (config.metrics.otlp.as_ref())
+        .map(weir_sidecar::metrics::otlp::Export::start)
+        .transpose()?;
+    let meter = export.as_ref().map(|e| e.meter());
+    let (metrics, registry) = Metrics::new(&config.metrics, meter.as_ref());
     let policy = if config.policy == "fifo" {
         Policy::Fifo
     } else {
@@ -95,11 +99,14 @@ async fn main() -> anyhow::Result<()> {
         metrics.clone(),
         &events,
     );
-    let ledger = Ledger::start(&config.ledger, metrics.ledger.clone())?;
+    let store = config.ledger_store.as_ref();
+    let ledger = Ledger::start(&config.ledger, store, metrics.ledger.clone())?;
     let (cut, cut_rx) = watch::channel(false);
+    let (stop, stopping) = watch::channel(false);
+    let (drain_started, draining) = watch::channel(false);
     let app = Arc::new(App {
         events: events.clone(),
-        ledger_reader: std::sync::Mutex::new(weir_sidecar::ledger::open(&config.ledger)?),
+        ledger_reader: weir_sidecar::ledger::Reader::open(&config.ledger, store)?,
         metrics: metrics.clone(),
         registry,
         ledger,
@@ -115,7 +122,9 @@ async fn main() -> anyhow::Result<()> {
         relay: Live::new(config.relay.clone()),
         backoff: dispatcher.backoff(),
         predictions: weir_sidecar::prediction::Predictions::new(config.prediction.clone()),
+        quota: config.quota.as_ref().map(|q| q.store()).transpose()?,
         cut: cut_rx,
+        draining,
     });
     let (health, checks) = mpsc::unbounded_channel();
     tokio::spawn(weir_sidecar::health::supervise(checks, events.clone()));
@@ -138,17 +147,14 @@ async fn main() -> anyhow::Result<()> {
     let listener = listener.tap_io(|tcp| {
         let _ = tcp.set_nodelay(true);
     });
-    let (stop, stopping) = watch::channel(false);
     let mut api = tokio::spawn(
         axum::serve(listener, router(app.clone()))
             .with_graceful_shutdown(raised(stopping.clone()))
             .into_future(),
     );
-    let admin = tokio::spawn(
-        axum::serve(admin, admin_router(app.clone()))
-            .with_graceful_shutdown(raised(stopping))
-            .into_future(),
-    );
+    // The admin port serves through the drain (`/ready` says 503, `/metrics` goes on) and
+    // stops with the process.
+    let admin = tokio::spawn(axum::serve(admin, admin_router(app.clone())).into_future());
     tokio::select! {
         result = &mut api => {
             result??;
@@ -156,6 +162,9 @@ async fn main() -> anyhow::Result<()> {
         }
         () = termination() => {}
     }
+    // `/ready` says 503 from now on; requests are still taken until the gateways have seen it.
+    let _ = drain_started.send(true);
+    tokio::time::sleep(Duration::from_millis(config.shutdown_leave_ms)).await;
     drain(
         app,
         stop,
@@ -165,6 +174,10 @@ async fn main() -> anyhow::Result<()> {
         Duration::from_millis(*grace.load()),
     )
     .await;
+    if let Some(export) = export {
+        // The SDK's shutdown blocks while it pushes the last figures.
+        let _ = tokio::task::spawn_blocking(move || export.shutdown()).await;
+    }
     Ok(())
 }
 

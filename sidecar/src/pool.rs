@@ -19,6 +19,7 @@ use crate::config::PoolConfig;
 use crate::engine::{EngineLimits, EngineSample};
 use crate::isolation::Isolation;
 use crate::limiter::Limiter;
+use crate::share::EngineShare;
 use crate::upstream::Upstream;
 
 /// A replica's identity within its pool, never reused: events about a replica that has left
@@ -31,7 +32,8 @@ pub struct Replica {
     pub url: String,
     /// Gone from the pool's set ([`crate::roster`]): no new work; dropped once its requests end.
     pub leaving: bool,
-    /// KV tokens this replica holds (config, else scraped).
+    /// KV tokens this sidecar may reserve here: its share of what the replica holds (config,
+    /// else scraped).
     pub kv_budget: u64,
     /// KV tokens reserved by requests dispatched here and not finished.
     pub reserved: u64,
@@ -44,11 +46,16 @@ pub struct Replica {
     pub engine_limit: Option<u64>,
     /// `max_concurrency_per_replica`: the limit when the engine does not say its own.
     pub configured_limit: Option<u64>,
-    /// The adaptive limit, never above the engine's (or configured) one.
+    /// The adaptive limit, never above this sidecar's share of the engine's (or configured) one.
     pub limiter: Limiter,
+    /// This sidecar's part of the replica, when other sidecars admit to it too.
+    pub share: EngineShare,
     /// Its engine can resume a preempted stream (see [`crate::engine::Dialect::resumes`]):
     /// batch streams dispatched here may be preempted. Unknown engines cannot.
     pub resumes: bool,
+    /// Its engine as `gen_ai.provider.name`: the dialect, or `openai` for an engine that only
+    /// speaks OpenAI's API.
+    pub provider: &'static str,
 }
 
 impl Replica {
@@ -58,7 +65,9 @@ impl Replica {
             id,
             url: crate::roster::normalize(url),
             leaving: false,
-            kv_budget: config.kv_tokens_per_replica.unwrap_or(0),
+            kv_budget: config
+                .sidecars
+                .part(config.kv_tokens_per_replica.unwrap_or(0)),
             reserved: 0,
             in_flight: 0,
             // Unknown until the first probe answers.
@@ -67,8 +76,14 @@ impl Replica {
             engine: EngineSample::default(),
             engine_limit: None,
             configured_limit: config.max_concurrency_per_replica,
-            limiter: Limiter::new(config.max_concurrency_per_replica),
+            limiter: Limiter::new(
+                config
+                    .max_concurrency_per_replica
+                    .map(|l| config.sidecars.part(l)),
+            ),
+            share: config.sidecars,
             resumes: false,
+            provider: crate::health::OPENAI,
         }
     }
 
@@ -82,8 +97,20 @@ impl Replica {
     /// with its engine's `limits`: the adaptive limit starts over under them.
     pub fn join(&mut self, limits: EngineLimits) {
         self.engine_limit = limits.max_concurrency;
-        self.limiter
-            .restart(self.engine_limit.or(self.configured_limit));
+        self.restart_limiter();
+    }
+
+    /// The adaptive limit starts over under this sidecar's share of the engine's (or
+    /// configured) limit.
+    pub fn restart_limiter(&mut self) {
+        let ceiling = self.engine_limit.or(self.configured_limit);
+        self.limiter.restart(ceiling.map(|l| self.share.part(l)));
+    }
+
+    /// The replica holds `total` KV tokens (configured, or as its engine says): this sidecar
+    /// reserves up to its share of them.
+    pub fn hold_kv(&mut self, total: u64) {
+        self.kv_budget = self.share.part(total);
     }
 
     /// Fraction of the replica in use: of its concurrency limit, of its KV by weir's
@@ -387,6 +414,37 @@ mod tests {
         assert_eq!(p.concurrency(), 20);
         p.replicas[1].healthy = false;
         assert_eq!(p.concurrency(), 4, "serving replicas only");
+    }
+
+    #[test]
+    fn one_of_two_sidecars_admits_against_half_of_each_replica() {
+        let mut p = Pool::new(&PoolConfig {
+            kv_tokens_per_replica: Some(1000),
+            max_concurrency_per_replica: Some(16),
+            sidecars: EngineShare::of(2),
+            ..PoolConfig::listing("m", ["http://r0".to_owned()])
+        });
+        let r = &mut p.replicas[0];
+        (r.healthy, r.isolation) = (true, Isolation::Salt);
+        assert_eq!(
+            (r.kv_budget, r.limit()),
+            (500, 8),
+            "configured figures, halved"
+        );
+        r.join(EngineLimits {
+            max_concurrency: Some(6),
+            kv_tokens: None,
+        });
+        r.hold_kv(3001);
+        assert_eq!(
+            (r.kv_budget, r.limit()),
+            (1500, 3),
+            "the engine's figures, halved"
+        );
+        r.in_flight = 1;
+        r.reserved = 1400;
+        assert!(!p.fits(101), "no more KV than its half");
+        assert!(p.fits(100));
     }
 
     #[test]

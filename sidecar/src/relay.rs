@@ -30,7 +30,7 @@ use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use crate::dispatcher::{Assignment, Event, Requeued, now_ms};
 use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
-use crate::metrics::tenant;
+use crate::metrics::{Labels, gen_ai};
 use crate::resume::{Splice, continued, segment_id};
 use crate::server::{App, Trusted, error_response};
 use crate::stream_end::Ending;
@@ -95,6 +95,7 @@ pub struct Flight {
     arrived: Instant,
     deadline_ms: u64,
     meter: StreamMeter,
+    first_chunk: Option<Instant>,
     last_chunk: Option<Instant>,
     charged: u64,
     /// Whether the engine's prompt count has replaced the filter's estimate yet.
@@ -133,6 +134,7 @@ impl Flight {
             deadline_ms: attempt.deadline_ms,
             meter: StreamMeter::new(attempt.endpoint, attempt.hide_usage),
             hide_usage: attempt.hide_usage,
+            first_chunk: None,
             last_chunk: None,
             charged: 0,
             reconciled: false,
@@ -182,20 +184,14 @@ impl Flight {
     /// unless weir asked for the usage chunk, which is then held back).
     fn observe(&mut self, chunk: &Bytes) -> Bytes {
         let now = Instant::now();
-        let labels = tenant(&self.who.tenant);
+        let m = &self.app.metrics;
+        let labels: Labels = &[("tenant", m.tenant(&self.who.tenant))];
         match self.last_chunk {
-            None => self
-                .app
-                .metrics
-                .ttft
-                .get_or_create(&labels)
-                .observe(self.arrived.elapsed().as_secs_f64()),
-            Some(prev) => self
-                .app
-                .metrics
-                .itl
-                .get_or_create(&labels)
-                .observe((now - prev).as_secs_f64()),
+            None => {
+                m.ttft.observe(labels, self.arrived.elapsed().as_secs_f64());
+                self.first_chunk = Some(now);
+            }
+            Some(prev) => m.itl.observe(labels, (now - prev).as_secs_f64()),
         }
         self.last_chunk = Some(now);
         let metered = self.meter.feed(chunk, false);
@@ -280,6 +276,11 @@ impl Flight {
             return;
         }
         let estimated = self.input_tokens;
+        if estimated > 0 && prompt_tokens > 0 {
+            let labels: Labels = &[("api", self.endpoint.name())];
+            let ratio = estimated as f64 / prompt_tokens as f64;
+            self.app.metrics.estimate_error.observe(labels, ratio);
+        }
         if prompt_tokens == estimated {
             return;
         }
@@ -321,6 +322,7 @@ impl Flight {
             Some(BodyUsage::Estimated { completion_tokens }) => completion_tokens,
             _ => self.meter.generated_tokens(),
         };
+        let cached = reported.map_or(0, |u| u.cached_prompt_tokens);
         let (prompt, completion, source) = match reported {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),
             // Nothing ran: the attempt is recorded, billed nothing (as the filter charges it).
@@ -335,20 +337,7 @@ impl Flight {
         if outcome == "ok" && !self.nothing_ran && self.uncapped {
             self.learn_output(completion);
         }
-        let m = &self.app.metrics;
-        let labels = |dir: &str| {
-            vec![
-                ("tenant", self.who.tenant.clone()),
-                ("direction", dir.to_owned()),
-            ]
-        };
-        m.tokens.get_or_create(&labels("in")).inc_by(prompt);
-        m.tokens.get_or_create(&labels("out")).inc_by(completion);
-        if outcome == "ok" && now_ms() <= self.deadline_ms {
-            m.goodput_tokens
-                .get_or_create(&vec![("tier", self.who.tier.clone())])
-                .inc_by(prompt + completion);
-        }
+        self.publish(outcome, prompt, completion);
         let attempt = self.claim.as_ref().map_or(1, Claim::attempt);
         if let Some(claim) = &mut self.claim {
             let completed = (outcome == "ok").then(|| {
@@ -361,7 +350,7 @@ impl Flight {
             });
             claim.finish(completed, now_ms());
         }
-        self.app.ledger.record(UsageRecord {
+        let record = UsageRecord {
             idempotency_key: (self.who.idempotency_key.clone())
                 .unwrap_or_else(|| self.who.request_id.clone()),
             attempt,
@@ -374,9 +363,69 @@ impl Flight {
             completion_tokens: completion,
             source: source.into(),
             outcome: outcome.into(),
+            cached_prompt_tokens: cached,
             queued_ms: self.assignment.queued_ms,
             finished_at_ms: now_ms(),
-        });
+            ..UsageRecord::default()
+        };
+        let prices = self.who.prices.as_ref();
+        let price = prices.and_then(|p| Some((&p.currency, p.of(&record.model)?)));
+        let record = match price {
+            Some((currency, price)) => record.priced(currency, price),
+            None => record,
+        };
+        if let (Some(cost), Some(currency)) = (record.cost_micros, &record.currency) {
+            let tenant = self.app.metrics.tenant(&self.who.tenant);
+            let labels: Labels = &[("tenant", tenant), ("currency", currency)];
+            self.app.metrics.spend.inc_by(labels, cost);
+        }
+        self.app.ledger.record(record);
+    }
+
+    /// The settled attempt's figures: weir's per-tenant counters and the GenAI conventions'
+    /// instruments (tokens only for attempts that ran, latencies only for successful ones).
+    fn publish(&self, outcome: &str, prompt: u64, completion: u64) {
+        let m = &self.app.metrics;
+        let tenant = m.tenant(&self.who.tenant);
+        m.tokens
+            .inc_by(&[("tenant", tenant), ("direction", "in")], prompt);
+        m.tokens
+            .inc_by(&[("tenant", tenant), ("direction", "out")], completion);
+        let ok = outcome == "ok";
+        if ok && now_ms() <= self.deadline_ms {
+            let labels: Labels = &[("pool", &self.model), ("tier", &self.who.tier)];
+            m.goodput_tokens.inc_by(labels, prompt + completion);
+        }
+        let operation = gen_ai::operation(self.endpoint);
+        let attributes = [
+            (gen_ai::OPERATION, operation),
+            (gen_ai::PROVIDER, self.assignment.provider),
+            (gen_ai::REQUEST_MODEL, self.model.as_str()),
+            (gen_ai::TENANT, tenant),
+        ];
+        if !self.nothing_ran {
+            for (kind, n) in [("input", prompt), ("output", completion)] {
+                let mut labels = attributes.to_vec();
+                labels.push((gen_ai::TOKEN_TYPE, kind));
+                m.gen_ai.token_usage.observe(&labels, n as f64);
+            }
+        }
+        let duration = self.arrived.elapsed().as_secs_f64();
+        if ok {
+            m.gen_ai.request_duration.observe(&attributes, duration);
+        } else {
+            let mut labels = attributes.to_vec();
+            labels.push((gen_ai::ERROR_TYPE, outcome));
+            m.gen_ai.request_duration.observe(&labels, duration);
+        }
+        if let (true, Some(first)) = (ok, self.first_chunk) {
+            let ttft = first.duration_since(self.arrived).as_secs_f64();
+            m.gen_ai.time_to_first_token.observe(&attributes, ttft);
+            if completion > 1 {
+                let after = first.elapsed().as_secs_f64() / (completion - 1) as f64;
+                m.gen_ai.time_per_output_token.observe(&attributes, after);
+            }
+        }
     }
 }
 
@@ -390,11 +439,8 @@ impl Flight {
             .predictions
             .learn(&self.who.tenant, pool, per_sequence);
         if self.output_held > 0 {
-            self.app
-                .metrics
-                .output_prediction_ratio
-                .get_or_create(&vec![("pool", self.model.clone())])
-                .observe(completion as f64 / self.output_held as f64);
+            let ratio = completion as f64 / self.output_held as f64;
+            (self.app.metrics.output_prediction_ratio).observe(&[("pool", &self.model)], ratio);
         }
     }
 }
@@ -597,7 +643,7 @@ fn cut_short(mut flight: Flight) -> Response {
 /// part of the key it refused) and which an SDK would take for its own key being wrong.
 fn credential_refused(mut flight: Flight, status: StatusCode) -> Response {
     tracing::warn!(replica = %flight.assignment.url, %status, "the engine refused the pool's credential");
-    flight.app.metrics.reject("engine_unauthorized");
+    (flight.app.metrics).reject("engine_unauthorized", &flight.who.tenant, 502);
     flight.finish("upstream_error", None);
     flight.refusal(
         ApiError::new(
@@ -614,7 +660,7 @@ fn credential_refused(mut flight: Flight, status: StatusCode) -> Response {
 /// engine's answer, which speaks of the account's limits and usage (a hosted API names the
 /// organization and what it used: the figures the filter keeps out of rate-limit headers).
 fn throttled(mut flight: Flight, retry_after: Option<HeaderValue>) -> Response {
-    flight.app.metrics.reject("engine_rate_limited");
+    (flight.app.metrics).reject("engine_rate_limited", &flight.who.tenant, 429);
     flight.finish("upstream_error", None);
     let mut resp = flight.refusal(
         ApiError::rate_limited("the engine is rate limiting the gateway's requests; retry later")
@@ -647,7 +693,7 @@ fn timed_out(mut flight: Flight) -> Response {
 /// the replica's concurrency limit lowered, and the caller told to retry.
 fn not_started(mut flight: Flight) -> Response {
     flight.assignment.not_started();
-    flight.app.metrics.reject("first_byte_deadline");
+    (flight.app.metrics).reject("first_byte_deadline", &flight.who.tenant, 503);
     flight.nothing_ran = true;
     flight.finish("first_byte_deadline", None);
     flight.refusal(

@@ -16,7 +16,10 @@
 //! What needs a restart, and is logged as such when a reload changes it: `listen`,
 //! `admin_listen` (sockets bound at start-up), `ledger` (the file records are appended to),
 //! `policy` (the schedulers' order, with requests in them), `signing` (the secrets in use, and
-//! the prefix-cache salts keyed with them) and `idempotency` (the claims' memory bounds).
+//! the prefix-cache salts keyed with them), `idempotency` (the claims' memory bounds),
+//! `quota` (the store's connection), `metrics` (the labels' depth, the fairness window and the
+//! OTLP exporter, set up with the instruments) and `shutdown_leave_ms` (read when the drain is
+//! set up).
 //!
 //! A config that does not parse or validate, or whose files cannot be read, is logged with the
 //! field it is in and not applied: the running config stays, whole.
@@ -117,6 +120,9 @@ pub fn restart_only_changes(old: &SidecarConfig, new: &SidecarConfig) -> Vec<&'s
     if old.ledger != new.ledger {
         changed.push("ledger");
     }
+    if old.ledger_store != new.ledger_store {
+        changed.push("ledger_store");
+    }
     if old.policy != new.policy {
         changed.push("policy");
     }
@@ -128,6 +134,15 @@ pub fn restart_only_changes(old: &SidecarConfig, new: &SidecarConfig) -> Vec<&'s
     }
     if old.idempotency != new.idempotency {
         changed.push("idempotency");
+    }
+    if old.shutdown_leave_ms != new.shutdown_leave_ms {
+        changed.push("shutdown_leave_ms");
+    }
+    if old.metrics != new.metrics {
+        changed.push("metrics");
+    }
+    if old.quota != new.quota {
+        changed.push("quota");
     }
     changed
 }
@@ -439,9 +454,10 @@ mod tests {
         new.listen = "127.0.0.1:1".parse().unwrap();
         new.policy = "fifo".into();
         new.signing = None;
+        new.shutdown_leave_ms = 1000;
         assert_eq!(
             restart_only_changes(&old, &new),
-            ["listen", "policy", "signing"]
+            ["listen", "policy", "signing", "shutdown_leave_ms"]
         );
     }
 

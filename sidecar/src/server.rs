@@ -43,7 +43,7 @@ pub struct PoolRoute {
 pub struct App {
     pub events: mpsc::UnboundedSender<Event>,
     /// A read connection to the ledger, for the history of idempotency keys.
-    pub ledger_reader: std::sync::Mutex<rusqlite::Connection>,
+    pub ledger_reader: crate::ledger::Reader,
     pub metrics: Metrics,
     pub registry: Registry,
     pub ledger: Ledger,
@@ -66,9 +66,15 @@ pub struct App {
     pub backoff: crate::backoff::Backoff,
     /// The output KV admission holds per request, learned per tenant and pool.
     pub predictions: crate::prediction::Predictions,
+    /// The quota service's store, when the config has a `quota` section ([`crate::quota`]).
+    pub quota: Option<crate::quota::Store>,
     /// Turns true when the shutdown grace period ends: every request still running is ended
     /// and recorded.
     pub cut: tokio::sync::watch::Receiver<bool>,
+    /// Turns true on SIGTERM: `/ready` answers 503 from then on, so gateways health-checking
+    /// it (several sidecars per pool) take this one out of their ring before it stops
+    /// accepting (`shutdown_leave_ms` later).
+    pub draining: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Sent by Anthropic's SDKs on every request.
@@ -90,10 +96,21 @@ pub fn router(app: Arc<App>) -> Router {
         );
     }
     router
+        .route(weir_core::fleet::PATH, post(leases))
         .fallback(|headers: HeaderMap| async move {
             error_response(&ApiError::not_found("no such route"), shape_of(&headers), 0)
         })
         .with_state(app)
+}
+
+/// The quota service's renewals; 404 like any unknown route without a `quota` section.
+async fn leases(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    match &app.quota {
+        Some(store) => {
+            crate::quota::endpoint::serve(store, &app.trust, &app.metrics, headers, body).await
+        }
+        None => error_response(&ApiError::not_found("no such route"), ErrorShape::OpenAi, 0),
+    }
 }
 
 /// Anthropic's error shape for Anthropic's SDKs, OpenAI's otherwise (for paths that are not an
@@ -135,6 +152,10 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
 /// Every pool and replica as the dispatcher sees them ([`crate::readiness`]): 200 while every
 /// pool has a replica that serves, else 503.
 async fn ready(State(app): State<Arc<App>>) -> Response {
+    if *app.draining.borrow() {
+        let body = serde_json::json!({"ready": false, "draining": true});
+        return (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+    }
     let (reply, snapshot) = oneshot::channel();
     let _ = app.events.send(Event::Ready(reply));
     match tokio::time::timeout(std::time::Duration::from_secs(1), snapshot).await {
@@ -168,7 +189,7 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     let who = match app.trust.check(&headers, now_ms()) {
         Ok(who) => who,
         Err(refusal) => {
-            app.metrics.reject("untrusted");
+            app.metrics.reject("untrusted", "", refusal.status);
             return error_response(&refusal, shape, 0);
         }
     };
@@ -260,7 +281,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let who = match app.trust.check(&headers, now_ms()) {
         Ok(who) => who,
         Err(refusal) => {
-            app.metrics.reject("untrusted");
+            app.metrics.reject("untrusted", "", refusal.status);
             return error_response(&refusal);
         }
     };
@@ -302,7 +323,11 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         Some(Claimed::Run(claim)) => Some(claim),
         Some(Claimed::Replay(stored)) => return replayed(stored),
         Some(Claimed::Refused(error)) => {
-            app.metrics.reject(error.code.unwrap_or("idempotency"));
+            app.metrics.reject(
+                error.code.unwrap_or("idempotency"),
+                &who.tenant,
+                error.status,
+            );
             return error_response(&error);
         }
     };
@@ -478,12 +503,7 @@ fn ask_stream_usage(value: &mut Value) -> bool {
 /// `None` when it sent none.
 fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Claimed> {
     let key = who.idempotency_key.as_deref()?;
-    let history = || {
-        app.ledger_reader
-            .lock()
-            .ok()
-            .and_then(|conn| crate::ledger::history(&conn, &who.tenant, key).ok())
-    };
+    let history = || app.ledger_reader.history(&who.tenant, key);
     let fingerprint = idempotency::fingerprint(endpoint.path(), body);
     Some(
         app.idempotency

@@ -11,6 +11,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use axum::http::HeaderMap;
+use sha2::{Digest, Sha256};
 use weir_core::config::Priority;
 use weir_core::error::ApiError;
 use weir_core::signature::{self, SignatureError};
@@ -31,7 +32,13 @@ pub struct Trusted {
     pub kv_cap: Option<u64>,
     /// The models the key may use, when it may not use all.
     pub models: Option<Vec<String>>,
+    /// The price table the filter charges at (`x-weir-price`): the ledger records the
+    /// request's cost at its model's entry.
+    pub prices: Option<weir_core::price::Prices>,
 }
+
+/// `x-weir-*` headers as (name, value).
+type Headers<'h> = Vec<(&'h str, &'h str)>;
 
 /// The verifier: the accepted secrets and the signatures already used.
 pub struct Trust {
@@ -49,6 +56,40 @@ impl Trust {
 
     /// The trusted facts of a request, or the reply that refuses it.
     pub fn check(&self, headers: &HeaderMap, now_ms: u64) -> Result<Trusted, ApiError> {
+        let (weir, expires_ms) = self.verified(headers, now_ms)?;
+        let who = parse(&weir)?;
+        self.once(&who.request_id, expires_ms, now_ms)?;
+        Ok(who)
+    }
+
+    /// A signed call that vouches for its body (a quota lease call): the signature is checked
+    /// here, from the headers alone, before the body is read; the digest it covers is then
+    /// checked against the body ([`SignedBody::matches`]). Each signature serves once, by the
+    /// call's `x-weir-request-id` if it has one, else by the signature itself.
+    pub fn check_call(&self, headers: &HeaderMap, now_ms: u64) -> Result<SignedBody, ApiError> {
+        let (weir, expires_ms) = self.verified(headers, now_ms)?;
+        let get = |name: &str| weir.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+        let digest = get(trusted::BODY_SHA256)
+            .filter(|d| d.len() == 64 && d.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+            .ok_or_else(|| {
+                untrusted_call("the call does not sign its body's digest (x-weir-body-sha256)")
+            })?
+            .to_owned();
+        let once = match get(trusted::REQUEST_ID) {
+            Some(id) if trusted::is_id(id) => format!("call:{id}"),
+            Some(_) => return Err(invalid(trusted::REQUEST_ID, "is not a valid id")),
+            None => format!("signature:{}", get(trusted::SIGNATURE).unwrap_or_default()),
+        };
+        self.once(&once, expires_ms, now_ms)?;
+        Ok(SignedBody { digest })
+    }
+
+    /// The `x-weir-*` headers, once their signature verifies, and the signature's expiry.
+    fn verified<'h>(
+        &self,
+        headers: &'h HeaderMap,
+        now_ms: u64,
+    ) -> Result<(Headers<'h>, u64), ApiError> {
         let mut weir = Vec::new();
         for (name, value) in headers {
             if trusted::is_reserved(name.as_str()) {
@@ -65,22 +106,58 @@ impl Trust {
             .find(|(n, _)| *n == trusted::SIGNATURE)
             .and_then(|(_, v)| v.split(':').nth(1)?.parse().ok())
             .unwrap_or(now_ms);
-        let who = parse(&weir)?;
+        Ok((weir, expires_ms))
+    }
+
+    /// Refuses a signature already served (`id` names it) while it is valid.
+    fn once(&self, id: &str, expires_ms: u64, now_ms: u64) -> Result<(), ApiError> {
         let fresh = self
             .used
             .lock()
-            .map(|mut used| used.insert(&who.request_id, expires_ms, now_ms))
+            .map(|mut used| used.insert(id, expires_ms, now_ms))
             .unwrap_or(false);
-        if !fresh {
-            return Err(ApiError::new(
-                401,
-                "AuthenticationError",
-                "this signed request was already served: a captured request cannot be replayed",
-            )
-            .with_code("replayed_request"));
+        if fresh {
+            return Ok(());
         }
-        Ok(who)
+        Err(ApiError::new(
+            401,
+            "AuthenticationError",
+            "this signed request was already served: a captured request cannot be replayed",
+        )
+        .with_code("replayed_request"))
     }
+}
+
+/// The body digest a verified call signed.
+#[derive(Debug)]
+pub struct SignedBody {
+    digest: String,
+}
+
+impl SignedBody {
+    /// Whether `body` is the body that was signed; a 401 if not.
+    pub fn matches(&self, body: &[u8]) -> Result<(), ApiError> {
+        let digest: String = Sha256::digest(body)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        if digest == self.digest {
+            Ok(())
+        } else {
+            Err(untrusted_call(
+                "the body does not match its signed digest (x-weir-body-sha256)",
+            ))
+        }
+    }
+}
+
+fn untrusted_call(problem: &str) -> ApiError {
+    ApiError::new(
+        401,
+        "AuthenticationError",
+        format!("calls must come from the weir filter: {problem}"),
+    )
+    .with_code("untrusted_request")
 }
 
 /// Request ids of signatures still valid, so each serves once. Entries leave when their
@@ -186,6 +263,12 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
                     .ok_or_else(|| invalid(trusted::MODELS, "is not a model list"))
             })
             .transpose()?,
+        prices: get(trusted::PRICE)
+            .map(|v| {
+                weir_core::price::Prices::parse_header(v)
+                    .ok_or_else(|| invalid(trusted::PRICE, "is not a price table"))
+            })
+            .transpose()?,
     })
 }
 
@@ -253,6 +336,16 @@ mod tests {
                 Some(5000)
             )
         );
+        assert_eq!(who.prices, None, "no prices: the record is not priced");
+        let mut priced = base();
+        priced[4].1 = "weir-priced".into();
+        priced.push((trusted::PRICE, "USD:*=1,1,2;m=0.15,0.075,0.6".into()));
+        let who = trust()
+            .check(&signed(SECRET, &priced, 2_000), 1_000)
+            .unwrap();
+        let prices = who.prices.expect("a price table");
+        assert_eq!(prices.of("m").map(|p| p.output), Some(0.6));
+        assert_eq!(prices.of("other").map(|p| p.output), Some(2.0));
         // The previous secret still verifies (rotation).
         let mut other = base();
         other[4].1 = "weir-2".into();
@@ -302,6 +395,9 @@ mod tests {
             (trusted::TIER, "gold tier"),
             (trusted::MODELS, "a,,b"),
             (trusted::IDEMPOTENCY_KEY, ""),
+            (trusted::PRICE, "USD:m=-1,1,1"),
+            (trusted::PRICE, "USD:m=0.15,0.6"),
+            (trusted::PRICE, "USD:0.15,0.075,0.6"),
         ] {
             let mut fields = base();
             fields.retain(|(n, _)| *n != name);
@@ -327,5 +423,40 @@ mod tests {
         assert!(!used.insert("a", 100, 50));
         assert!(used.insert("b", 300, 200), "a expired and left");
         assert_eq!(used.ids.len(), 1);
+    }
+
+    #[test]
+    fn a_call_is_trusted_for_the_body_it_signed_once() {
+        let t = trust();
+        let body = br#"{"counters":[]}"#;
+        let digest: String = Sha256::digest(body)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let call = |id: &str| {
+            let mut fields = vec![(trusted::BODY_SHA256, digest.clone())];
+            if !id.is_empty() {
+                fields.push((trusted::REQUEST_ID, id.to_owned()));
+            }
+            signed(SECRET, &fields, 2_000)
+        };
+        let status = |r: Result<SignedBody, ApiError>| r.map(|_| ()).map_err(|e| e.code);
+        let signed_body = t.check_call(&call("lease-1"), 1_000).unwrap();
+        assert!(signed_body.matches(body).is_ok());
+        let other = signed_body.matches(br#"{"counters":[{}]}"#).err();
+        assert_eq!(other.map(|e| e.code), Some(Some("untrusted_request")));
+        // Once per id; without one, once per signature.
+        let replayed = Err(Some("replayed_request"));
+        assert_eq!(status(t.check_call(&call("lease-1"), 1_000)), replayed);
+        assert!(t.check_call(&call(""), 1_000).is_ok());
+        assert_eq!(status(t.check_call(&call(""), 1_000)), replayed);
+        // A forwarded request's signature vouches for no body.
+        let no_digest = signed(SECRET, &base(), 2_000);
+        let e = Err(Some("untrusted_request"));
+        assert_eq!(status(t.check_call(&no_digest, 1_000)), e);
+        let mut bad = signed(SECRET, &[(trusted::BODY_SHA256, "ABC".into())], 2_000);
+        assert_eq!(status(t.check_call(&bad, 1_000)), e);
+        bad.remove(trusted::SIGNATURE);
+        assert_eq!(status(t.check_call(&bad, 1_000)), e);
     }
 }

@@ -29,7 +29,7 @@ def session_processes(sid: int) -> list[str]:
 def stack():
     # A new session, like a terminal's foreground job, so Ctrl-C can be sent to all of it.
     proc = subprocess.Popen(
-        ["cargo", "xtask", "up", "--port", "0", "--time-scale", "20"],
+        ["cargo", "xtask", "up", "--port", "0", "--time-scale", "20", "--observe"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
         start_new_session=True,
     )
@@ -253,6 +253,27 @@ def test_each_sdk_raises_its_own_typed_errors(stack):
         assert any(h.startswith(prefix) for h in headers), (api, dict(headers))
 
 
+def test_observe_runs_prometheus_scraping_every_part_of_the_stack(stack):
+    _, _, banner = stack
+    match = re.search(r"Prometheus\s+(http://\S+)", banner)
+    assert match, banner
+    # The first scrapes come within a scrape interval (5 s) of the start.
+    deadline, health = time.time() + 30, {}
+    while time.time() < deadline:
+        with urllib.request.urlopen(match.group(1) + "/api/v1/targets") as resp:
+            targets = json.load(resp)["data"]["activeTargets"]
+        health = {}
+        for t in targets:
+            health.setdefault(t["labels"]["job"], []).append(t["health"])
+        jobs = ("weir-sidecar", "weir-envoy", "weir-engine")
+        if all(health.get(job) and set(health[job]) == {"up"} for job in jobs):
+            break
+        time.sleep(1)
+    assert health.get("weir-sidecar") == ["up"], health
+    assert health.get("weir-envoy") == ["up"], health
+    assert health.get("weir-engine") == ["up", "up"], health
+
+
 def test_ctrl_c_leaves_no_process_behind(stack):
     proc, _, _ = stack
     sid = os.getsid(proc.pid)
@@ -260,6 +281,7 @@ def test_ctrl_c_leaves_no_process_behind(stack):
     assert sum("weir-sim" in p for p in running) == 2, running
     assert any("weir-sidecar" in p for p in running), running
     assert any("envoy" in p for p in running), running
+    assert any("prometheus" in p for p in running), running
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=30)
     for _ in range(100):

@@ -1,12 +1,16 @@
 //! `cargo xtask bench`: overhead benchmarks, each printed against a baseline measured in the
 //! same run.
 
+mod fleet;
+
 use std::time::{Duration, Instant};
 
 use std::path::Path;
 
-use serde_json::json;
+use serde_json::{Value, json};
 use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim};
+
+pub use fleet::fleet_overhead;
 
 /// Requests per side per round, rounds alternating between the two Envoys.
 const LATENCY_ROUNDS: usize = 5;
@@ -16,18 +20,61 @@ const THROUGHPUT_WINDOW: Duration = Duration::from_secs(3);
 
 const BENCH_KEY: &str = "wk-bench";
 
+/// The bench's one tenant (`bench/w/p`, key `k`) with `limits` on its key, the `tiny` model,
+/// and the top-level fields of `extra` (an object).
+fn bench_config(limits: Value, extra: Value) -> Value {
+    let mut config = json!({
+        "orgs": [{"id": "bench", "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
+            {"id": "k", "sha256": weir_core::keys::hash_key(BENCH_KEY), "limits": limits}
+        ]}]}]}],
+        "models": {"tiny": {"max_context_tokens": 4096}},
+    });
+    if let (Some(config), Some(extra)) = (config.as_object_mut(), extra.as_object()) {
+        config.extend(extra.clone());
+    }
+    config
+}
+
+/// A ~2 KB chat request (~400 prompt tokens) for `tiny`, one output token.
+fn chat_request() -> String {
+    let content =
+        "Summarise the quarterly capacity review for the inference platform team. ".repeat(27);
+    json!({
+        "model": "tiny", "max_tokens": 1,
+        "messages": [{"role": "user", "content": content}],
+    })
+    .to_string()
+}
+
+/// POSTs `body` to `url`'s chat completions with the bench key: the answer's status and the
+/// time to its last byte.
+async fn timed_chat(
+    client: &reqwest::Client,
+    url: &str,
+    body: &str,
+) -> anyhow::Result<(reqwest::StatusCode, Duration)> {
+    let start = Instant::now();
+    let resp = client
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(BENCH_KEY)
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+        .send()
+        .await?;
+    let status = resp.status();
+    resp.bytes().await?;
+    Ok((status, start.elapsed()))
+}
+
 /// Envoy with vs without the weir filter in front of the same simulator, on a ~2 KB chat
 /// request: added latency (sequential requests) and requests/s (16 in flight).
 pub fn filter_overhead(sim_bin: &std::path::Path) -> anyhow::Result<()> {
     let sim = Sim::start_from(sim_bin, &["--preset", "tiny", "--time-scale", "1000"]);
     let config = |exact_below_bytes: usize| {
-        json!({
-            "orgs": [{"id": "bench", "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
-                {"id": "k", "sha256": weir_core::keys::hash_key(BENCH_KEY)}
-            ]}]}]}],
-            "models": {"tiny": {"max_context_tokens": 4096}},
-            "estimator": {"exact_below_bytes": exact_below_bytes},
-        })
+        bench_config(
+            json!({}),
+            json!({"estimator": {"exact_below_bytes": exact_below_bytes}}),
+        )
     };
     let launch = |with_filter, exact_below_bytes| {
         Envoy::launch(EnvoyOptions {
@@ -47,13 +94,7 @@ pub fn filter_overhead(sim_bin: &std::path::Path) -> anyhow::Result<()> {
         ("filter, exact", &exact.url),
         ("filter, fast", &fast.url),
     ];
-    let content =
-        "Summarise the quarterly capacity review for the inference platform team. ".repeat(27);
-    let body = json!({
-        "model": "tiny", "max_tokens": 1,
-        "messages": [{"role": "user", "content": content}],
-    })
-    .to_string();
+    let body = chat_request();
 
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async {
@@ -61,17 +102,9 @@ pub fn filter_overhead(sim_bin: &std::path::Path) -> anyhow::Result<()> {
         let send = |url: String| {
             let (client, body) = (client.clone(), body.clone());
             async move {
-                let start = Instant::now();
-                let resp = client
-                    .post(format!("{url}/v1/chat/completions"))
-                    .bearer_auth(BENCH_KEY)
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await?;
-                anyhow::ensure!(resp.status().is_success(), "status {}", resp.status());
-                resp.bytes().await?;
-                Ok::<_, anyhow::Error>(start.elapsed())
+                let (status, took) = timed_chat(&client, &url, &body).await?;
+                anyhow::ensure!(status.is_success(), "status {status}");
+                Ok::<_, anyhow::Error>(took)
             }
         };
         for (_, url) in sides {

@@ -10,6 +10,8 @@ use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim};
 
 mod bench;
 mod engines;
+mod fleet;
+mod observe;
 mod oci;
 
 #[derive(Parser)]
@@ -42,11 +44,27 @@ enum Task {
         /// the models come from each engine's `/v1/models`, and replicas of a model form a pool.
         #[arg(long = "engine", value_name = "URL", conflicts_with_all = ["preset", "time_scale"])]
         engines: Vec<String>,
+        /// Fleet mode on one machine: Redis (the quota store) and PostgreSQL (the ledger), two
+        /// sidecars sharing the engines, and two Envoys (the second on the next port) whose
+        /// demo tenants' per-minute limits are fleet-wide, held by leases from the sidecars'
+        /// quota service. Installs Debian's `redis-server` and `postgresql` if missing.
+        #[arg(long)]
+        fleet: bool,
+        /// Also run a real Prometheus with the shipped deploy/prometheus/prometheus.yml,
+        /// scraping every sidecar, Envoy and engine of the stack (with `--fleet` too). Installs
+        /// Debian's `prometheus` if missing.
+        #[arg(long)]
+        observe: bool,
     },
     /// Overhead benchmarks, each against a baseline from the same run: token counting (native
     /// and in wasm, exact vs fast), scheduler decisions, Envoy with vs without the weir filter,
-    /// and sidecar relay throughput and memory at 1,000 and 5,000 streams.
-    Bench,
+    /// the filter's latency with fleet mode on vs off, and sidecar relay throughput and memory at
+    /// 1,000 and 5,000 streams.
+    Bench {
+        /// Run one of them only.
+        #[arg(long, value_enum)]
+        only: Option<BenchPart>,
+    },
     /// Build the stack in release mode and run a load scenario with weir-bench, e.g.
     /// `cargo xtask scenario bench/scenarios/noisy-neighbour.yaml --policy fifo --budgets true`.
     Scenario {
@@ -101,9 +119,17 @@ fn main() -> ExitCode {
             port,
             time_scale,
             engines,
-        } => up(&preset, port, time_scale, &engines),
+            fleet,
+            observe,
+        } => up(
+            &preset,
+            port,
+            time_scale,
+            &engines,
+            Extras { fleet, observe },
+        ),
         Task::Test { no_lint } => test(!no_lint),
-        Task::Bench => bench(),
+        Task::Bench { only } => bench(only),
         Task::Scenario { args } => scenario(&args),
         Task::Oci {
             out,
@@ -183,8 +209,28 @@ fn build_release_stack(extra: &[&str]) -> anyhow::Result<()> {
     run("building the stack (release)", &mut cmd)
 }
 
-fn up(preset: &str, port: u16, time_scale: f64, urls: &[String]) -> anyhow::Result<()> {
+/// What `up` runs besides the single stack.
+struct Extras {
+    fleet: bool,
+    observe: bool,
+}
+
+fn up(
+    preset: &str,
+    port: u16,
+    time_scale: f64,
+    urls: &[String],
+    extras: Extras,
+) -> anyhow::Result<()> {
     build_release_stack(&[])?;
+    // Before anything starts, so a missing package is installed, not a half-started stack.
+    if extras.fleet {
+        ledger_tools()?;
+        quota_store_tools()?;
+    }
+    if extras.observe {
+        observability_tools()?;
+    }
     let example = root().join("envoy/weir.example.json");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&example)?)
@@ -209,30 +255,53 @@ fn up(preset: &str, port: u16, time_scale: f64, urls: &[String]) -> anyhow::Resu
     };
     let engines = engines::discover(&urls)?;
     engines::add_to_config(&mut config, &engines);
+    let sidecar_bin = root().join("target/release/weir-sidecar");
+    let pools = engines::pools(&engines);
     // The filter signs with, and the sidecar checks, a secret the harness draws at random for
     // this run and passes to both through `WEIR_SIGNING_SECRET` (never a committed value).
-    let sidecar = Sidecar::start_from(
-        &root().join("target/release/weir-sidecar"),
-        serde_json::json!({"policy": "fair", "pools": engines::pools(&engines)}),
-    );
-    let envoy = Envoy::launch(EnvoyOptions {
-        weir_config: &config,
-        upstream_port: sidecar.port,
-        alt_port: sidecar.port,
-        listen_port: port,
-        with_filter: true,
-    });
+    let stack = if extras.fleet {
+        fleet::Stack::start(&sidecar_bin, config, pools, port)?
+    } else {
+        let sidecar = Sidecar::start_from(
+            &sidecar_bin,
+            serde_json::json!({"policy": "fair", "pools": pools}),
+        );
+        let envoy = Envoy::launch(EnvoyOptions {
+            weir_config: &config,
+            upstream_port: sidecar.port,
+            alt_port: sidecar.port,
+            listen_port: port,
+            with_filter: true,
+        });
+        fleet::Stack::single(envoy, sidecar)
+    };
+    let prometheus = if extras.observe {
+        let targets = observe::Targets {
+            sidecar_admins: stack.sidecars.iter().map(|s| s.admin.as_str()).collect(),
+            envoy_admins: stack.envoys.iter().map(|e| e.admin.as_str()).collect(),
+            engines: engines.iter().map(|e| e.url.as_str()).collect(),
+        };
+        Some(observe::Prometheus::start(&targets)?)
+    } else {
+        None
+    };
     let (stop, stopped) = std::sync::mpsc::channel();
     ctrlc::set_handler(move || {
         let _ = stop.send(());
     })?;
 
-    if sims.is_empty() {
-        println!("\nweir is up: Envoy + weir filter -> weir-sidecar -> your engines:\n");
+    let (envoys, sidecars) = (stack.envoys.len(), stack.sidecars.len());
+    let front = if envoys == 1 {
+        "Envoy + weir filter -> weir-sidecar".to_owned()
     } else {
-        println!(
-            "\nweir is up: Envoy + weir filter -> weir-sidecar -> 2 simulated {preset} replicas.\n"
-        );
+        format!(
+            "{envoys} Envoys + weir filter -> {sidecars} weir-sidecars (Redis quota, PostgreSQL ledger)"
+        )
+    };
+    if sims.is_empty() {
+        println!("\nweir is up: {front} -> your engines:\n");
+    } else {
+        println!("\nweir is up: {front} -> 2 simulated {preset} replicas.\n");
     }
     for engine in &engines {
         let models: Vec<String> = engine
@@ -250,25 +319,36 @@ fn up(preset: &str, port: u16, time_scale: f64, urls: &[String]) -> anyhow::Resu
         );
         println!("                    metrics {}/metrics", engine.url);
     }
-    println!(
-        "  OpenAI endpoint   {}/v1   (shadow-mode route: {}/shadow/v1)",
-        envoy.url, envoy.url
-    );
+    for envoy in &stack.envoys {
+        println!(
+            "  OpenAI endpoint   {}/v1   (shadow-mode route: {}/shadow/v1)",
+            envoy.url, envoy.url
+        );
+    }
     println!("  Demo keys         (any served model)");
     for (key, who) in DEMO_KEYS {
         println!("    {key:<20} {who}");
     }
-    println!("  Gateway metrics   {}/stats?filter=weir", envoy.admin);
-    println!("  Sidecar metrics   {}/metrics", sidecar.admin);
-    println!("  Sidecar readiness {}/ready", sidecar.admin);
-    println!(
-        "  Usage ledger      {}  (weir usage --ledger <path>)",
-        sidecar.ledger.display()
-    );
-    println!("  Access log        {}", envoy.access_log.display());
+    for envoy in &stack.envoys {
+        println!("  Gateway metrics   {}/stats?filter=weir", envoy.admin);
+    }
+    for sidecar in &stack.sidecars {
+        println!("  Sidecar metrics   {}/metrics", sidecar.admin);
+        println!("  Sidecar readiness {}/ready", sidecar.admin);
+    }
+    if let Some(prometheus) = &prometheus {
+        println!(
+            "  Prometheus        {}   (deploy/prometheus/prometheus.yml; targets at {}/targets)",
+            prometheus.url, prometheus.url
+        );
+    }
+    stack.print_stores();
+    for envoy in &stack.envoys {
+        println!("  Access log        {}", envoy.access_log.display());
+    }
     println!(
         "\nTry:\n  curl -N {}/v1/chat/completions -H 'authorization: Bearer wk-demo-standard' \\",
-        envoy.url
+        stack.envoys[0].url
     );
     println!("    -H 'content-type: application/json' \\");
     println!(
@@ -279,14 +359,25 @@ fn up(preset: &str, port: u16, time_scale: f64, urls: &[String]) -> anyhow::Resu
 
     let _ = stopped.recv();
     eprintln!("xtask: stopping");
-    drop(envoy);
-    drop(sidecar);
+    drop(prometheus);
+    drop(stack);
     drop(sims);
     Ok(())
 }
 
-fn bench() -> anyhow::Result<()> {
+/// One of `cargo xtask bench`'s measurements.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BenchPart {
+    TokenCounting,
+    Scheduler,
+    Filter,
+    Fleet,
+    Relay,
+}
+
+fn bench(only: Option<BenchPart>) -> anyhow::Result<()> {
     build_release_stack(&[])?;
+    let runs = |part| only.is_none_or(|only| only == part);
     let token_counting = [
         "bench",
         "-q",
@@ -295,21 +386,34 @@ fn bench() -> anyhow::Result<()> {
         "--bench",
         "token_counting",
     ];
-    run("token counting, native", cargo().args(token_counting))?;
-    run(
-        "token counting, wasm32-wasip1 under V8",
-        cargo()
-            .args(token_counting)
-            .args(["--target", "wasm32-wasip1"])
-            .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(true)?),
-    )?;
-    run(
-        "scheduler decisions at 10,000 tenants (criterion)",
-        cargo().args(["bench", "-q", "-p", "weir-sidecar", "--bench", "scheduler"]),
-    )?;
+    if runs(BenchPart::TokenCounting) {
+        run("token counting, native", cargo().args(token_counting))?;
+        run(
+            "token counting, wasm32-wasip1 under V8",
+            cargo()
+                .args(token_counting)
+                .args(["--target", "wasm32-wasip1"])
+                .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(true)?),
+        )?;
+    }
+    if runs(BenchPart::Scheduler) {
+        run(
+            "scheduler decisions at 10,000 tenants (criterion)",
+            cargo().args(["bench", "-q", "-p", "weir-sidecar", "--bench", "scheduler"]),
+        )?;
+    }
     let release = root().join("target/release");
-    bench::filter_overhead(&release.join("weir-sim"))?;
-    bench::relay_throughput(&release.join("weir-sim"), &release.join("weir-sidecar"))
+    if runs(BenchPart::Filter) {
+        bench::filter_overhead(&release.join("weir-sim"))?;
+    }
+    if runs(BenchPart::Fleet) {
+        quota_store_tools()?;
+        bench::fleet_overhead(&release.join("weir-sim"), &release.join("weir-sidecar"))?;
+    }
+    if runs(BenchPart::Relay) {
+        bench::relay_throughput(&release.join("weir-sim"), &release.join("weir-sidecar"))?;
+    }
+    Ok(())
 }
 
 fn scenario(args: &[String]) -> anyhow::Result<()> {
@@ -629,6 +733,9 @@ fn test(lint: bool) -> anyhow::Result<()> {
     // Before `cargo test`, so no test's timeout includes a first build (minutes).
     c_toolchain()?;
     oci_tools()?;
+    ledger_tools()?;
+    quota_store_tools()?;
+    observability_tools()?;
     let llama = weir_e2e::llama::build()?;
     eprintln!("xtask: llama-server ready: {}", llama.server.display());
     for features in [None, Some("fault-injection")] {
@@ -705,6 +812,37 @@ fn oci_tools() -> anyhow::Result<()> {
     debian_tools(&[("docker-registry", "docker-registry"), ("skopeo", "skopeo")])
 }
 
+/// What the PostgreSQL ledger's tests (`tests/ledger_postgres.rs`) run: a real server, from
+/// Debian's `postgresql` (its binaries under `/usr/lib/postgresql/<version>/bin`, not on PATH).
+fn ledger_tools() -> anyhow::Result<()> {
+    debian_tools(&[("/usr/lib/postgresql/*/bin/postgres", "postgresql")])
+}
+
+/// Whether `tool` runs here (answers `--version`). A `/*/` in it stands for any one directory
+/// (a versioned path such as Debian's `/usr/lib/postgresql/*/bin/postgres`).
+fn present(tool: &str) -> bool {
+    match tool.split_once("/*/") {
+        Some((dir, rest)) => std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|entry| answers_version(&entry.path().join(rest).to_string_lossy())),
+        None => answers_version(tool),
+    }
+}
+
+/// What the quota service's tests (`tests/quota_store.rs`, `tests/quota_service.rs`) run as
+/// their store: a real Redis (Debian's `redis-server`).
+fn quota_store_tools() -> anyhow::Result<()> {
+    debian_tools(&[("redis-server", "redis-server")])
+}
+
+/// What `up --observe` runs, and the end-to-end tests that scrape the stack: a real Prometheus
+/// (Debian's `prometheus`).
+fn observability_tools() -> anyhow::Result<()> {
+    debian_tools(&[(observe::PROMETHEUS, "prometheus")])
+}
+
 /// Whether `tool` runs here (answers `--version`).
 fn answers_version(tool: &str) -> bool {
     Command::new(tool)
@@ -720,7 +858,7 @@ fn answers_version(tool: &str) -> bool {
 fn debian_tools(tools: &[(&str, &str)]) -> anyhow::Result<()> {
     let mut missing: Vec<&str> = tools
         .iter()
-        .filter(|(tool, _)| !answers_version(tool))
+        .filter(|(tool, _)| !present(tool))
         .map(|&(_, package)| package)
         .collect();
     missing.dedup();

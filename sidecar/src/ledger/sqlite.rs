@@ -1,47 +1,14 @@
-//! The usage ledger: append-only records in SQLite (WAL), one per attempt that used an engine,
-//! keyed by (tenant, idempotency key, attempt). Every attempt is billed for what it used — a
-//! cancelled first try and its full retry are two records — and writing the same attempt twice
-//! adds nothing. Writes happen on a thread of their own, off the async workers.
-//!
-//! The idempotency key is the caller's `Idempotency-Key`, or weir's own id of the attempt when
-//! it sent none (then every request is its own key, attempt 1). A ledger written before
-//! attempts were recorded (primary key `request_id`) is migrated in place when opened: each old
-//! row becomes attempt 1 of a key equal to its request id. A ledger written before the API was
-//! recorded gets the column, its old rows `unknown`.
+//! The embedded store: SQLite (WAL), the default. A ledger written before attempts were
+//! recorded (primary key `request_id`) is migrated in place when opened: each old row becomes
+//! attempt 1 of a key equal to its request id. Columns added since (the API, cached prompt
+//! tokens, the price and cost) are added to an older ledger when it is opened, its old rows
+//! `unknown`, 0 and NULL.
 
 use std::path::Path;
-use std::sync::mpsc;
 
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
-use rusqlite::{Connection, OptionalExtension, params};
-use serde::Serialize;
+use rusqlite::{Connection, Row, params};
 
-/// What one attempt used, as billed. Engine counts when the engine reported them.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct UsageRecord {
-    pub tenant: String,
-    /// The caller's `Idempotency-Key`, else `request_id`.
-    pub idempotency_key: String,
-    /// 1 for the first attempt under the key, then 2, 3, … for retries.
-    pub attempt: u32,
-    /// weir's id of this attempt (`x-weir-request-id`).
-    pub request_id: String,
-    pub model: String,
-    /// The API called: `chat_completions`, `completions`, `responses`, `messages`,
-    /// `embeddings` (`unknown` in rows written before it was recorded).
-    pub api: String,
-    pub replica: String,
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    /// `engine` (usage reported) or `counted` (tokens seen streaming).
-    pub source: String,
-    /// `ok`, `cancelled`, `failed`, `upstream_error`, `slow_client`, `stream_deadline`,
-    /// `response_deadline`, `first_byte_deadline`, `shutdown`.
-    pub outcome: String,
-    pub queued_ms: u64,
-    pub finished_at_ms: u64,
-}
+use super::{KeyHistory, UsageRecord};
 
 const SCHEMA: &str = "
     CREATE TABLE IF NOT EXISTS usage (
@@ -58,6 +25,12 @@ const SCHEMA: &str = "
         queued_ms         INTEGER NOT NULL,
         finished_at_ms    INTEGER NOT NULL,
         api               TEXT NOT NULL DEFAULT 'unknown',
+        cached_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+        currency          TEXT,
+        price_input       REAL,
+        price_cached_input REAL,
+        price_output      REAL,
+        cost_micros       INTEGER,
         PRIMARY KEY (tenant, idempotency_key, attempt)
     );
     CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage (tenant, finished_at_ms);";
@@ -68,11 +41,20 @@ const MIGRATE_FROM_REQUEST_IDS: &str = "
     DROP INDEX IF EXISTS usage_by_tenant;";
 const COPY_FROM_REQUEST_IDS: &str = "
     INSERT INTO usage SELECT tenant, request_id, 1, request_id, model, replica, prompt_tokens,
-        completion_tokens, source, outcome, queued_ms, finished_at_ms, 'unknown'
+        completion_tokens, source, outcome, queued_ms, finished_at_ms, 'unknown', 0, NULL, NULL,
+        NULL, NULL, NULL
         FROM usage_by_request_id;
     DROP TABLE usage_by_request_id;";
-/// Adds the API column to a ledger written before it was recorded.
-const ADD_API: &str = "ALTER TABLE usage ADD COLUMN api TEXT NOT NULL DEFAULT 'unknown';";
+/// Columns added since the attempt schema, each added to a ledger written before it.
+const ADDED: [(&str, &str); 7] = [
+    ("api", "TEXT NOT NULL DEFAULT 'unknown'"),
+    ("cached_prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("currency", "TEXT"),
+    ("price_input", "REAL"),
+    ("price_cached_input", "REAL"),
+    ("price_output", "REAL"),
+    ("cost_micros", "INTEGER"),
+];
 
 pub fn open(path: &Path) -> rusqlite::Result<Connection> {
     let mut conn = Connection::open(path)?;
@@ -87,8 +69,10 @@ pub fn open(path: &Path) -> rusqlite::Result<Connection> {
     let old = !columns.is_empty() && !has("attempt");
     if old {
         tx.execute_batch(MIGRATE_FROM_REQUEST_IDS)?;
-    } else if !columns.is_empty() && !has("api") {
-        tx.execute_batch(ADD_API)?;
+    } else if !columns.is_empty() {
+        for (name, ddl) in ADDED.iter().filter(|(name, _)| !has(name)) {
+            tx.execute_batch(&format!("ALTER TABLE usage ADD COLUMN {name} {ddl};"))?;
+        }
     }
     tx.execute_batch(SCHEMA)?;
     if old {
@@ -99,22 +83,20 @@ pub fn open(path: &Path) -> rusqlite::Result<Connection> {
 }
 
 /// Appends a record; returns whether it was new. Writing the same attempt again (same request
-/// id) adds nothing. A record whose attempt number another attempt of the key already holds —
+/// id, whatever number it was given) adds nothing. A record whose attempt number another attempt of the key already holds —
 /// numbered from a history read before that one was written — becomes the key's next attempt:
 /// every attempt that used an engine is billed, none is lost.
 pub fn append(conn: &Connection, r: &UsageRecord) -> rusqlite::Result<bool> {
     if insert(conn, r, r.attempt)? {
         return Ok(true);
     }
-    let holder: Option<String> = conn
-        .query_row(
-            "SELECT request_id FROM usage WHERE tenant = ?1 AND idempotency_key = ?2
-             AND attempt = ?3",
-            params![r.tenant, r.idempotency_key, r.attempt],
-            |row| row.get(0),
-        )
-        .optional()?;
-    if holder.as_deref() == Some(r.request_id.as_str()) {
+    let written: bool = conn.query_row(
+        "SELECT EXISTS (SELECT 1 FROM usage WHERE tenant = ?1 AND idempotency_key = ?2
+             AND request_id = ?3)",
+        params![r.tenant, r.idempotency_key, r.request_id],
+        |row| row.get(0),
+    )?;
+    if written {
         return Ok(false);
     }
     let next: u32 = conn.query_row(
@@ -128,8 +110,11 @@ pub fn append(conn: &Connection, r: &UsageRecord) -> rusqlite::Result<bool> {
 fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<bool> {
     let inserted = conn.execute(
         "INSERT OR IGNORE INTO usage (tenant, idempotency_key, attempt, request_id, model, replica,
-             prompt_tokens, completion_tokens, source, outcome, queued_ms, finished_at_ms, api)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+             prompt_tokens, completion_tokens, source, outcome, queued_ms, finished_at_ms, api,
+             cached_prompt_tokens, currency, price_input, price_cached_input, price_output,
+             cost_micros)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
+             ?18, ?19)",
         params![
             r.tenant,
             r.idempotency_key,
@@ -144,17 +129,15 @@ fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<
             r.queued_ms as i64,
             r.finished_at_ms as i64,
             r.api,
+            r.cached_prompt_tokens as i64,
+            r.currency,
+            r.price_input,
+            r.price_cached_input,
+            r.price_output,
+            r.cost_micros.map(|c| c as i64),
         ],
     )?;
     Ok(inserted == 1)
-}
-
-/// What the ledger knows of a tenant's idempotency key: the last attempt recorded, and whether
-/// one completed.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct KeyHistory {
-    pub attempts: u32,
-    pub completed: bool,
 }
 
 pub fn history(conn: &Connection, tenant: &str, key: &str) -> rusqlite::Result<KeyHistory> {
@@ -179,116 +162,45 @@ pub fn query(
 ) -> rusqlite::Result<Vec<UsageRecord>> {
     let mut stmt = conn.prepare(
         "SELECT tenant, idempotency_key, attempt, request_id, model, replica, prompt_tokens,
-                completion_tokens, source, outcome, queued_ms, finished_at_ms, api
+                completion_tokens, source, outcome, queued_ms, finished_at_ms, api,
+                cached_prompt_tokens, currency, price_input, price_cached_input, price_output,
+                cost_micros
          FROM usage WHERE (?1 IS NULL OR tenant = ?1) AND finished_at_ms >= ?2
          ORDER BY finished_at_ms",
     )?;
-    let rows = stmt.query_map(params![tenant, since_ms as i64], |row| {
-        Ok(UsageRecord {
-            tenant: row.get(0)?,
-            idempotency_key: row.get(1)?,
-            attempt: row.get(2)?,
-            request_id: row.get(3)?,
-            model: row.get(4)?,
-            replica: row.get(5)?,
-            prompt_tokens: row.get::<_, i64>(6)? as u64,
-            completion_tokens: row.get::<_, i64>(7)? as u64,
-            source: row.get(8)?,
-            outcome: row.get(9)?,
-            queued_ms: row.get::<_, i64>(10)? as u64,
-            finished_at_ms: row.get::<_, i64>(11)? as u64,
-            api: row.get(12)?,
-        })
-    })?;
+    let rows = stmt.query_map(params![tenant, since_ms as i64], read)?;
     rows.collect()
 }
 
-/// What the writer thread is sent: records, in order, and flush requests behind them.
-enum Entry {
-    Record(Box<UsageRecord>),
-    /// Answered once every record sent before it is written.
-    Flush(mpsc::Sender<()>),
-}
-
-/// How far the writer is behind, for the metrics: records sent to it and not yet written, and
-/// writes that failed (each a record lost to billing).
-#[derive(Clone, Default)]
-pub struct LedgerGauges {
-    pub pending: Gauge,
-    pub failures: Counter,
-}
-
-/// A handle to the writer thread.
-#[derive(Clone)]
-pub struct Ledger {
-    tx: mpsc::Sender<Entry>,
-    pending: Gauge,
-}
-
-impl Ledger {
-    /// Opens the database and starts its writer thread.
-    pub fn start(path: &Path, gauges: LedgerGauges) -> anyhow::Result<Ledger> {
-        let conn = open(path)?;
-        let (tx, rx) = mpsc::channel::<Entry>();
-        let LedgerGauges { pending, failures } = gauges;
-        let written = pending.clone();
-        std::thread::Builder::new()
-            .name("ledger".into())
-            .spawn(move || {
-                for entry in rx {
-                    match entry {
-                        Entry::Record(record) => {
-                            if let Err(e) = append(&conn, &record) {
-                                failures.inc();
-                                tracing::error!(request = %record.request_id, "ledger write failed: {e}");
-                            }
-                            written.dec();
-                        }
-                        Entry::Flush(done) => {
-                            let _ = done.send(());
-                        }
-                    }
-                }
-            })?;
-        Ok(Ledger { tx, pending })
-    }
-
-    pub fn record(&self, record: UsageRecord) {
-        self.pending.inc();
-        if self.tx.send(Entry::Record(Box::new(record))).is_err() {
-            self.pending.dec();
-        }
-    }
-
-    /// Waits (blocking, up to `within`) until every record sent so far is written; false if
-    /// that took longer. For shutdown: nothing recorded before it is lost when the process ends.
-    pub fn flush(&self, within: std::time::Duration) -> bool {
-        let (done, written) = mpsc::channel();
-        self.tx.send(Entry::Flush(done)).is_ok() && written.recv_timeout(within).is_ok()
-    }
+/// A row in the column order [`query`] selects.
+fn read(row: &Row) -> rusqlite::Result<UsageRecord> {
+    Ok(UsageRecord {
+        tenant: row.get(0)?,
+        idempotency_key: row.get(1)?,
+        attempt: row.get(2)?,
+        request_id: row.get(3)?,
+        model: row.get(4)?,
+        replica: row.get(5)?,
+        prompt_tokens: row.get::<_, i64>(6)? as u64,
+        completion_tokens: row.get::<_, i64>(7)? as u64,
+        source: row.get(8)?,
+        outcome: row.get(9)?,
+        queued_ms: row.get::<_, i64>(10)? as u64,
+        finished_at_ms: row.get::<_, i64>(11)? as u64,
+        api: row.get(12)?,
+        cached_prompt_tokens: row.get::<_, i64>(13)? as u64,
+        currency: row.get(14)?,
+        price_input: row.get(15)?,
+        price_cached_input: row.get(16)?,
+        price_output: row.get(17)?,
+        cost_micros: row.get::<_, Option<i64>>(18)?.map(|c| c as u64),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn record(key: &str, attempt: u32, tenant: &str, at: u64) -> UsageRecord {
-        UsageRecord {
-            tenant: tenant.into(),
-            idempotency_key: key.into(),
-            attempt,
-            request_id: format!("weir-{key}-{attempt}"),
-            model: "m".into(),
-            api: "chat_completions".into(),
-            replica: "r".into(),
-            prompt_tokens: 10,
-            completion_tokens: 5,
-            source: "engine".into(),
-            outcome: "ok".into(),
-            queued_ms: 1,
-            finished_at_ms: at,
-        }
-    }
+    use crate::ledger::sample as record;
 
     fn temp(name: &str) -> std::path::PathBuf {
         std::env::temp_dir().join(format!("weir-ledger-{name}-{}", std::process::id()))
@@ -376,7 +288,7 @@ mod tests {
     }
 
     #[test]
-    fn a_ledger_without_the_api_column_gets_it() {
+    fn a_ledger_without_the_newer_columns_gets_them_its_old_rows_unpriced() {
         let path = temp("add-api");
         let _ = std::fs::remove_file(&path);
         let old = Connection::open(&path).unwrap();
@@ -394,30 +306,22 @@ mod tests {
         let conn = open(&path).unwrap();
         let mut new = record("k2", 1, "a", 200);
         new.api = "embeddings".into();
+        new.cached_prompt_tokens = 4;
+        new.currency = Some("USD".into());
+        new.cost_micros = Some(12);
         assert!(append(&conn, &new).unwrap());
-        let apis: Vec<String> = query(&conn, None, 0)
+        let rows: Vec<(String, u64, Option<u64>)> = query(&conn, None, 0)
             .unwrap()
             .into_iter()
-            .map(|r| r.api)
+            .map(|r| (r.api, r.cached_prompt_tokens, r.cost_micros))
             .collect();
-        assert_eq!(apis, ["unknown", "embeddings"]);
-        drop(conn);
-        let _ = std::fs::remove_file(&path);
-    }
-
-    #[test]
-    fn a_flush_returns_once_everything_sent_before_it_is_written() {
-        let path = std::env::temp_dir().join(format!("weir-ledger-flush-{}", std::process::id()));
-        let gauges = LedgerGauges::default();
-        let ledger = Ledger::start(&path, gauges.clone()).unwrap();
-        for i in 0..200 {
-            ledger.record(record(&format!("r{i}"), 1, "a", i));
-        }
-        assert!(ledger.flush(std::time::Duration::from_secs(10)));
-        assert_eq!(gauges.pending.get(), 0, "every record sent was written");
-        assert_eq!(gauges.failures.get(), 0);
-        let conn = open(&path).unwrap();
-        assert_eq!(query(&conn, None, 0).unwrap().len(), 200);
+        assert_eq!(
+            rows,
+            [
+                ("unknown".to_owned(), 0, None),
+                ("embeddings".to_owned(), 4, Some(12))
+            ]
+        );
         drop(conn);
         let _ = std::fs::remove_file(&path);
     }

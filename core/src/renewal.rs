@@ -1,0 +1,576 @@
+//! The background renewal of fleet-wide leases, host-free: who renews, what one renewal asks
+//! for, and what its answer does.
+//!
+//! Every worker VM of an Envoy ticks, but one renewal per Envoy per period is sent: a worker
+//! claims the period through a shared-data record (`weir:fleet:renewer`: holder, when its call
+//! started, when the next is due) by compare-and-swap, so N workers never send N calls; a
+//! holder whose call never finished (its VM was replaced) is taken over once the call's timeout
+//! has passed. The renewal carries every counter in the active set (`weir:fleet:active`, the
+//! counters requests touched, kept so no worker scans every tenant): those whose lease runs low
+//! or that a request found short ask for tokens, lapsed leases give theirs back. The answer's
+//! grants are added to each counter's lease; a failed call marks the store down
+//! ([`crate::allowance::HEALTH_KEY`]) and the first answer marks it up again.
+
+use std::collections::HashMap;
+
+use crate::allowance::{self, Allowance};
+use crate::fleet::{CounterAsk, LeaseRequest, LeaseResponse, MAX_COUNTERS};
+use crate::reservation::{Fleet, SharedStore, Update, update};
+
+/// Shared-data key of the renewal claim.
+pub const CLAIM_KEY: &str = "weir:fleet:renewer";
+
+/// Shared-data key of the active set: counter keys, one per line.
+pub const ACTIVE_KEY: &str = "weir:fleet:active";
+
+/// What the renewal knows of each fleet-wide counter, from the configuration.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Spec {
+    pub limit: u64,
+    pub fleet: Fleet,
+}
+
+impl Spec {
+    fn context(&self, store_down: bool) -> allowance::Context {
+        allowance::Context {
+            limit: self.limit,
+            window: self.fleet.window,
+            fail: self.fleet.fail,
+            terms: self.fleet.terms,
+            store_down,
+        }
+    }
+}
+
+/// The claim record: 24 bytes, holder id, call started (0: none in flight), next due.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Claim {
+    holder: u64,
+    started_ms: u64,
+    due_ms: u64,
+}
+
+impl Claim {
+    fn decode(bytes: &[u8]) -> Option<Claim> {
+        let field = |i: usize| -> Option<u64> {
+            Some(u64::from_le_bytes(
+                bytes.get(i * 8..i * 8 + 8)?.try_into().ok()?,
+            ))
+        };
+        Some(Claim {
+            holder: field(0)?,
+            started_ms: field(1)?,
+            due_ms: field(2)?,
+        })
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        [self.holder, self.started_ms, self.due_ms]
+            .iter()
+            .flat_map(|f| f.to_le_bytes())
+            .collect()
+    }
+}
+
+/// Claims this period's renewal for `holder`, if one is due and no other call is in flight
+/// (or the one in flight is past `timeout_ms`: its holder is gone).
+pub fn claim(
+    store: &impl SharedStore,
+    holder: u64,
+    now_ms: u64,
+    renew_ms: u64,
+    timeout_ms: u64,
+) -> bool {
+    let won = update(store, CLAIM_KEY, |current| {
+        let c = current.and_then(Claim::decode).unwrap_or_default();
+        let in_flight = c.started_ms != 0 && now_ms < c.started_ms.saturating_add(timeout_ms);
+        if now_ms < c.due_ms || in_flight {
+            return Err(());
+        }
+        Ok(Claim {
+            holder,
+            started_ms: now_ms,
+            due_ms: now_ms.saturating_add(renew_ms),
+        }
+        .encode())
+    });
+    matches!(won, Update::Done(()))
+}
+
+/// Ends `holder`'s call (answered, failed or not needed); the next is due as claimed.
+pub fn release(store: &impl SharedStore, holder: u64) {
+    let _ = update(store, CLAIM_KEY, |current| {
+        let c = current.and_then(Claim::decode).unwrap_or_default();
+        if c.holder != holder {
+            return Err(());
+        }
+        Ok(Claim { started_ms: 0, ..c }.encode())
+    });
+}
+
+fn active(store: &impl SharedStore) -> Vec<String> {
+    store
+        .load(ACTIVE_KEY)
+        .and_then(|(v, _)| String::from_utf8(v).ok())
+        .map(|s| s.lines().map(str::to_owned).collect())
+        .unwrap_or_default()
+}
+
+/// Adds a counter to the active set (once; the set holds at most [`MAX_COUNTERS`]). When it
+/// cannot (the set is full, or kept changing), the counter's mark is cleared so that its next
+/// request tries again: a marked counter never lists itself, and would never be renewed.
+pub fn enlist(store: &impl SharedStore, key: &str) {
+    let listed = update(store, ACTIVE_KEY, |current| {
+        let text = current
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .unwrap_or("");
+        if text.lines().any(|k| k == key) {
+            return Err(true);
+        }
+        if text.lines().count() >= MAX_COUNTERS {
+            return Err(false);
+        }
+        let mut next = text.to_owned();
+        if !next.is_empty() {
+            next.push('\n');
+        }
+        next.push_str(key);
+        Ok(next.into_bytes())
+    });
+    if matches!(listed, Update::Done(()) | Update::Refused(true)) {
+        return;
+    }
+    let _ = update::<()>(store, key, |current| {
+        let mut a = current.and_then(Allowance::decode).ok_or(())?;
+        a.listed = false;
+        Ok(a.encode())
+    });
+}
+
+fn delist(store: &impl SharedStore, key: &str) {
+    let _ = update::<()>(store, ACTIVE_KEY, |current| {
+        let text = current
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .unwrap_or("");
+        let kept: Vec<&str> = text.lines().filter(|k| *k != key).collect();
+        Ok(kept.join("\n").into_bytes())
+    });
+}
+
+/// Takes an idle counter out of the active set: out of the set first, then its mark cleared
+/// unless a request touched it meanwhile (it would re-list itself only if unmarked).
+fn retire(store: &impl SharedStore, key: &str) {
+    delist(store, key);
+    let touched = update(store, key, |current| {
+        let mut a = current.and_then(Allowance::decode).ok_or(())?;
+        if a.tokens != 0.0 || a.spent != 0.0 || a.wanted != 0.0 {
+            return Err(());
+        }
+        a.listed = false;
+        Ok(a.encode())
+    });
+    if !matches!(touched, Update::Done(())) {
+        enlist(store, key);
+    }
+}
+
+/// The renewal to send now: one ask per active counter that needs tokens or gives some back.
+/// Lapsed tokens leave their lease here (they travel in the ask); idle counters leave the set.
+pub fn plan(store: &impl SharedStore, specs: &HashMap<String, Spec>, now_ms: u64) -> LeaseRequest {
+    let mut counters = Vec::new();
+    for key in active(store) {
+        let Some(spec) = specs.get(&key) else {
+            // A counter of an earlier configuration.
+            delist(store, &key);
+            continue;
+        };
+        let ctx = spec.context(false);
+        let mut asked = None;
+        let updated = update::<()>(store, &key, |current| {
+            let a = current
+                .and_then(Allowance::decode)
+                .unwrap_or_else(|| Allowance::cold(&ctx, now_ms));
+            let (next, ask) = a.ask(&ctx, now_ms);
+            asked = ask;
+            Ok(next.encode())
+        });
+        if !matches!(updated, Update::Done(())) {
+            continue;
+        }
+        match asked {
+            None => retire(store, &key),
+            Some(ask) if ask.want > 0 || ask.returned > 0 => counters.push(CounterAsk {
+                key,
+                window: spec.fleet.window,
+                limit: spec.limit,
+                want: ask.want,
+                returned: ask.returned,
+                returned_window_start_ms: ask.returned_window_start_ms,
+            }),
+            Some(_) => {}
+        }
+        if counters.len() >= MAX_COUNTERS {
+            break;
+        }
+    }
+    LeaseRequest { counters }
+}
+
+/// Adds the answer's grants to their leases and marks the store up.
+pub fn apply(
+    store: &impl SharedStore,
+    specs: &HashMap<String, Spec>,
+    response: &LeaseResponse,
+    now_ms: u64,
+) {
+    for grant in &response.grants {
+        let Some(spec) = specs.get(&grant.key) else {
+            continue;
+        };
+        let ctx = spec.context(false);
+        let _ = update::<()>(store, &grant.key, |current| {
+            let a = current
+                .and_then(Allowance::decode)
+                .unwrap_or_else(|| Allowance::cold(&ctx, now_ms));
+            Ok(a.add_grant(grant, &ctx, now_ms).encode())
+        });
+    }
+    set_health(store, None);
+}
+
+/// Marks the store down (a failed or timed-out renewal, a 503): since the first failure.
+pub fn mark_down(store: &impl SharedStore, now_ms: u64) {
+    let since = store
+        .load(allowance::HEALTH_KEY)
+        .and_then(|(v, _)| allowance::down_since(Some(&v)))
+        .unwrap_or(now_ms);
+    set_health(store, Some(since));
+}
+
+fn set_health(store: &impl SharedStore, down_since_ms: Option<u64>) {
+    let _ = store.store(
+        allowance::HEALTH_KEY,
+        &allowance::health(down_since_ms),
+        None,
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::fleet::Grant;
+    use crate::reservation::tests::Memory;
+    use crate::reservation::{self, Demand, Denial, Ledger, SlotLease};
+
+    fn config(fail: &str) -> Config {
+        let json = format!(
+            r#"{{"signing":{{"secret_env":"S"}},"fleet":{{"cluster":"quota"}},
+            "orgs":[{{"id":"acme","limits":{{"input_tokens_per_minute":60000,
+            "fleet_wide":{{"input_tokens_per_minute":"{fail}"}}}},
+            "workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[
+            {{"id":"k","sha256":"{h}"}}]}}]}}]}}]}}"#,
+            h = "a".repeat(64)
+        );
+        Config::parse(json.as_bytes()).unwrap()
+    }
+
+    fn specs(config: &Config) -> HashMap<String, Spec> {
+        config
+            .directory()
+            .tenants()
+            .flat_map(|t| {
+                reservation::fleet_counters(t)
+                    .map(|(key, limit, fleet)| (key, Spec { limit, fleet }))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    const SLOT: SlotLease = SlotLease {
+        id: 1,
+        ttl_ms: 30_000,
+    };
+    const KEY: &str = "weir:e:acme:itpm";
+
+    fn demand(n: u64) -> Demand {
+        Demand {
+            input_tokens: n,
+            output_tokens: 0,
+            cost_micros: 0,
+        }
+    }
+
+    fn grant_all(request: &LeaseRequest) -> LeaseResponse {
+        LeaseResponse {
+            grants: request
+                .counters
+                .iter()
+                .map(|c| Grant {
+                    key: c.key.clone(),
+                    granted: c.want,
+                    remaining: 50_000,
+                    resets_ms: 0,
+                    window_start_ms: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn one_worker_claims_a_period_and_a_dead_holder_is_taken_over() {
+        let store = Memory::default();
+        let t = 10_000;
+        assert!(claim(&store, 1, t, 250, 1_000));
+        assert!(!claim(&store, 2, t, 250, 1_000), "same period");
+        assert!(
+            !claim(&store, 2, t + 300, 250, 1_000),
+            "due, but 1's call is in flight"
+        );
+        release(&store, 1);
+        assert!(claim(&store, 2, t + 300, 250, 1_000));
+        // 2's VM dies with its call in flight: after the timeout another worker takes over.
+        assert!(!claim(&store, 3, t + 1_200, 250, 1_000));
+        assert!(claim(&store, 3, t + 1_300, 250, 1_000));
+        release(&store, 2);
+        assert!(
+            !claim(&store, 1, t + 1_600, 250, 1_000),
+            "a stale holder's release is ignored"
+        );
+    }
+
+    #[test]
+    fn a_cold_counter_is_listed_by_its_first_refusal_and_served_after_one_renewal() {
+        let config = config("fail_closed");
+        let specs = specs(&config);
+        let tenant = config.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        reservation::initialize(&store, [&tenant], 0);
+        let refused = reservation::reserve(&store, &tenant, demand(500), Ledger::Enforce, SLOT, 0);
+        assert!(
+            matches!(
+                refused,
+                Err(Denial::Limit {
+                    retry_after_ms: 250,
+                    ..
+                })
+            ),
+            "{refused:?}"
+        );
+        let ask = plan(&store, &specs, 10);
+        assert_eq!(ask.counters.len(), 1, "one counter, one call");
+        assert_eq!(
+            (ask.counters[0].key.as_str(), ask.counters[0].want),
+            (KEY, 600)
+        );
+        apply(&store, &specs, &grant_all(&ask), 20);
+        let r = reservation::reserve(&store, &tenant, demand(500), Ledger::Enforce, SLOT, 30);
+        let r = r.unwrap();
+        // Settling a smaller use refunds the lease.
+        reservation::settle(&store, &r, demand(300), 40);
+        let a = Allowance::decode(&store.load(KEY).unwrap().0).unwrap();
+        assert_eq!(a.tokens, 300.0);
+    }
+
+    #[test]
+    fn a_counter_that_finds_the_active_set_full_is_listed_once_there_is_room() {
+        let config = config("fail_closed");
+        let specs = specs(&config);
+        let tenant = config.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        // Another tenant's counters fill the active set.
+        let others: Vec<String> = (0..MAX_COUNTERS)
+            .map(|i| format!("weir:e:other{i}:rpm"))
+            .collect();
+        store
+            .store(ACTIVE_KEY, others.join("\n").as_bytes(), None)
+            .unwrap();
+        let r = reservation::reserve(&store, &tenant, demand(100), Ledger::Enforce, SLOT, 0);
+        assert!(r.is_err(), "cold: {r:?}");
+        assert!(!active(&store).contains(&KEY.to_owned()), "no room yet");
+        // The other counters leave (they are not in this configuration); there is room now.
+        let _ = plan(&store, &specs, 100);
+        let r = reservation::reserve(&store, &tenant, demand(100), Ledger::Enforce, SLOT, 200);
+        assert!(r.is_err(), "still cold: {r:?}");
+        let ask = plan(&store, &specs, 300);
+        println!("asks once there is room: {}", ask.counters.len());
+        assert_eq!(ask.counters.len(), 1, "the counter is renewed: {ask:?}");
+    }
+
+    #[test]
+    fn a_refund_of_a_request_served_from_the_fail_open_share_never_becomes_store_tokens() {
+        let config = config("fail_open");
+        let specs = specs(&config);
+        let tenant = config.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        mark_down(&store, 0);
+        // 5,000 of the 6,000-token share reserved, none used (a refusal, a short answer).
+        let r = reservation::reserve(&store, &tenant, demand(5_000), Ledger::Enforce, SLOT, 10);
+        reservation::settle(&store, &r.unwrap(), demand(0), 20);
+        let a = Allowance::decode(&store.load(KEY).unwrap().0).unwrap();
+        println!("lease tokens after the refund: {}", a.tokens);
+        assert_eq!(a.tokens, 0.0, "the store granted nothing");
+        // The refund went back to the share: the whole share is there again, and no more.
+        let again = reservation::reserve(&store, &tenant, demand(6_000), Ledger::Enforce, SLOT, 30);
+        assert!(again.is_ok(), "{again:?}");
+        let over = reservation::reserve(&store, &tenant, demand(1), Ledger::Enforce, SLOT, 30);
+        assert!(over.is_err(), "over the local share");
+        let ask = plan(&store, &specs, 300);
+        let returned: u64 = ask.counters.iter().map(|c| c.returned).sum();
+        println!("returned to the store: {returned}");
+        assert_eq!(
+            returned, 0,
+            "tokens the store never granted are not given back"
+        );
+    }
+
+    #[test]
+    fn a_store_down_fails_closed_or_open_and_the_first_answer_recovers() {
+        for fail in ["fail_closed", "fail_open"] {
+            let config = config(fail);
+            let specs = specs(&config);
+            let tenant = config.directory().tenants().next().unwrap().clone();
+            let store = Memory::default();
+            let _ = reservation::reserve(&store, &tenant, demand(100), Ledger::Enforce, SLOT, 0);
+            mark_down(&store, 5);
+            mark_down(&store, 9);
+            let health = store.load(allowance::HEALTH_KEY).map(|(v, _)| v);
+            assert_eq!(allowance::down_since(health.as_deref()), Some(5));
+            let r = reservation::reserve(&store, &tenant, demand(100), Ledger::Enforce, SLOT, 10);
+            match fail {
+                "fail_closed" => {
+                    assert!(matches!(r, Err(Denial::QuotaUnavailable { .. })), "{r:?}")
+                }
+                // 10% of 60,000 per minute on this Envoy alone.
+                _ => {
+                    assert!(r.is_ok(), "{r:?}");
+                    let big = reservation::reserve(
+                        &store,
+                        &tenant,
+                        demand(6_000),
+                        Ledger::Enforce,
+                        SLOT,
+                        10,
+                    );
+                    assert!(big.is_err(), "over the local share");
+                }
+            }
+            let ask = plan(&store, &specs, 300);
+            apply(&store, &specs, &grant_all(&ask), 310);
+            let health = store.load(allowance::HEALTH_KEY).map(|(v, _)| v);
+            assert!(!allowance::store_down(health.as_deref()));
+            let r = reservation::reserve(&store, &tenant, demand(100), Ledger::Enforce, SLOT, 320);
+            assert!(r.is_ok(), "{fail}: {r:?}");
+        }
+    }
+
+    #[test]
+    fn a_monthly_spend_budget_is_reserved_at_cost_and_refused_until_the_first_of_next_month() {
+        let json = format!(
+            r#"{{"signing":{{"secret_env":"S"}},"fleet":{{"cluster":"quota"}},
+            "prices":{{"currency":"USD","default":{{"input":1.0,"output":2.0}}}},
+            "orgs":[{{"id":"acme","limits":{{"budgets":[{{"window":"month","spend":0.01}}]}},
+            "workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[
+            {{"id":"k","sha256":"{h}"}}]}}]}}]}}]}}"#,
+            h = "a".repeat(64)
+        );
+        let config = Config::parse(json.as_bytes()).unwrap();
+        let specs = specs(&config);
+        let key = "weir:e:acme:month:spend";
+        assert_eq!(
+            specs.get(key).map(|s| s.limit),
+            Some(10_000),
+            "1 cent in micro-units"
+        );
+        let tenant = config.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        // 2026-12-02: the month ends 2027-01-01T00:00:00Z.
+        let now = 1_796_183_000_000;
+        let (start, end) = crate::fleet::Window::Month.bounds(now).unwrap();
+        // 2,000 input tokens at $1/M and 1,000 output at $2/M: 4,000 micro-dollars.
+        let cost = Demand {
+            input_tokens: 2_000,
+            output_tokens: 1_000,
+            cost_micros: 4_000,
+        };
+        let _ = reservation::reserve(&store, &tenant, cost, Ledger::Enforce, SLOT, now);
+        let ask = plan(&store, &specs, now);
+        assert_eq!(ask.counters[0].window, crate::fleet::Window::Month);
+        // The store has 6,000 micro-dollars left of the month's 10,000 (another Envoy spent some).
+        let grant = Grant {
+            key: key.into(),
+            granted: 6_000,
+            remaining: 0,
+            resets_ms: end,
+            window_start_ms: Some(start),
+        };
+        let response = LeaseResponse {
+            grants: vec![grant],
+        };
+        apply(&store, &specs, &response, now);
+        // As the filter charges: the request at its headers, its cost once the body is read.
+        let mut r = reservation::reserve(
+            &store,
+            &tenant,
+            Demand::default(),
+            Ledger::Enforce,
+            SLOT,
+            now,
+        )
+        .unwrap();
+        reservation::extend(&store, &mut r, cost, now).unwrap();
+        // It used less: 1,000 micro-dollars come back to the lease.
+        let used = Demand {
+            cost_micros: 3_000,
+            ..cost
+        };
+        reservation::settle(&store, &r, used, now);
+        let lease = Allowance::decode(&store.load(key).unwrap().0).unwrap();
+        assert_eq!(lease.tokens, 3_000.0, "charged what it used, once");
+        let refused = reservation::reserve(&store, &tenant, cost, Ledger::Enforce, SLOT, now);
+        let Err(denial) = refused else {
+            panic!("3,000 left of a 4,000 cost: {refused:?}")
+        };
+        assert!(matches!(denial, Denial::BudgetExceeded { resets_ms, .. } if resets_ms == end));
+        let reply = crate::reply::Reply::denied(&denial, crate::error::ErrorShape::OpenAi, now);
+        let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+        assert_eq!(reply.status, 429);
+        assert_eq!(body["error"]["type"], "insufficient_quota");
+        assert_eq!(body["error"]["code"], "budget_exceeded");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("month spend budget of 0.01 on acme")
+                && message.contains("2027-01-01T00:00:00Z"),
+            "{message}"
+        );
+        let header = |name: &str| {
+            reply
+                .headers
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(
+            header("retry-after"),
+            Some(((end - now) / 1_000).to_string())
+        );
+        assert!(header(crate::reply::BUDGET_HEADER).is_some_and(|h| h.contains("window=month")));
+    }
+
+    #[test]
+    fn counters_not_in_the_config_or_idle_leave_the_active_set() {
+        let config = config("fail_closed");
+        let specs = specs(&config);
+        let store = Memory::default();
+        enlist(&store, "weir:e:gone:rpm");
+        enlist(&store, KEY);
+        enlist(&store, KEY);
+        assert_eq!(
+            active(&store),
+            vec!["weir:e:gone:rpm".to_owned(), KEY.to_owned()]
+        );
+        let ask = plan(&store, &specs, 0);
+        assert!(ask.counters.is_empty(), "nothing spent, nothing wanted");
+        assert!(active(&store).is_empty());
+    }
+}

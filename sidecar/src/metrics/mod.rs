@@ -1,0 +1,377 @@
+//! The sidecar's metrics: per tenant (queue, fairness, KV, latency, tokens, spend), per pool
+//! (fairness, goodput, waits) and per replica, plus the OpenTelemetry GenAI conventions'
+//! instruments. Served on `/metrics` and, when configured, pushed over OTLP ([`otlp`]).
+//! Labels carry tenant paths cut to the configured depth ([`TenantDepth`]), replica URLs and
+//! fixed names only: never a key, never content.
+
+pub mod gen_ai;
+pub mod instrument;
+pub mod otlp;
+mod tenant;
+
+use std::sync::Arc;
+
+use opentelemetry::metrics::Meter;
+use prometheus_client::registry::Registry;
+use serde::Deserialize;
+
+pub use instrument::{Counter, Gauge, Histogram, IntGauge, Labels};
+pub use tenant::TenantDepth;
+
+use crate::isolation::Isolation;
+use crate::ledger::LedgerGauges;
+use crate::quota::QuotaMetrics;
+use instrument::{HistogramUnit, Maker};
+
+/// The `metrics` section of the config.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// How deep tenant labels go: `org` (default), `workspace` or `project`; never the key.
+    #[serde(default)]
+    pub tenant_depth: TenantDepth,
+    /// Push the metrics to an OpenTelemetry collector too (off unless set).
+    #[serde(default)]
+    pub otlp: Option<otlp::OtlpConfig>,
+    /// How long a window the live fairness figures are computed over.
+    #[serde(default = "default_fairness_window_ms")]
+    pub fairness_window_ms: u64,
+}
+
+fn default_fairness_window_ms() -> u64 {
+    10_000
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            tenant_depth: TenantDepth::default(),
+            otlp: None,
+            fairness_window_ms: default_fairness_window_ms(),
+        }
+    }
+}
+
+pub mod buckets {
+    /// Latencies in seconds (queue wait, TTFT, ITL).
+    pub const LATENCY: [f64; 13] = [
+        0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ];
+    /// Actual output over the output held for it: 1 is exact, above 1 the hold had to grow.
+    pub const PREDICTION_RATIO: [f64; 10] = [0.1, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 4.0, 8.0];
+    /// The estimate over the engine's count: 1 is exact.
+    pub const ESTIMATE_RATIO: [f64; 11] =
+        [0.5, 0.75, 0.9, 0.95, 0.99, 1.0, 1.01, 1.05, 1.1, 1.25, 1.5];
+}
+
+#[derive(Clone)]
+pub struct Metrics {
+    pub depth: TenantDepth,
+    pub fairness_window_ms: u64,
+    pub queue_depth: IntGauge,
+    pub queue_wait: Histogram,
+    pub vtc_counter: Gauge,
+    pub backlogged_ratio: Gauge,
+    pub fairness_index: Gauge,
+    pub fairness_backlogged: IntGauge,
+    pub fairness_gap: Gauge,
+    pub fairness_gap_bound: Gauge,
+    pub projected_wait: Gauge,
+    pub active_kv_tokens: IntGauge,
+    pub replica_tenant_kv: IntGauge,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub tokens: Counter,
+    pub goodput_tokens: Counter,
+    pub spend: Counter,
+    pub rejections: Counter,
+    pub preemptions: Counter,
+    pub estimate_error: Histogram,
+    pub replica_kv_usage: Gauge,
+    pub replica_running: IntGauge,
+    pub replica_waiting: IntGauge,
+    pub replica_healthy: IntGauge,
+    pub replica_reserved_kv: IntGauge,
+    pub replica_in_flight: IntGauge,
+    pub replica_limit: IntGauge,
+    pub replica_adaptive_limit: Gauge,
+    pub replica_engine_limit: IntGauge,
+    pub replica_ttfb_floor: Gauge,
+    pub replica_first_byte_timeouts: Counter,
+    pub replica_cache_isolation: IntGauge,
+    pub output_prediction_ratio: Histogram,
+    pub gen_ai: GenAi,
+    pub ledger: LedgerGauges,
+    pub quota: QuotaMetrics,
+    /// The Prometheus family names of the instruments above (the ledger's and the quota
+    /// service's aside), for checking what alerts and dashboards name.
+    pub families: Arc<Vec<String>>,
+}
+
+/// The GenAI conventions' instruments ([`gen_ai`]).
+#[derive(Clone)]
+pub struct GenAi {
+    pub token_usage: Histogram,
+    pub request_duration: Histogram,
+    pub time_to_first_token: Histogram,
+    pub time_per_output_token: Histogram,
+}
+
+impl Metrics {
+    /// The metrics and the registry `/metrics` serves; each also recorded into `meter`'s
+    /// instruments when OTLP export is on.
+    pub fn new(config: &MetricsConfig, meter: Option<&Meter>) -> (Metrics, Registry) {
+        let mut root = Registry::default();
+        let (gen_ai, gen_ai_families) = {
+            let mut m = Maker {
+                registry: &mut root,
+                meter,
+                prefix: "",
+                families: Vec::new(),
+            };
+            let gen_ai = GenAi {
+                token_usage: m.histogram(
+                    "gen_ai.client.token.usage",
+                    "Number of input and output tokens used, per request",
+                    HistogramUnit::Annotation("{token}"),
+                    &gen_ai::TOKEN_USAGE,
+                ),
+                request_duration: m.histogram(
+                    "gen_ai.server.request.duration",
+                    "Generative AI server request duration, arrival to the last byte",
+                    HistogramUnit::Seconds,
+                    &gen_ai::DURATION,
+                ),
+                time_to_first_token: m.histogram(
+                    "gen_ai.server.time_to_first_token",
+                    "Time to generate first token for successful responses",
+                    HistogramUnit::Seconds,
+                    &gen_ai::TIME_TO_FIRST_TOKEN,
+                ),
+                time_per_output_token: m.histogram(
+                    "gen_ai.server.time_per_output_token",
+                    "Time per output token generated after the first token for successful responses",
+                    HistogramUnit::Seconds,
+                    &gen_ai::TIME_PER_OUTPUT_TOKEN,
+                ),
+            };
+            (gen_ai, m.families)
+        };
+        let ledger = LedgerGauges::default();
+        let quota = QuotaMetrics::default();
+        let weir = root.sub_registry_with_prefix("weir");
+        ledger.register(weir);
+        quota.register(weir);
+        let mut m = Maker {
+            registry: weir,
+            meter,
+            prefix: "weir.",
+            families: Vec::new(),
+        };
+        let latency = |m: &mut Maker, name: &str, help: &str| {
+            m.histogram(name, help, HistogramUnit::Seconds, &buckets::LATENCY)
+        };
+        let metrics = Metrics {
+            depth: config.tenant_depth,
+            fairness_window_ms: config.fairness_window_ms,
+            queue_depth: m.int_gauge("queue_depth", "Requests waiting per tenant"),
+            queue_wait: latency(&mut m, "queue_wait", "Time from arrival to dispatch"),
+            vtc_counter: m.gauge(
+                "vtc_counter",
+                "Virtual token counter per tenant and pool (fairness debt)",
+            ),
+            backlogged_ratio: m.gauge(
+                "backlogged_ratio",
+                "Fraction of the last fairness window a tenant had work waiting, per pool",
+            ),
+            fairness_index: m.gauge(
+                "fairness_index",
+                "Jain's index over the weighted service of the tenants backlogged in the last window (1: equal)",
+            ),
+            fairness_backlogged: m.int_gauge(
+                "fairness_backlogged_tenants",
+                "Tenants backlogged for at least half of the last fairness window",
+            ),
+            fairness_gap: m.gauge(
+                "fairness_service_gap",
+                "Largest virtual-counter gap between two tenants backlogged at once in the last window",
+            ),
+            fairness_gap_bound: m.gauge(
+                "fairness_gap_bound",
+                "VTC's bound on that gap: 2 max(w_in L_in, w_out M)",
+            ),
+            projected_wait: m.gauge(
+                "projected_wait_seconds",
+                "How long a pool's queue takes to dispatch at the current rate (what Retry-After is drawn from)",
+            ),
+            active_kv_tokens: m.int_gauge(
+                "active_kv_tokens",
+                "KV tokens reserved by a tenant's running requests",
+            ),
+            replica_tenant_kv: m.int_gauge(
+                "replica_tenant_kv_tokens",
+                "KV tokens a tenant's running requests hold on a replica",
+            ),
+            ttft: latency(&mut m, "ttft", "Time to first token, arrival to first chunk"),
+            itl: latency(&mut m, "itl", "Time between streamed chunks"),
+            tokens: m.counter("tokens", "Tokens served per tenant and direction"),
+            goodput_tokens: m.counter(
+                "goodput_tokens",
+                "Tokens of requests completed within their deadline, per pool and tier",
+            ),
+            spend: m.counter(
+                "spend_micros",
+                "What requests cost at the price table in force, in millionths of its currency",
+            ),
+            rejections: m.counter(
+                "rejections",
+                "Requests turned away, by reason, tenant and status",
+            ),
+            preemptions: m.counter(
+                "preemptions",
+                "Batch streams preempted for waiting interactive work, per pool and tier",
+            ),
+            estimate_error: m.histogram(
+                "estimate_error_ratio",
+                "The prompt estimate over the engine's count, per API (1: exact)",
+                HistogramUnit::Annotation("1"),
+                &buckets::ESTIMATE_RATIO,
+            ),
+            replica_kv_usage: m.gauge("replica_kv_usage", "Engine-reported KV usage (0-1)"),
+            replica_running: m.int_gauge("replica_running", "Engine-reported running requests"),
+            replica_waiting: m.int_gauge("replica_waiting", "Engine-reported waiting requests"),
+            replica_healthy: m.int_gauge(
+                "replica_healthy",
+                "1 while the replica answers its probes",
+            ),
+            replica_reserved_kv: m.int_gauge(
+                "replica_reserved_kv_tokens",
+                "KV tokens weir holds on the replica for requests it dispatched there",
+            ),
+            replica_in_flight: m.int_gauge(
+                "replica_in_flight",
+                "Requests weir dispatched to the replica and not finished",
+            ),
+            replica_limit: m.int_gauge(
+                "replica_concurrency_limit",
+                "Requests weir may run on the replica at once: the engine's (or configured) limit, lowered while the engine is slow to start requests",
+            ),
+            replica_adaptive_limit: m.gauge(
+                "replica_adaptive_limit",
+                "The adaptive concurrency limit before rounding down",
+            ),
+            replica_engine_limit: m.int_gauge(
+                "replica_engine_concurrency_limit",
+                "Requests the engine says it runs at once (llama.cpp slots, SGLang max_running_requests)",
+            ),
+            replica_ttfb_floor: m.gauge(
+                "replica_ttfb_floor_seconds",
+                "Least time from dispatch to a stream's first bytes seen on the replica",
+            ),
+            replica_first_byte_timeouts: m.counter(
+                "replica_first_byte_timeouts",
+                "Requests the engine did not start within relay.first_byte_ms",
+            ),
+            replica_cache_isolation: m.int_gauge(
+                "replica_cache_isolation",
+                "1 for the replica's prefix-cache isolation mode (unprobed, salt, cache_off, none, shared), 0 for the others",
+            ),
+            output_prediction_ratio: m.histogram(
+                "output_prediction_ratio",
+                "Completed answers' output over the output predicted for them, per pool (its model)",
+                HistogramUnit::Annotation("1"),
+                &buckets::PREDICTION_RATIO,
+            ),
+            gen_ai,
+            ledger,
+            quota,
+            families: Arc::new(Vec::new()),
+        };
+        let mut families = gen_ai_families;
+        families.extend(m.families);
+        let metrics = Metrics {
+            families: Arc::new(families),
+            ..metrics
+        };
+        (metrics, root)
+    }
+
+    /// The label a tenant's series carry: its path at the configured depth.
+    pub fn tenant<'t>(&self, tenant: &'t str) -> &'t str {
+        self.depth.label(tenant)
+    }
+
+    /// Sets a replica's isolation mode: one series per mode, so the labels stay bounded.
+    pub fn cache_isolation(&self, replica: &str, mode: Isolation) {
+        for label in Isolation::MODES {
+            self.replica_cache_isolation.set(
+                &[("replica", replica), ("mode", label)],
+                i64::from(label == mode.label()),
+            );
+        }
+    }
+
+    /// Removes every series of a replica that left its pool, so `/metrics` shows the current
+    /// set.
+    pub fn forget_replica(&self, replica: &str) {
+        let labels: Labels = &[("replica", replica)];
+        self.replica_kv_usage.remove(labels);
+        self.replica_running.remove(labels);
+        self.replica_waiting.remove(labels);
+        self.replica_healthy.remove(labels);
+        self.replica_reserved_kv.remove(labels);
+        self.replica_in_flight.remove(labels);
+        self.replica_limit.remove(labels);
+        self.replica_adaptive_limit.remove(labels);
+        self.replica_engine_limit.remove(labels);
+        self.replica_ttfb_floor.remove(labels);
+        self.replica_first_byte_timeouts.remove(labels);
+        for label in Isolation::MODES {
+            self.replica_cache_isolation
+                .remove(&[("replica", replica), ("mode", label)]);
+        }
+    }
+
+    /// A request turned away: `tenant` is its full path (cut here), empty where nobody was
+    /// established (an unsigned request).
+    pub fn reject(&self, reason: &str, tenant: &str, status: u16) {
+        let status = status.to_string();
+        self.rejections.inc(&[
+            ("reason", reason),
+            ("tenant", self.tenant(tenant)),
+            ("status", &status),
+        ]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isolation::Gap;
+
+    #[test]
+    fn a_replicas_isolation_mode_is_one_series_per_mode() {
+        let (m, registry) = Metrics::new(&MetricsConfig::default(), None);
+        m.cache_isolation("http://r", Isolation::Salt);
+        m.cache_isolation("http://r", Isolation::Unisolated(Gap::SaltIgnored));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let series: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("weir_replica_cache_isolation{"))
+            .collect();
+        assert_eq!(series.len(), Isolation::MODES.len(), "{series:?}");
+        let on: Vec<&&str> = series.iter().filter(|l| l.ends_with(" 1")).collect();
+        assert_eq!(on.len(), 1);
+        assert!(on[0].contains("mode=\"none\""), "{on:?}");
+
+        m.replica_healthy.set(&[("replica", "http://r")], 1);
+        m.forget_replica("http://r");
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        assert!(
+            !text.contains("http://r"),
+            "a replica that left has no series"
+        );
+    }
+}
