@@ -629,6 +629,22 @@ impl Config {
                  service are signed",
             ));
         }
+        // Each Envoy renews at most this many counters; one left out would be refused for
+        // good, whichever tenant's counters (or an attacker's traffic) filled the set first.
+        let counters: usize = levels
+            .iter()
+            .map(|l| l.fleet_wide.len() + l.budgets.len())
+            .sum();
+        if counters > fleet::MAX_COUNTERS {
+            return Err(invalid(
+                "fleet",
+                format!(
+                    "{counters} fleet-wide limits and budgets; an Envoy renews at most {} \
+                     (set them at a higher level, where its keys share one)",
+                    fleet::MAX_COUNTERS
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -867,10 +883,19 @@ fn check_fleet_wide(at: &str, limits: &Limits) -> Result<(), ConfigError> {
             Some(_) => {}
         }
     }
+    let mut seen = HashSet::new();
     for (i, budget) in limits.budgets.iter().enumerate() {
-        budget
+        let field = format!("{at}.limits.budgets[{i}]");
+        let (measure, _) = budget
             .measure()
-            .map_err(|message| invalid(format!("{at}.limits.budgets[{i}]"), message))?;
+            .map_err(|message| invalid(&field, message))?;
+        // Both would be one counter in the store, each request charged to it twice.
+        if !seen.insert((budget.window, measure)) {
+            return Err(invalid(
+                field,
+                "this level already has a budget of this window and measure",
+            ));
+        }
     }
     Ok(())
 }
@@ -1252,6 +1277,12 @@ mod tests {
                 "orgs[0].limits.budgets[0]",
             ),
             (
+                both,
+                r#"{"budgets":[{"window":"month","tokens":5},{"window":"day","tokens":5},
+                    {"window":"month","tokens":9}]}"#,
+                "orgs[0].limits.budgets[2]",
+            ),
+            (
                 r#""signing":{"secret_env":"S"},"#,
                 r#"{"budgets":[{"window":"hour","tokens":5}]}"#,
                 "fleet",
@@ -1273,6 +1304,26 @@ mod tests {
             let error = error_of(&with(fleet, limits));
             assert_eq!(error.field, field, "{}", error.message);
         }
+        // More counters than an Envoy renews: one key's would go unrenewed, refused for good.
+        let keyed = |n: usize| {
+            let keys: Vec<String> = (0..n)
+                .map(|i| {
+                    format!(
+                        r#"{{"id":"k{i}","sha256":"{:064x}","limits":{{"budgets":[
+                        {{"window":"day","tokens":9}}]}}}}"#,
+                        i + 1
+                    )
+                })
+                .collect();
+            format!(
+                r#"{{{both}"orgs":[{{"id":"a","workspaces":[{{"id":"w",
+                "projects":[{{"id":"p","keys":[{}]}}]}}]}}]}}"#,
+                keys.join(",")
+            )
+        };
+        assert!(Config::parse(keyed(fleet::MAX_COUNTERS).as_bytes()).is_ok());
+        let error = error_of(&keyed(fleet::MAX_COUNTERS + 1));
+        assert_eq!(error.field, "fleet", "{}", error.message);
     }
 
     #[test]

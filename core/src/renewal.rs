@@ -558,6 +558,55 @@ mod tests {
     }
 
     #[test]
+    fn a_request_charged_before_the_first_grant_settles_against_the_lease_its_body_took() {
+        let json = format!(
+            r#"{{"signing":{{"secret_env":"S"}},"fleet":{{"cluster":"quota"}},
+            "orgs":[{{"id":"acme","limits":{{"budgets":[{{"window":"month","tokens":100000}}]}},
+            "workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[
+            {{"id":"k","sha256":"{h}"}}]}}]}}]}}]}}"#,
+            h = "a".repeat(64)
+        );
+        let config = Config::parse(json.as_bytes()).unwrap();
+        let specs = specs(&config);
+        let key = "weir:e:acme:month:tokens";
+        let tenant = config.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        let now = 1_796_183_000_000;
+        let (start, end) = crate::fleet::Window::Month.bounds(now).unwrap();
+        // The headers arrive before this Envoy holds a lease for the month.
+        let mut r = reservation::reserve(
+            &store,
+            &tenant,
+            Demand::default(),
+            Ledger::Enforce,
+            SLOT,
+            now,
+        )
+        .unwrap();
+        let grant = Grant {
+            key: key.into(),
+            granted: 5_000,
+            remaining: 50_000,
+            resets_ms: end,
+            window_start_ms: Some(start),
+        };
+        let _ = plan(&store, &specs, now);
+        apply(
+            &store,
+            &specs,
+            &LeaseResponse {
+                grants: vec![grant],
+            },
+            now,
+        );
+        // The body is read once the lease is here: 1,000 tokens from it; the answer used 3,000.
+        reservation::extend(&store, &mut r, demand(1_000), now).unwrap();
+        reservation::settle(&store, &r, demand(3_000), now);
+        let lease = Allowance::decode(&store.load(key).unwrap().0).unwrap();
+        assert_eq!(lease.tokens, 2_000.0, "the overrun is charged to the lease");
+    }
+
+    #[test]
     fn counters_not_in_the_config_or_idle_leave_the_active_set() {
         let config = config("fail_closed");
         let specs = specs(&config);

@@ -678,8 +678,13 @@ pub fn extend(
     }
     for (i, (standing, source)) in taken {
         reservation.standing[i] = standing;
-        if source == Source::Share {
-            reservation.held[i].source = Source::Share;
+        // Settling adjusts one place. The fail-open share wins (a refund never becomes store
+        // tokens); otherwise the lease the body's tokens came from: one for a window that
+        // started since the headers (or granted since, where there was none) holds them, and
+        // the old window is closed.
+        let held = &mut reservation.held[i].source;
+        if *held != Source::Share {
+            *held = source;
         }
     }
     let demand = &mut reservation.demand;

@@ -63,9 +63,9 @@ impl Trust {
     }
 
     /// A signed call that vouches for its body (a quota lease call): the signature is checked
-    /// here, from the headers alone, before the body is read; the digest it covers is then
-    /// checked against the body ([`SignedBody::matches`]). Each signature serves once, by the
-    /// call's `x-weir-request-id` if it has one, else by the signature itself.
+    /// here, from the headers alone, before the body is read; the body is then checked against
+    /// the digest it covers ([`Trust::accept`]). Each signature serves once, by the call's
+    /// `x-weir-request-id` if it has one, else by the signature itself.
     pub fn check_call(&self, headers: &HeaderMap, now_ms: u64) -> Result<SignedBody, ApiError> {
         let (weir, expires_ms) = self.verified(headers, now_ms)?;
         let get = |name: &str| weir.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
@@ -80,8 +80,27 @@ impl Trust {
             Some(_) => return Err(invalid(trusted::REQUEST_ID, "is not a valid id")),
             None => format!("signature:{}", get(trusted::SIGNATURE).unwrap_or_default()),
         };
-        self.once(&once, expires_ms, now_ms)?;
-        Ok(SignedBody { digest })
+        Ok(SignedBody {
+            digest,
+            once,
+            expires_ms,
+        })
+    }
+
+    /// Accepts `body` for a checked call if it is the body that was signed, once: a body that
+    /// does not match spends nothing, so a racer sending the captured headers with another
+    /// body cannot make the genuine call look like a replay.
+    pub fn accept(&self, signed: &SignedBody, body: &[u8], now_ms: u64) -> Result<(), ApiError> {
+        let digest: String = Sha256::digest(body)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        if digest != signed.digest {
+            return Err(untrusted_call(
+                "the body does not match its signed digest (x-weir-body-sha256)",
+            ));
+        }
+        self.once(&signed.once, signed.expires_ms, now_ms)
     }
 
     /// The `x-weir-*` headers, once their signature verifies, and the signature's expiry.
@@ -128,27 +147,12 @@ impl Trust {
     }
 }
 
-/// The body digest a verified call signed.
+/// A call whose signature verified: the body digest it signed, and what marks it used.
 #[derive(Debug)]
 pub struct SignedBody {
     digest: String,
-}
-
-impl SignedBody {
-    /// Whether `body` is the body that was signed; a 401 if not.
-    pub fn matches(&self, body: &[u8]) -> Result<(), ApiError> {
-        let digest: String = Sha256::digest(body)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        if digest == self.digest {
-            Ok(())
-        } else {
-            Err(untrusted_call(
-                "the body does not match its signed digest (x-weir-body-sha256)",
-            ))
-        }
-    }
+    once: String,
+    expires_ms: u64,
 }
 
 fn untrusted_call(problem: &str) -> ApiError {
@@ -440,15 +444,19 @@ mod tests {
             }
             signed(SECRET, &fields, 2_000)
         };
-        let status = |r: Result<SignedBody, ApiError>| r.map(|_| ()).map_err(|e| e.code);
+        let status = |r: Result<SignedBody, ApiError>| {
+            r.and_then(|s| t.accept(&s, body, 1_000))
+                .map_err(|e| e.code)
+        };
+        // Another body under the captured headers is refused and spends nothing...
         let signed_body = t.check_call(&call("lease-1"), 1_000).unwrap();
-        assert!(signed_body.matches(body).is_ok());
-        let other = signed_body.matches(br#"{"counters":[{}]}"#).err();
+        let other = t.accept(&signed_body, br#"{"counters":[{}]}"#, 1_000).err();
         assert_eq!(other.map(|e| e.code), Some(Some("untrusted_request")));
-        // Once per id; without one, once per signature.
+        // ...so the genuine call is still served, once per id; without one, once per signature.
+        assert_eq!(status(t.check_call(&call("lease-1"), 1_000)), Ok(()));
         let replayed = Err(Some("replayed_request"));
         assert_eq!(status(t.check_call(&call("lease-1"), 1_000)), replayed);
-        assert!(t.check_call(&call(""), 1_000).is_ok());
+        assert_eq!(status(t.check_call(&call(""), 1_000)), Ok(()));
         assert_eq!(status(t.check_call(&call(""), 1_000)), replayed);
         // A forwarded request's signature vouches for no body.
         let no_digest = signed(SECRET, &base(), 2_000);

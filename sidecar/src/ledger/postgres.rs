@@ -21,6 +21,8 @@ use super::{KeyHistory, UsageRecord};
 
 /// How long a connection attempt may take: the writer spools rather than wait longer.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one write (or a silent connection) may take before it counts as a failure.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Serializes the migration among sidecars starting at once (any constant unique to weir).
 const MIGRATION_LOCK: i64 = 0x7765_6972_6c65_6467;
 
@@ -58,6 +60,14 @@ const COLUMNS: &str = "tenant, idempotency_key, attempt, request_id, model, api,
 pub fn connect(url: &str) -> anyhow::Result<Client> {
     let mut config: postgres::Config = url.parse()?;
     config.connect_timeout(CONNECT_TIMEOUT);
+    // A write that hangs (a lock wait, a server gone quiet, a dropped network path) fails
+    // instead, so its records go to the spool rather than waiting behind it in memory.
+    config.options(&format!(
+        "-c statement_timeout={ms} -c lock_timeout={ms}",
+        ms = WRITE_TIMEOUT.as_millis()
+    ));
+    config.tcp_user_timeout(WRITE_TIMEOUT);
+    config.keepalives_idle(WRITE_TIMEOUT);
     let mut client = config.connect(NoTls)?;
     migrate(&mut client)?;
     Ok(client)

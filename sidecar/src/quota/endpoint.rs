@@ -40,7 +40,7 @@ pub async fn serve(
     let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
         return refuse(&ApiError::payload_too_large(MAX_BODY_BYTES));
     };
-    if let Err(refusal) = signed.matches(&body) {
+    if let Err(refusal) = trust.accept(&signed, &body, now_ms()) {
         metrics.reject("untrusted", "", refusal.status);
         return refuse(&refusal);
     }
