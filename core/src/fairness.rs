@@ -2,12 +2,13 @@
 //!
 //! The entities measured are those fair share is divided among at the top of the tree (orgs,
 //! or keys with `fair_share: key`). A share counts as *backlogged in the window* once it had
-//! work queued for at least half of it; only those are owed an equal (weighted) service, so
-//! only they enter the index. Each one's service is its weighted tokens
-//! (`w_in · input + w_out · output`) over its weight, per unit of the time it was backlogged:
-//! one backlogged for 60% of the window is compared on what it got while it waited. A tenant
-//! that asks for less than its share is never backlogged for long and so never drags the index
-//! down, as it should not: it got all it asked for.
+//! work queued for nearly all of it (90%, allowing for the sampling); only those are owed an
+//! equal (weighted) service, VTC's promise to tenants backlogged through an interval, so only
+//! they enter the index. Each one's service is its weighted tokens
+//! (`w_in · input + w_out · output`) over its weight, per unit of the time it was backlogged.
+//! A tenant that asks for less than its share is not measured, as it should not be: it got all
+//! it asked for, even though on a saturated pool each of its requests waits a moment for a
+//! slot (the small tenants of the noisy-neighbour scenario have work queued 30–55% of the time).
 //!
 //! Jain's index `(Σx)² / (n · Σx²)` is 1 when every backlogged share got the same and `1/n`
 //! when one got everything. With fewer than two backlogged shares nobody was treated worse
@@ -19,14 +20,14 @@
 use std::collections::HashMap;
 
 /// Share of the window a share must have been backlogged to be measured.
-const BACKLOGGED: f64 = 0.5;
+const BACKLOGGED: f64 = 0.9;
 
 /// A pool's fairness over the last complete window.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Report {
     /// Jain's index over the backlogged shares (1 with fewer than two).
     pub index: f64,
-    /// Shares backlogged for at least half the window.
+    /// Shares backlogged for nearly all the window.
     pub backlogged: usize,
     /// Largest virtual-counter difference between two shares backlogged at once.
     pub gap: f64,
@@ -191,14 +192,32 @@ mod tests {
         assert!(r.backlogged_ratio.contains(&("quiet".to_owned(), 0.0)));
         assert!(r.backlogged_ratio.contains(&("heavy".to_owned(), 1.0)));
 
-        // Backlogged for 60% of the window and served 60% as much: treated alike.
+        // Two floods backlogged throughout, served alike, and a small tenant whose requests
+        // each wait a moment for a slot (queued 60% of the window) and got all it asked for:
+        // not owed the floods' service, so not measured.
         let mut w = Window::new(1_000, 0);
-        w.served("always", 1.0, 1_000.0);
-        w.served("part", 1.0, 600.0);
+        w.served("noisy", 1.0, 1_000.0);
+        w.served("heavy", 1.0, 1_000.0);
+        w.served("small", 1.0, 100.0);
         for t in 1..=10 {
-            let part = t <= 6;
-            let queued = [("always", 1.0, 0.0), ("part", 1.0, 0.0)];
-            let now = queued.iter().copied().filter(|q| part || q.0 == "always");
+            let queued = [
+                ("noisy", 1.0, 0.0),
+                ("heavy", 1.0, 0.0),
+                ("small", 1.0, 0.0),
+            ];
+            let now = queued.iter().copied().filter(|q| t <= 6 || q.0 != "small");
+            if let Some(r) = w.sample(t * 100, now) {
+                assert_eq!((r.index, r.backlogged), (1.0, 2), "{r:?}");
+            }
+        }
+
+        // Backlogged for 95% of the window and served 95% as much: treated alike.
+        let mut w = Window::new(2_000, 0);
+        w.served("always", 1.0, 1_000.0);
+        w.served("most", 1.0, 950.0);
+        for t in 1..=20 {
+            let queued = [("always", 1.0, 0.0), ("most", 1.0, 0.0)];
+            let now = queued.iter().copied().filter(|q| t > 1 || q.0 == "always");
             if let Some(r) = w.sample(t * 100, now) {
                 assert!((r.index - 1.0).abs() < 1e-9, "{r:?}");
                 assert_eq!(r.backlogged, 2);

@@ -190,7 +190,7 @@ impl Metrics {
             ),
             fairness_backlogged: m.int_gauge(
                 "fairness_backlogged_tenants",
-                "Tenants backlogged for at least half of the last fairness window",
+                "Tenants backlogged for nearly all (90%) of the last fairness window",
             ),
             fairness_gap: m.gauge(
                 "fairness_service_gap",
