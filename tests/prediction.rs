@@ -198,8 +198,11 @@ async fn sdk_default_requests_are_admitted_at_the_rate_of_their_real_outputs() {
     }
     let held = sidecar_reserved_kv(&sidecar).await;
     println!("a stream {streamed} tokens in (hold sized for 1,024): {held} KV tokens held");
+    // The relay charges and resizes per 16 tokens (`CHARGE_EVERY`): the hold trails the
+    // stream by less than that (a CI run read 1,994 for 2,000). Without the growth it would
+    // stay near the 1,024 it was sized for.
     assert!(
-        held >= streamed as u64,
+        held + 16 > streamed as u64,
         "{held} held for {streamed} streamed"
     );
     while resp.chunk().await.unwrap().is_some() {}
