@@ -239,7 +239,10 @@ async fn streams(url: &str, n: usize, trusted: bool) -> anyhow::Result<f64> {
                 req = signed(req, n, i, start);
             }
             let mut resp = req.send().await?;
-            anyhow::ensure!(resp.status().is_success(), "status {}", resp.status());
+            let status = resp.status();
+            if !status.is_success() {
+                anyhow::bail!("status {status}: {}", resp.text().await.unwrap_or_default());
+            }
             let mut tokens = 0u64;
             while let Some(chunk) = resp.chunk().await? {
                 let text = String::from_utf8_lossy(&chunk);
@@ -270,7 +273,7 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<()
         sidecar_bin,
         json!({
             "policy": "fair",
-            "queue": {"max_per_tenant": 10000, "max_total": 20000, "deadline_ms": 600000},
+            "queue": {"max_per_tenant": 10000, "max_per_org": 20000, "max_total": 20000, "deadline_ms": 600000},
             // vLLM's metrics do not say `--max-num-seqs`: the config does.
             "pools": [{"model": "glm-5.2", "replicas": [relayed_sim.url],
                 "max_concurrency_per_replica": 8192}],
