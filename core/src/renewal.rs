@@ -301,6 +301,27 @@ mod tests {
         }
     }
 
+    /// Org `acme` with one `budget` (and the top-level fields `extra`, each ending in `,`).
+    fn budget_config(extra: &str, budget: &str) -> Config {
+        let json = format!(
+            r#"{{"signing":{{"secret_env":"S"}},"fleet":{{"cluster":"quota"}},{extra}
+            "orgs":[{{"id":"acme","limits":{{"budgets":[{budget}]}},
+            "workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[
+            {{"id":"k","sha256":"{h}"}}]}}]}}]}}]}}"#,
+            h = "a".repeat(64)
+        );
+        Config::parse(json.as_bytes()).unwrap()
+    }
+
+    /// As the filter charges a request at its headers: nothing yet, its slot held.
+    fn at_headers(
+        store: &Memory,
+        tenant: &crate::config::Tenant,
+        now: u64,
+    ) -> reservation::Reservation {
+        reservation::reserve(store, tenant, Demand::default(), Ledger::Enforce, SLOT, now).unwrap()
+    }
+
     fn grant_all(request: &LeaseRequest) -> LeaseResponse {
         LeaseResponse {
             grants: request
@@ -466,15 +487,10 @@ mod tests {
 
     #[test]
     fn a_monthly_spend_budget_is_reserved_at_cost_and_refused_until_the_first_of_next_month() {
-        let json = format!(
-            r#"{{"signing":{{"secret_env":"S"}},"fleet":{{"cluster":"quota"}},
-            "prices":{{"currency":"USD","default":{{"input":1.0,"output":2.0}}}},
-            "orgs":[{{"id":"acme","limits":{{"budgets":[{{"window":"month","spend":0.01}}]}},
-            "workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[
-            {{"id":"k","sha256":"{h}"}}]}}]}}]}}]}}"#,
-            h = "a".repeat(64)
+        let config = budget_config(
+            r#""prices":{"currency":"USD","default":{"input":1.0,"output":2.0}},"#,
+            r#"{"window":"month","spend":0.01}"#,
         );
-        let config = Config::parse(json.as_bytes()).unwrap();
         let specs = specs(&config);
         let key = "weir:e:acme:month:spend";
         assert_eq!(
@@ -509,15 +525,7 @@ mod tests {
         };
         apply(&store, &specs, &response, now);
         // As the filter charges: the request at its headers, its cost once the body is read.
-        let mut r = reservation::reserve(
-            &store,
-            &tenant,
-            Demand::default(),
-            Ledger::Enforce,
-            SLOT,
-            now,
-        )
-        .unwrap();
+        let mut r = at_headers(&store, &tenant, now);
         reservation::extend(&store, &mut r, cost, now).unwrap();
         // It used less: 1,000 micro-dollars come back to the lease.
         let used = Demand {
@@ -559,14 +567,7 @@ mod tests {
 
     #[test]
     fn a_request_charged_before_the_first_grant_settles_against_the_lease_its_body_took() {
-        let json = format!(
-            r#"{{"signing":{{"secret_env":"S"}},"fleet":{{"cluster":"quota"}},
-            "orgs":[{{"id":"acme","limits":{{"budgets":[{{"window":"month","tokens":100000}}]}},
-            "workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[
-            {{"id":"k","sha256":"{h}"}}]}}]}}]}}]}}"#,
-            h = "a".repeat(64)
-        );
-        let config = Config::parse(json.as_bytes()).unwrap();
+        let config = budget_config("", r#"{"window":"month","tokens":100000}"#);
         let specs = specs(&config);
         let key = "weir:e:acme:month:tokens";
         let tenant = config.directory().tenants().next().unwrap().clone();
@@ -574,15 +575,7 @@ mod tests {
         let now = 1_796_183_000_000;
         let (start, end) = crate::fleet::Window::Month.bounds(now).unwrap();
         // The headers arrive before this Envoy holds a lease for the month.
-        let mut r = reservation::reserve(
-            &store,
-            &tenant,
-            Demand::default(),
-            Ledger::Enforce,
-            SLOT,
-            now,
-        )
-        .unwrap();
+        let mut r = at_headers(&store, &tenant, now);
         let grant = Grant {
             key: key.into(),
             granted: 5_000,
