@@ -26,6 +26,7 @@ fn weir_config() -> Value {
             key("plain", json!({})),
             key("budget", json!({"input_tokens_per_minute": 3000})),
             key("neighbour", json!({"input_tokens_per_minute": 3000})),
+            key("exactly", json!({"input_tokens_per_minute": 1000})),
             key("refund", json!({"output_tokens_per_minute": 600})),
             key("slots", json!({"concurrent_requests": 3})),
             key("single", json!({"concurrent_requests": 1})),
@@ -192,6 +193,30 @@ async fn a_tenant_over_its_input_budget_gets_429_while_another_is_served() {
         post(CHAT, Some("budget"), body).await.status(),
         StatusCode::OK
     );
+}
+
+#[tokio::test]
+async fn a_prompt_the_estimate_puts_over_a_token_limit_is_counted_exactly_before_it_is_refused() {
+    // ~600 of the key's 1,000 input tokens a minute go to a first prompt (settled at the
+    // engine's exact count), leaving ~400.
+    let first = chat(&"word ".repeat(590), json!({"max_tokens": 1})).to_string();
+    assert_eq!(
+        post(CHAT, Some("exactly"), first).await.status(),
+        StatusCode::OK
+    );
+    // Text the one-pass estimate counts high: ~447 tokens by the estimate, more than is left;
+    // ~251 counted exactly, which fit.
+    let punctuated = chat(&"a-b-c-d-e-f ".repeat(40), json!({"max_tokens": 1})).to_string();
+    let resp = post(CHAT, Some("exactly"), punctuated.clone()).await;
+    assert_eq!(
+        resp.status(),
+        StatusCode::OK,
+        "{}",
+        resp.text().await.unwrap()
+    );
+    // Counted exactly, the same prompt again does not fit what is left: the limit holds.
+    let resp = post(CHAT, Some("exactly"), punctuated).await;
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
 }
 
 /// Reads a stream, returning its events and how many separate reads delivered them.

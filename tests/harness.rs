@@ -560,7 +560,9 @@ impl Envoy {
         Envoy::launch_with(opts, &filter_wasm(), edit)
     }
 
-    fn launch_with(
+    /// [`Envoy::launch_edited`] with another build of the filter (the bench's stage-profile
+    /// one, say).
+    pub fn launch_with(
         opts: EnvoyOptions<'_>,
         wasm: &Path,
         edit: impl FnOnce(String) -> String,

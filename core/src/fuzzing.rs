@@ -5,7 +5,7 @@
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)] // checks report by panicking
 
-use crate::admission::{self, Rejection};
+use crate::admission::{self, Counting, Rejection};
 use crate::config::Config;
 use crate::endpoint::Endpoint;
 use crate::meter::{BodyMeter, MAX_HELD_BYTES, StreamMeter};
@@ -94,7 +94,7 @@ pub fn check_admit(data: &[u8]) {
     let config = Config::parse(ADMIT_CONFIG.as_bytes()).expect("the check's config is valid");
     let directory = config.directory();
     let tenant = directory.lookup(&"a".repeat(64)).expect("the check's key");
-    match admission::admit(&config, tenant, endpoint, body, |_| {
+    match admission::admit(&config, tenant, endpoint, body, Counting::Exact, |_| {
         OutputHistory::default()
     }) {
         Err(Rejection { error, reason }) => {
@@ -135,7 +135,7 @@ pub fn check_admit(data: &[u8]) {
                     "usage forced"
                 );
             }
-            let again = admission::admit(&config, tenant, endpoint, &sent, |_| {
+            let again = admission::admit(&config, tenant, endpoint, &sent, Counting::Exact, |_| {
                 OutputHistory::default()
             })
             .expect("what was sent upstream admits again");

@@ -9,7 +9,7 @@
 //! every trap found has been fixed, so without this a test of lease expiry would have nothing
 //! to stand on. With it, a request carrying [`HEADER`] traps its VM at the named point.
 
-use crate::host::{self, Side};
+use crate::host::Headers;
 
 /// The request header naming the fault (not `x-weir-*`: those are stripped on arrival).
 pub const HEADER: &str = "weir-fault";
@@ -17,10 +17,9 @@ pub const HEADER: &str = "weir-fault";
 /// Trap right after the request's reservation (and so its slot lease) was taken.
 pub const TRAP_AFTER_RESERVE: &str = "trap-after-reserve";
 
-/// The fault the request asks for in its [`HEADER`]; read in the request-headers callback, the
-/// only one in which request headers can be read.
-pub fn asked() -> Option<String> {
-    host::header(Side::Request, HEADER)
+/// The fault the request asks for in its [`HEADER`].
+pub fn asked(headers: &Headers) -> Option<String> {
+    headers.get(HEADER).map(str::to_owned)
 }
 
 /// Traps the VM if the request asked for `fault`.

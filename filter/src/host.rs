@@ -2,19 +2,59 @@
 //! [`SharedStore`], the clock, properties, and metrics. Host calls that can fail report it;
 //! nothing here panics.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::fmt::Write;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use weir_core::reservation::{SharedStore, StoreError};
 
+/// Counts a host call in the profile build ([`crate::profile`]); nothing otherwise.
+#[inline(always)]
+fn counted() {
+    #[cfg(feature = "profile")]
+    crate::profile::host_call();
+}
+
+thread_local! {
+    /// Envoy's clock as first read in the callback under way, if one is ([`callback`]).
+    static CALLBACK_NOW: Cell<Option<Option<u64>>> = const { Cell::new(None) };
+}
+
+/// Runs one of a request's callbacks: every decision in it sees one instant, so Envoy's clock
+/// is read at most once per callback. In the profile build it is a stage.
+pub fn callback<T>(name: &'static str, f: impl FnOnce() -> T) -> T {
+    CALLBACK_NOW.with(|now| now.set(Some(None)));
+    let result = staged(name, f);
+    CALLBACK_NOW.with(|now| now.set(None));
+    result
+}
+
+/// Runs `f` as a stage of the profile build ([`crate::profile`]); just runs it otherwise.
+#[inline(always)]
+pub fn staged<T>(name: &'static str, f: impl FnOnce() -> T) -> T {
+    #[cfg(feature = "profile")]
+    let _stage = crate::profile::stage(name);
+    #[cfg(not(feature = "profile"))]
+    let _ = name;
+    f()
+}
+
+/// Reports the request's stages in the profile build; nothing otherwise.
+#[inline(always)]
+pub fn report_stages() {
+    #[cfg(feature = "profile")]
+    crate::profile::report();
+}
+
 /// Envoy's shared data, visible to every worker VM with the same `vm_id`.
 pub struct SharedData;
 
 impl SharedStore for SharedData {
     fn load(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        counted();
         match hostcalls::get_shared_data(key) {
             Ok((Some(value), Some(cas))) => Some((value, cas)),
             _ => None,
@@ -22,6 +62,7 @@ impl SharedStore for SharedData {
     }
 
     fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        counted();
         hostcalls::set_shared_data(key, Some(value), cas).map_err(|status| match status {
             Status::CasMismatch => StoreError::CasMismatch,
             _ => StoreError::Failed,
@@ -29,17 +70,27 @@ impl SharedStore for SharedData {
     }
 }
 
-/// Milliseconds since the Unix epoch by Envoy's clock.
+/// Milliseconds since the Unix epoch by Envoy's clock (read once per [`callback`]).
 pub fn now_ms() -> u64 {
-    hostcalls::get_current_time()
+    let cached = CALLBACK_NOW.with(Cell::get);
+    if let Some(Some(now)) = cached {
+        return now;
+    }
+    counted();
+    let now = hostcalls::get_current_time()
         .ok()
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| d.as_millis() as u64);
+    if cached.is_some() {
+        CALLBACK_NOW.with(|c| c.set(Some(Some(now))));
+    }
+    now
 }
 
 /// Random bits from WASI (the clock's if WASI has none), so ids never collide across workers.
 fn random_bytes<const N: usize>() -> [u8; N] {
     let mut bytes = [0u8; N];
+    counted();
     if getrandom::fill(&mut bytes).is_err() {
         let now = now_ms().to_le_bytes();
         let n = N.min(now.len());
@@ -50,11 +101,12 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 
 /// weir's id of one attempt (`x-weir-request-id`): random, so no caller can choose or predict it.
 pub fn unique_id() -> String {
-    let hex: String = random_bytes::<16>()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    format!("weir-{hex}")
+    let mut id = String::with_capacity(37);
+    id.push_str("weir-");
+    for b in random_bytes::<16>() {
+        let _ = write!(id, "{b:02x}");
+    }
+    id
 }
 
 /// A variable of the VM's environment (Envoy passes the host's variables listed in
@@ -70,6 +122,7 @@ pub fn random_u64() -> u64 {
 
 /// A property as UTF-8 (route name, route metadata leaves, ...).
 pub fn property(path: Vec<&str>) -> Option<String> {
+    counted();
     let bytes = hostcalls::get_property(path).ok()??;
     String::from_utf8(bytes).ok()
 }
@@ -77,6 +130,7 @@ pub fn property(path: Vec<&str>) -> Option<String> {
 /// Writes a filter-state entry `wasm.<name>`, read by access logs as
 /// `%FILTER_STATE(wasm.<name>:PLAIN)%`.
 pub fn set_filter_state(name: &str, value: &str) {
+    counted();
     let _ = hostcalls::set_property(vec![name], Some(value.as_bytes()));
 }
 
@@ -98,12 +152,14 @@ impl Metrics {
     /// Adds to a counter or gauge (negative only for gauges).
     pub fn add(&self, name: &str, delta: i64) {
         if let (Some(id), true) = (self.id(name), delta != 0) {
+            counted();
             let _ = hostcalls::increment_metric(id, delta);
         }
     }
 
     pub fn record(&self, name: &str, value: u64) {
         if let Some(id) = self.id(name) {
+            counted();
             let _ = hostcalls::record_metric(id, value);
         }
     }
@@ -119,6 +175,7 @@ impl Metrics {
             .entry(name.to_owned())
             .or_insert_with(|| define_metric(MetricType::Counter, name));
         if let Some(id) = id {
+            counted();
             let _ = hostcalls::increment_metric(id, 1);
         }
     }
@@ -162,26 +219,39 @@ impl Side {
     }
 }
 
-pub fn header(side: Side, name: &str) -> Option<String> {
-    hostcalls::get_map_value(side.headers(), name)
-        .ok()
-        .flatten()
-}
+/// A side's headers as they arrived, read in one host call so that looking one up costs none.
+/// Envoy's own lookup answers a header's first value; so does [`Headers::get`].
+pub struct Headers(Vec<(String, String)>);
 
-pub fn header_names(side: Side) -> Vec<String> {
-    hostcalls::get_map(side.headers())
-        .map(|pairs| pairs.into_iter().map(|(k, _)| k).collect())
-        .unwrap_or_default()
+impl Headers {
+    /// Only in the side's headers callback (see [`Side`]).
+    pub fn read(side: Side) -> Headers {
+        counted();
+        Headers(hostcalls::get_map(side.headers()).unwrap_or_default())
+    }
+
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(k, _)| k.as_str())
+    }
 }
 
 /// Sets (or with `None` removes) a header; only valid before the headers are sent on.
 pub fn set_header(side: Side, name: &str, value: Option<&str>) {
+    counted();
     if let Err(status) = hostcalls::set_map_value(side.headers(), name, value) {
         log::debug!("weir: cannot set header {name}: {status:?}");
     }
 }
 
 pub fn body(side: Side, size: usize) -> Vec<u8> {
+    counted();
     hostcalls::get_buffer(side.body(), 0, size)
         .ok()
         .flatten()
@@ -190,6 +260,7 @@ pub fn body(side: Side, size: usize) -> Vec<u8> {
 
 /// Replaces the whole current body buffer of `size` bytes.
 pub fn replace_body(side: Side, size: usize, value: &[u8]) {
+    counted();
     if let Err(status) = hostcalls::set_buffer(side.body(), 0, size, value) {
         log::warn!("weir: cannot replace body: {status:?}");
     }
@@ -197,6 +268,7 @@ pub fn replace_body(side: Side, size: usize, value: &[u8]) {
 
 /// Answers the request locally; Envoy stops forwarding it.
 pub fn local_reply(status: u16, headers: &[(&str, String)], body: &[u8]) {
+    counted();
     let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
     if let Err(s) = hostcalls::send_http_response(u32::from(status), headers, Some(body)) {
         log::warn!("weir: cannot send local reply: {s:?}");

@@ -5,6 +5,8 @@
 #[cfg(feature = "fault-injection")]
 mod fault;
 mod host;
+#[cfg(feature = "profile")]
+mod profile;
 mod renewal;
 mod request;
 mod signer;

@@ -1,22 +1,20 @@
 //! `cargo xtask bench`: overhead benchmarks, each printed against a baseline measured in the
 //! same run.
 
+mod filter;
 mod fleet;
+mod long_prompt;
 
 use std::time::{Duration, Instant};
 
 use std::path::Path;
 
 use serde_json::{Value, json};
-use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim};
+use weir_e2e::{Sidecar, Sim};
 
+pub use filter::filter_overhead;
 pub use fleet::fleet_overhead;
-
-/// Requests per side per round, rounds alternating between the two Envoys.
-const LATENCY_ROUNDS: usize = 5;
-const LATENCY_REQUESTS: usize = 300;
-const THROUGHPUT_CONCURRENCY: usize = 16;
-const THROUGHPUT_WINDOW: Duration = Duration::from_secs(3);
+pub use long_prompt::long_prompts;
 
 const BENCH_KEY: &str = "wk-bench";
 
@@ -66,101 +64,111 @@ async fn timed_chat(
     Ok((status, start.elapsed()))
 }
 
-/// Envoy with vs without the weir filter in front of the same simulator, on a ~2 KB chat
-/// request: added latency (sequential requests) and requests/s (16 in flight).
-pub fn filter_overhead(sim_bin: &std::path::Path) -> anyhow::Result<()> {
-    let sim = Sim::start_from(sim_bin, &["--preset", "tiny", "--time-scale", "1000"]);
-    let config = |exact_below_bytes: usize| {
-        bench_config(
-            json!({}),
-            json!({"estimator": {"exact_below_bytes": exact_below_bytes}}),
-        )
-    };
-    let launch = |with_filter, exact_below_bytes| {
-        Envoy::launch(EnvoyOptions {
-            weir_config: &config(exact_below_bytes),
-            upstream_port: sim.port,
-            alt_port: sim.port,
-            listen_port: 0,
-            with_filter,
-        })
-    };
-    // The default config counts this prompt exactly; the second filter only estimates.
-    let without = launch(false, 0);
-    let exact = launch(true, 8 * 1024);
-    let fast = launch(true, 0);
-    let sides = [
-        ("without filter", &without.url),
-        ("filter, exact", &exact.url),
-        ("filter, fast", &fast.url),
-    ];
-    let body = chat_request();
+/// One row of the targets table `cargo xtask bench` ends with: a figure measured against its
+/// baseline in the same run, and the issue's target for it.
+pub struct Row {
+    path: String,
+    baseline: &'static str,
+    value: f64,
+    target: f64,
+    /// Whether the figure must stay at or below the target (latency, memory) rather than reach
+    /// it (ratios of throughput).
+    at_most: bool,
+    unit: &'static str,
+    /// What else the run measured that explains the figure (the floor under it, say).
+    note: String,
+}
 
-    let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(async {
-        let client = reqwest::Client::new();
-        let send = |url: String| {
-            let (client, body) = (client.clone(), body.clone());
-            async move {
-                let (status, took) = timed_chat(&client, &url, &body).await?;
-                anyhow::ensure!(status.is_success(), "status {status}");
-                Ok::<_, anyhow::Error>(took)
-            }
-        };
-        for (_, url) in sides {
-            for _ in 0..200 {
-                send(url.clone()).await?;
-            }
+impl Row {
+    pub fn at_most(
+        path: impl Into<String>,
+        baseline: &'static str,
+        value: f64,
+        target: f64,
+        unit: &'static str,
+    ) -> Row {
+        Row {
+            path: path.into(),
+            baseline,
+            value,
+            target,
+            at_most: true,
+            unit,
+            note: String::new(),
         }
-        let mut latencies = vec![Vec::new(); sides.len()];
-        for _ in 0..LATENCY_ROUNDS {
-            for ((_, url), out) in sides.iter().zip(latencies.iter_mut()) {
-                for _ in 0..LATENCY_REQUESTS {
-                    out.push(send(url.to_string()).await?);
-                }
-            }
+    }
+
+    pub fn noting(self, note: impl Into<String>) -> Row {
+        Row {
+            note: note.into(),
+            ..self
         }
-        let mut rates = Vec::new();
-        for (_, url) in sides {
-            let deadline = Instant::now() + THROUGHPUT_WINDOW;
-            let workers = (0..THROUGHPUT_CONCURRENCY).map(|_| {
-                let send = &send;
-                async move {
-                    let mut done = 0u64;
-                    while Instant::now() < deadline {
-                        send(url.clone()).await?;
-                        done += 1;
-                    }
-                    Ok::<_, anyhow::Error>(done)
-                }
-            });
-            let counts = futures::future::try_join_all(workers).await?;
-            rates.push(counts.iter().sum::<u64>() as f64 / THROUGHPUT_WINDOW.as_secs_f64());
+    }
+
+    pub fn at_least(
+        path: impl Into<String>,
+        baseline: &'static str,
+        value: f64,
+        target: f64,
+        unit: &'static str,
+    ) -> Row {
+        Row {
+            at_most: false,
+            ..Row::at_most(path, baseline, value, target, unit)
         }
+    }
+
+    fn met(&self) -> bool {
+        if self.at_most {
+            self.value <= self.target
+        } else {
+            self.value >= self.target
+        }
+    }
+}
+
+/// The targets table: every row measured in this run, whether it met its target.
+pub fn print_targets(rows: &[Row]) {
+    if rows.is_empty() {
+        return;
+    }
+    let width = rows
+        .iter()
+        .map(|r| r.path.chars().count())
+        .max()
+        .unwrap_or(0);
+    let base = rows
+        .iter()
+        .map(|r| r.baseline.chars().count())
+        .max()
+        .unwrap_or(0);
+    println!(
+        "
+targets (each figure against its baseline in this run)"
+    );
+    println!(
+        "{:<width$}  {:<base$}  {:>12}  {:>12}  met",
+        "path", "baseline", "measured", "target"
+    );
+    let figure = |v: f64, unit: &str| {
+        if v.abs() >= 100.0 || v.fract() == 0.0 {
+            format!("{v:.0} {unit}")
+        } else {
+            format!("{v:.2} {unit}")
+        }
+    };
+    for r in rows {
+        let bound = if r.at_most { "≤" } else { "≥" };
         println!(
-            "\nfilter overhead: ~2 KB chat request (~400 prompt tokens), Envoy --concurrency 2, one simulator"
+            "{:<width$}  {:<base$}  {:>12}  {:>12}  {:<3}  {}",
+            r.path,
+            r.baseline,
+            figure(r.value, r.unit),
+            format!("{bound} {}", figure(r.target, r.unit)),
+            if r.met() { "yes" } else { "NO" },
+            r.note
         );
-        println!(
-            "upstream, same run; latency over {} sequential requests per side, added vs the baseline",
-            LATENCY_ROUNDS * LATENCY_REQUESTS
-        );
-        let rate_header = format!("req/s ({THROUGHPUT_CONCURRENCY} conc)");
-        println!(
-            "{:<16} {:>8} {:>8} {:>9} {:>9} {rate_header:>16} {:>7}",
-            "", "p50 µs", "p99 µs", "+p50 µs", "+p99 µs", "ratio"
-        );
-        let (base50, base99) = percentiles(&mut latencies[0]);
-        for (((name, _), lat), rate) in sides.iter().zip(latencies.iter_mut()).zip(&rates) {
-            let (p50, p99) = percentiles(lat);
-            println!(
-                "{name:<16} {p50:>8.0} {p99:>8.0} {:>+9.0} {:>+9.0} {rate:>16.0} {:>6.2}x",
-                p50 - base50,
-                p99 - base99,
-                rate / rates[0]
-            );
-        }
-        Ok(())
-    })
+    }
 }
 
 /// p50 and p99 in microseconds.
@@ -265,8 +273,8 @@ async fn streams(url: &str, n: usize, trusted: bool) -> anyhow::Result<f64> {
 }
 
 /// The sidecar relaying 1,000 and 5,000 concurrent streams vs the same streams straight from
-/// the engine, with the sidecar's peak RSS.
-pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<()> {
+/// the engine, with the sidecar's peak RSS. Returns the targets' rows.
+pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Vec<Row>> {
     let engine_args = [
         "--preset",
         "glm-5.2",
@@ -300,6 +308,7 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<()
         "{:>8} {:>14} {:>14} {:>7} {:>15} {:>16}",
         "streams", "direct tok/s", "relayed tok/s", "ratio", "range", "sidecar peak RSS"
     );
+    let mut rows = Vec::new();
     for n in [1_000, 5_000] {
         let (mut direct, mut relayed, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..RELAY_ROUNDS {
@@ -311,14 +320,21 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<()
         }
         let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
         let high = ratios.iter().copied().fold(0.0, f64::max);
+        let ratio = median(&mut ratios);
         println!(
-            "{n:>8} {:>14.0} {:>14.0} {:>6.2}x {:>15} {:>13.0} MB",
+            "{n:>8} {:>14.0} {:>14.0} {ratio:>6.2}x {:>15} {:>13.0} MB",
             median(&mut direct),
             median(&mut relayed),
-            median(&mut ratios),
             format!("[{low:.2}–{high:.2}]"),
             peak_rss_mb(sidecar.pid())
         );
+        rows.push(Row::at_least(
+            format!("sidecar relay, {n} streams, tokens/s"),
+            "streams straight from an engine",
+            ratio,
+            0.8,
+            "×",
+        ));
     }
-    Ok(())
+    Ok(rows)
 }

@@ -371,6 +371,7 @@ enum BenchPart {
     TokenCounting,
     Scheduler,
     Filter,
+    LongPrompts,
     Fleet,
     Relay,
 }
@@ -403,16 +404,31 @@ fn bench(only: Option<BenchPart>) -> anyhow::Result<()> {
         )?;
     }
     let release = root().join("target/release");
+    let mut rows = Vec::new();
     if runs(BenchPart::Filter) {
-        bench::filter_overhead(&release.join("weir-sim"))?;
+        rows.extend(bench::filter_overhead(
+            &release.join("weir-sim"),
+            &build_profile_filter()?,
+            &build_noop_filter()?,
+        )?);
+    }
+    if runs(BenchPart::LongPrompts) {
+        rows.extend(bench::long_prompts(
+            &release.join("weir-sim"),
+            &build_profile_filter()?,
+        )?);
     }
     if runs(BenchPart::Fleet) {
         quota_store_tools()?;
         bench::fleet_overhead(&release.join("weir-sim"), &release.join("weir-sidecar"))?;
     }
     if runs(BenchPart::Relay) {
-        bench::relay_throughput(&release.join("weir-sim"), &release.join("weir-sidecar"))?;
+        rows.extend(bench::relay_throughput(
+            &release.join("weir-sim"),
+            &release.join("weir-sidecar"),
+        )?);
     }
+    bench::print_targets(&rows);
     Ok(())
 }
 
@@ -693,6 +709,35 @@ fn build_fault_filter() -> anyhow::Result<PathBuf> {
         &["--features", "fault-injection"],
     )?;
     Ok(root().join(FAULT_FILTER_WASM))
+}
+
+/// The filter with its `profile` feature (`filter/src/profile.rs`): the bench's attribution of
+/// the filter's time to its stages.
+fn build_profile_filter() -> anyhow::Result<PathBuf> {
+    build_wasm(
+        "building the filter's stage-profile build (bench only)",
+        "stage-profile",
+        &["--features", "profile"],
+    )?;
+    Ok(root().join("target/wasm32-wasip1/stage-profile/weir_filter.wasm"))
+}
+
+/// A proxy-wasm filter that does nothing (bench/noop-filter): the floor the bench measures the
+/// filter against.
+fn build_noop_filter() -> anyhow::Result<PathBuf> {
+    run(
+        "building the no-op filter (bench only)",
+        cargo().args([
+            "build",
+            "-p",
+            "weir-noop-filter",
+            "--target",
+            "wasm32-wasip1",
+            "--profile",
+            "wasm",
+        ]),
+    )?;
+    Ok(root().join("target/wasm32-wasip1/wasm/weir_noop_filter.wasm"))
 }
 
 /// `cargo build` of the filter for wasm32-wasip1 with a profile and extra arguments.
