@@ -12,7 +12,7 @@
 use crate::config::{Config, Tenant};
 use crate::endpoint::Endpoint;
 use crate::error::ApiError;
-use crate::estimate::{self, Method};
+use crate::estimate::{self, Counting, Method};
 use crate::json::{self, TopLevel};
 use crate::prediction::OutputHistory;
 use crate::request::InferenceRequest;
@@ -50,23 +50,6 @@ pub struct Admitted {
     /// The body to send upstream, when it differs from the client's.
     pub rewritten_body: Option<Vec<u8>>,
 }
-
-/// How admission counts the prompt. Exact BPE costs the filter more than everything else it
-/// does on a request (~110 µs for a 2 KB prompt in V8); the one-pass estimate (within 20% on
-/// every kind of text measured) decides as well wherever the count is not close to a limit.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Counting {
-    /// The estimate, and exactly (up to `estimator.exact_below_bytes` of prompt text) only
-    /// when the estimate is within [`DECISION_MARGIN_PCT`] of the model's context window.
-    WhereItDecides,
-    /// Exactly, up to `estimator.exact_below_bytes`: for a request the estimate got refused
-    /// (the filter recounts before it refuses on a token limit).
-    Exact,
-}
-
-/// How near the context window an estimate must come for the count to be made exact: more
-/// than the fast estimate's largest measured error (see [`crate::estimate`]).
-pub const DECISION_MARGIN_PCT: u64 = 25;
 
 /// A request turned away, with the metric label of why.
 #[derive(Clone, Debug, PartialEq)]
@@ -153,26 +136,14 @@ pub fn admit(
     };
     let at_least = u64::from(generates);
     let exact_below = config.estimator.exact_below_bytes;
-    let mut estimate = estimate::prompt_tokens(
-        &req,
-        encoding,
-        if counting == Counting::Exact {
-            exact_below
-        } else {
-            0
-        },
-    );
-    let near_the_window = |longest: u64| {
-        let margin = longest.saturating_mul(DECISION_MARGIN_PCT) / 100;
-        context_cap.is_some_and(|cap| {
-            longest
-                .saturating_add(margin)
-                .saturating_add(per_answer.unwrap_or(at_least))
-                > cap
-        })
-    };
-    if estimate.method == Method::Fast && near_the_window(estimate.longest) {
-        estimate = estimate::prompt_tokens(&req, encoding, exact_below);
+    let mut estimate = estimate::prompt_tokens(&req, encoding, exact_below, counting);
+    // An estimate decides the context check only where the prompt's bytes (its most tokens)
+    // fit too; otherwise it is counted exactly, when short enough for that.
+    let out = per_answer.unwrap_or(at_least);
+    if estimate.method == Method::Fast
+        && context_cap.is_some_and(|cap| estimate.longest_bound.saturating_add(out) > cap)
+    {
+        estimate = estimate::prompt_tokens(&req, encoding, exact_below, Counting::Exact);
     }
     if let Some(cap) = context_cap
         && estimate
@@ -369,7 +340,7 @@ mod tests {
             &tenant,
             endpoint,
             body.as_bytes(),
-            Counting::WhereItDecides,
+            Counting::Estimated,
             |_| OutputHistory::default(),
         )
     }
@@ -416,12 +387,12 @@ mod tests {
     }
 
     #[test]
-    fn prompts_are_counted_exactly_only_near_the_context_window() {
+    fn prompts_are_counted_exactly_only_where_the_estimate_cannot_decide_the_window() {
         let c = config("{}", "{}");
         let tenant = tenant_of(&c);
-        let body = |words: usize, max_tokens: u64| {
+        let body = |model: &str, words: usize, max_tokens: u64| {
             format!(
-                r#"{{"model":"small","messages":[{{"role":"user","content":"{}"}}],"max_tokens":{max_tokens}}}"#,
+                r#"{{"model":"{model}","messages":[{{"role":"user","content":"{}"}}],"max_tokens":{max_tokens}}}"#,
                 "word ".repeat(words)
             )
         };
@@ -436,15 +407,15 @@ mod tests {
             )
             .unwrap()
         };
-        let far = body(20, 10);
+        let unbounded = body("big", 20, 10);
         assert_eq!(
-            admit_as(&far, Counting::WhereItDecides).method,
+            admit_as(&unbounded, Counting::Estimated).method,
             Method::Fast
         );
-        assert_eq!(admit_as(&far, Counting::Exact).method, Method::Exact);
-        // 60 words and 20 output tokens fit the window of 100, but not with the margin: the
-        // estimate is too near it to decide.
-        let near = admit_as(&body(60, 20), Counting::WhereItDecides);
+        assert_eq!(admit_as(&unbounded, Counting::Exact).method, Method::Exact);
+        // 15 words and 20 output tokens fit the window of 100, but the prompt's 75 bytes (as
+        // many tokens, at most) and its framing do not: the estimate cannot decide.
+        let near = admit_as(&body("small", 15, 20), Counting::Estimated);
         assert_eq!(near.method, Method::Exact);
         assert!(near.prompt_tokens + 20 <= 100, "{}", near.prompt_tokens);
     }
@@ -562,7 +533,7 @@ mod tests {
                 &tenant,
                 Endpoint::ChatCompletions,
                 body.as_bytes(),
-                Counting::WhereItDecides,
+                Counting::Estimated,
                 |m| {
                     asked = Some(m.to_owned());
                     history.clone()

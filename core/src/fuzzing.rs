@@ -5,9 +5,10 @@
 
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)] // checks report by panicking
 
-use crate::admission::{self, Counting, Rejection};
+use crate::admission::{self, Rejection};
 use crate::config::Config;
 use crate::endpoint::Endpoint;
+use crate::estimate::Counting;
 use crate::meter::{BodyMeter, MAX_HELD_BYTES, StreamMeter};
 use crate::prediction::OutputHistory;
 use crate::request::InferenceRequest;
@@ -94,9 +95,38 @@ pub fn check_admit(data: &[u8]) {
     let config = Config::parse(ADMIT_CONFIG.as_bytes()).expect("the check's config is valid");
     let directory = config.directory();
     let tenant = directory.lookup(&"a".repeat(64)).expect("the check's key");
-    match admission::admit(&config, tenant, endpoint, body, Counting::Exact, |_| {
-        OutputHistory::default()
-    }) {
+    let admit = |body: &[u8], counting| {
+        admission::admit(&config, tenant, endpoint, body, counting, |_| {
+            OutputHistory::default()
+        })
+    };
+    let (exact, estimated) = (
+        admit(body, Counting::Exact),
+        admit(body, Counting::Estimated),
+    );
+    if body.len() <= config.estimator.exact_below_bytes {
+        // Whatever text the estimate is wrong about, it decides nothing exact counting would
+        // decide otherwise.
+        assert_eq!(
+            exact.as_ref().err().map(|r| r.reason),
+            estimated.as_ref().err().map(|r| r.reason),
+            "the estimate decided otherwise"
+        );
+    }
+    for (counting, admitted) in [(Counting::Exact, exact), (Counting::Estimated, estimated)] {
+        check_admitted(admit, endpoint, body, counting, admitted);
+    }
+}
+
+/// The invariants of one admission of `body` (see [`check_admit`]).
+fn check_admitted(
+    admit: impl Fn(&[u8], Counting) -> Result<admission::Admitted, Rejection>,
+    endpoint: Endpoint,
+    body: &[u8],
+    counting: Counting,
+    admitted: Result<admission::Admitted, Rejection>,
+) {
+    match admitted {
         Err(Rejection { error, reason }) => {
             assert!(
                 (400..500).contains(&error.status),
@@ -135,10 +165,7 @@ pub fn check_admit(data: &[u8]) {
                     "usage forced"
                 );
             }
-            let again = admission::admit(&config, tenant, endpoint, &sent, Counting::Exact, |_| {
-                OutputHistory::default()
-            })
-            .expect("what was sent upstream admits again");
+            let again = admit(&sent, counting).expect("what was sent upstream admits again");
             assert_eq!(again.prompt_tokens, a.prompt_tokens);
             if a.predicted {
                 // The key's cap filled in is a limit the second reading reserves in full.

@@ -26,6 +26,8 @@
 use std::cmp::Ordering;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
+use smallvec::SmallVec;
+
 use crate::config::Priority;
 
 /// How input and output tokens weigh in a tenant's counter (the paper's w_in and w_out:
@@ -180,6 +182,9 @@ enum Found {
     Nothing,
 }
 
+/// Nodes on a tenant's path: one per level, kept inline (a decision allocates nothing).
+type Path = SmallVec<[usize; 8]>;
+
 pub struct Scheduler<T> {
     policy: Policy,
     share: Share,
@@ -316,7 +321,7 @@ impl<T> Scheduler<T> {
 
     /// The nodes from the top level down to the tenant's key, created as needed, with the
     /// weights given (`weights[i]` for level `i`, org first; 1 where missing or out of range).
-    fn intern(&mut self, tenant: &str, weights: &[f64]) -> Vec<usize> {
+    fn intern(&mut self, tenant: &str, weights: &[f64]) -> Path {
         let sane = |w: Option<&f64>| match w {
             Some(&w) if w.is_finite() && w > 0.0 => w,
             _ => 1.0,
@@ -348,7 +353,7 @@ impl<T> Scheduler<T> {
                 vec![(tenant, product)]
             }
         };
-        let mut path = Vec::with_capacity(levels.len());
+        let mut path = Path::new();
         let mut at = ROOT;
         for (i, (id, weight)) in levels.iter().enumerate() {
             let leaf = i + 1 == levels.len();
@@ -377,8 +382,8 @@ impl<T> Scheduler<T> {
     }
 
     /// The nodes from a key up to the top level (the root excluded).
-    fn ancestry(&self, leaf: usize) -> Vec<usize> {
-        let mut path = Vec::new();
+    fn ancestry(&self, leaf: usize) -> Path {
+        let mut path = Path::new();
         let mut at = leaf;
         while at != ROOT {
             path.push(at);
@@ -518,14 +523,20 @@ impl<T> Scheduler<T> {
             seq,
             enqueued_ms: now_ms,
         };
-        // The head is indexed by its own arrival: a new head is indexed afresh.
-        self.unindex_head(leaf, class);
+        // The head is indexed by its own arrival: a new head is indexed afresh (an entry
+        // queued behind others leaves the head as it was).
+        let new_head = front || self.nodes[leaf].queues[class].is_empty();
+        if new_head {
+            self.unindex_head(leaf, class);
+        }
         if front {
             self.nodes[leaf].queues[class].push_front(entry);
         } else {
             self.nodes[leaf].queues[class].push_back(entry);
         }
-        self.index_head(leaf, class);
+        if new_head {
+            self.index_head(leaf, class);
+        }
         self.add_backlog(&path, class, 1);
         self.count_org(tenant, 1, true);
         self.len += 1;
@@ -574,33 +585,51 @@ impl<T> Scheduler<T> {
         Found::Nothing
     }
 
+    /// The first of `heads` (keys' queue heads, by key and class) that `judge` takes, unless
+    /// one it must wait for comes first.
+    fn first_in_line(
+        &self,
+        heads: impl Iterator<Item = (usize, usize)>,
+        judge: &mut impl FnMut(&str, &T) -> Verdict,
+    ) -> Found {
+        for (leaf, class) in heads {
+            let node = &self.nodes[leaf];
+            let Some(head) = node.queues[class].front() else {
+                continue;
+            };
+            match judge(&node.name, &head.item) {
+                Verdict::Take => return Found::Take(leaf, class),
+                Verdict::Wait => return Found::Wait,
+                Verdict::Skip => continue,
+            }
+        }
+        Found::Nothing
+    }
+
     /// The key and class to serve next, in policy order, as `judge` allows.
     fn choose(
         &self,
         now_ms: u64,
         judge: &mut impl FnMut(&str, &T) -> Verdict,
     ) -> Option<(usize, usize)> {
-        let first: Box<dyn Iterator<Item = (usize, usize)> + '_> = match self.policy {
-            Policy::Fifo => Box::new(self.heads.iter().map(|&(_, t, class)| (t, class))),
-            Policy::Fair => Box::new(
+        let in_line = match self.policy {
+            Policy::Fifo => {
+                self.first_in_line(self.heads.iter().map(|&(_, t, class)| (t, class)), judge)
+            }
+            Policy::Fair => self.first_in_line(
                 self.batch_heads
                     .iter()
                     .take_while(|&&(enqueued, _, _)| {
                         now_ms.saturating_sub(enqueued) >= self.aging_ms
                     })
                     .map(|&(_, _, t)| (t, 1)),
+                judge,
             ),
         };
-        for (leaf, class) in first {
-            let node = &self.nodes[leaf];
-            let Some(head) = node.queues[class].front() else {
-                continue;
-            };
-            match judge(&node.name, &head.item) {
-                Verdict::Take => return Some((leaf, class)),
-                Verdict::Wait => return None,
-                Verdict::Skip => continue,
-            }
+        match in_line {
+            Found::Take(leaf, class) => return Some((leaf, class)),
+            Found::Wait => return None,
+            Found::Nothing => {}
         }
         if self.policy == Policy::Fifo {
             return None;

@@ -30,11 +30,11 @@ use std::sync::Arc;
 
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::Action;
-use weir_core::admission::{self, Admitted, Counting};
+use weir_core::admission::{self, Admitted};
 use weir_core::config::{KeyRefusal, Mode, RouteConfig, Tenant};
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
-use weir_core::estimate::Method;
+use weir_core::estimate::{Counting, Method};
 use weir_core::fleet_config::Measure;
 use weir_core::keys::{hash_key, key_from_headers};
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
@@ -579,7 +579,7 @@ impl Request {
                 })
             })
         };
-        let mut admitted = match admit(Counting::WhereItDecides) {
+        let mut admitted = match admit(Counting::Estimated) {
             Ok(admitted) => admitted,
             Err(rejection) => {
                 let reply = self.error_reply(&rejection.error);
@@ -1011,5 +1011,27 @@ impl HttpContext for Request {
     fn on_log(&mut self) {
         host::callback("log", || self.on_log_entry());
         host::report_stages();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{is_identity, rollout_bucket};
+
+    #[test]
+    fn only_identity_leaves_a_body_readable() {
+        assert!(is_identity("identity") && is_identity(" Identity ") && is_identity(""));
+        assert!(!is_identity("gzip") && !is_identity("identity, gzip") && !is_identity("br"));
+    }
+
+    #[test]
+    fn rollout_buckets_are_stable_and_spread() {
+        assert_eq!(rollout_bucket("abc"), rollout_bucket("abc"));
+        let ids: Vec<u32> = (0..10_000)
+            .map(|i| rollout_bucket(&format!("req-{i}")))
+            .collect();
+        let under_half = ids.iter().filter(|&&b| b < 50).count();
+        assert!((4_500..5_500).contains(&under_half), "{under_half}");
+        assert!(ids.iter().all(|&b| b < 100));
     }
 }

@@ -1,5 +1,5 @@
-//! Scheduler decisions at 10,000 backlogged tenants: pop the next request, charge what it was
-//! served, queue the tenant's next one (the steady state of a saturated pool).
+//! Scheduler decisions at 10,000 and 100,000 backlogged tenants: pop the next request, charge
+//! what it was served, queue the tenant's next one (the steady state of a saturated pool).
 
 #![allow(clippy::expect_used)] // benchmark code: a panic is a failed run
 
@@ -7,10 +7,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use weir_core::config::Priority;
 use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights};
 
-const TENANTS: usize = 10_000;
-
-fn saturated(policy: Policy) -> (Scheduler<u64>, Vec<String>) {
-    let names: Vec<String> = (0..TENANTS).map(|i| format!("org-{i}/ws/p/k")).collect();
+fn saturated(policy: Policy, tenants: usize) -> (Scheduler<u64>, Vec<String>) {
+    let names: Vec<String> = (0..tenants).map(|i| format!("org-{i}/ws/p/k")).collect();
     let mut s = Scheduler::new(policy, Share::Hierarchy, TokenWeights::default(), 60_000);
     for (i, name) in names.iter().enumerate() {
         let weights = [1.0, 1.0, 1.0, 1.0 + (i % 4) as f64];
@@ -22,22 +20,24 @@ fn saturated(policy: Policy) -> (Scheduler<u64>, Vec<String>) {
 }
 
 fn decisions(c: &mut Criterion) {
-    for (label, policy) in [("fair", Policy::Fair), ("fifo", Policy::Fifo)] {
-        let (mut s, names) = saturated(policy);
-        c.bench_function(&format!("scheduler_decision_{label}_10k_tenants"), |b| {
-            b.iter(|| {
-                let d = s.pop(0).expect("backlogged");
-                let i = d.item as usize;
-                s.charge(&names[i], 300, 120);
-                s.push(
-                    &names[i],
-                    &[1.0, 1.0, 1.0, 1.0 + (i % 4) as f64],
-                    Priority::Interactive,
-                    i as u64,
-                    0,
-                );
-            })
-        });
+    for (tenants, size) in [(10_000, "10k"), (100_000, "100k")] {
+        for (label, policy) in [("fair", Policy::Fair), ("fifo", Policy::Fifo)] {
+            let (mut s, names) = saturated(policy, tenants);
+            c.bench_function(&format!("scheduler_decision_{label}_{size}_tenants"), |b| {
+                b.iter(|| {
+                    let d = s.pop(0).expect("backlogged");
+                    let i = d.item as usize;
+                    s.charge(&names[i], 300, 120);
+                    s.push(
+                        &names[i],
+                        &[1.0, 1.0, 1.0, 1.0 + (i % 4) as f64],
+                        Priority::Interactive,
+                        i as u64,
+                        0,
+                    );
+                })
+            });
+        }
     }
 }
 

@@ -6,7 +6,7 @@
 //! count replaces the prompt estimate once it reports usage (see [`crate::relay`]).
 
 use weir_core::endpoint::Endpoint;
-use weir_core::estimate;
+use weir_core::estimate::{self, Counting};
 use weir_core::request::InferenceRequest;
 use weir_core::tokens::Encoding;
 
@@ -40,7 +40,8 @@ pub fn of(endpoint: Endpoint, body: &[u8], encoding: Encoding, exact_below_bytes
         limit => limit.map(|n| u64::from(n).saturating_mul(req.answers())),
     };
     Demand {
-        input_tokens: estimate::prompt_tokens(&req, encoding, exact_below_bytes).tokens,
+        input_tokens: estimate::prompt_tokens(&req, encoding, exact_below_bytes, Counting::Exact)
+            .tokens,
         output_tokens,
     }
 }

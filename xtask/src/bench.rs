@@ -1,6 +1,8 @@
 //! `cargo xtask bench`: overhead benchmarks, each printed against a baseline measured in the
 //! same run.
 
+mod affinity;
+mod fairness;
 mod filter;
 mod fleet;
 mod long_prompt;
@@ -12,6 +14,8 @@ use std::path::Path;
 use serde_json::{Value, json};
 use weir_e2e::{Sidecar, Sim};
 
+pub use affinity::prefix_affinity;
+pub use fairness::fairness_cost;
 pub use filter::filter_overhead;
 pub use fleet::fleet_overhead;
 pub use long_prompt::long_prompts;
@@ -169,6 +173,28 @@ targets (each figure against its baseline in this run)"
             r.note
         );
     }
+}
+
+/// The scheduler's decision at 100,000 backlogged tenants, from criterion's estimate of the
+/// run just made (`target/criterion/<bench>/new/estimates.json`), with FIFO's beside it.
+pub fn scheduler_row(criterion: &Path) -> anyhow::Result<Row> {
+    let mean_ns = |bench: &str| -> anyhow::Result<f64> {
+        let path = criterion.join(bench).join("new/estimates.json");
+        let estimates: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+        estimates["mean"]["point_estimate"]
+            .as_f64()
+            .ok_or_else(|| anyhow::anyhow!("no mean in {}", path.display()))
+    };
+    let fair = mean_ns("scheduler_decision_fair_100k_tenants")?;
+    let fifo = mean_ns("scheduler_decision_fifo_100k_tenants")?;
+    Ok(Row::at_most(
+        "scheduler decision, 100,000 backlogged tenants",
+        "-",
+        fair / 1000.0,
+        1.0,
+        "µs",
+    )
+    .noting(format!("FIFO: {:.2} µs", fifo / 1000.0)))
 }
 
 /// p50 and p99 in microseconds.

@@ -372,12 +372,14 @@ enum BenchPart {
     Scheduler,
     Filter,
     LongPrompts,
+    Fairness,
+    Affinity,
     Fleet,
     Relay,
 }
 
 fn bench(only: Option<BenchPart>) -> anyhow::Result<()> {
-    build_release_stack(&[])?;
+    build_release_stack(&["weir-bench"])?;
     let runs = |part| only.is_none_or(|only| only == part);
     let token_counting = [
         "bench",
@@ -397,14 +399,15 @@ fn bench(only: Option<BenchPart>) -> anyhow::Result<()> {
                 .env("CARGO_TARGET_WASM32_WASIP1_RUNNER", wasi_runner(true)?),
         )?;
     }
+    let mut rows = Vec::new();
     if runs(BenchPart::Scheduler) {
         run(
-            "scheduler decisions at 10,000 tenants (criterion)",
+            "scheduler decisions at 10,000 and 100,000 tenants (criterion)",
             cargo().args(["bench", "-q", "-p", "weir-sidecar", "--bench", "scheduler"]),
         )?;
+        rows.push(bench::scheduler_row(&root().join("target/criterion"))?);
     }
     let release = root().join("target/release");
-    let mut rows = Vec::new();
     if runs(BenchPart::Filter) {
         rows.extend(bench::filter_overhead(
             &release.join("weir-sim"),
@@ -421,6 +424,18 @@ fn bench(only: Option<BenchPart>) -> anyhow::Result<()> {
     if runs(BenchPart::Fleet) {
         quota_store_tools()?;
         bench::fleet_overhead(&release.join("weir-sim"), &release.join("weir-sidecar"))?;
+    }
+    if runs(BenchPart::Fairness) {
+        rows.extend(bench::fairness_cost(
+            &release.join("weir-sim"),
+            &release.join("weir-sidecar"),
+        )?);
+    }
+    if runs(BenchPart::Affinity) {
+        rows.extend(bench::prefix_affinity(
+            &release.join("weir-bench"),
+            &root(),
+        )?);
     }
     if runs(BenchPart::Relay) {
         rows.extend(bench::relay_throughput(

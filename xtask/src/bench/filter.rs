@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use weir_core::endpoint::Endpoint;
-use weir_core::estimate;
+use weir_core::estimate::{self, Counting};
 use weir_core::request::InferenceRequest;
 use weir_core::tokens::Encoding;
 use weir_e2e::{Envoy, EnvoyOptions, Sim};
@@ -58,7 +58,7 @@ pub(super) fn envoy(config: &serde_json::Value, upstream_port: u16, wasm: Option
 fn exact_prompt_tokens(body: &str) -> anyhow::Result<u64> {
     let req = InferenceRequest::parse(Endpoint::ChatCompletions, body.as_bytes())
         .map_err(|e| anyhow::anyhow!("{}", e.message))?;
-    Ok(estimate::prompt_tokens(&req, Encoding::Cl100kBase, usize::MAX).tokens)
+    Ok(estimate::prompt_tokens(&req, Encoding::Cl100kBase, usize::MAX, Counting::Exact).tokens)
 }
 
 /// Where a request's time in weir code goes, per request: stage → (µs, host calls).

@@ -1,6 +1,7 @@
 //! Long prompts through the filter: the time to first token a 220 KB prompt gains at 20 in
-//! flight (Envoy with vs without the filter, the same simulated 8B engine), and how long one
-//! 1 MB prompt keeps an Envoy worker in weir code (the stage-profile build).
+//! flight (Envoy with vs without the filter, the same simulated engine with a 1M-token
+//! context), and how long one 1 MB prompt keeps an Envoy worker in weir code (the
+//! stage-profile build).
 
 use std::time::Duration;
 
@@ -14,7 +15,7 @@ use super::{Row, bench_config, percentiles, timed_chat};
 const IN_FLIGHT: usize = 20;
 const PER_CALLER: usize = 5;
 const ROUNDS: usize = 3;
-const MODEL: &str = "llama-3.1-8b";
+const MODEL: &str = "glm-5.2";
 
 /// A chat request of about `bytes` of English prose for [`MODEL`], answered with one token (so
 /// the answer's arrival is its first token's).
