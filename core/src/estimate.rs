@@ -57,12 +57,12 @@ pub enum Counting {
     Estimated,
 }
 
-/// Bytes per token that ordinary text stays under (English prose is ~4.3 in cl100k, code and
-/// other languages fewer). Text the estimate finds sparser than this (runs of whitespace,
-/// symbols, random letters) is where it can undercount; there it is counted exactly, or, when
-/// too long for that, charged at least its bytes over this. So no estimate is below a fifth of
-/// the exact count (a token is at least a byte).
-pub const MAX_BYTES_PER_TOKEN: u64 = 5;
+/// Bytes per estimated token that ordinary text stays under (English prose is 4–6 in cl100k,
+/// code and other languages fewer). Text the estimate finds sparser than this (runs of
+/// whitespace, symbols, random letters) is where it can undercount; there it is counted
+/// exactly, or, when too long for that, charged at least its bytes over this. So no estimate
+/// is below a sixth of the exact count (a token is at least a byte).
+pub const MAX_BYTES_PER_TOKEN: u64 = 6;
 
 /// Counts everything the request puts into the prompt ([`InferenceRequest::prompt`]: the
 /// messages, and tools, schemas and any other text-bearing field), as `counting` says: exactly
@@ -88,7 +88,10 @@ pub fn prompt_tokens(
         })
     };
     let small = bytes <= exact_below_bytes;
-    if let (true, Counting::Exact, Some(exact)) = (small, counting, exact()) {
+    if small
+        && counting == Counting::Exact
+        && let Some(exact) = exact()
+    {
         return exact;
     }
     // Each sequence: (estimated tokens, its text's bytes, tokens outside its text).
@@ -111,7 +114,10 @@ pub fn prompt_tokens(
     let sparse = seqs
         .iter()
         .any(|&(fast, text_bytes, _)| fast.saturating_mul(MAX_BYTES_PER_TOKEN) < text_bytes);
-    if let (true, true, Some(exact)) = (small, sparse, exact()) {
+    if small
+        && sparse
+        && let Some(exact) = exact()
+    {
         return exact;
     }
     let floor = |text_bytes: u64| text_bytes.div_ceil(MAX_BYTES_PER_TOKEN);
