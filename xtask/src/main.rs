@@ -57,9 +57,11 @@ enum Task {
         observe: bool,
     },
     /// Overhead benchmarks, each against a baseline from the same run: token counting (native
-    /// and in wasm, exact vs fast), scheduler decisions, Envoy with vs without the weir filter,
-    /// the filter's latency with fleet mode on vs off, and sidecar relay throughput and memory at
-    /// 1,000 and 5,000 streams.
+    /// and in wasm, exact vs fast), scheduler decisions, Envoy with vs without the weir filter
+    /// (and a no-op one) with where the filter's time goes, long prompts, the filter's latency
+    /// with fleet mode on vs off, fair vs FIFO on a saturated pool, prefix affinity on vs off,
+    /// and sidecar relay throughput and memory at 1,000 and 5,000 streams; then the targets
+    /// table.
     Bench {
         /// Run one of them only.
         #[arg(long, value_enum)]
