@@ -74,21 +74,25 @@ pub struct Row {
     path: String,
     baseline: &'static str,
     value: f64,
-    target: f64,
-    /// Whether the figure must stay at or below the target (latency, memory) rather than reach
-    /// it (ratios of throughput).
-    at_most: bool,
+    target: Target,
     unit: &'static str,
     /// What else the run measured that explains the figure (the floor under it, say).
     note: String,
 }
 
+/// A latency or memory must stay at or below its target; a ratio of throughput reach it.
+#[derive(Clone, Copy)]
+pub enum Target {
+    AtMost(f64),
+    AtLeast(f64),
+}
+
 impl Row {
-    pub fn at_most(
+    pub fn new(
         path: impl Into<String>,
         baseline: &'static str,
         value: f64,
-        target: f64,
+        target: Target,
         unit: &'static str,
     ) -> Row {
         Row {
@@ -96,7 +100,6 @@ impl Row {
             baseline,
             value,
             target,
-            at_most: true,
             unit,
             note: String::new(),
         }
@@ -109,24 +112,10 @@ impl Row {
         }
     }
 
-    pub fn at_least(
-        path: impl Into<String>,
-        baseline: &'static str,
-        value: f64,
-        target: f64,
-        unit: &'static str,
-    ) -> Row {
-        Row {
-            at_most: false,
-            ..Row::at_most(path, baseline, value, target, unit)
-        }
-    }
-
     fn met(&self) -> bool {
-        if self.at_most {
-            self.value <= self.target
-        } else {
-            self.value >= self.target
+        match self.target {
+            Target::AtMost(t) => self.value <= t,
+            Target::AtLeast(t) => self.value >= t,
         }
     }
 }
@@ -162,13 +151,16 @@ targets (each figure against its baseline in this run)"
         }
     };
     for r in rows {
-        let bound = if r.at_most { "≤" } else { "≥" };
+        let (bound, target) = match r.target {
+            Target::AtMost(t) => ("≤", t),
+            Target::AtLeast(t) => ("≥", t),
+        };
         println!(
             "{:<width$}  {:<base$}  {:>12}  {:>12}  {:<3}  {}",
             r.path,
             r.baseline,
             figure(r.value, r.unit),
-            format!("{bound} {}", figure(r.target, r.unit)),
+            format!("{bound} {}", figure(target, r.unit)),
             if r.met() { "yes" } else { "NO" },
             r.note
         );
@@ -187,11 +179,11 @@ pub fn scheduler_row(criterion: &Path) -> anyhow::Result<Row> {
     };
     let fair = mean_ns("scheduler_decision_fair_100k_tenants")?;
     let fifo = mean_ns("scheduler_decision_fifo_100k_tenants")?;
-    Ok(Row::at_most(
+    Ok(Row::new(
         "scheduler decision, 100,000 backlogged tenants",
         "-",
         fair / 1000.0,
-        1.0,
+        Target::AtMost(1.0),
         "µs",
     )
     .noting(format!("FIFO: {:.2} µs", fifo / 1000.0)))
@@ -226,6 +218,37 @@ const RELAY_ROUNDS: usize = 3;
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// What rounds of a baseline and a measurement, taken in turn, came to: each side's median,
+/// the median of the rounds' ratios (measured over baseline) and their range.
+struct Rounds {
+    baseline: f64,
+    measured: f64,
+    ratio: f64,
+    low: f64,
+    high: f64,
+}
+
+/// Runs `round` (the baseline's figure and the measured one) `rounds` times.
+fn alternate(
+    rounds: usize,
+    mut round: impl FnMut() -> anyhow::Result<(f64, f64)>,
+) -> anyhow::Result<Rounds> {
+    let (mut baseline, mut measured, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        let (b, m) = round()?;
+        baseline.push(b);
+        measured.push(m);
+        ratios.push(m / b);
+    }
+    Ok(Rounds {
+        low: ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        high: ratios.iter().copied().fold(0.0, f64::max),
+        baseline: median(&mut baseline),
+        measured: median(&mut measured),
+        ratio: median(&mut ratios),
+    })
 }
 
 /// Adds the trusted headers the filter would set, signed with the harness's secret (the
@@ -336,29 +359,23 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Ve
     );
     let mut rows = Vec::new();
     for n in [1_000, 5_000] {
-        let (mut direct, mut relayed, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..RELAY_ROUNDS {
-            let d = runtime.block_on(streams(&direct_sim.url, n, false))?;
-            let r = runtime.block_on(streams(&sidecar.url, n, true))?;
-            direct.push(d);
-            relayed.push(r);
-            ratios.push(r / d);
-        }
-        let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-        let high = ratios.iter().copied().fold(0.0, f64::max);
-        let ratio = median(&mut ratios);
+        let r = alternate(RELAY_ROUNDS, || {
+            let direct = runtime.block_on(streams(&direct_sim.url, n, false))?;
+            Ok((direct, runtime.block_on(streams(&sidecar.url, n, true))?))
+        })?;
+        let ratio = r.ratio;
         println!(
             "{n:>8} {:>14.0} {:>14.0} {ratio:>6.2}x {:>15} {:>13.0} MB",
-            median(&mut direct),
-            median(&mut relayed),
-            format!("[{low:.2}–{high:.2}]"),
+            r.baseline,
+            r.measured,
+            format!("[{:.2}–{:.2}]", r.low, r.high),
             peak_rss_mb(sidecar.pid())
         );
-        rows.push(Row::at_least(
+        rows.push(Row::new(
             format!("sidecar relay, {n} streams, tokens/s"),
             "streams straight from an engine",
             ratio,
-            0.8,
+            Target::AtLeast(0.8),
             "×",
         ));
     }

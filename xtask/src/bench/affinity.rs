@@ -7,7 +7,7 @@ use std::process::Command;
 
 use serde_json::Value;
 
-use super::Row;
+use super::{Row, Target};
 
 const SCENARIO: &str = "bench/scenarios/prefix-affinity.yaml";
 
@@ -71,18 +71,18 @@ pub fn prefix_affinity(bench_bin: &Path, root: &Path) -> anyhow::Result<Vec<Row>
     );
     const BASELINE: &str = "no affinity (least-loaded)";
     Ok(vec![
-        Row::at_least(
+        Row::new(
             "prefix affinity, TTFT p90 lower by",
             BASELINE,
             off_ttft / on_ttft.max(f64::MIN_POSITIVE),
-            5.0,
+            Target::AtLeast(5.0),
             "×",
         ),
-        Row::at_most(
+        Row::new(
             "prefix affinity, ITL p50",
             BASELINE,
             on_itl / off_itl.max(f64::MIN_POSITIVE),
-            1.0,
+            Target::AtMost(1.0),
             "×",
         )
         .noting(format!("{on_itl:.2} vs {off_itl:.2} ms")),

@@ -8,7 +8,7 @@ use std::path::Path;
 use serde_json::json;
 use weir_e2e::{Sidecar, Sim};
 
-use super::{RELAY_TOKENS, Row, median, streams};
+use super::{RELAY_TOKENS, Row, Target, alternate, streams};
 
 /// Streams in the burst, and the engine's batch (and the sidecar's per-replica cap): the rest
 /// wait in the sidecar's queue, where the policy orders them.
@@ -45,17 +45,11 @@ pub fn fairness_cost(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Vec<R
     let (_fifo_sim, fifo) = pool(sim_bin, sidecar_bin, "fifo");
     std::thread::sleep(std::time::Duration::from_millis(500));
     let runtime = tokio::runtime::Runtime::new()?;
-    let (mut fair_rates, mut fifo_rates, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..ROUNDS {
-        let f = runtime.block_on(streams(&fair.url, STREAMS, true))?;
-        let q = runtime.block_on(streams(&fifo.url, STREAMS, true))?;
-        fair_rates.push(f);
-        fifo_rates.push(q);
-        ratios.push(f / q);
-    }
-    let low = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-    let high = ratios.iter().copied().fold(0.0, f64::max);
-    let ratio = median(&mut ratios);
+    let r = alternate(ROUNDS, || {
+        let fair = runtime.block_on(streams(&fair.url, STREAMS, true))?;
+        Ok((runtime.block_on(streams(&fifo.url, STREAMS, true))?, fair))
+    })?;
+    let ratio = r.ratio;
     println!(
         "\nfairness cost: {STREAMS} streams of {RELAY_TOKENS} tokens from 100 tenants at once, an engine batch of {BATCH}"
     );
@@ -66,15 +60,15 @@ pub fn fairness_cost(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Vec<R
     );
     println!(
         "{:>14.0} {:>14.0} {ratio:>6.3}x {:>15}",
-        median(&mut fair_rates),
-        median(&mut fifo_rates),
-        format!("[{low:.3}–{high:.3}]")
+        r.measured,
+        r.baseline,
+        format!("[{:.3}–{:.3}]", r.low, r.high)
     );
-    Ok(vec![Row::at_least(
+    Ok(vec![Row::new(
         "fairness cost: saturated pool, fair vs FIFO, tokens/s",
         "FIFO throughput",
         ratio,
-        0.99,
+        Target::AtLeast(0.99),
         "×",
     )])
 }

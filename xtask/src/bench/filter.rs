@@ -14,7 +14,7 @@ use weir_core::request::InferenceRequest;
 use weir_core::tokens::Encoding;
 use weir_e2e::{Envoy, EnvoyOptions, Sim};
 
-use super::{Row, bench_config, chat_request, percentiles, timed_chat};
+use super::{Row, Target, bench_config, chat_request, percentiles, timed_chat};
 
 /// Requests per side per round, rounds alternating between the Envoys.
 const LATENCY_ROUNDS: usize = 5;
@@ -278,19 +278,17 @@ pub fn filter_overhead(
         let (noop, default, exact) = (added[1], added[2], added[3]);
         const BASELINE: &str = "Envoy without the filter";
         Ok(vec![
-            Row::at_most("filter, 2 KB chat, +p50", BASELINE, default.0, 30.0, "µs")
+            Row::new("filter, 2 KB chat, +p50", BASELINE, default.0, Target::AtMost(30.0), "µs")
                 .noting(format!("a no-op filter: {:+.0} µs", noop.0)),
-            Row::at_most("filter, 2 KB chat, +p99", BASELINE, default.1, 100.0, "µs")
+            Row::new("filter, 2 KB chat, +p99", BASELINE, default.1, Target::AtMost(100.0), "µs")
                 .noting(format!("a no-op filter: {:+.0} µs", noop.1)),
-            Row::at_least("filter, 2 KB chat, req/s", BASELINE, default.2, 0.9, "×")
+            Row::new("filter, 2 KB chat, req/s", BASELINE, default.2, Target::AtLeast(0.9), "×")
                 .noting(format!("a no-op filter: {:.2}×", noop.2)),
-            Row::at_most(
+            Row::new(
                 "filter, exact count of a 2 KB prompt, +p50",
                 BASELINE,
-                exact.0,
-                60.0,
-                "µs",
-            ),
+                exact.0, Target::AtMost(60.0),
+                "µs"),
         ])
     })
 }

@@ -9,7 +9,7 @@ use serde_json::json;
 use weir_e2e::{Envoy, Sim};
 
 use super::filter::{envoy, profile_stats};
-use super::{Row, bench_config, percentiles, timed_chat};
+use super::{Row, Target, bench_config, percentiles, timed_chat};
 
 /// Concurrent callers, and the requests each sends per side per round.
 const IN_FLIGHT: usize = 20;
@@ -144,27 +144,21 @@ pub fn long_prompts(
         );
         const BASELINE: &str = "Envoy without the filter";
         Ok(vec![
-            Row::at_most(
+            Row::new(
                 "filter, 220 KB prompt at 20 in flight, +TTFT p50",
                 BASELINE,
-                added50,
-                3.0,
-                "ms",
-            ),
-            Row::at_most(
+                added50, Target::AtMost(3.0),
+                "ms"),
+            Row::new(
                 "filter, 220 KB prompt at 20 in flight, +TTFT max",
                 BASELINE,
-                added_max,
-                10.0,
-                "ms",
-            ),
-            Row::at_most(
+                added_max, Target::AtMost(10.0),
+                "ms"),
+            Row::new(
                 "filter, 1 MB prompt, longest callback in weir code",
                 "-",
-                longest.0,
-                2.0,
-                "ms",
-            )
+                longest.0, Target::AtMost(2.0),
+                "ms")
             .noting(format!("all body callbacks together: {:.2} ms", longest.1)),
         ])
     })
