@@ -106,12 +106,22 @@ pub fn rendered(raw: &RawValue) -> Option<String> {
 /// A JSON object's fields, values left as raw JSON text (nothing is built from them).
 pub type RawObject<'a> = BTreeMap<Cow<'a, str>, &'a RawValue>;
 
+/// Its fields, if `raw` is an object. What is not is told by its first byte: a parse that
+/// fails on a string would format the whole string into its error (a 1 MB prompt's content
+/// cost the filter milliseconds so).
 pub fn raw_object(raw: &RawValue) -> Option<RawObject<'_>> {
-    serde_json::from_str(raw.get()).ok()
+    let text = raw.get().trim_start();
+    text.starts_with('{')
+        .then(|| serde_json::from_str(text).ok())
+        .flatten()
 }
 
+/// Its items, if `raw` is an array (see [`raw_object`]).
 pub fn raw_array(raw: &RawValue) -> Option<Vec<&RawValue>> {
-    serde_json::from_str(raw.get()).ok()
+    let text = raw.get().trim_start();
+    text.starts_with('[')
+        .then(|| serde_json::from_str(text).ok())
+        .flatten()
 }
 
 /// The rendered text of an object's fields other than those in `skip` (the fields the model
@@ -127,4 +137,24 @@ pub fn extra_texts(object: &RawObject<'_>, skip: &[&[&str]]) -> Vec<String> {
 /// The texts as borrowed pieces.
 pub fn borrowed(texts: &[String]) -> impl Iterator<Item = Cow<'_, str>> {
     texts.iter().map(|t| Cow::Borrowed(t.as_str()))
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::value::RawValue;
+
+    use super::{raw_array, raw_object};
+
+    #[test]
+    fn raw_arrays_and_objects_are_only_what_they_say() {
+        let raw = |json: &str| RawValue::from_string(json.to_owned()).unwrap();
+        assert_eq!(raw_array(&raw(r#"[1, "a"]"#)).map(|a| a.len()), Some(2));
+        assert_eq!(raw_object(&raw(r#"{"a": 1}"#)).map(|o| o.len()), Some(1));
+        for not_one in [r#""[not an array]""#, "null", "3", r#"{"a": 1}"#] {
+            assert!(raw_array(&raw(not_one)).is_none(), "{not_one}");
+        }
+        for not_one in [r#""{not an object}""#, "[]", "true"] {
+            assert!(raw_object(&raw(not_one)).is_none(), "{not_one}");
+        }
+    }
 }
