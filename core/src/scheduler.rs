@@ -126,6 +126,8 @@ struct Node<T> {
     last_left: Option<usize>,
     /// A key's requests, per class (empty above the keys).
     queues: [VecDeque<Entry<T>>; CLASSES],
+    /// A key's org's slot in the scheduler's `org_depth` (0 above the keys).
+    org: usize,
 }
 
 impl<T> Node<T> {
@@ -141,6 +143,7 @@ impl<T> Node<T> {
             children: HashMap::new(),
             last_left: None,
             queues: Default::default(),
+            org: 0,
         }
     }
 
@@ -194,9 +197,11 @@ pub struct Scheduler<T> {
     nodes: Vec<Node<T>>,
     /// Keys by tenant path.
     by_name: HashMap<String, usize>,
-    /// Requests queued per org (the first id of a tenant path), whatever the share: what an
-    /// org's queue bound is held to.
-    org_depth: HashMap<String, usize>,
+    /// Each org's slot in `org_depth` (the org: the first id of a tenant path).
+    orgs: HashMap<String, usize>,
+    /// Requests queued per org, whatever the share: what an org's queue bound is held to. A
+    /// key's node holds its org's slot, so a decision counts without hashing a name.
+    org_depth: Vec<usize>,
     /// Batch queue heads by arrival, for aging.
     batch_heads: BTreeSet<(u64, u64, usize)>,
     /// Every queue head by arrival, for FIFO.
@@ -216,7 +221,8 @@ impl<T> Scheduler<T> {
             aging_ms,
             nodes: vec![Node::new(String::new(), ROOT)],
             by_name: HashMap::new(),
-            org_depth: HashMap::new(),
+            orgs: HashMap::new(),
+            org_depth: Vec::new(),
             batch_heads: BTreeSet::new(),
             heads: BTreeSet::new(),
             next_seq: 0,
@@ -247,25 +253,30 @@ impl<T> Scheduler<T> {
 
     /// Requests the org of a tenant has waiting, under all its keys.
     pub fn org_depth(&self, tenant: &str) -> usize {
-        self.org_depth.get(org_of(tenant)).copied().unwrap_or(0)
+        self.orgs
+            .get(org_of(tenant))
+            .and_then(|&slot| self.org_depth.get(slot))
+            .copied()
+            .unwrap_or(0)
     }
 
-    /// Counts `k` more (`add`) or fewer queued requests for a tenant's org.
-    fn count_org(&mut self, tenant: &str, k: usize, add: bool) {
-        let org = org_of(tenant);
-        match self.org_depth.get_mut(org) {
-            Some(n) if add => *n += k,
-            Some(n) => {
-                *n = n.saturating_sub(k);
-                if *n == 0 {
-                    self.org_depth.remove(org);
-                }
-            }
-            None if add => {
-                self.org_depth.insert(org.to_owned(), k);
-            }
-            None => {}
+    /// Counts `k` more (`add`) or fewer queued requests for the org of key `leaf`.
+    fn count_org(&mut self, leaf: usize, k: usize, add: bool) {
+        if let Some(n) = self.org_depth.get_mut(self.nodes[leaf].org) {
+            *n = if add { *n + k } else { n.saturating_sub(k) };
         }
+    }
+
+    /// The slot of `tenant`'s org in `org_depth`, made on its first key.
+    fn org_slot(&mut self, tenant: &str) -> usize {
+        let org = org_of(tenant);
+        if let Some(&slot) = self.orgs.get(org) {
+            return slot;
+        }
+        self.org_depth.push(0);
+        let slot = self.org_depth.len() - 1;
+        self.orgs.insert(org.to_owned(), slot);
+        slot
     }
 
     /// A tenant's (a key's) virtual token counter (0 for a tenant never seen).
@@ -370,6 +381,7 @@ impl<T> Scheduler<T> {
                     self.nodes[at].children.insert(((*id).to_owned(), leaf), c);
                     if leaf {
                         self.by_name.insert(tenant.to_owned(), c);
+                        self.nodes[c].org = self.org_slot(tenant);
                     }
                     c
                 }
@@ -538,7 +550,7 @@ impl<T> Scheduler<T> {
             self.index_head(leaf, class);
         }
         self.add_backlog(&path, class, 1);
-        self.count_org(tenant, 1, true);
+        self.count_org(leaf, 1, true);
         self.len += 1;
     }
 
@@ -667,9 +679,7 @@ impl<T> Scheduler<T> {
             self.rekey(n, |node| node.last_served = decision);
         }
         self.remove_backlog(&path, class, 1);
-        let tenant = std::mem::take(&mut self.nodes[leaf].name);
-        self.count_org(&tenant, 1, false);
-        self.nodes[leaf].name = tenant;
+        self.count_org(leaf, 1, false);
         self.len -= 1;
         Some(Dispatch {
             tenant: &self.nodes[leaf].name,
@@ -727,9 +737,7 @@ impl<T> Scheduler<T> {
                 self.index_head(leaf, class);
                 let path = self.ancestry(leaf);
                 self.remove_backlog(&path, class, gone.len());
-                let tenant = std::mem::take(&mut self.nodes[leaf].name);
-                self.count_org(&tenant, gone.len(), false);
-                self.nodes[leaf].name = tenant;
+                self.count_org(leaf, gone.len(), false);
                 self.len -= gone.len();
                 removed.extend(gone.into_iter().map(|e| e.item));
             }
@@ -1244,7 +1252,13 @@ mod invariants {
                 *by_org.entry(org_of(name).to_owned()).or_default() += n;
             }
         }
-        assert_eq!(by_org, s.org_depth, "queued per org");
+        let depths: HashMap<String, usize> = s
+            .orgs
+            .iter()
+            .map(|(org, &slot)| (org.clone(), s.org_depth[slot]))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        assert_eq!(by_org, depths, "queued per org");
         assert_eq!(batch_heads, s.batch_heads, "batch heads");
         assert_eq!(s.len, queued[ROOT].iter().sum::<usize>(), "len");
         for (n, node) in s.nodes.iter().enumerate() {
