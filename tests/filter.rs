@@ -219,6 +219,45 @@ async fn a_prompt_the_estimate_puts_over_a_token_limit_is_counted_exactly_before
     assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
 }
 
+#[tokio::test]
+async fn header_values_that_are_not_utf8_are_read_not_trapped_on() {
+    // HTTP/1.1 lets a value carry bytes that are not UTF-8 (obs-text); the SDK's string reading
+    // of them panics, which traps the VM and fails the request with a 5xx.
+    let latin1 = reqwest::header::HeaderValue::from_bytes(b"caf\xe9").unwrap();
+    let body = chat("hello", json!({"max_tokens": 1})).to_string();
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", stack().envoy.url))
+        .header("content-type", "application/json")
+        .bearer_auth("key-plain")
+        .header("x-note", latin1.clone())
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        resp.status(),
+        StatusCode::OK,
+        "{}",
+        resp.text().await.unwrap()
+    );
+    // Such a key is no known key: refused as one, by weir.
+    let mut bad_key = b"Bearer key-plain".to_vec();
+    bad_key.push(0xe9);
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", stack().envoy.url))
+        .header("content-type", "application/json")
+        .header(
+            "authorization",
+            reqwest::header::HeaderValue::from_bytes(&bad_key).unwrap(),
+        )
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(error_body(resp).await["code"], "invalid_api_key");
+}
+
 /// Reads a stream, returning its events and how many separate reads delivered them.
 async fn read_stream(mut resp: Response) -> (Vec<String>, usize, Duration) {
     let start = Instant::now();

@@ -224,10 +224,18 @@ impl Side {
 pub struct Headers(Vec<(String, String)>);
 
 impl Headers {
-    /// Only in the side's headers callback (see [`Side`]).
+    /// Only in the side's headers callback (see [`Side`]). Values are read as bytes: HTTP/1.1
+    /// lets a value carry bytes that are not UTF-8, on which the SDK's string reading panics (a
+    /// trapped VM); such bytes read as U+FFFD, so such a key is simply not a known one.
     pub fn read(side: Side) -> Headers {
         counted();
-        Headers(hostcalls::get_map(side.headers()).unwrap_or_default())
+        let pairs = hostcalls::get_map_bytes(side.headers()).unwrap_or_default();
+        Headers(
+            pairs
+                .into_iter()
+                .map(|(name, value)| (name, String::from_utf8_lossy(&value).into_owned()))
+                .collect(),
+        )
     }
 
     pub fn get(&self, name: &str) -> Option<&str> {
