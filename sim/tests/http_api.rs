@@ -219,7 +219,12 @@ async fn oversubscribed_kv_preempts_and_every_request_completes() {
     let done = futures::future::join_all(requests).await;
     assert!(done.iter().all(|c| *c == Some(800)), "{done:?}");
     assert!(sim.metric("vllm:num_preemptions_total").await > 0.0);
-    assert_eq!(sim.metric("vllm:kv_cache_usage_perc").await, 0.0);
+    // The last answers can go out a step before their blocks are freed: on a loaded machine the
+    // metric was read in between.
+    let usage = sim
+        .wait_for_metric("vllm:kv_cache_usage_perc", |v| v == 0.0)
+        .await;
+    assert_eq!(usage, 0.0, "every block freed");
 }
 
 #[tokio::test]
