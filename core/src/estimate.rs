@@ -88,10 +88,9 @@ pub fn prompt_tokens(
         })
     };
     let small = bytes <= exact_below_bytes;
-    if small
-        && counting == Counting::Exact
-        && let Some(exact) = exact()
-    {
+    // Once only: text the tokenizer gave up on is not tried again.
+    let tried = small && counting == Counting::Exact;
+    if tried && let Some(exact) = exact() {
         return exact;
     }
     // Each sequence: (estimated tokens, its text's bytes, tokens outside its text).
@@ -116,6 +115,7 @@ pub fn prompt_tokens(
         .any(|&(fast, text_bytes, _)| fast.saturating_mul(MAX_BYTES_PER_TOKEN) < text_bytes);
     if small
         && sparse
+        && !tried
         && let Some(exact) = exact()
     {
         return exact;
@@ -267,13 +267,13 @@ mod tests {
     #[test]
     fn text_the_estimate_undercounts_is_counted_exactly_or_charged_its_bytes() {
         // Whitespace, newlines and symbols the one-pass estimate counts as next to nothing (the
-        // first three by up to 4000x): counted exactly, or never below a sixth of exact.
+        // first three by up to 300x here): counted exactly, or never below a sixth of exact.
         let hostile = [
-            format!("\n{}", " \t".repeat(4000)),
-            "\n\r".repeat(4000),
-            "\n".repeat(8000),
-            "\u{2003}\u{3000}".repeat(1000),
-            "🙂".repeat(2000),
+            format!("\n{}", " \t".repeat(300)),
+            "\n\r".repeat(300),
+            "\n".repeat(600),
+            "\u{2003}\u{3000}".repeat(300),
+            "🙂".repeat(300),
         ];
         for (i, text) in hostile.into_iter().enumerate() {
             let req = chat(
@@ -334,6 +334,9 @@ mod tests {
         );
     }
 
+    // Natively only, like the test above: under Node's V8 exact BPE of a megabyte of spaces
+    // crashed the runner now and then (the filter counts at most `exact_below_bytes` exactly).
+    #[cfg(not(target_arch = "wasm32"))]
     #[test]
     fn text_the_tokenizer_cannot_handle_is_estimated_instead() {
         let body = format!(
