@@ -140,7 +140,9 @@ pub fn admit(
     // An estimate decides the context check only where the prompt's bytes (its most tokens)
     // fit too; otherwise it is counted exactly, when short enough for that.
     let out = per_answer.unwrap_or(at_least);
-    if estimate.method == Method::Fast
+    // (Counted exactly already, a Fast estimate is what the tokenizer gave up on: not again.)
+    if counting == Counting::Estimated
+        && estimate.method == Method::Fast
         && context_cap.is_some_and(|cap| estimate.longest_bound.saturating_add(out) > cap)
     {
         estimate = estimate::prompt_tokens(&req, encoding, exact_below, Counting::Exact);
