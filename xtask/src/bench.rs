@@ -37,15 +37,21 @@ fn bench_config(limits: Value, extra: Value) -> Value {
     config
 }
 
+/// A chat request for `model` of one user message, answered with one token (so the answer's
+/// arrival is its first token's).
+fn one_token_chat(model: &str, content: &str) -> String {
+    json!({
+        "model": model, "max_tokens": 1,
+        "messages": [{"role": "user", "content": content}],
+    })
+    .to_string()
+}
+
 /// A ~2 KB chat request (~400 prompt tokens) for `tiny`, one output token.
 fn chat_request() -> String {
     let content =
         "Summarise the quarterly capacity review for the inference platform team. ".repeat(27);
-    json!({
-        "model": "tiny", "max_tokens": 1,
-        "messages": [{"role": "user", "content": content}],
-    })
-    .to_string()
+    one_token_chat("tiny", &content)
 }
 
 /// POSTs `body` to `url`'s chat completions with the bench key: the answer's status and the

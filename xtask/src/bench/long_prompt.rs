@@ -9,7 +9,7 @@ use serde_json::json;
 use weir_e2e::{Envoy, Sim};
 
 use super::filter::{envoy, profile_stats};
-use super::{Row, Target, bench_config, percentiles, timed_chat};
+use super::{Row, Target, bench_config, one_token_chat, percentiles, timed_chat};
 
 /// Concurrent callers, and the requests each sends per side per round.
 const IN_FLIGHT: usize = 20;
@@ -17,16 +17,10 @@ const PER_CALLER: usize = 5;
 const ROUNDS: usize = 3;
 const MODEL: &str = "glm-5.2";
 
-/// A chat request of about `bytes` of English prose for [`MODEL`], answered with one token (so
-/// the answer's arrival is its first token's).
+/// A one-token chat request of about `bytes` of English prose for [`MODEL`].
 fn long_request(bytes: usize) -> String {
     let sentence = "The capacity review found that prefill dominates the cost of long prompts. ";
-    let content = sentence.repeat(bytes / sentence.len() + 1);
-    json!({
-        "model": MODEL, "max_tokens": 1,
-        "messages": [{"role": "user", "content": content}],
-    })
-    .to_string()
+    one_token_chat(MODEL, &sentence.repeat(bytes / sentence.len() + 1))
 }
 
 /// `IN_FLIGHT` callers sending `body` in turn to `url`, `PER_CALLER` each: every latency.
