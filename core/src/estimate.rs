@@ -64,6 +64,13 @@ pub enum Counting {
 /// is below a sixth of the exact count (a token is at least a byte).
 pub const MAX_BYTES_PER_TOKEN: u64 = 6;
 
+/// The same for the text's non-ASCII bytes: scripts the estimate knows are 2-3 bytes a token
+/// (CJK, Cyrillic, Greek, ...), but symbols, Braille, private-use characters and rare scripts,
+/// which it puts at 4-6 bytes a token, are about a token per byte to BPE. Text whose non-ASCII
+/// bytes alone are more than this per estimated token is counted exactly, or charged at least
+/// them over this.
+pub const MAX_NON_ASCII_BYTES_PER_TOKEN: u64 = 3;
+
 /// Counts everything the request puts into the prompt ([`InferenceRequest::prompt`]: the
 /// messages, and tools, schemas and any other text-bearing field), as `counting` says: exactly
 /// only when that text is at most `exact_below_bytes` (and the tokenizer copes with it),
@@ -93,26 +100,28 @@ pub fn prompt_tokens(
     if tried && let Some(exact) = exact() {
         return exact;
     }
-    // Each sequence: (estimated tokens, its text's bytes, tokens outside its text).
-    let seqs: Vec<(u64, u64, u64)> = match &prompt {
+    // Each sequence: (estimated tokens, its text's bytes and non-ASCII bytes, tokens outside
+    // its text).
+    let seqs: Vec<(u64, Bytes, u64)> = match &prompt {
         Prompt::Chat(turns) => {
             let names = turns.iter().filter(|t| t.name.is_some()).count() as u64;
             let framing = turns.len() as u64 * PER_MESSAGE + names + REPLY_PRIMING;
-            let text_bytes = prompt.texts().map(|t| t.len() as u64).sum();
-            vec![(prompt.texts().map(fast_count).sum(), text_bytes, framing)]
+            vec![(
+                prompt.texts().map(fast_count).sum(),
+                Bytes::of(prompt.texts()),
+                framing,
+            )]
         }
         Prompt::Sequences(seqs) => seqs
             .iter()
             .map(|s| {
-                let text_bytes = s.texts.iter().map(|t| t.len() as u64).sum();
                 let fast = s.texts.iter().map(|t| fast_count(t)).sum();
-                (fast, text_bytes, s.ids.len() as u64)
+                let bytes = Bytes::of(s.texts.iter().map(|t| t.as_ref()));
+                (fast, bytes, s.ids.len() as u64)
             })
             .collect(),
     };
-    let sparse = seqs
-        .iter()
-        .any(|&(fast, text_bytes, _)| fast.saturating_mul(MAX_BYTES_PER_TOKEN) < text_bytes);
+    let sparse = seqs.iter().any(|&(fast, bytes, _)| fast < bytes.floor());
     if small
         && sparse
         && !tried
@@ -120,19 +129,46 @@ pub fn prompt_tokens(
     {
         return exact;
     }
-    let floor = |text_bytes: u64| text_bytes.div_ceil(MAX_BYTES_PER_TOKEN);
     let lens = seqs
         .iter()
-        .map(|&(fast, text_bytes, outside)| fast.max(floor(text_bytes)) + outside);
+        .map(|&(fast, bytes, outside)| fast.max(bytes.floor()) + outside);
     Estimate {
         tokens: lens.clone().sum(),
         longest: lens.max().unwrap_or(0),
         longest_bound: seqs
             .iter()
-            .map(|&(_, text_bytes, outside)| text_bytes + outside)
+            .map(|&(_, bytes, outside)| bytes.all + outside)
             .max()
             .unwrap_or(0),
         method: Method::Fast,
+    }
+}
+
+/// The bytes of a sequence's text, and how many of them are not ASCII.
+#[derive(Clone, Copy)]
+struct Bytes {
+    all: u64,
+    non_ascii: u64,
+}
+
+impl Bytes {
+    fn of<'a>(texts: impl Iterator<Item = &'a str>) -> Bytes {
+        texts.fold(
+            Bytes {
+                all: 0,
+                non_ascii: 0,
+            },
+            |b, t| Bytes {
+                all: b.all + t.len() as u64,
+                non_ascii: b.non_ascii + t.bytes().filter(|b| !b.is_ascii()).count() as u64,
+            },
+        )
+    }
+
+    /// The fewest tokens the estimate may say such text is (see [`MAX_BYTES_PER_TOKEN`]).
+    fn floor(self) -> u64 {
+        let all = self.all.div_ceil(MAX_BYTES_PER_TOKEN);
+        all.max(self.non_ascii.div_ceil(MAX_NON_ASCII_BYTES_PER_TOKEN))
     }
 }
 
@@ -304,6 +340,38 @@ mod tests {
         );
         let estimated = prompt_tokens(&prose, Encoding::Cl100kBase, 64 * 1024, Counting::Estimated);
         assert_eq!(estimated.method, Method::Fast, "ordinary text is estimated");
+    }
+
+    #[test]
+    fn symbols_and_rare_scripts_within_the_exact_size_are_not_undercounted_sixfold() {
+        // Text the one-pass estimate puts at 4-6 bytes a token (so not "sparse") that cl100k
+        // splits into about a token per byte: Braille, private-use characters, mathematical
+        // operators, cuneiform. Within `exact_below_bytes` it was reserved at a sixth of its
+        // exact count.
+        let texts: [String; 4] = [
+            ('\u{2800}'..='\u{28FF}').cycle().take(1000).collect(),
+            ('\u{E000}'..='\u{E0FF}').cycle().take(1000).collect(),
+            ('\u{2200}'..='\u{22FF}').cycle().take(1000).collect(),
+            ('\u{12000}'..='\u{12300}').cycle().take(1000).collect(),
+        ];
+        for text in texts {
+            let req = chat(
+                &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
+                    .to_string(),
+            );
+            let exact = prompt_tokens(&req, Encoding::Cl100kBase, usize::MAX, Counting::Exact);
+            let counted = prompt_tokens(&req, Encoding::Cl100kBase, 8 * 1024, Counting::Estimated);
+            let head: String = text.chars().take(2).collect();
+            assert!(
+                counted.tokens * 3 >= exact.tokens,
+                "{head:?}: reserved {} for {} exact tokens ({} bytes)",
+                counted.tokens,
+                exact.tokens,
+                text.len()
+            );
+            let long = prompt_tokens(&req, Encoding::Cl100kBase, 0, Counting::Estimated);
+            assert!(long.tokens * 3 >= exact.tokens, "{head:?} beyond: {long:?}");
+        }
     }
 
     #[test]
