@@ -35,7 +35,6 @@ use weir_core::config::{KeyRefusal, Mode, RouteConfig, Tenant};
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
 use weir_core::estimate::{Counting, Method};
-use weir_core::fleet_config::Measure;
 use weir_core::keys::{hash_key, key_from_headers};
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::path::{self, Route};
@@ -930,21 +929,17 @@ fn history_key(gw: &Gateway, tenant: &str, model: &str) -> String {
     prediction::shared_key(tenant, model, gw.config.models.contains_key(model))
 }
 
-/// Whether the prompt's token count took part in a refusal (a limit on input tokens, all
-/// tokens or spend), so that counting it exactly might have let the request in.
+/// Whether the prompt's token count took part in a refusal, so that counting it exactly might
+/// have let the request in: every token limit and spend. Output limits too: a request without
+/// an output limit of its own reserves the rest of the context (or a prediction capped by it),
+/// which an estimate below the exact count makes larger.
 fn depends_on_input(denial: &Denial) -> bool {
     match denial {
         Denial::Limit { kind, .. } => matches!(
             kind,
-            LimitKind::InputTokens
-                | LimitKind::Budget(Measure::InputTokens | Measure::Tokens | Measure::Spend)
+            LimitKind::InputTokens | LimitKind::OutputTokens | LimitKind::Budget(_)
         ),
-        Denial::BudgetExceeded { measure, .. } => {
-            matches!(
-                measure,
-                Measure::InputTokens | Measure::Tokens | Measure::Spend
-            )
-        }
+        Denial::BudgetExceeded { .. } => true,
         Denial::QuotaUnavailable { .. } | Denial::Contended => false,
     }
 }
@@ -1016,7 +1011,25 @@ impl HttpContext for Request {
 
 #[cfg(test)]
 mod tests {
-    use super::{is_identity, rollout_bucket};
+    use super::{depends_on_input, is_identity, rollout_bucket};
+    use weir_core::reservation::{Denial, LimitKind};
+
+    #[test]
+    fn an_output_limit_refusal_is_recounted_too() {
+        // Without max_tokens the output reserved is the context's rest after the prompt's
+        // count: an undercounting estimate reserves more output than the exact count would.
+        let limit = |kind| Denial::Limit {
+            level: "o".into(),
+            kind,
+            limit: 100,
+            remaining: 0,
+            retry_after_ms: 1,
+        };
+        assert!(depends_on_input(&limit(LimitKind::InputTokens)));
+        assert!(depends_on_input(&limit(LimitKind::OutputTokens)));
+        assert!(!depends_on_input(&limit(LimitKind::Requests)));
+        assert!(!depends_on_input(&limit(LimitKind::Concurrency)));
+    }
 
     #[test]
     fn only_identity_leaves_a_body_readable() {
