@@ -29,6 +29,9 @@ pub struct Admitted {
     pub model: String,
     pub prompt_tokens: u64,
     pub method: Method,
+    /// Whether counting the prompt exactly could still change `prompt_tokens` (see
+    /// [`estimate::Estimate::recountable`]).
+    pub recountable: bool,
     /// Output tokens to reserve: the request's cap, or the cap weir filled in, for every answer
     /// it asks for (each prompt of a completions batch); 0 for embeddings.
     pub reserved_output: u64,
@@ -140,9 +143,7 @@ pub fn admit(
     // An estimate decides the context check only where the prompt's bytes (its most tokens)
     // fit too; otherwise it is counted exactly, when short enough for that.
     let out = per_answer.unwrap_or(at_least);
-    // (Counted exactly already, a Fast estimate is what the tokenizer gave up on: not again.)
-    if counting == Counting::Estimated
-        && estimate.method == Method::Fast
+    if estimate.recountable
         && context_cap.is_some_and(|cap| estimate.longest_bound.saturating_add(out) > cap)
     {
         estimate = estimate::prompt_tokens(&req, encoding, exact_below, Counting::Exact);
@@ -197,6 +198,7 @@ pub fn admit(
         model: req.model.clone(),
         prompt_tokens: estimate.tokens,
         method: estimate.method,
+        recountable: estimate.recountable,
         reserved_output,
         predicted,
         unread_output: bounded.saturating_mul(req.answers()),

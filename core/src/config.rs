@@ -133,7 +133,8 @@ pub struct ModelConfig {
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EstimatorConfig {
-    /// Prompts up to this many bytes are counted exactly with BPE; longer ones are estimated.
+    /// Prompts up to this many bytes may be counted exactly with BPE (the sidecar always does;
+    /// the filter where the count decides, see filter/README.md); longer ones are estimated.
     #[serde(default = "default_exact_below_bytes")]
     pub exact_below_bytes: usize,
 }

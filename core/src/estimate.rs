@@ -43,6 +43,9 @@ pub struct Estimate {
     /// than a byte (`longest` itself when counted exactly).
     pub longest_bound: u64,
     pub method: Method,
+    /// Whether counting it exactly could still change it: an estimate of text within the exact
+    /// threshold that the tokenizer was not tried on (it is tried once at most).
+    pub recountable: bool,
 }
 
 /// How a prompt is counted. Exact BPE is the costliest thing the filter does on a request
@@ -53,7 +56,8 @@ pub enum Counting {
     /// Exactly, up to `exact_below_bytes` of prompt text.
     Exact,
     /// By the estimate; exactly (up to `exact_below_bytes`) only text the estimate cannot be
-    /// trusted on: text of more than [`MAX_BYTES_PER_TOKEN`] bytes per estimated token.
+    /// trusted on: text of more than [`MAX_BYTES_PER_TOKEN`] bytes, or more than
+    /// [`MAX_NON_ASCII_BYTES_PER_TOKEN`] non-ASCII bytes, per estimated token.
     Estimated,
 }
 
@@ -74,7 +78,8 @@ pub const MAX_NON_ASCII_BYTES_PER_TOKEN: u64 = 3;
 /// Counts everything the request puts into the prompt ([`InferenceRequest::prompt`]: the
 /// messages, and tools, schemas and any other text-bearing field), as `counting` says: exactly
 /// only when that text is at most `exact_below_bytes` (and the tokenizer copes with it),
-/// otherwise with [`fast_count`], never below its bytes over [`MAX_BYTES_PER_TOKEN`].
+/// otherwise with [`fast_count`], never below its bytes over [`MAX_BYTES_PER_TOKEN`] nor its
+/// non-ASCII bytes over [`MAX_NON_ASCII_BYTES_PER_TOKEN`].
 pub fn prompt_tokens(
     req: &InferenceRequest,
     encoding: Encoding,
@@ -92,6 +97,7 @@ pub fn prompt_tokens(
             longest,
             longest_bound: longest,
             method: Method::Exact,
+            recountable: false,
         })
     };
     let small = bytes <= exact_below_bytes;
@@ -100,28 +106,24 @@ pub fn prompt_tokens(
     if tried && let Some(exact) = exact() {
         return exact;
     }
-    // Each sequence: (estimated tokens, its text's bytes and non-ASCII bytes, tokens outside
-    // its text).
-    let seqs: Vec<(u64, Bytes, u64)> = match &prompt {
+    // Each sequence: its text's tally and the tokens outside its text.
+    let seqs: Vec<(Tally, u64)> = match &prompt {
         Prompt::Chat(turns) => {
             let names = turns.iter().filter(|t| t.name.is_some()).count() as u64;
             let framing = turns.len() as u64 * PER_MESSAGE + names + REPLY_PRIMING;
-            vec![(
-                prompt.texts().map(fast_count).sum(),
-                Bytes::of(prompt.texts()),
-                framing,
-            )]
+            vec![(Tally::of(prompt.texts()), framing)]
         }
         Prompt::Sequences(seqs) => seqs
             .iter()
             .map(|s| {
-                let fast = s.texts.iter().map(|t| fast_count(t)).sum();
-                let bytes = Bytes::of(s.texts.iter().map(|t| t.as_ref()));
-                (fast, bytes, s.ids.len() as u64)
+                (
+                    Tally::of(s.texts.iter().map(|t| t.as_ref())),
+                    s.ids.len() as u64,
+                )
             })
             .collect(),
     };
-    let sparse = seqs.iter().any(|&(fast, bytes, _)| fast < bytes.floor());
+    let sparse = seqs.iter().any(|(text, _)| text.tokens < text.floor());
     if small
         && sparse
         && !tried
@@ -131,43 +133,42 @@ pub fn prompt_tokens(
     }
     let lens = seqs
         .iter()
-        .map(|&(fast, bytes, outside)| fast.max(bytes.floor()) + outside);
+        .map(|(text, outside)| text.tokens.max(text.floor()) + outside);
     Estimate {
         tokens: lens.clone().sum(),
         longest: lens.max().unwrap_or(0),
         longest_bound: seqs
             .iter()
-            .map(|&(_, bytes, outside)| bytes.all + outside)
+            .map(|(text, outside)| text.bytes + outside)
             .max()
             .unwrap_or(0),
         method: Method::Fast,
+        recountable: small && !tried && !sparse,
     }
 }
 
-/// The bytes of a sequence's text, and how many of them are not ASCII.
-#[derive(Clone, Copy)]
-struct Bytes {
-    all: u64,
+/// What one pass over a sequence's text finds: the estimated tokens, its bytes, and how many
+/// of them are not ASCII.
+#[derive(Clone, Copy, Default)]
+struct Tally {
+    tokens: u64,
+    bytes: u64,
     non_ascii: u64,
 }
 
-impl Bytes {
-    fn of<'a>(texts: impl Iterator<Item = &'a str>) -> Bytes {
-        texts.fold(
-            Bytes {
-                all: 0,
-                non_ascii: 0,
-            },
-            |b, t| Bytes {
-                all: b.all + t.len() as u64,
-                non_ascii: b.non_ascii + t.bytes().filter(|b| !b.is_ascii()).count() as u64,
-            },
-        )
+impl Tally {
+    fn of<'a>(texts: impl Iterator<Item = &'a str>) -> Tally {
+        texts.map(tally).fold(Tally::default(), |a, b| Tally {
+            tokens: a.tokens + b.tokens,
+            bytes: a.bytes + b.bytes,
+            non_ascii: a.non_ascii + b.non_ascii,
+        })
     }
 
-    /// The fewest tokens the estimate may say such text is (see [`MAX_BYTES_PER_TOKEN`]).
+    /// The fewest tokens the estimate may say such text is (see [`MAX_BYTES_PER_TOKEN`] and
+    /// [`MAX_NON_ASCII_BYTES_PER_TOKEN`]).
     fn floor(self) -> u64 {
-        let all = self.all.div_ceil(MAX_BYTES_PER_TOKEN);
+        let all = self.bytes.div_ceil(MAX_BYTES_PER_TOKEN);
         all.max(self.non_ascii.div_ceil(MAX_NON_ASCII_BYTES_PER_TOKEN))
     }
 }
@@ -233,19 +234,28 @@ fn class_at(text: &str, at: usize) -> Option<(Class, char, usize)> {
 
 /// Estimates BPE tokens in one pass without a vocabulary.
 pub fn fast_count(text: &str) -> u64 {
+    tally(text).tokens
+}
+
+/// [`fast_count`], and the text's non-ASCII bytes, counted in the same pass.
+fn tally(text: &str) -> Tally {
     let mut tokens = 0.0f64;
+    let mut non_ascii = 0;
     let mut at = 0;
     let mut previous = Class::Space;
     let mut previous_run = 0u32;
     while let Some((kind, c, len)) = class_at(text, at) {
         at += len;
+        let mut wide = if len > 1 { len } else { 0 };
         let mut run = 1u32;
         while let Some((next, _, len)) = class_at(text, at)
             && next == kind
         {
             at += len;
+            wide += if len > 1 { len } else { 0 };
             run += 1;
         }
+        non_ascii += wide as u64;
         let chars = run;
         let run = f64::from(run);
         tokens += match kind {
@@ -272,7 +282,11 @@ pub fn fast_count(text: &str) -> u64 {
         previous = kind;
         previous_run = chars;
     }
-    tokens.ceil() as u64
+    Tally {
+        tokens: tokens.ceil() as u64,
+        bytes: text.len() as u64,
+        non_ascii,
+    }
 }
 
 #[cfg(test)]
@@ -310,15 +324,16 @@ mod tests {
     #[test]
     fn text_the_estimate_undercounts_is_counted_exactly_or_charged_its_bytes() {
         // Whitespace, newlines and symbols the one-pass estimate counts as next to nothing (the
-        // first three by up to 300x here): counted exactly, or never below a sixth of exact.
+        // first three, sparse, by up to 300x here): counted exactly, or never below a sixth of
+        // exact. Either way, a recount could not change them.
         let hostile = [
-            format!("\n{}", " \t".repeat(300)),
-            "\n\r".repeat(300),
-            "\n".repeat(600),
-            "\u{2003}\u{3000}".repeat(300),
-            "🙂".repeat(300),
+            (format!("\n{}", " \t".repeat(300)), true),
+            ("\n\r".repeat(300), true),
+            ("\n".repeat(600), true),
+            ("\u{2003}\u{3000}".repeat(300), false),
+            ("🙂".repeat(300), false),
         ];
-        for (i, text) in hostile.into_iter().enumerate() {
+        for (text, sparse) in hostile {
             let req = chat(
                 &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
                     .to_string(),
@@ -327,11 +342,17 @@ mod tests {
             let counted = prompt_tokens(&req, Encoding::Cl100kBase, 64 * 1024, Counting::Estimated);
             let head: String = text.chars().take(4).collect();
             assert!(
-                counted == exact || (i > 2 && counted.tokens * MAX_BYTES_PER_TOKEN >= exact.tokens),
+                counted == exact
+                    || (!sparse && counted.tokens * MAX_BYTES_PER_TOKEN >= exact.tokens),
                 "{head:?}: {counted:?} vs {exact:?}"
             );
+            assert!(!counted.recountable || counted.method == Method::Fast && !sparse);
             let long = prompt_tokens(&req, Encoding::Cl100kBase, 0, Counting::Estimated);
             assert_eq!(long.method, Method::Fast);
+            assert!(
+                !long.recountable,
+                "beyond the threshold: never counted exactly"
+            );
             assert!(
                 long.tokens * MAX_BYTES_PER_TOKEN >= exact.tokens,
                 "{head:?}: {} vs exact {}",
@@ -347,6 +368,12 @@ mod tests {
         );
         let estimated = prompt_tokens(&prose, Encoding::Cl100kBase, 64 * 1024, Counting::Estimated);
         assert_eq!(estimated.method, Method::Fast, "ordinary text is estimated");
+        assert!(
+            estimated.recountable,
+            "and could be counted exactly where that decides"
+        );
+        let exact = prompt_tokens(&prose, Encoding::Cl100kBase, 64 * 1024, Counting::Exact);
+        assert!(!exact.recountable, "counted once");
     }
 
     #[test]

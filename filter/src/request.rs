@@ -591,7 +591,7 @@ impl Request {
             let mut charged = self.reserve_tokens(&admitted);
             // An estimate refused on a limit its count decides is counted exactly first.
             if let Err(denial) = &charged
-                && admitted.method == Method::Fast
+                && admitted.recountable
                 && depends_on_input(denial)
                 && let Ok(exact) = admit(Counting::Exact)
                 && exact.method == Method::Exact
