@@ -23,12 +23,15 @@
 //! child of the root, weighted by the product of its path's weights): fair share per key.
 //! A FIFO policy exists as the baseline for benchmarks.
 
-use std::cmp::Ordering;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use smallvec::SmallVec;
 
 use crate::config::Priority;
+
+mod ready;
+
+use ready::{Counter, Key, Ready};
 
 /// How input and output tokens weigh in a tenant's counter (the paper's w_in and w_out:
 /// output tokens cost more, being generated one step at a time).
@@ -66,24 +69,6 @@ pub enum Share {
     Key,
 }
 
-/// A counter value with a total order, so it can key an ordered set.
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Counter(f64);
-
-impl Eq for Counter {}
-
-impl PartialOrd for Counter {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for Counter {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.0.total_cmp(&other.0)
-    }
-}
-
 const CLASSES: usize = 2;
 const ROOT: usize = 0;
 
@@ -103,6 +88,45 @@ struct Entry<T> {
     item: T,
     seq: u64,
     enqueued_ms: u64,
+    /// Its place in its class's [`Arrivals`].
+    arrival: u64,
+}
+
+/// The requests of one class in the order they were queued, for the oldest wait without an
+/// ordered index that every decision would update: a request leaving its queue is marked
+/// gone, and gone ones are dropped as they reach the front (so it reaches back to the oldest
+/// request still queued, which the dispatcher's queue deadline bounds).
+#[derive(Default)]
+struct Arrivals {
+    /// When each was queued, and whether it still is; the first is number `first`.
+    log: VecDeque<(u64, bool)>,
+    first: u64,
+}
+
+impl Arrivals {
+    /// Notes a request queued at `now_ms`; returns its number.
+    fn push(&mut self, now_ms: u64) -> u64 {
+        self.log.push_back((now_ms, true));
+        self.first + self.log.len() as u64 - 1
+    }
+
+    fn gone(&mut self, arrival: u64) {
+        let at = arrival
+            .checked_sub(self.first)
+            .and_then(|i| usize::try_from(i).ok());
+        if let Some((_, queued)) = at.and_then(|i| self.log.get_mut(i)) {
+            *queued = false;
+        }
+        while self.log.front().is_some_and(|&(_, queued)| !queued) {
+            self.log.pop_front();
+            self.first += 1;
+        }
+    }
+
+    /// When the longest-waiting request still queued was queued.
+    fn oldest_ms(&self) -> Option<u64> {
+        self.log.front().map(|&(ms, _)| ms)
+    }
 }
 
 /// One node of the tenant tree: the root, an org, workspace or project, or a key (a leaf, with
@@ -113,13 +137,14 @@ struct Node<T> {
     parent: usize,
     weight: f64,
     counter: f64,
-    /// Decision number of the node's last dispatch: ties on the counter go to whoever was
-    /// served least recently (a newcomer first).
-    last_served: u64,
+    /// Number of the node's last charge: ties on the counter go to whoever was charged least
+    /// recently (a newcomer first). Kept with the counter, so a decision reorders a node's
+    /// siblings once, as it is charged, not again as it is served.
+    last_charged: u64,
     /// Requests queued below, per class.
     backlog: [usize; CLASSES],
-    /// Children with requests of a class queued below, by counter, then least recently served.
-    ready: [BTreeSet<(Counter, u64, usize)>; CLASSES],
+    /// Children with requests of a class queued below, by counter, then least recently charged.
+    ready: [Ready; CLASSES],
     /// By id; a key and a level of the same id are different children.
     children: HashMap<(String, bool), usize>,
     /// The child whose queues emptied last: where a child arriving to an idle node is lifted to.
@@ -137,7 +162,7 @@ impl<T> Node<T> {
             parent,
             weight: 1.0,
             counter: 0.0,
-            last_served: 0,
+            last_charged: 0,
             backlog: [0; CLASSES],
             ready: Default::default(),
             children: HashMap::new(),
@@ -151,8 +176,8 @@ impl<T> Node<T> {
         self.backlog.iter().any(|&n| n > 0)
     }
 
-    fn key(&self, n: usize) -> (Counter, u64, usize) {
-        (Counter(self.counter), self.last_served, n)
+    fn key(&self, n: usize) -> Key {
+        (Counter(self.counter), self.last_charged, n)
     }
 }
 
@@ -188,6 +213,9 @@ enum Found {
 /// Nodes on a tenant's path: one per level, kept inline (a decision allocates nothing).
 type Path = SmallVec<[usize; 8]>;
 
+/// A key's queue head in arrival order: time queued, sequence number, the key.
+type Head = (u64, u64, usize);
+
 pub struct Scheduler<T> {
     policy: Policy,
     share: Share,
@@ -202,12 +230,13 @@ pub struct Scheduler<T> {
     /// Requests queued per org, whatever the share: what an org's queue bound is held to. A
     /// key's node holds its org's slot, so a decision counts without hashing a name.
     org_depth: Vec<usize>,
-    /// Batch queue heads by arrival, for aging.
-    batch_heads: BTreeSet<(u64, u64, usize)>,
-    /// Every queue head by arrival, for FIFO.
-    heads: BTreeSet<(u64, usize, usize)>,
+    /// Keys' queue heads per class, by arrival (time queued, then sequence), where decisions
+    /// read them: batch heads for aging, and both classes for FIFO.
+    heads: [BTreeSet<Head>; CLASSES],
+    /// Every queued request per class, by arrival: for the oldest wait.
+    arrivals: [Arrivals; CLASSES],
     next_seq: u64,
-    decisions: u64,
+    charges: u64,
     len: usize,
 }
 
@@ -223,10 +252,10 @@ impl<T> Scheduler<T> {
             by_name: HashMap::new(),
             orgs: HashMap::new(),
             org_depth: Vec::new(),
-            batch_heads: BTreeSet::new(),
-            heads: BTreeSet::new(),
+            heads: Default::default(),
+            arrivals: Default::default(),
             next_seq: 0,
-            decisions: 0,
+            charges: 0,
             len: 0,
         }
     }
@@ -299,7 +328,12 @@ impl<T> Scheduler<T> {
     /// counter (what [`crate::fairness`] measures).
     pub fn backlogged_shares(&self) -> impl Iterator<Item = (&str, f64, f64)> {
         let root = &self.nodes[ROOT];
-        let mut ids: Vec<usize> = root.ready.iter().flatten().map(|&(_, _, n)| n).collect();
+        let mut ids: Vec<usize> = root
+            .ready
+            .iter()
+            .flat_map(Ready::iter)
+            .map(|&(_, _, n)| n)
+            .collect();
         ids.sort_unstable();
         ids.dedup();
         ids.into_iter().map(|n| {
@@ -431,7 +465,7 @@ impl<T> Scheduler<T> {
     /// waiting behind interactive traffic is not served, so its counter stands still.
     fn floor(&self, parent: usize, n: usize, class: usize) -> Option<f64> {
         let node = &self.nodes[parent];
-        let first = |r: &BTreeSet<(Counter, u64, usize)>| r.first().map(|(c, _, _)| c.0);
+        let first = |r: &Ready| r.first().map(|(c, _, _)| c.0);
         if let Some(floor) = first(&node.ready[class]) {
             return Some(floor);
         }
@@ -534,6 +568,7 @@ impl<T> Scheduler<T> {
             item,
             seq,
             enqueued_ms: now_ms,
+            arrival: self.arrivals[class].push(now_ms),
         };
         // The head is indexed by its own arrival: a new head is indexed afresh (an entry
         // queued behind others leaves the head as it was).
@@ -554,21 +589,26 @@ impl<T> Scheduler<T> {
         self.len += 1;
     }
 
+    /// Whether heads of `class` are indexed (see `heads`).
+    fn indexed(&self, class: usize) -> bool {
+        class == 1 || self.policy == Policy::Fifo
+    }
+
     fn index_head(&mut self, leaf: usize, class: usize) {
+        if !self.indexed(class) {
+            return;
+        }
         if let Some(head) = self.nodes[leaf].queues[class].front() {
-            self.heads.insert((head.seq, leaf, class));
-            if class == 1 {
-                self.batch_heads.insert((head.enqueued_ms, head.seq, leaf));
-            }
+            self.heads[class].insert((head.enqueued_ms, head.seq, leaf));
         }
     }
 
     fn unindex_head(&mut self, leaf: usize, class: usize) {
+        if !self.indexed(class) {
+            return;
+        }
         if let Some(head) = self.nodes[leaf].queues[class].front() {
-            self.heads.remove(&(head.seq, leaf, class));
-            if class == 1 {
-                self.batch_heads.remove(&(head.enqueued_ms, head.seq, leaf));
-            }
+            self.heads[class].remove(&(head.enqueued_ms, head.seq, leaf));
         }
     }
 
@@ -588,7 +628,7 @@ impl<T> Scheduler<T> {
                 Verdict::Wait => Found::Wait,
             };
         }
-        for &(_, _, child) in &node.ready[class] {
+        for &(_, _, child) in node.ready[class].iter() {
             match self.descend(child, class, judge) {
                 Found::Nothing => continue,
                 found => return found,
@@ -618,6 +658,25 @@ impl<T> Scheduler<T> {
         Found::Nothing
     }
 
+    /// Every queue head, of either class, in arrival order (keys and classes).
+    fn by_arrival(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        let [mut interactive, mut batch] = self.heads.each_ref().map(|h| h.iter().peekable());
+        std::iter::from_fn(move || {
+            let class = match (interactive.peek(), batch.peek()) {
+                (Some(i), Some(b)) => usize::from(b < i),
+                (Some(_), None) => 0,
+                (None, Some(_)) => 1,
+                (None, None) => return None,
+            };
+            let next = if class == 0 {
+                interactive.next()
+            } else {
+                batch.next()
+            };
+            next.map(|&(_, _, leaf)| (leaf, class))
+        })
+    }
+
     /// The key and class to serve next, in policy order, as `judge` allows.
     fn choose(
         &self,
@@ -625,11 +684,9 @@ impl<T> Scheduler<T> {
         judge: &mut impl FnMut(&str, &T) -> Verdict,
     ) -> Option<(usize, usize)> {
         let in_line = match self.policy {
-            Policy::Fifo => {
-                self.first_in_line(self.heads.iter().map(|&(_, t, class)| (t, class)), judge)
-            }
+            Policy::Fifo => self.first_in_line(self.by_arrival(), judge),
             Policy::Fair => self.first_in_line(
-                self.batch_heads
+                self.heads[1]
                     .iter()
                     .take_while(|&&(enqueued, _, _)| {
                         now_ms.saturating_sub(enqueued) >= self.aging_ms
@@ -672,12 +729,8 @@ impl<T> Scheduler<T> {
         let entry = self.nodes[leaf].queues[class].pop_front();
         self.index_head(leaf, class);
         let entry = entry?;
-        self.decisions += 1;
+        self.arrivals[class].gone(entry.arrival);
         let path = self.ancestry(leaf);
-        let decision = self.decisions;
-        for &n in &path {
-            self.rekey(n, |node| node.last_served = decision);
-        }
         self.remove_backlog(&path, class, 1);
         self.count_org(leaf, 1, false);
         self.len -= 1;
@@ -698,8 +751,13 @@ impl<T> Scheduler<T> {
         let Some(&leaf) = self.by_name.get(tenant) else {
             return;
         };
+        self.charges += 1;
+        let charge = self.charges;
         for n in self.ancestry(leaf) {
-            self.rekey(n, |node| node.counter += cost / node.weight);
+            self.rekey(n, |node| {
+                node.counter += cost / node.weight;
+                node.last_charged = charge;
+            });
         }
     }
 
@@ -739,20 +797,19 @@ impl<T> Scheduler<T> {
                 self.remove_backlog(&path, class, gone.len());
                 self.count_org(leaf, gone.len(), false);
                 self.len -= gone.len();
+                for e in &gone {
+                    self.arrivals[class].gone(e.arrival);
+                }
                 removed.extend(gone.into_iter().map(|e| e.item));
             }
         }
         removed
     }
 
-    /// Arrival time of the oldest queued request of a class, for projecting waits.
+    /// Arrival time of the oldest queued request of a class (wherever it is in its tenant's
+    /// queue), for projecting waits.
     pub fn oldest_ms(&self, priority: Priority) -> Option<u64> {
-        let class = class_of(priority);
-        self.heads
-            .iter()
-            .filter(|&&(_, _, c)| c == class)
-            .filter_map(|&(_, t, c)| self.nodes[t].queues[c].front().map(|e| e.enqueued_ms))
-            .min()
+        self.arrivals[class_of(priority)].oldest_ms()
     }
 }
 
@@ -992,11 +1049,18 @@ mod tests {
         s.push_front("a", &[1.0], B, 0, 900);
         assert_eq!(s.len(), 4);
         assert_eq!(s.depth("a"), 3);
-        assert_eq!(s.oldest_ms(B), Some(900), "its wait counts from its push");
+        assert_eq!(
+            s.oldest_ms(B),
+            Some(0),
+            "a's others, behind it, have waited since 0"
+        );
         // At 1500 a's head has waited 600 ms, under the aging bound: interactive first.
         assert_eq!(s.pop(1_500).unwrap().item, 3);
         assert_eq!(s.pop(1_500).unwrap().item, 0, "the head of a's batch queue");
         assert_eq!(s.pop(1_500).unwrap().item, 1);
+        assert_eq!(s.oldest_ms(B), Some(0));
+        assert_eq!(s.pop(1_500).unwrap().item, 2);
+        assert_eq!(s.oldest_ms(B), None);
         // Aged from its push: ahead of interactive work once the bound has passed.
         s.push("b", &[1.0], I, 4, 2_000);
         s.push_front("a", &[1.0], B, 5, 2_000);
@@ -1223,16 +1287,19 @@ mod invariants {
 
     fn check(s: &Scheduler<u32>) {
         let mut queued = vec![[0usize; CLASSES]; s.nodes.len()];
-        let mut heads = BTreeSet::new();
-        let mut batch_heads = BTreeSet::new();
+        let mut heads: [BTreeSet<Head>; CLASSES] = Default::default();
+        let mut oldest = [None; CLASSES];
         for (name, &leaf) in &s.by_name {
             assert_eq!(s.nodes[leaf].name, *name);
             for (c, q) in s.nodes[leaf].queues.iter().enumerate() {
-                if let Some(h) = q.front() {
-                    heads.insert((h.seq, leaf, c));
-                    if c == 1 {
-                        batch_heads.insert((h.enqueued_ms, h.seq, leaf));
-                    }
+                if let Some(h) = q.front()
+                    && s.indexed(c)
+                {
+                    heads[c].insert((h.enqueued_ms, h.seq, leaf));
+                }
+                for e in q {
+                    oldest[c] =
+                        Some(oldest[c].map_or(e.enqueued_ms, |o: u64| o.min(e.enqueued_ms)));
                 }
                 let mut at = leaf;
                 loop {
@@ -1244,7 +1311,13 @@ mod invariants {
                 }
             }
         }
-        assert_eq!(heads, s.heads, "FIFO heads");
+        assert_eq!(heads, s.heads, "queue heads");
+        for (c, priority) in [Priority::Interactive, Priority::Batch]
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(s.oldest_ms(priority), oldest[c], "oldest of class {c}");
+        }
         let mut by_org: HashMap<String, usize> = HashMap::new();
         for (name, &leaf) in &s.by_name {
             let n: usize = s.nodes[leaf].queues.iter().map(VecDeque::len).sum();
@@ -1259,7 +1332,6 @@ mod invariants {
             .filter(|&(_, n)| n > 0)
             .collect();
         assert_eq!(by_org, depths, "queued per org");
-        assert_eq!(batch_heads, s.batch_heads, "batch heads");
         assert_eq!(s.len, queued[ROOT].iter().sum::<usize>(), "len");
         for (n, node) in s.nodes.iter().enumerate() {
             assert_eq!(node.backlog, queued[n], "backlog of {:?}", node.name);
@@ -1270,7 +1342,8 @@ mod invariants {
                     .filter(|&&child| queued[child][c] > 0)
                     .map(|&child| s.nodes[child].key(child))
                     .collect();
-                assert_eq!(*ready, expected, "ready set {c} of {:?}", node.name);
+                let ready: BTreeSet<_> = ready.iter().copied().collect();
+                assert_eq!(ready, expected, "ready set {c} of {:?}", node.name);
             }
         }
     }
