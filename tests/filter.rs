@@ -256,6 +256,26 @@ async fn header_values_that_are_not_utf8_are_read_not_trapped_on() {
         .unwrap();
     assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
     assert_eq!(error_body(resp).await["code"], "invalid_api_key");
+    // A header *name* with such bytes would panic the SDK too, but it is no HTTP token: Envoy's
+    // codec refuses the request before the filter sees it.
+    let addr = stack().envoy.url.trim_start_matches("http://").to_owned();
+    let answer = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(addr).unwrap();
+        let mut head =
+            format!("POST {CHAT} HTTP/1.1\r\nHost: weir\r\nAuthorization: Bearer key-plain\r\n")
+                .into_bytes();
+        head.extend_from_slice(b"x-caf\xe9: 1\r\nContent-Length: 2\r\n\r\n{}");
+        conn.write_all(&head).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut answer = vec![0u8; 4096];
+        let n = conn.read(&mut answer).unwrap_or(0);
+        String::from_utf8_lossy(&answer[..n]).into_owned()
+    })
+    .await
+    .unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
 }
 
 /// Reads a stream, returning its events and how many separate reads delivered them.
