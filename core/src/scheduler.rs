@@ -1348,14 +1348,150 @@ mod invariants {
         }
     }
 
+    /// Queued requests of `class` below node `n`, counted from the queues themselves.
+    fn queued_below(s: &Scheduler<u32>, n: usize, class: usize) -> usize {
+        s.nodes[n].queues[class].len()
+            + s.nodes[n]
+                .children
+                .values()
+                .map(|&c| queued_below(s, c, class))
+                .sum::<usize>()
+    }
+
+    /// The fair order worked out from the counters alone (no ready sets): children with work
+    /// queued, by counter, then least recently charged, then index; depth first.
+    fn model_descend(
+        s: &Scheduler<u32>,
+        n: usize,
+        class: usize,
+        judge: &impl Fn(&str) -> Verdict,
+    ) -> Found {
+        let node = &s.nodes[n];
+        if let Some(head) = node.queues[class].front() {
+            let _ = head;
+            return match judge(&node.name) {
+                Verdict::Take => Found::Take(n, class),
+                Verdict::Skip => Found::Nothing,
+                Verdict::Wait => Found::Wait,
+            };
+        }
+        let mut children: Vec<usize> = node
+            .children
+            .values()
+            .copied()
+            .filter(|&c| queued_below(s, c, class) > 0)
+            .collect();
+        children.sort_by(|&a, &b| {
+            let (x, y) = (&s.nodes[a], &s.nodes[b]);
+            x.counter
+                .total_cmp(&y.counter)
+                .then(x.last_charged.cmp(&y.last_charged))
+                .then(a.cmp(&b))
+        });
+        for c in children {
+            match model_descend(s, c, class, judge) {
+                Found::Nothing => continue,
+                found => return found,
+            }
+        }
+        Found::Nothing
+    }
+
+    /// What the next decision should be, from the queues and counters alone.
+    fn model_choose(
+        s: &Scheduler<u32>,
+        now: u64,
+        judge: &impl Fn(&str) -> Verdict,
+    ) -> Option<(usize, usize)> {
+        let mut heads: Vec<(u64, u64, usize, usize)> = Vec::new();
+        for &leaf in s.by_name.values() {
+            for c in 0..CLASSES {
+                if let Some(h) = s.nodes[leaf].queues[c].front() {
+                    heads.push((h.enqueued_ms, h.seq, leaf, c));
+                }
+            }
+        }
+        heads.sort_unstable();
+        let in_line: Vec<(usize, usize)> = match s.policy {
+            Policy::Fifo => heads.iter().map(|&(_, _, l, c)| (l, c)).collect(),
+            Policy::Fair => heads
+                .iter()
+                .filter(|&&(_, _, _, c)| c == 1)
+                .take_while(|&&(e, _, _, _)| now.saturating_sub(e) >= s.aging_ms)
+                .map(|&(_, _, l, c)| (l, c))
+                .collect(),
+        };
+        for (leaf, c) in in_line {
+            match judge(&s.nodes[leaf].name) {
+                Verdict::Take => return Some((leaf, c)),
+                Verdict::Wait => return None,
+                Verdict::Skip => {}
+            }
+        }
+        if s.policy == Policy::Fifo {
+            return None;
+        }
+        for class in 0..CLASSES {
+            match model_descend(s, ROOT, class, judge) {
+                Found::Take(l, c) => return Some((l, c)),
+                Found::Wait => return None,
+                Found::Nothing => {}
+            }
+        }
+        None
+    }
+
+    /// Each node's ready sets in iteration order: sorted, without duplicates. Returns whether
+    /// one of them is a B-tree.
+    fn check_ready_order(s: &Scheduler<u32>) -> bool {
+        let mut many = false;
+        for node in &s.nodes {
+            for ready in &node.ready {
+                let keys: Vec<Key> = ready.iter().copied().collect();
+                assert!(
+                    keys.windows(2).all(|w| w[0] < w[1]),
+                    "ready set of {:?} out of order or duplicated: {keys:?}",
+                    node.name
+                );
+                assert_eq!(ready.first(), keys.first());
+                many |= matches!(ready, Ready::Many(_));
+            }
+        }
+        many
+    }
+
+    struct Options {
+        tenants: Vec<String>,
+        /// The clock may step back (now_ms is wall-clock time in the dispatcher).
+        jumpy_clock: bool,
+        steps: u64,
+    }
+
     fn run(policy: Policy, share: Share, seed: u64) {
+        let options = Options {
+            tenants: TENANTS.iter().map(|t| (*t).to_owned()).collect(),
+            jumpy_clock: false,
+            steps: 3_000,
+        };
+        run_with(policy, share, seed, &options);
+    }
+
+    /// Returns how many steps ended with a B-tree among the ready sets.
+    fn run_with(policy: Policy, share: Share, seed: u64, o: &Options) -> u64 {
+        let mut many = 0;
         let mut rng = Rng(seed);
         let mut s = Scheduler::new(policy, share, TokenWeights::default(), 500);
         let mut item = 0u32;
-        for step in 0..3_000u64 {
-            let now = step * 10;
-            let tenant = TENANTS[rng.below(TENANTS.len() as u64) as usize];
-            match rng.below(10) {
+        let mut clock = 10_000u64;
+        for _ in 0..o.steps {
+            clock = if o.jumpy_clock && rng.below(40) == 0 {
+                clock.saturating_sub(rng.below(3_000))
+            } else {
+                clock + rng.below(20)
+            };
+            let now = clock;
+            let tenant = o.tenants[rng.below(o.tenants.len() as u64) as usize].as_str();
+            match rng.below(11) {
                 0..=3 => {
                     let weights: Vec<f64> = (0..rng.below(6))
                         .map(|_| [0.5, 1.0, 3.0, 0.0, f64::NAN][rng.below(5) as usize])
@@ -1374,15 +1510,30 @@ mod invariants {
                 }
                 4..=6 => {
                     let verdicts = [Verdict::Take, Verdict::Skip, Verdict::Wait];
-                    let chosen: HashMap<&str, Verdict> = TENANTS
+                    let chosen: HashMap<&str, Verdict> = o
+                        .tenants
                         .iter()
-                        .map(|&t| (t, verdicts[(rng.below(7) as usize).min(2)]))
+                        .map(|t| (t.as_str(), verdicts[(rng.below(7) as usize).min(2)]))
                         .collect();
+                    let judge = |t: &str| chosen[t];
+                    let expected = model_choose(&s, now, &judge)
+                        .map(|(l, c)| (s.nodes[l].name.clone(), s.nodes[l].queues[c][0].item));
                     let popped = s
                         .pop_where(now, |t, _| chosen[t])
-                        .map(|d| d.tenant.to_owned());
-                    if let Some(t) = popped {
-                        s.charge(&t, rng.below(500), rng.below(500));
+                        .map(|d| (d.tenant.to_owned(), d.item));
+                    assert_eq!(popped, expected, "decision at {now}");
+                    if let Some((t, _)) = popped {
+                        // Zero-token charges (a resumed request) and none at all (a refusal
+                        // after the pop) happen too.
+                        match rng.below(6) {
+                            0 => {}
+                            1 => {
+                                s.charge(&t, 0, 0);
+                            }
+                            _ => {
+                                s.charge(&t, rng.below(500), rng.below(500));
+                            }
+                        }
                     }
                 }
                 7 => {
@@ -1391,17 +1542,49 @@ mod invariants {
                 8 => {
                     s.correct_input(tenant, rng.below(300), rng.below(300));
                 }
+                9 => {
+                    // A large refund: counters go below their siblings', even below zero.
+                    s.correct_input(tenant, rng.below(100_000), 0);
+                }
                 _ => {
                     let m = rng.below(5) as u32 + 2;
                     s.remove_where(|&i| i % m == 0);
                 }
             }
             check(&s);
+            many += u64::from(check_ready_order(&s));
         }
         while s.pop(u64::MAX).is_some() {
             check(&s);
         }
         assert!(s.is_empty());
+        many
+    }
+
+    /// Keys enough that the root (and, under the hierarchy, one org) has more than
+    /// `ready::MANY` children with work queued, and falls back below a quarter of it.
+    fn many_tenants() -> Vec<String> {
+        let mut tenants: Vec<String> = (0..40).map(|i| format!("o{i}")).collect();
+        tenants.extend((0..40).map(|i| format!("big/w{i}/p/k")));
+        tenants.extend(TENANTS.iter().map(|t| (*t).to_owned()));
+        tenants
+    }
+
+    #[test]
+    fn many_tenants_keep_the_bookkeeping_and_the_fair_order() {
+        let options = Options {
+            tenants: many_tenants(),
+            jumpy_clock: false,
+            steps: 4_000,
+        };
+        let mut many = 0;
+        for seed in 1..=6u64 {
+            let seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            many += run_with(Policy::Fair, Share::Hierarchy, seed, &options);
+            many += run_with(Policy::Fair, Share::Key, seed, &options);
+            many += run_with(Policy::Fifo, Share::Hierarchy, seed, &options);
+        }
+        assert!(many > 1_000, "B-trees in {many} steps only");
     }
 
     #[test]
