@@ -89,29 +89,58 @@ struct Entry<T> {
     seq: u64,
     enqueued_ms: u64,
     /// Its place in its class's [`Arrivals`].
-    arrival: u64,
+    arrival: Arrival,
+}
+
+/// Where a request is in its class's [`Arrivals`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Arrival {
+    /// Its number in the log.
+    Logged(u64),
+    /// In `late`, by its stamp and sequence number.
+    Late,
 }
 
 /// The requests of one class in the order they were queued, for the oldest wait without an
 /// ordered index that every decision would update: a request leaving its queue is marked
 /// gone, and gone ones are dropped as they reach the front (so it reaches back to the oldest
 /// request still queued, which the dispatcher's queue deadline bounds).
+///
+/// The log's front is the oldest only while stamps rise with queueing order. They need not:
+/// the dispatcher's clock is wall-clock time, which can step back, and handlers stamp a
+/// request before they queue it. A request stamped before the last one logged goes to `late`
+/// instead, an ordered set that stays empty while the clock behaves.
 #[derive(Default)]
 struct Arrivals {
-    /// When each was queued, and whether it still is; the first is number `first`.
+    /// When each was queued, and whether it still is; the first is number `first`. Stamps
+    /// never decrease along it.
     log: VecDeque<(u64, bool)>,
     first: u64,
+    /// Requests stamped before the log's last: by stamp, then sequence number.
+    late: BTreeSet<(u64, u64)>,
 }
 
 impl Arrivals {
-    /// Notes a request queued at `now_ms`; returns its number.
-    fn push(&mut self, now_ms: u64) -> u64 {
+    /// Notes request `seq` queued at `now_ms`; returns where it went.
+    fn push(&mut self, now_ms: u64, seq: u64) -> Arrival {
+        if self.log.back().is_some_and(|&(last, _)| now_ms < last) {
+            self.late.insert((now_ms, seq));
+            return Arrival::Late;
+        }
         self.log.push_back((now_ms, true));
-        self.first + self.log.len() as u64 - 1
+        Arrival::Logged(self.first + self.log.len() as u64 - 1)
     }
 
-    fn gone(&mut self, arrival: u64) {
-        let at = arrival
+    /// Notes that a request queued at `enqueued_ms` as `seq` left its queue.
+    fn gone(&mut self, arrival: Arrival, enqueued_ms: u64, seq: u64) {
+        let number = match arrival {
+            Arrival::Late => {
+                self.late.remove(&(enqueued_ms, seq));
+                return;
+            }
+            Arrival::Logged(number) => number,
+        };
+        let at = number
             .checked_sub(self.first)
             .and_then(|i| usize::try_from(i).ok());
         if let Some((_, queued)) = at.and_then(|i| self.log.get_mut(i)) {
@@ -125,7 +154,9 @@ impl Arrivals {
 
     /// When the longest-waiting request still queued was queued.
     fn oldest_ms(&self) -> Option<u64> {
-        self.log.front().map(|&(ms, _)| ms)
+        let logged = self.log.front().map(|&(ms, _)| ms);
+        let late = self.late.first().map(|&(ms, _)| ms);
+        logged.into_iter().chain(late).min()
     }
 }
 
@@ -568,7 +599,7 @@ impl<T> Scheduler<T> {
             item,
             seq,
             enqueued_ms: now_ms,
-            arrival: self.arrivals[class].push(now_ms),
+            arrival: self.arrivals[class].push(now_ms, seq),
         };
         // The head is indexed by its own arrival: a new head is indexed afresh (an entry
         // queued behind others leaves the head as it was).
@@ -729,7 +760,7 @@ impl<T> Scheduler<T> {
         let entry = self.nodes[leaf].queues[class].pop_front();
         self.index_head(leaf, class);
         let entry = entry?;
-        self.arrivals[class].gone(entry.arrival);
+        self.arrivals[class].gone(entry.arrival, entry.enqueued_ms, entry.seq);
         let path = self.ancestry(leaf);
         self.remove_backlog(&path, class, 1);
         self.count_org(leaf, 1, false);
@@ -798,7 +829,7 @@ impl<T> Scheduler<T> {
                 self.count_org(leaf, gone.len(), false);
                 self.len -= gone.len();
                 for e in &gone {
-                    self.arrivals[class].gone(e.arrival);
+                    self.arrivals[class].gone(e.arrival, e.enqueued_ms, e.seq);
                 }
                 removed.extend(gone.into_iter().map(|e| e.item));
             }
@@ -1128,6 +1159,22 @@ mod tests {
         s.charge("y", 1_000, 0);
         s.push("y", &[1.0], I, 4, 0);
         assert_eq!(s.counter("y"), 6_000.0, "lifting never lowers a counter");
+    }
+
+    #[test]
+    fn the_oldest_wait_is_the_oldest_stamp_when_the_clock_steps_back() {
+        let mut s = fair();
+        s.push("a", &[1.0], I, 1, 10_000);
+        // The wall clock stepped back a second; b's request has waited longest in fact.
+        s.push("b", &[1.0], I, 2, 9_000);
+        s.push("c", &[1.0], I, 3, 9_500);
+        assert_eq!(s.oldest_ms(I), Some(9_000));
+        s.remove_where(|&i| i == 2);
+        assert_eq!(s.oldest_ms(I), Some(9_500));
+        s.remove_where(|&i| i == 3);
+        assert_eq!(s.oldest_ms(I), Some(10_000));
+        s.remove_where(|_| true);
+        assert_eq!(s.oldest_ms(I), None);
     }
 
     #[test]
@@ -1585,6 +1632,21 @@ mod invariants {
             many += run_with(Policy::Fifo, Share::Hierarchy, seed, &options);
         }
         assert!(many > 1_000, "B-trees in {many} steps only");
+    }
+
+    #[test]
+    fn a_clock_stepping_back_keeps_the_bookkeeping_and_the_fair_order() {
+        let options = Options {
+            tenants: many_tenants(),
+            jumpy_clock: true,
+            steps: 3_000,
+        };
+        for seed in 1..=6u64 {
+            let seed = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            run_with(Policy::Fair, Share::Hierarchy, seed, &options);
+            run_with(Policy::Fair, Share::Key, seed, &options);
+            run_with(Policy::Fifo, Share::Hierarchy, seed, &options);
+        }
     }
 
     #[test]
