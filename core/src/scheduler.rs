@@ -104,7 +104,7 @@ enum Arrival {
 /// The requests of one class in the order they were queued, for the oldest wait without an
 /// ordered index that every decision would update: a request leaving its queue is marked
 /// gone, and gone ones are dropped as they reach the front (so it reaches back to the oldest
-/// request still queued, which the dispatcher's queue deadline bounds).
+/// request still queued; see `Scheduler::compact_arrivals` for when that one stays).
 ///
 /// The log's front is the oldest only while stamps rise with queueing order. They need not:
 /// the dispatcher's clock is wall-clock time, which can step back, and handlers stamp a
@@ -116,6 +116,8 @@ struct Arrivals {
     /// never decrease along it.
     log: VecDeque<(u64, bool)>,
     first: u64,
+    /// Requests in the log still queued.
+    logged: usize,
     /// Requests stamped before the log's last: by stamp, then sequence number.
     late: BTreeSet<(u64, u64)>,
 }
@@ -128,6 +130,7 @@ impl Arrivals {
             return Arrival::Late;
         }
         self.log.push_back((now_ms, true));
+        self.logged += 1;
         Arrival::Logged(self.first + self.log.len() as u64 - 1)
     }
 
@@ -143,8 +146,11 @@ impl Arrivals {
         let at = number
             .checked_sub(self.first)
             .and_then(|i| usize::try_from(i).ok());
-        if let Some((_, queued)) = at.and_then(|i| self.log.get_mut(i)) {
+        if let Some((_, queued)) = at.and_then(|i| self.log.get_mut(i))
+            && *queued
+        {
             *queued = false;
+            self.logged -= 1;
         }
         while self.log.front().is_some_and(|&(_, queued)| !queued) {
             self.log.pop_front();
@@ -618,6 +624,40 @@ impl<T> Scheduler<T> {
         self.add_backlog(&path, class, 1);
         self.count_org(leaf, 1, true);
         self.len += 1;
+        self.compact_arrivals(class);
+    }
+
+    /// Renumbers the log of `class` once requests gone behind a long-waiting one make up most
+    /// of it, so it stays within about twice what is queued. Its front leaves only as its
+    /// request does, and one can wait without bound: a preempted request resumes with no
+    /// queue deadline, and is passed over while its tenant is over its share. Amortized over
+    /// the pushes since the last renumbering, as many as the requests it walks.
+    fn compact_arrivals(&mut self, class: usize) {
+        let arrivals = &self.arrivals[class];
+        // Small under test, so the random operations renumber often.
+        const SLACK: usize = if cfg!(test) { 16 } else { 1_024 };
+        if arrivals.log.len() <= 2 * arrivals.logged + SLACK {
+            return;
+        }
+        let mut logged: Vec<(u64, &mut Entry<T>)> = self
+            .nodes
+            .iter_mut()
+            .flat_map(|n| n.queues[class].iter_mut())
+            .filter_map(|e| match e.arrival {
+                Arrival::Logged(number) => Some((number, e)),
+                Arrival::Late => None,
+            })
+            .collect();
+        // In log order, so stamps still never decrease along it.
+        logged.sort_unstable_by_key(|&(number, _)| number);
+        let arrivals = &mut self.arrivals[class];
+        arrivals.log.clear();
+        arrivals.first = 0;
+        arrivals.logged = logged.len();
+        for (i, (_, e)) in logged.into_iter().enumerate() {
+            e.arrival = Arrival::Logged(i as u64);
+            arrivals.log.push_back((e.enqueued_ms, true));
+        }
     }
 
     /// Whether heads of `class` are indexed (see `heads`).
@@ -1175,6 +1215,34 @@ mod tests {
         assert_eq!(s.oldest_ms(I), Some(10_000));
         s.remove_where(|_| true);
         assert_eq!(s.oldest_ms(I), None);
+    }
+
+    #[test]
+    fn the_arrival_log_stays_bounded_behind_a_request_that_waits_forever() {
+        let mut s = fair();
+        // A resumed request its tenant is never allowed to take (over its share), while
+        // another tenant's batch traffic flows.
+        s.push_front("stuck", &[1.0], B, 0, 0);
+        let skip_stuck = |t: &str, _: &u32| {
+            if t == "stuck" {
+                Verdict::Skip
+            } else {
+                Verdict::Take
+            }
+        };
+        for i in 1..=100_000u64 {
+            s.push("flow", &[1.0], B, 1, i);
+            assert_eq!(s.pop_where(i, skip_stuck).unwrap().tenant, "flow");
+        }
+        assert!(
+            s.arrivals[1].log.len() < 2_000,
+            "{}",
+            s.arrivals[1].log.len()
+        );
+        assert_eq!(s.oldest_ms(B), Some(0));
+        assert_eq!(s.pop(100_000).unwrap().item, 0);
+        assert_eq!(s.oldest_ms(B), None);
+        assert!(s.arrivals[1].log.is_empty());
     }
 
     #[test]
