@@ -11,8 +11,16 @@ use std::collections::{BTreeSet, btree_set};
 use smallvec::SmallVec;
 
 /// A counter value with a total order, so it can key an ordered set.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug)]
 pub(super) struct Counter(pub(super) f64);
+
+/// Equal as the order has it (`f64`'s `==` has 0.0 == -0.0, which the order tells apart): a
+/// key found unchanged by `==` must also be found where the set put it.
+impl PartialEq for Counter {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
 
 impl Eq for Counter {}
 
@@ -115,6 +123,14 @@ impl<'a> Iterator for Iter<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counters_are_equal_exactly_when_the_order_says_so() {
+        for (a, b) in [(0.0, -0.0), (1.0, 1.0), (f64::NAN, f64::NAN)] {
+            let (a, b) = (Counter(a), Counter(b));
+            assert_eq!(a == b, a.cmp(&b) == Ordering::Equal, "{a:?} {b:?}");
+        }
+    }
 
     #[test]
     fn it_keeps_serving_order_as_it_grows_past_the_array_and_shrinks_back() {
