@@ -1,7 +1,6 @@
 //! Tenant-scoped prefix affinity against no affinity (every request to the least-loaded
-//! replica), each scenario run by weir-bench once each way: the prefix-affinity scenario (16
-//! tenants, each with its own ~8k-token system prompt, on four replicas of the 8B preset), and
-//! the same with 64 tenants, whose prefixes are more than a replica caches.
+//! replica): the prefix-affinity scenario (16 tenants, each with its own ~8k-token system
+//! prompt, on four replicas of the 8B preset), run by weir-bench once each way.
 
 use std::path::Path;
 use std::process::Command;
@@ -10,26 +9,16 @@ use serde_json::Value;
 
 use super::{Row, Target};
 
-/// Each scenario: its name (under bench/scenarios/) and its tenants.
-const SCENARIOS: [(&str, usize); 2] = [
-    ("prefix-affinity", 16),
-    ("prefix-affinity-many-tenants", 64),
-];
+const SCENARIO: &str = "bench/scenarios/prefix-affinity.yaml";
 
 /// TTFT p90 and ITL p50 in ms over every answered request of one run.
-fn run(
-    bench_bin: &Path,
-    root: &Path,
-    scenario: &str,
-    affinity: bool,
-) -> anyhow::Result<(f64, f64, usize)> {
+fn run(bench_bin: &Path, root: &Path, affinity: bool) -> anyhow::Result<(f64, f64, usize)> {
     let out = root
         .join("target/bench/affinity")
-        .join(scenario)
         .join(affinity.to_string());
     let _ = std::fs::remove_dir_all(&out);
     let status = Command::new(bench_bin)
-        .arg(root.join(format!("bench/scenarios/{scenario}.yaml")))
+        .arg(root.join(SCENARIO))
         .args(["--affinity", &affinity.to_string(), "--out"])
         .arg(&out)
         .current_dir(root)
@@ -62,47 +51,41 @@ fn run(
 }
 
 pub fn prefix_affinity(bench_bin: &Path, root: &Path) -> anyhow::Result<Vec<Row>> {
-    let mut rows = Vec::new();
-    for (scenario, tenants) in SCENARIOS {
-        let (on_ttft, on_itl, on_n) = run(bench_bin, root, scenario, true)?;
-        let (off_ttft, off_itl, off_n) = run(bench_bin, root, scenario, false)?;
-        println!(
-            "\nprefix affinity: {tenants} tenants with their own ~8k-token system prompts, 4 replicas of the 8B"
-        );
-        println!("preset (time-scaled 10x), weir-bench's {scenario} scenario once each way");
-        println!(
-            "{:<28} {:>9} {:>13} {:>11}",
-            "", "answered", "TTFT p90 ms", "ITL p50 ms"
-        );
-        println!(
-            "{:<28} {on_n:>9} {on_ttft:>13.1} {on_itl:>11.2}",
-            "affinity"
-        );
-        println!(
-            "{:<28} {off_n:>9} {off_ttft:>13.1} {off_itl:>11.2}",
-            "off (least-loaded replica)"
-        );
-        const BASELINE: &str = "no affinity (least-loaded)";
-        rows.push(
-            Row::new(
-                format!("prefix affinity, {tenants} tenants, TTFT p90 lower by"),
-                BASELINE,
-                off_ttft / on_ttft.max(f64::MIN_POSITIVE),
-                Target::AtLeast(5.0),
-                "×",
-            )
-            .noting(format!("{on_ttft:.1} vs {off_ttft:.1} ms")),
-        );
-        rows.push(
-            Row::new(
-                format!("prefix affinity, {tenants} tenants, ITL p50"),
-                BASELINE,
-                on_itl / off_itl.max(f64::MIN_POSITIVE),
-                Target::AtMost(1.0),
-                "×",
-            )
-            .noting(format!("{on_itl:.2} vs {off_itl:.2} ms")),
-        );
-    }
-    Ok(rows)
+    let (on_ttft, on_itl, on_n) = run(bench_bin, root, true)?;
+    let (off_ttft, off_itl, off_n) = run(bench_bin, root, false)?;
+    println!(
+        "\nprefix affinity: 16 tenants with their own ~8k-token system prompts, 4 replicas of the 8B preset"
+    );
+    println!("(time-scaled 10x), weir-bench's prefix-affinity scenario once each way");
+    println!(
+        "{:<28} {:>9} {:>13} {:>11}",
+        "", "answered", "TTFT p90 ms", "ITL p50 ms"
+    );
+    println!(
+        "{:<28} {on_n:>9} {on_ttft:>13.1} {on_itl:>11.2}",
+        "affinity"
+    );
+    println!(
+        "{:<28} {off_n:>9} {off_ttft:>13.1} {off_itl:>11.2}",
+        "off (least-loaded replica)"
+    );
+    const BASELINE: &str = "no affinity (least-loaded)";
+    Ok(vec![
+        Row::new(
+            "prefix affinity, TTFT p90 lower by",
+            BASELINE,
+            off_ttft / on_ttft.max(f64::MIN_POSITIVE),
+            Target::AtLeast(5.0),
+            "×",
+        )
+        .noting(format!("{on_ttft:.1} vs {off_ttft:.1} ms")),
+        Row::new(
+            "prefix affinity, ITL p50",
+            BASELINE,
+            on_itl / off_itl.max(f64::MIN_POSITIVE),
+            Target::AtMost(1.0),
+            "×",
+        )
+        .noting(format!("{on_itl:.2} vs {off_itl:.2} ms")),
+    ])
 }
