@@ -189,9 +189,14 @@ async fn a_tenant_over_its_input_budget_gets_429_while_another_is_served() {
     );
 
     tokio::time::sleep(Duration::from_secs(retry_after)).await;
+    let again = post(CHAT, Some("budget"), body).await;
+    let status = again.status();
+    let headers = format!("{:?}", again.headers());
     assert_eq!(
-        post(CHAT, Some("budget"), body).await.status(),
-        StatusCode::OK
+        status,
+        StatusCode::OK,
+        "after Retry-After {retry_after} s: {headers} {}",
+        again.text().await.unwrap_or_default()
     );
 }
 
