@@ -334,10 +334,7 @@ mod tests {
             ("🙂".repeat(300), false),
         ];
         for (text, sparse) in hostile {
-            let req = chat(
-                &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
-                    .to_string(),
-            );
+            let req = user_says(&text);
             let exact = prompt_tokens(&req, Encoding::Cl100kBase, usize::MAX, Counting::Exact);
             let counted = prompt_tokens(&req, Encoding::Cl100kBase, 64 * 1024, Counting::Estimated);
             let head: String = text.chars().take(4).collect();
@@ -361,11 +358,7 @@ mod tests {
             );
             assert!(long.longest_bound >= exact.longest);
         }
-        let prose = chat(
-            &serde_json::json!({"model": "m", "messages": [{"role": "user",
-            "content": include_str!("../testdata/prose.txt")}]})
-            .to_string(),
-        );
+        let prose = user_says(include_str!("../testdata/prose.txt"));
         let estimated = prompt_tokens(&prose, Encoding::Cl100kBase, 64 * 1024, Counting::Estimated);
         assert_eq!(estimated.method, Method::Fast, "ordinary text is estimated");
         assert!(
@@ -389,10 +382,7 @@ mod tests {
             ('\u{12000}'..='\u{12300}').cycle().take(1000).collect(),
         ];
         for text in texts {
-            let req = chat(
-                &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
-                    .to_string(),
-            );
+            let req = user_says(&text);
             let exact = prompt_tokens(&req, Encoding::Cl100kBase, usize::MAX, Counting::Exact);
             let counted = prompt_tokens(&req, Encoding::Cl100kBase, 8 * 1024, Counting::Estimated);
             let head: String = text.chars().take(2).collect();
@@ -490,6 +480,14 @@ mod tests {
             (4, 3),
             "the batch is charged, its longest fits"
         );
+    }
+
+    /// A chat request of one user message.
+    fn user_says(text: &str) -> InferenceRequest {
+        chat(
+            &serde_json::json!({"model": "m", "messages": [{"role": "user", "content": text}]})
+                .to_string(),
+        )
     }
 
     fn chat(body: &str) -> InferenceRequest {

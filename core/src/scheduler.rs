@@ -134,11 +134,11 @@ impl Arrivals {
         Arrival::Logged(self.first + self.log.len() as u64 - 1)
     }
 
-    /// Notes that a request queued at `enqueued_ms` as `seq` left its queue.
-    fn gone(&mut self, arrival: Arrival, enqueued_ms: u64, seq: u64) {
-        let number = match arrival {
+    /// Notes that `entry` left its queue.
+    fn gone<T>(&mut self, entry: &Entry<T>) {
+        let number = match entry.arrival {
             Arrival::Late => {
-                self.late.remove(&(enqueued_ms, seq));
+                self.late.remove(&(entry.enqueued_ms, entry.seq));
                 return;
             }
             Arrival::Logged(number) => number,
@@ -800,7 +800,7 @@ impl<T> Scheduler<T> {
         let entry = self.nodes[leaf].queues[class].pop_front();
         self.index_head(leaf, class);
         let entry = entry?;
-        self.arrivals[class].gone(entry.arrival, entry.enqueued_ms, entry.seq);
+        self.arrivals[class].gone(&entry);
         let path = self.ancestry(leaf);
         self.remove_backlog(&path, class, 1);
         self.count_org(leaf, 1, false);
@@ -869,7 +869,7 @@ impl<T> Scheduler<T> {
                 self.count_org(leaf, gone.len(), false);
                 self.len -= gone.len();
                 for e in &gone {
-                    self.arrivals[class].gone(e.arrival, e.enqueued_ms, e.seq);
+                    self.arrivals[class].gone(e);
                 }
                 removed.extend(gone.into_iter().map(|e| e.item));
             }
@@ -1482,8 +1482,7 @@ mod invariants {
         judge: &impl Fn(&str) -> Verdict,
     ) -> Found {
         let node = &s.nodes[n];
-        if let Some(head) = node.queues[class].front() {
-            let _ = head;
+        if !node.queues[class].is_empty() {
             return match judge(&node.name) {
                 Verdict::Take => Found::Take(n, class),
                 Verdict::Skip => Found::Nothing,
