@@ -203,6 +203,10 @@ impl Sim {
         Sim::start_at(bin, "127.0.0.1", 0, args)
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A simulator bound to `host:port` (any 127.x.y.z is loopback: replicas that differ by
     /// address only, as a DNS name's do).
     pub fn start_at(bin: &Path, host: &str, port: u16, args: &[&str]) -> Sim {

@@ -15,10 +15,12 @@
 //! assignment is the hold on the replica, released when the flight finishes or is dropped), the
 //! idempotency claim settled (with the response, captured up to a bound, for replays).
 
+use std::pin::pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
+use bytes::BytesMut;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use futures::{Stream, StreamExt};
@@ -30,7 +32,7 @@ use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use crate::dispatcher::{Assignment, Event, Requeued, now_ms};
 use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
-use crate::metrics::{Labels, gen_ai};
+use crate::metrics::{HistogramSeries, Labels, gen_ai};
 use crate::resume::{Splice, continued, segment_id};
 use crate::server::{App, Trusted, error_response};
 use crate::stream_end::Ending;
@@ -95,6 +97,8 @@ pub struct Flight {
     arrived: Instant,
     deadline_ms: u64,
     meter: StreamMeter,
+    /// The tenant's inter-chunk latency series, observed per chunk.
+    itl: HistogramSeries,
     first_chunk: Option<Instant>,
     last_chunk: Option<Instant>,
     charged: u64,
@@ -119,7 +123,10 @@ impl Flight {
         assignment: Assignment,
         claim: Option<Claim>,
     ) -> Flight {
+        let tenant = app.metrics.tenant(&attempt.who.tenant);
+        let itl = app.metrics.itl.series(&[("tenant", tenant)]);
         Flight {
+            itl,
             app,
             endpoint: attempt.endpoint,
             who: attempt.who,
@@ -184,14 +191,14 @@ impl Flight {
     /// unless weir asked for the usage chunk, which is then held back).
     fn observe(&mut self, chunk: &Bytes) -> Bytes {
         let now = Instant::now();
-        let m = &self.app.metrics;
-        let labels: Labels = &[("tenant", m.tenant(&self.who.tenant))];
         match self.last_chunk {
             None => {
+                let m = &self.app.metrics;
+                let labels: Labels = &[("tenant", m.tenant(&self.who.tenant))];
                 m.ttft.observe(labels, self.arrived.elapsed().as_secs_f64());
                 self.first_chunk = Some(now);
             }
-            Some(prev) => m.itl.observe(labels, (now - prev).as_secs_f64()),
+            Some(prev) => self.itl.observe((now - prev).as_secs_f64()),
         }
         self.last_chunk = Some(now);
         let metered = self.meter.feed(chunk, false);
@@ -709,7 +716,8 @@ fn not_started(mut flight: Flight) -> Response {
 /// What the pump hands the response body.
 enum Piece {
     Chunk(Bytes),
-    /// weir's closing event (an error and `[DONE]`): nothing follows it.
+    /// weir's closing event (an error and `[DONE]`), after what was still pending: nothing
+    /// follows it.
     Last(Bytes),
     /// The stream is complete; without it, a closed channel means the pump gave up on the client.
     End,
@@ -721,6 +729,12 @@ enum Delivery {
     ClientGone,
     ClientStalled,
 }
+
+/// Most bytes the pump holds for a client that has not taken the last chunk yet. What the
+/// replica sends meanwhile goes out as one chunk, one write for many events (the slower the
+/// client, the larger the batch); past this the pump stops reading, and the replica's stream
+/// waits on the client.
+const MAX_PENDING_BYTES: usize = 16 * 1024;
 
 fn relay_stream(
     flight: Flight,
@@ -751,6 +765,55 @@ async fn deliver(tx: &mpsc::Sender<Piece>, piece: Piece, stall: Duration) -> Del
     }
 }
 
+/// What the pump waits on besides the replica and the client: how long each has kept it
+/// waiting. One timer serves both and is moved only when it fires, never per chunk.
+struct Watch {
+    idle: Duration,
+    stall: Duration,
+    /// Since when the pump has been waiting for the replica's next bytes.
+    replica_since: Instant,
+    /// Since when bytes have been pending for a client that has not taken the last chunk.
+    client_since: Option<Instant>,
+}
+
+/// Who kept the pump waiting too long.
+#[derive(Debug, PartialEq)]
+enum Lapse {
+    /// No bytes from the replica for `IDLE_TIMEOUT` while the pump was reading.
+    Replica,
+    /// Bytes pending for the client longer than `relay.client_stall_ms`.
+    Client,
+}
+
+impl Watch {
+    fn new(stall: Duration, now: Instant) -> Watch {
+        Watch {
+            idle: IDLE_TIMEOUT,
+            stall,
+            replica_since: now,
+            client_since: None,
+        }
+    }
+
+    /// Who has lapsed at `now`; the replica counts only while the pump is `reading` it.
+    fn lapsed(&self, now: Instant, reading: bool) -> Option<Lapse> {
+        if self.client_since.is_some_and(|t| now >= t + self.stall) {
+            Some(Lapse::Client)
+        } else if reading && now >= self.replica_since + self.idle {
+            Some(Lapse::Replica)
+        } else {
+            None
+        }
+    }
+
+    /// When to look again.
+    fn next_check(&self) -> Instant {
+        let replica = self.replica_since + self.idle;
+        self.client_since
+            .map_or(replica, |t| replica.min(t + self.stall))
+    }
+}
+
 /// Relays the replica's stream to the body channel until it ends, the client leaves or stalls,
 /// or the stream's time (`deadline`, counted from dispatch) is up; settles the flight on every
 /// path.
@@ -762,11 +825,41 @@ async fn pump(
 ) {
     let app = flight.app.clone();
     let stall = Duration::from_millis(app.relay.load().client_stall_ms);
-    let deliver = |piece: Piece| deliver(&tx, piece, stall);
     let mut preemption = flight.assignment.take_preemption();
-    loop {
-        let next = tokio::select! {
-            next = tokio::time::timeout(IDLE_TIMEOUT, upstream.next()) => next,
+    let mut watch = Watch::new(stall, Instant::now());
+    let timer = tokio::time::sleep_until(watch.next_check().into());
+    let (mut timer, mut closed) = (pin!(timer), pin!(tx.closed()));
+    let (mut deadline, mut cut) = (pin!(tokio::time::sleep_until(deadline)), pin!(cut(&app)));
+    // What the replica sent that the client has not taken yet.
+    let mut pending = BytesMut::new();
+    // Whether a chunk came since the replica's connection last had a turn.
+    let mut gathering = false;
+    let ending = loop {
+        let reading = pending.len() < MAX_PENDING_BYTES;
+        tokio::select! {
+            biased;
+            () = &mut closed => {
+                flight.finish("cancelled", None);
+                return;
+            }
+            () = &mut cut => {
+                flight.finish("shutdown", None);
+                break Ending::Shutdown;
+            }
+            () = &mut deadline => {
+                flight.finish("stream_deadline", None);
+                break Ending::Deadline;
+            }
+            () = &mut timer => {
+                match watch.lapsed(Instant::now(), reading) {
+                    Some(Lapse::Client) => {
+                        flight.finish("slow_client", None);
+                        return;
+                    }
+                    Some(Lapse::Replica) => break lost_replica(&mut flight),
+                    None => timer.as_mut().reset(watch.next_check().into()),
+                }
+            }
             requeued = preempted(&mut preemption) => {
                 if !flight.continuation.as_ref().is_some_and(|c| c.splice.resumable()) {
                     // It streamed what a continuation would not reproduce: it runs on.
@@ -774,87 +867,98 @@ async fn pump(
                 }
                 drop(upstream);
                 flight.assignment.release();
-                match resumed(&mut flight, requeued, &tx, deadline).await {
+                if !pending.is_empty() {
+                    let chunk = Piece::Chunk(pending.split().freeze());
+                    if !delivered(&mut flight, deliver(&tx, chunk, stall).await) {
+                        return;
+                    }
+                }
+                match resumed(&mut flight, requeued, &tx, deadline.deadline()).await {
                     Resumed::Streaming(next) => {
                         upstream = next;
                         preemption = flight.assignment.take_preemption();
-                        continue;
+                        watch.replica_since = Instant::now();
+                        watch.client_since = None;
                     }
                     Resumed::Ended(ending) => {
                         if let Some(ending) = ending {
-                            deliver(Piece::Last(ending.event(flight.endpoint))).await;
+                            deliver(&tx, Piece::Last(ending.event(flight.endpoint)), stall).await;
                         }
                         return;
                     }
                 }
             }
-            () = tx.closed() => {
-                flight.finish("cancelled", None);
-                return;
-            }
-            () = tokio::time::sleep_until(deadline) => {
-                drop(upstream);
-                flight.finish("stream_deadline", None);
-                deliver(Piece::Last(Ending::Deadline.event(flight.endpoint))).await;
-                return;
-            }
-            () = cut(&app) => {
-                drop(upstream);
-                flight.finish("shutdown", None);
-                deliver(Piece::Last(Ending::Shutdown.event(flight.endpoint))).await;
-                return;
-            }
-        };
-        match next {
-            Ok(Some(Ok(chunk))) => {
-                let chunk = flight.splice(&chunk);
-                if chunk.is_empty() {
-                    continue;
-                }
-                let chunk = flight.observe(&chunk);
-                if chunk.is_empty() {
-                    continue;
-                }
-                match deliver(Piece::Chunk(chunk)).await {
-                    Delivery::Taken => {}
-                    Delivery::ClientGone => {
-                        flight.finish("cancelled", None);
-                        return;
-                    }
-                    Delivery::ClientStalled => {
-                        drop(upstream);
-                        flight.finish("slow_client", None);
-                        return;
+            next = upstream.next(), if reading => match next {
+                Some(Ok(chunk)) => {
+                    let now = Instant::now();
+                    watch.replica_since = now;
+                    let chunk = flight.splice(&chunk);
+                    let chunk = if chunk.is_empty() { chunk } else { flight.observe(&chunk) };
+                    if !chunk.is_empty() {
+                        watch.client_since.get_or_insert(now);
+                        pending.extend_from_slice(&chunk);
+                        gathering = true;
                     }
                 }
-            }
-            Ok(None) => {
-                let spliced = flight.splice_rest();
-                let mut rest = if spliced.is_empty() {
-                    Vec::new()
-                } else {
-                    flight.observe(&spliced).to_vec()
-                };
-                rest.extend_from_slice(&flight.drain());
-                let rest = Bytes::from(rest);
-                let outcome = flight.ended_outcome();
-                flight.finish(outcome, None);
-                if !rest.is_empty() {
-                    deliver(Piece::Chunk(rest)).await;
+                None => {
+                    let spliced = flight.splice_rest();
+                    if !spliced.is_empty() {
+                        pending.extend_from_slice(&flight.observe(&spliced));
+                    }
+                    pending.extend_from_slice(&flight.drain());
+                    let outcome = flight.ended_outcome();
+                    flight.finish(outcome, None);
+                    if !pending.is_empty() {
+                        let rest = Piece::Chunk(pending.split().freeze());
+                        if !delivered(&mut flight, deliver(&tx, rest, stall).await) {
+                            return;
+                        }
+                    }
+                    deliver(&tx, Piece::End, stall).await;
+                    return;
                 }
-                deliver(Piece::End).await;
-                return;
+                Some(Err(_)) => break lost_replica(&mut flight),
+            },
+            // The replica's connection hands its events over one at a time: it gets a turn to
+            // hand over what it has already read before the pending bytes go out, so a burst
+            // of events is one write to the client, not one each.
+            () = tokio::task::yield_now(), if gathering => gathering = false,
+            permit = tx.reserve(), if !gathering && !pending.is_empty() => {
+                let Ok(permit) = permit else { continue };
+                permit.send(Piece::Chunk(pending.split().freeze()));
+                watch.client_since = None;
+                watch.replica_since = Instant::now();
             }
-            Ok(Some(Err(_))) | Err(_) => {
-                let _ = flight.app.events.send(Event::ReplicaFailed {
-                    pool: flight.assignment.pool,
-                    replica: flight.assignment.replica,
-                });
-                drop(upstream);
-                flight.finish("failed", None);
-                deliver(Piece::Last(Ending::LostReplica.event(flight.endpoint))).await;
-                return;
-            }
+        }
+    };
+    // The stream ends early: what was pending, then weir's closing event.
+    drop(upstream);
+    pending.extend_from_slice(&ending.event(flight.endpoint));
+    deliver(&tx, Piece::Last(pending.freeze()), stall).await;
+}
+
+/// The replica failed mid-stream (an error, or silent past `IDLE_TIMEOUT`): the dispatcher is
+/// told and the attempt settled.
+fn lost_replica(flight: &mut Flight) -> Ending {
+    let _ = flight.app.events.send(Event::ReplicaFailed {
+        pool: flight.assignment.pool,
+        replica: flight.assignment.replica,
+    });
+    flight.finish("failed", None);
+    Ending::LostReplica
+}
+
+/// Settles a flight whose client did not take a chunk; whether the stream goes on.
+fn delivered(flight: &mut Flight, delivery: Delivery) -> bool {
+    match delivery {
+        Delivery::Taken => true,
+        Delivery::ClientGone => {
+            flight.finish("cancelled", None);
+            false
+        }
+        Delivery::ClientStalled => {
+            flight.finish("slow_client", None);
+            false
         }
     }
 }

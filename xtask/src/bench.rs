@@ -232,6 +232,63 @@ fn peak_rss_mb(pid: u32) -> f64 {
         .map_or(0.0, |kb| kb / 1024.0)
 }
 
+/// What a process has used so far: CPU seconds (user and system, from `/proc/<pid>/stat` in
+/// USER_HZ ticks, 100 a second on Linux whatever the kernel's HZ) and write system calls
+/// (`/proc/<pid>/io`): each write to a socket is a trip through the kernel's TCP stack.
+#[derive(Clone, Copy, Default)]
+struct Usage {
+    cpu: f64,
+    writes: f64,
+}
+
+fn usage(pid: u32) -> Usage {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The fields after the command name (in parentheses, and it may hold spaces).
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or_else(Vec::new, |(_, rest)| rest.split_whitespace().collect());
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).unwrap_or_default();
+    let writes = io
+        .lines()
+        .find_map(|l| l.strip_prefix("syscw:"))
+        .and_then(|n| n.trim().parse().ok());
+    Usage {
+        cpu: (ticks(11).unwrap_or(0.0) + ticks(12).unwrap_or(0.0)) / 100.0,
+        writes: writes.unwrap_or(0.0),
+    }
+}
+
+/// Runs `phase`; with what it returned, what each of `pids` used in it per token of `tokens`
+/// (CPU in µs).
+fn usage_per_token<T, const N: usize>(
+    pids: [u32; N],
+    tokens: u64,
+    phase: impl FnOnce() -> anyhow::Result<T>,
+) -> anyhow::Result<(T, [Usage; N])> {
+    let before = pids.map(usage);
+    let out = phase()?;
+    let mut used = pids.map(usage);
+    for (after, before) in used.iter_mut().zip(before) {
+        *after = Usage {
+            cpu: (after.cpu - before.cpu) * 1e6 / tokens as f64,
+            writes: (after.writes - before.writes) / tokens as f64,
+        };
+    }
+    Ok((out, used))
+}
+
+/// The median over rounds of what one process used per token: "2.60 µs, 0.10 writes".
+fn usage_median(rounds: &[Usage]) -> String {
+    let mut cpu: Vec<f64> = rounds.iter().map(|u| u.cpu).collect();
+    let mut writes: Vec<f64> = rounds.iter().map(|u| u.writes).collect();
+    format!(
+        "{:.2} µs, {:.2} writes",
+        median(&mut cpu),
+        median(&mut writes)
+    )
+}
+
 const RELAY_TOKENS: u64 = 100;
 /// Rounds per stream count, each a direct run then a relayed one: the spread between runs on
 /// a shared 2-core machine is wider than most changes to the relay.
@@ -398,9 +455,24 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Ve
             ));
             continue;
         }
+        let tokens = n as u64 * RELAY_TOKENS;
+        let me = std::process::id();
+        // What the engine, the sidecar and the client (this process) used per token.
+        let (mut engine, mut sidecar_used, mut client) = ([vec![], vec![]], vec![], [vec![], vec![]]);
         let r = alternate(RELAY_ROUNDS, || {
-            let direct = runtime.block_on(streams(&direct_sim.url, n, false))?;
-            Ok((direct, runtime.block_on(streams(&sidecar.url, n, true))?))
+            let (direct, [e, c]) = usage_per_token([direct_sim.pid(), me], tokens, || {
+                runtime.block_on(streams(&direct_sim.url, n, false))
+            })?;
+            engine[0].push(e);
+            client[0].push(c);
+            let (relayed, [e, s, c]) =
+                usage_per_token([relayed_sim.pid(), sidecar.pid(), me], tokens, || {
+                    runtime.block_on(streams(&sidecar.url, n, true))
+                })?;
+            engine[1].push(e);
+            sidecar_used.push(s);
+            client[1].push(c);
+            Ok((direct, relayed))
         })?;
         let ratio = r.ratio;
         println!(
@@ -409,6 +481,19 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Ve
             r.measured,
             format!("[{:.2}–{:.2}]", r.low, r.high),
             peak_rss_mb(sidecar.pid())
+        );
+        println!(
+            "{:>8} a token (CPU, write calls): direct: engine {}, client {}",
+            "",
+            usage_median(&engine[0]),
+            usage_median(&client[0])
+        );
+        println!(
+            "{:>8}   relayed: engine {}, sidecar {}, client {}",
+            "",
+            usage_median(&engine[1]),
+            usage_median(&sidecar_used),
+            usage_median(&client[1])
         );
         rows.push(Row::new(
             path,

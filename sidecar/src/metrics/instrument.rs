@@ -225,9 +225,30 @@ pub struct Histogram {
 
 impl Histogram {
     pub fn observe(&self, labels: Labels, v: f64) {
-        self.prom.get_or_create(&prom_labels(labels)).observe(v);
-        if let Some(o) = &self.otel {
-            o.record(v, &attributes(labels));
+        self.series(labels).observe(v);
+    }
+
+    /// The series of `labels`, looked up once for what observes it many times (a stream, per
+    /// chunk).
+    pub fn series(&self, labels: Labels) -> HistogramSeries {
+        HistogramSeries {
+            prom: self.prom.get_or_create(&prom_labels(labels)).clone(),
+            otel: (self.otel.clone()).map(|o| (o, attributes(labels))),
+        }
+    }
+}
+
+/// One series of a [`Histogram`].
+pub struct HistogramSeries {
+    prom: PromHistogram,
+    otel: Option<(opentelemetry::metrics::Histogram<f64>, Vec<KeyValue>)>,
+}
+
+impl HistogramSeries {
+    pub fn observe(&self, v: f64) {
+        self.prom.observe(v);
+        if let Some((o, attributes)) = &self.otel {
+            o.record(v, attributes);
         }
     }
 }

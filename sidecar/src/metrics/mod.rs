@@ -15,7 +15,7 @@ use opentelemetry::metrics::Meter;
 use prometheus_client::registry::Registry;
 use serde::Deserialize;
 
-pub use instrument::{Counter, Gauge, Histogram, IntGauge, Labels};
+pub use instrument::{Counter, Gauge, Histogram, HistogramSeries, IntGauge, Labels};
 pub use tenant::TenantDepth;
 
 use crate::isolation::Isolation;
