@@ -36,14 +36,23 @@ fn check_meter_of(endpoint: Endpoint, hide: bool, chunk: usize, stream: &[u8]) {
     let mut whole = StreamMeter::new(endpoint, hide);
     let all_at_once = whole.feed(stream, true);
     let mut cut = StreamMeter::new(endpoint, hide);
+    // Metering alone (what a relay forwarding every byte does) reads the stream the same way.
+    let mut metered = StreamMeter::new(endpoint, hide);
     let mut forwarded = Vec::new();
     let mut pieces = stream.chunks(chunk).peekable();
     while let Some(piece) = pieces.next() {
-        forwarded.extend(cut.feed(piece, pieces.peek().is_none()));
+        let last = pieces.peek().is_none();
+        forwarded.extend(cut.feed(piece, last));
+        metered.meter(piece, last);
     }
     if stream.is_empty() {
         forwarded.extend(cut.feed(&[], true));
+        metered.meter(&[], true);
     }
+    assert_eq!(metered.usage(), cut.usage());
+    assert_eq!(metered.generated_tokens(), cut.generated_tokens());
+    assert_eq!(metered.error_events(), cut.error_events());
+    assert_eq!(metered.saw_done(), cut.saw_done());
     if hide {
         assert!(is_subsequence(&forwarded, stream), "bytes were invented");
     } else {

@@ -11,6 +11,8 @@ mod chat;
 mod messages;
 mod responses;
 
+use std::borrow::Cow;
+
 use serde::Deserialize;
 
 use crate::endpoint::Endpoint;
@@ -228,27 +230,60 @@ impl StreamMeter {
 
     /// Takes the next chunk of the stream and returns the bytes to forward now.
     pub fn feed(&mut self, chunk: &[u8], end_of_stream: bool) -> Vec<u8> {
-        self.held.extend_from_slice(chunk);
-        let complete = if end_of_stream {
-            self.held.len()
-        } else {
-            match last_boundary(&self.held) {
-                Some(end) => end,
-                None if self.held.len() > MAX_HELD_BYTES => {
-                    return std::mem::take(&mut self.held);
-                }
-                None => return Vec::new(),
-            }
-        };
-        let rest = self.held.split_off(complete);
-        let ready = std::mem::replace(&mut self.held, rest);
-        let mut out = Vec::with_capacity(ready.len());
-        for event in split_events(&ready) {
-            if self.observe(event) {
-                out.extend_from_slice(event);
-            }
-        }
+        let mut out = Vec::with_capacity(chunk.len() + self.held.len());
+        self.take(chunk, end_of_stream, Some(&mut out));
         out
+    }
+
+    /// Meters the next chunk, for a caller that forwards the stream as it came (one that
+    /// hides no event): [`feed`](Self::feed) without copying what to forward.
+    pub fn meter(&mut self, chunk: &[u8], end_of_stream: bool) {
+        self.take(chunk, end_of_stream, None);
+    }
+
+    /// Meters the complete events of what was held and `chunk` (all of it at the end of the
+    /// stream), adding those to forward to `out`; holds an incomplete last event. A chunk of
+    /// whole events with nothing held, the common case, is read where it lies.
+    fn take(&mut self, chunk: &[u8], end_of_stream: bool, mut out: Option<&mut Vec<u8>>) {
+        let held = std::mem::take(&mut self.held);
+        let buf = if held.is_empty() {
+            Cow::Borrowed(chunk)
+        } else {
+            let mut held = held;
+            held.extend_from_slice(chunk);
+            Cow::Owned(held)
+        };
+        // Scanned forward event by event, so where events end never depends on how the
+        // stream was chunked (a backward search for the last blank line disagrees when `\r\n`
+        // runs overlap).
+        let mut at = 0;
+        while let Some(len) = buf.get(at..).and_then(event_end) {
+            let event = buf.get(at..at + len).unwrap_or_default();
+            self.forward(event, &mut out);
+            at += len;
+        }
+        let rest = buf.get(at..).unwrap_or_default();
+        if end_of_stream {
+            if !rest.is_empty() {
+                self.forward(rest, &mut out);
+            }
+        } else if at == 0 && rest.len() > MAX_HELD_BYTES {
+            // No event ends in it: forwarded unparsed rather than held.
+            if let Some(out) = out {
+                out.extend_from_slice(rest);
+            }
+        } else {
+            self.held = rest.to_vec();
+        }
+    }
+
+    /// Meters one event and adds it to `out` unless it is to be hidden.
+    fn forward(&mut self, event: &[u8], out: &mut Option<&mut Vec<u8>>) {
+        if self.observe(event)
+            && let Some(out) = out
+        {
+            out.extend_from_slice(event);
+        }
     }
 
     /// Meters one event; returns whether to forward it.
@@ -267,58 +302,38 @@ impl StreamMeter {
     }
 }
 
-/// End (exclusive) of the first event in `buf`: just past its blank line.
+/// End (exclusive) of the first event in `buf`: just past its blank line (`\n\n` or
+/// `\r\n\r\n`, whichever ends first), in one pass over it.
 fn event_end(buf: &[u8]) -> Option<usize> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    // A `\r\n\r\n` that ends first lies before the first `\n\n`: searching only there keeps
-    // splitting a chunk into events linear in its length.
-    let before_lf = buf.get(..lf.unwrap_or(buf.len())).unwrap_or(buf);
-    let crlf = before_lf
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|i| i + 4);
-    crlf.or(lf)
-}
-
-/// End (exclusive) of the last complete event. Scans forward event by event, exactly as
-/// [`split_events`] splits, so where events end never depends on how the stream was chunked
-/// (a backward search for the last blank line disagrees when `\r\n` runs overlap).
-fn last_boundary(buf: &[u8]) -> Option<usize> {
-    let mut end = None;
-    let mut at = 0;
-    while let Some(len) = buf.get(at..).and_then(event_end) {
-        at += len;
-        end = Some(at);
-    }
-    end
-}
-
-/// Splits complete events, each keeping its trailing blank line.
-fn split_events(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
-    let mut rest = buf;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
+    let mut from = 0;
+    while let Some(i) = buf.get(from..)?.iter().position(|&b| b == b'\n') {
+        let i = from + i;
+        if i >= 3 && buf.get(i - 3..i) == Some(b"\r\n\r") {
+            return Some(i + 1);
         }
-        let end = event_end(rest).unwrap_or(rest.len());
-        let (event, tail) = rest.split_at(end);
-        rest = tail;
-        Some(event)
-    })
+        if buf.get(i + 1) == Some(&b'\n') {
+            return Some(i + 2);
+        }
+        from = i + 1;
+    }
+    None
 }
 
-/// The concatenated `data:` lines of an event, if any.
-fn event_data(event: &[u8]) -> Option<Vec<u8>> {
-    let mut data: Option<Vec<u8>> = None;
+/// The concatenated `data:` lines of an event, if any (borrowed when there is one).
+fn event_data(event: &[u8]) -> Option<Cow<'_, [u8]>> {
+    let mut data: Option<Cow<'_, [u8]>> = None;
     for line in event.split(|&b| b == b'\n') {
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         if let Some(value) = line.strip_prefix(b"data:") {
             let value = value.strip_prefix(b" ").unwrap_or(value);
-            let d = data.get_or_insert_with(Vec::new);
-            if !d.is_empty() {
-                d.push(b'\n');
+            match &mut data {
+                None => data = Some(Cow::Borrowed(value)),
+                Some(d) => {
+                    let d = d.to_mut();
+                    d.push(b'\n');
+                    d.extend_from_slice(value);
+                }
             }
-            d.extend_from_slice(value);
         }
     }
     data
@@ -389,6 +404,26 @@ impl BodyMeter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first blank line's end as the two searches found it before the single pass: the
+    /// first `\n\n`, or a `\r\n\r\n` ending before it.
+    fn two_search_event_end(buf: &[u8]) -> Option<usize> {
+        let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+        let before_lf = &buf[..lf.unwrap_or(buf.len())];
+        let crlf = before_lf.windows(4).position(|w| w == b"\r\n\r\n");
+        crlf.map(|i| i + 4).or(lf)
+    }
+
+    #[test]
+    fn an_event_ends_where_the_two_searches_said_for_every_run_of_line_breaks() {
+        let alphabet = [b'\r', b'\n', b'a'];
+        for len in 0..=9u32 {
+            for n in 0..3usize.pow(len) {
+                let buf: Vec<u8> = (0..len).map(|i| alphabet[n / 3usize.pow(i) % 3]).collect();
+                assert_eq!(event_end(&buf), two_search_event_end(&buf), "{buf:?}");
+            }
+        }
+    }
 
     const CHUNK: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\n";
     const USAGE: &str = "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":16,\"total_tokens\":32,\"completion_tokens\":16}}\n\n";

@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
-use bytes::BytesMut;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use bytes::BytesMut;
 use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use weir_core::endpoint::Endpoint;
@@ -201,10 +201,10 @@ impl Flight {
             Some(prev) => self.itl.observe((now - prev).as_secs_f64()),
         }
         self.last_chunk = Some(now);
-        let metered = self.meter.feed(chunk, false);
         let out = if self.hide_usage {
-            Bytes::from(metered)
+            Bytes::from(self.meter.feed(chunk, false))
         } else {
+            self.meter.meter(chunk, false);
             chunk.clone()
         };
         self.capture(&out);

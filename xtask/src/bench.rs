@@ -458,7 +458,8 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Ve
         let tokens = n as u64 * RELAY_TOKENS;
         let me = std::process::id();
         // What the engine, the sidecar and the client (this process) used per token.
-        let (mut engine, mut sidecar_used, mut client) = ([vec![], vec![]], vec![], [vec![], vec![]]);
+        let (mut engine, mut sidecar_used, mut client) =
+            ([vec![], vec![]], vec![], [vec![], vec![]]);
         let r = alternate(RELAY_ROUNDS, || {
             let (direct, [e, c]) = usage_per_token([direct_sim.pid(), me], tokens, || {
                 runtime.block_on(streams(&direct_sim.url, n, false))

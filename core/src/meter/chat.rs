@@ -2,14 +2,18 @@
 //! `usage`): generated text in `choices`, usage in a trailing `"choices": []` chunk or the body,
 //! `data: [DONE]` last.
 
+use std::borrow::Cow;
+
 use serde::Deserialize;
 
 use super::{Observed, Reported, generated_tokens};
 
+/// Text fields are borrowed from the event where they hold no escapes: a stream is read event
+/// by event, and most events are one short delta.
 #[derive(Deserialize)]
-struct Event {
-    #[serde(default)]
-    choices: Option<Vec<Choice>>,
+struct Event<'a> {
+    #[serde(default, borrow)]
+    choices: Option<Vec<Choice<'a>>>,
     #[serde(default)]
     usage: Option<Reported>,
     #[serde(default)]
@@ -17,50 +21,50 @@ struct Event {
 }
 
 #[derive(Deserialize)]
-struct Choice {
-    #[serde(default)]
-    delta: Option<Generated>,
-    #[serde(default)]
-    message: Option<Generated>,
+struct Choice<'a> {
+    #[serde(default, borrow)]
+    delta: Option<Generated<'a>>,
+    #[serde(default, borrow)]
+    message: Option<Generated<'a>>,
     /// The completions endpoint's output.
-    #[serde(default)]
-    text: Option<String>,
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
 }
 
 /// Every field of a message or delta the engine generates, each billed as output: the answer,
 /// the reasoning (`reasoning_content` in vLLM until 0.10, `reasoning` after), a refusal, and
 /// tool calls (names and arguments), current and legacy.
 #[derive(Deserialize)]
-struct Generated {
-    #[serde(default)]
-    content: Option<String>,
-    #[serde(default)]
-    reasoning_content: Option<String>,
-    #[serde(default)]
-    reasoning: Option<String>,
-    #[serde(default)]
-    refusal: Option<String>,
-    #[serde(default)]
-    tool_calls: Option<Vec<ToolCall>>,
-    #[serde(default)]
-    function_call: Option<FunctionCall>,
+struct Generated<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    refusal: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    tool_calls: Option<Vec<ToolCall<'a>>>,
+    #[serde(default, borrow)]
+    function_call: Option<FunctionCall<'a>>,
 }
 
 #[derive(Deserialize)]
-struct ToolCall {
-    #[serde(default)]
-    function: Option<FunctionCall>,
+struct ToolCall<'a> {
+    #[serde(default, borrow)]
+    function: Option<FunctionCall<'a>>,
 }
 
 #[derive(Deserialize)]
-struct FunctionCall {
-    #[serde(default)]
-    name: Option<String>,
-    #[serde(default)]
-    arguments: Option<String>,
+struct FunctionCall<'a> {
+    #[serde(default, borrow)]
+    name: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    arguments: Option<Cow<'a, str>>,
 }
 
-impl Generated {
+impl Generated<'_> {
     fn texts(&self) -> impl Iterator<Item = &str> {
         let calls = self
             .tool_calls
@@ -76,17 +80,17 @@ impl Generated {
         ]
         .into_iter()
         .flatten()
-        .map(String::as_str)
+        .map(Cow::as_ref)
         .chain(functions.flat_map(|f| {
             [&f.name, &f.arguments]
                 .into_iter()
                 .flatten()
-                .map(String::as_str)
+                .map(Cow::as_ref)
         }))
     }
 }
 
-impl Choice {
+impl Choice<'_> {
     /// Every piece of generated text in the choice.
     fn texts(&self) -> impl Iterator<Item = &str> {
         self.delta
