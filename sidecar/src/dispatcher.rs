@@ -193,6 +193,35 @@ impl Assignment {
     }
 }
 
+/// An assignment for the relay's tests: a hold on replica 0 of pool 0, `kv` tokens, reported on
+/// `events`, preemptible through `preempt` if given.
+#[cfg(test)]
+impl Assignment {
+    pub(crate) fn for_tests(
+        events: mpsc::UnboundedSender<Event>,
+        kv: u64,
+        preempt: Option<oneshot::Receiver<Requeued>>,
+    ) -> Assignment {
+        Assignment {
+            pool: 0,
+            replica: 0,
+            url: "http://127.0.0.1:9".into(),
+            upstream: crate::upstream::Upstream::plain(),
+            isolation: Isolation::default(),
+            provider: "vllm",
+            queued_ms: 0,
+            tenant: "t".into(),
+            kv_held: kv,
+            sequences: 1,
+            released: false,
+            preempt,
+            ticket: Ticket::for_tests(),
+            dispatched: Instant::now(),
+            events,
+        }
+    }
+}
+
 impl Drop for Assignment {
     fn drop(&mut self) {
         self.release();

@@ -72,6 +72,13 @@ const CLASSES: usize = 24;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Ticket(u64);
 
+#[cfg(test)]
+impl Ticket {
+    pub(crate) fn for_tests() -> Ticket {
+        Ticket(0)
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Limiter {
     limit: f64,

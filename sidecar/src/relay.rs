@@ -1086,6 +1086,350 @@ fn continuation(flight: &mut Flight) -> impl Future<Output = Option<Upstream>> +
 mod tests {
     use super::*;
 
+    /// What a pump runs against: an App with a ledger in a file of its own, the dispatcher's
+    /// events, and the shutdown switch.
+    struct Rig {
+        app: Arc<App>,
+        events: mpsc::UnboundedReceiver<Event>,
+        cut: tokio::sync::watch::Sender<bool>,
+        _draining: tokio::sync::watch::Sender<bool>,
+        ledger: std::path::PathBuf,
+    }
+
+    fn rig(client_stall_ms: u64) -> Rig {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("weir-pump-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("ledger.db");
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let (metrics, registry) =
+            crate::metrics::Metrics::new(&crate::metrics::MetricsConfig::default(), None);
+        let ledger = crate::ledger::Ledger::start(&path, None, Default::default()).unwrap();
+        let (cut, cut_rx) = tokio::sync::watch::channel(false);
+        let (draining, draining_rx) = tokio::sync::watch::channel(false);
+        let (_waits, waits) =
+            tokio::sync::watch::channel(Arc::new(crate::backoff::Waits::default()));
+        let app = Arc::new(App {
+            events: events_tx,
+            ledger_reader: crate::ledger::Reader::open(&path, None).unwrap(),
+            metrics,
+            registry,
+            ledger,
+            pools: crate::reload::Live::new(Vec::new()),
+            exact_below_bytes: crate::reload::Live::new(0),
+            max_body_bytes: crate::reload::Live::new(1 << 20),
+            cache_salt_key: Vec::new(),
+            queue_deadline_ms: crate::reload::Live::new(0),
+            trust: crate::trust::Trust::new(Vec::new()),
+            idempotency: crate::idempotency::Idempotency::new(Default::default()),
+            relay: crate::reload::Live::new(crate::config::RelayConfig {
+                client_stall_ms,
+                ..Default::default()
+            }),
+            backoff: crate::backoff::Backoff::new(waits),
+            predictions: crate::prediction::Predictions::new(Default::default()),
+            quota: None,
+            cut: cut_rx,
+            draining: draining_rx,
+        });
+        Rig {
+            app,
+            events,
+            cut,
+            _draining: draining,
+            ledger: path,
+        }
+    }
+
+    fn flight(rig: &Rig, hide_usage: bool) -> Flight {
+        let attempt = Attempt {
+            endpoint: Endpoint::ChatCompletions,
+            who: Trusted {
+                tenant: "t".into(),
+                request_id: "r1".into(),
+                idempotency_key: None,
+                tier: "standard".into(),
+                weights: vec![1.0],
+                priority: Default::default(),
+                kv_cap: None,
+                models: None,
+                prices: None,
+            },
+            model: "m".into(),
+            input_tokens: 10,
+            output_held: 100,
+            uncapped: false,
+            sequences: 1,
+            arrived: Instant::now(),
+            deadline_ms: u64::MAX,
+            hide_usage,
+            continuation: None,
+        };
+        let assignment = Assignment::for_tests(rig.app.events.clone(), 110, None);
+        Flight::new(rig.app.clone(), attempt, assignment, None)
+    }
+
+    type Feed = futures::channel::mpsc::UnboundedSender<reqwest::Result<Bytes>>;
+
+    /// A replica's stream the test writes to.
+    fn replica() -> (Feed, Upstream) {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        (tx, Box::pin(rx))
+    }
+
+    fn token(i: usize) -> Bytes {
+        Bytes::from(format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"t{i}\"}}}}]}}\n\n"
+        ))
+    }
+
+    /// The outcomes the ledger recorded (waits for the writer).
+    fn outcomes(rig: &Rig) -> Vec<String> {
+        assert!(rig.app.ledger.flush(Duration::from_secs(5)));
+        let conn = rusqlite::Connection::open(&rig.ledger).unwrap();
+        let mut stmt = conn.prepare("SELECT outcome FROM usage").unwrap();
+        stmt.query_map([], |r| r.get::<_, String>(0))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+    }
+
+    /// Waits (up to `within`) for the replica's hold to be given back; how many times it was.
+    async fn released(rig: &mut Rig, within: Duration) -> usize {
+        let mut n = 0;
+        let _ = tokio::time::timeout(within, async {
+            while let Some(e) = rig.events.recv().await {
+                if matches!(e, Event::Finished { .. }) {
+                    n += 1;
+                    break;
+                }
+            }
+        })
+        .await;
+        // Anything more already sent counts too.
+        while let Ok(e) = rig.events.try_recv() {
+            if matches!(e, Event::Finished { .. }) {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Everything the client reads until the pump's side ends.
+    async fn read_all(rx: &mut mpsc::Receiver<Piece>) -> (Vec<u8>, &'static str) {
+        let mut out = Vec::new();
+        loop {
+            match rx.recv().await {
+                Some(Piece::Chunk(c)) => out.extend_from_slice(&c),
+                Some(Piece::Last(c)) => {
+                    out.extend_from_slice(&c);
+                    return (out, "last");
+                }
+                Some(Piece::End) => return (out, "end"),
+                None => return (out, "closed"),
+            }
+        }
+    }
+
+    /// FINDING 1: the one timer is armed for the replica's 30 s silence and moved only when it
+    /// fires, so a client that stops reading is cut when that timer next fires, up to
+    /// `IDLE_TIMEOUT` after `client_stall_ms`: with a 200 ms stall limit, the engine stays
+    /// pinned (KV held, slot taken) for 30 s.
+    #[tokio::test]
+    async fn a_client_that_stops_reading_is_cut_at_the_stall_limit_not_the_idle_timeout() {
+        let mut rig = rig(200);
+        let (feed, upstream) = replica();
+        let (tx, _client) = mpsc::channel(1); // never read
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        // One chunk fills the body channel; the next waits for a client that never takes it.
+        for i in 0..4 {
+            feed.unbounded_send(Ok(token(i))).unwrap();
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let started = std::time::Instant::now();
+        let n = released(&mut rig, Duration::from_secs(3)).await;
+        assert_eq!(
+            n, 1,
+            "the hold is given back once within 3 s of a 200 ms stall (took {:?})",
+            started.elapsed()
+        );
+        tokio::time::timeout(Duration::from_secs(1), pump).await.unwrap().unwrap();
+        assert_eq!(outcomes(&rig), ["slow_client"]);
+    }
+
+    /// FINDING 2: while the pump is not reading (16 KiB pending), the replica's silence does
+    /// not count, but its deadline still sets the next check: once it is past and the client's
+    /// stall limit is not (`client_stall_ms` above 30 s), the timer is re-armed in the past and
+    /// fires at once, again and again — a busy loop (which, biased ahead of the body channel,
+    /// also keeps the pump from handing the client its bytes) until the stall limit lapses.
+    #[test]
+    fn a_check_with_nothing_lapsed_is_never_due_already() {
+        let stall = Duration::from_secs(60);
+        let t0 = Instant::now();
+        let mut watch = Watch::new(stall, t0);
+        // 16 KiB came at t0 for a client that has not taken the last chunk: no more reading.
+        watch.client_since = Some(t0);
+        for secs in [29, 30, 31, 45, 59] {
+            let now = t0 + Duration::from_secs(secs);
+            if watch.lapsed(now, false).is_none() {
+                assert!(
+                    watch.next_check() > now,
+                    "at {secs} s nothing lapsed, yet the next check is due already"
+                );
+            }
+        }
+        assert_eq!(
+            watch.lapsed(t0 + stall, false),
+            Some(Lapse::Client),
+            "the client's stall still lapses"
+        );
+    }
+
+    /// What held: a replica that ends its stream while bytes wait for a slow client — all of
+    /// it reaches the client, in order, then the end; one record, one release.
+    #[tokio::test]
+    async fn pending_bytes_reach_a_slow_client_in_order_before_the_end() {
+        let mut rig = rig(5_000);
+        let (feed, upstream) = replica();
+        let (tx, mut client) = mpsc::channel(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        let mut want = Vec::new();
+        for i in 0..2000 {
+            let t = token(i);
+            want.extend_from_slice(&t);
+            feed.unbounded_send(Ok(t)).unwrap();
+        }
+        want.extend_from_slice(b"data: [DONE]\n\n");
+        feed.unbounded_send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).unwrap();
+        drop(feed);
+        // A slow client: a chunk every 20 ms.
+        let mut got = Vec::new();
+        let ending = loop {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            match client.recv().await {
+                Some(Piece::Chunk(c)) => {
+                    assert!(c.len() <= MAX_PENDING_BYTES + 200, "a chunk of {}", c.len());
+                    got.extend_from_slice(&c);
+                }
+                Some(Piece::End) => break "end",
+                Some(Piece::Last(_)) => break "last",
+                None => break "closed",
+            }
+        };
+        assert_eq!(ending, "end");
+        assert!(got == want, "{} bytes of {}", got.len(), want.len());
+        pump.await.unwrap();
+        assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+        assert_eq!(outcomes(&rig), ["ok"]);
+    }
+
+    /// What held: the stream's deadline while bytes are pending for a client that has not
+    /// taken the last chunk: the pending bytes, then weir's closing event, one record.
+    #[tokio::test]
+    async fn the_deadline_delivers_what_was_pending_before_its_event() {
+        let mut rig = rig(5_000);
+        let (feed, upstream) = replica();
+        let (tx, mut client) = mpsc::channel(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(300);
+        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        let mut want = Vec::new();
+        for i in 0..50 {
+            let t = token(i);
+            want.extend_from_slice(&t);
+            feed.unbounded_send(Ok(t)).unwrap();
+        }
+        // The client reads nothing until the deadline has passed.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let (got, how) = read_all(&mut client).await;
+        assert_eq!(how, "last");
+        assert!(got.starts_with(&want), "the pending bytes come first");
+        let event = String::from_utf8_lossy(&got[want.len()..]).into_owned();
+        assert!(event.contains("[DONE]"), "then weir's closing event: {event}");
+        pump.await.unwrap();
+        assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+        assert_eq!(outcomes(&rig), ["stream_deadline"]);
+        drop(feed);
+    }
+
+    /// What held: the shutdown cut, with bytes pending.
+    #[tokio::test]
+    async fn the_shutdown_cut_delivers_what_was_pending_before_its_event() {
+        let mut rig = rig(5_000);
+        let (feed, upstream) = replica();
+        let (tx, mut client) = mpsc::channel(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        let mut want = Vec::new();
+        for i in 0..50 {
+            let t = token(i);
+            want.extend_from_slice(&t);
+            feed.unbounded_send(Ok(t)).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        rig.cut.send(true).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (got, how) = read_all(&mut client).await;
+        assert_eq!(how, "last");
+        assert!(got.starts_with(&want));
+        pump.await.unwrap();
+        assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+        assert_eq!(outcomes(&rig), ["shutdown"]);
+        drop(feed);
+    }
+
+    /// What held: a client that never reads does not make the pump read without bound: it
+    /// stops taking the replica's bytes at 16 KiB pending (plus the chunk in the channel).
+    #[tokio::test]
+    async fn a_client_that_never_reads_stops_the_pump_reading() {
+        let rig = rig(5_000);
+        let (feed, rx) = futures::channel::mpsc::unbounded::<reqwest::Result<Bytes>>();
+        let taken = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = taken.clone();
+        let upstream: Upstream = Box::pin(rx.inspect(move |c| {
+            if let Ok(c) = c {
+                counted.fetch_add(c.len(), std::sync::atomic::Ordering::Relaxed);
+            }
+        }));
+        let (tx, _client) = mpsc::channel(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        for i in 0..5000 {
+            feed.unbounded_send(Ok(token(i))).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let taken = taken.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(taken >= MAX_PENDING_BYTES, "it reads: {taken}");
+        assert!(
+            taken <= 2 * MAX_PENDING_BYTES + 2 * token(0).len(),
+            "took {taken} bytes for a client that took none"
+        );
+        pump.abort();
+        drop(feed);
+    }
+
+    /// What held: the client leaving while bytes are pending: cancelled, once, and released.
+    #[tokio::test]
+    async fn a_client_that_leaves_with_bytes_pending_is_cancelled_once() {
+        let mut rig = rig(5_000);
+        let (feed, upstream) = replica();
+        let (tx, client) = mpsc::channel(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        for i in 0..50 {
+            feed.unbounded_send(Ok(token(i))).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(client);
+        tokio::time::timeout(Duration::from_secs(1), pump).await.unwrap().unwrap();
+        assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+        assert_eq!(outcomes(&rig), ["cancelled"]);
+        drop(feed);
+    }
+
     #[tokio::test]
     async fn a_client_that_does_not_take_a_chunk_in_time_is_stalled_and_one_that_left_is_gone() {
         let stall = Duration::from_millis(50);
