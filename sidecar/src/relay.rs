@@ -1411,6 +1411,148 @@ mod tests {
         drop(feed);
     }
 
+    /// What held: a preempted stream that cannot be resumed, with bytes pending for a client
+    /// that has not taken the last chunk: the pending bytes, then the `not_resumed` event;
+    /// one release, one record.
+    #[tokio::test]
+    async fn a_preempted_stream_delivers_what_was_pending_before_it_ends() {
+        let mut rig = rig(5_000);
+        let (feed, upstream) = replica();
+        let (tx, mut client) = mpsc::channel(1);
+        let (preempt, preempted) = oneshot::channel();
+        let mut flight = flight(&rig, false);
+        flight.assignment = Assignment::for_tests(rig.app.events.clone(), 110, Some(preempted));
+        // The hold replaced here is given back: not the pump's.
+        assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+        flight.continuation = Some(Continuation {
+            body: serde_json::json!({"model": "m", "messages": [], "stream": true}),
+            trace_id: None,
+            splice: Splice::new(Default::default()),
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight, upstream, tx, deadline));
+        let mut want = Vec::new();
+        for i in 0..50 {
+            let t = token(i);
+            want.extend_from_slice(&t);
+            feed.unbounded_send(Ok(t)).unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (requeue, requeued) = oneshot::channel();
+        preempt.send(requeued).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let _ = requeue.send(Err(crate::dispatcher::Refusal::NoReplica));
+        let (got, how) = read_all(&mut client).await;
+        assert_eq!(how, "last");
+        assert!(got.starts_with(&want), "{}", String::from_utf8_lossy(&got));
+        pump.await.unwrap();
+        assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+        assert_eq!(outcomes(&rig), ["not_resumed"]);
+        drop(feed);
+    }
+
+    /// What held: a replica whose connection fails mid-stream, with bytes pending: they come
+    /// first, then the lost-replica event; the dispatcher is told; one record.
+    #[tokio::test]
+    async fn a_failing_replica_delivers_what_was_pending_before_its_event() {
+        let mut rig = rig(5_000);
+        let (feed, upstream) = replica();
+        let (tx, mut client) = mpsc::channel(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        let mut want = Vec::new();
+        for i in 0..50 {
+            let t = token(i);
+            want.extend_from_slice(&t);
+            feed.unbounded_send(Ok(t)).unwrap();
+        }
+        let error = reqwest::get("http://127.0.0.1:9/").await.unwrap_err();
+        feed.unbounded_send(Err(error)).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (got, how) = read_all(&mut client).await;
+        assert_eq!(how, "last");
+        assert!(got.starts_with(&want));
+        pump.await.unwrap();
+        let mut failed = 0;
+        let mut finished = 0;
+        while let Ok(e) = rig.events.try_recv() {
+            match e {
+                Event::ReplicaFailed { .. } => failed += 1,
+                Event::Finished { .. } => finished += 1,
+                _ => {}
+            }
+        }
+        assert_eq!((failed, finished), (1, 1));
+        assert_eq!(outcomes(&rig), ["failed"]);
+    }
+
+    /// What held: weir's usage chunk stays hidden when it comes in the same burst as the
+    /// tokens, and the client still gets `[DONE]`.
+    #[tokio::test]
+    async fn a_hidden_usage_chunk_does_not_leak_from_a_gathered_burst() {
+        let mut rig = rig(5_000);
+        let (feed, upstream) = replica();
+        let (tx, mut client) = mpsc::channel(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight(&rig, true), upstream, tx, deadline));
+        for i in 0..20 {
+            feed.unbounded_send(Ok(token(i))).unwrap();
+        }
+        let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":20,\"total_tokens\":27}}\n\n";
+        // Split mid-event, as a connection may.
+        feed.unbounded_send(Ok(Bytes::from(&usage[..30]))).unwrap();
+        feed.unbounded_send(Ok(Bytes::from(&usage[30..]))).unwrap();
+        feed.unbounded_send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).unwrap();
+        drop(feed);
+        let (got, how) = read_all(&mut client).await;
+        let got = String::from_utf8(got).unwrap();
+        assert_eq!(how, "end");
+        assert!(!got.contains("usage"), "{got}");
+        assert!(got.contains("t19") && got.ends_with("data: [DONE]\n\n"), "{got}");
+        pump.await.unwrap();
+        assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+        assert_eq!(outcomes(&rig), ["ok"]);
+    }
+
+    /// FINDING 2 at the pump, in real time (35 s, hence ignored): with `client_stall_ms` at
+    /// 40 s, a client that does not read for 31 s after 16 KiB came makes the pump spin on
+    /// its timer (CPU time while nothing happens); and the spinning timer, polled ahead of the
+    /// body channel, starves the client when it comes back to read.
+    #[tokio::test]
+    #[ignore = "35 s of real time"]
+    async fn a_pump_waiting_on_a_client_does_not_spin() {
+        fn cpu() -> Duration {
+            let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
+            let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+            let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+            Duration::from_millis(ticks * 10)
+        }
+        let rig = rig(40_000);
+        let (feed, upstream) = replica();
+        let (tx, mut client) = mpsc::channel(1);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        // Enough for the chunk in the channel and 16 KiB pending: the pump stops reading.
+        for i in 0..1000 {
+            feed.unbounded_send(Ok(token(i))).unwrap();
+        }
+        tokio::time::sleep(Duration::from_secs(31)).await;
+        let before = cpu();
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let spent = cpu() - before;
+        // The client comes back: it gets the chunk in the channel and then what was pending.
+        let first = tokio::time::timeout(Duration::from_secs(1), client.recv()).await;
+        assert!(matches!(first, Ok(Some(Piece::Chunk(_)))));
+        let second = tokio::time::timeout(Duration::from_secs(2), client.recv()).await;
+        let starved = !matches!(second, Ok(Some(Piece::Chunk(_))));
+        pump.abort();
+        drop(feed);
+        assert!(
+            spent < Duration::from_millis(500) && !starved,
+            "{spent:?} of CPU in 2 s of waiting; the client starved: {starved}"
+        );
+    }
+
     /// What held: the client leaving while bytes are pending: cancelled, once, and released.
     #[tokio::test]
     async fn a_client_that_leaves_with_bytes_pending_is_cancelled_once() {
