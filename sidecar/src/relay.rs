@@ -795,8 +795,12 @@ impl Watch {
         }
     }
 
-    /// Who has lapsed at `now`; the replica counts only while the pump is `reading` it.
-    fn lapsed(&self, now: Instant, reading: bool) -> Option<Lapse> {
+    /// Who has lapsed at `now`; the replica counts only while the pump is `reading` it (while
+    /// it is not, its silence starts over, so the next check is never one already past).
+    fn lapsed(&mut self, now: Instant, reading: bool) -> Option<Lapse> {
+        if !reading {
+            self.replica_since = now;
+        }
         if self.client_since.is_some_and(|t| now >= t + self.stall) {
             Some(Lapse::Client)
         } else if reading && now >= self.replica_since + self.idle {
@@ -895,7 +899,14 @@ async fn pump(
                     let chunk = flight.splice(&chunk);
                     let chunk = if chunk.is_empty() { chunk } else { flight.observe(&chunk) };
                     if !chunk.is_empty() {
-                        watch.client_since.get_or_insert(now);
+                        if watch.client_since.is_none() {
+                            watch.client_since = Some(now);
+                            // The client's limit may come before the check the timer is set for.
+                            let due = (now + stall).into();
+                            if due < timer.deadline() {
+                                timer.as_mut().reset(due);
+                            }
+                        }
                         pending.extend_from_slice(&chunk);
                         gathering = true;
                     }
