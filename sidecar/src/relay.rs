@@ -25,6 +25,7 @@ use axum::response::{IntoResponse, Response};
 use bytes::BytesMut;
 use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant as TokioInstant;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
@@ -473,7 +474,7 @@ pub async fn relay(
     // All count from dispatch: an engine that accepts the request and never answers (no
     // headers, or a non-streamed body that never comes) must not hold the replica for ever,
     // and one that does not start a stream within `first_byte_ms` is holding it in a queue.
-    let dispatched = tokio::time::Instant::now();
+    let dispatched = TokioInstant::now();
     let limits = app.relay.load();
     let deadline = dispatched + Duration::from_millis(limits.max_response_ms);
     let stream_deadline = dispatched + Duration::from_millis(limits.max_stream_ms);
@@ -739,7 +740,7 @@ const MAX_PENDING_BYTES: usize = 16 * 1024;
 fn relay_stream(
     flight: Flight,
     upstream: Upstream,
-    deadline: tokio::time::Instant,
+    deadline: TokioInstant,
 ) -> impl Stream<Item = Result<Bytes, std::io::Error>> + Send {
     let (tx, rx) = mpsc::channel(1);
     let endpoint = flight.endpoint;
@@ -766,14 +767,15 @@ async fn deliver(tx: &mpsc::Sender<Piece>, piece: Piece, stall: Duration) -> Del
 }
 
 /// What the pump waits on besides the replica and the client: how long each has kept it
-/// waiting. One timer serves both and is moved only when it fires, never per chunk.
+/// waiting. One timer serves both; it is moved when it fires and when bytes start waiting for
+/// the client with a limit before it, never per chunk. On tokio's clock, as the timer is.
 struct Watch {
     idle: Duration,
     stall: Duration,
     /// Since when the pump has been waiting for the replica's next bytes.
-    replica_since: Instant,
+    replica_since: TokioInstant,
     /// Since when bytes have been pending for a client that has not taken the last chunk.
-    client_since: Option<Instant>,
+    client_since: Option<TokioInstant>,
 }
 
 /// Who kept the pump waiting too long.
@@ -786,7 +788,7 @@ enum Lapse {
 }
 
 impl Watch {
-    fn new(stall: Duration, now: Instant) -> Watch {
+    fn new(stall: Duration, now: TokioInstant) -> Watch {
         Watch {
             idle: IDLE_TIMEOUT,
             stall,
@@ -795,23 +797,34 @@ impl Watch {
         }
     }
 
+    /// Bytes are pending for the client at `now`: when its limit is up, if they were not
+    /// already.
+    fn client_waits(&mut self, now: TokioInstant) -> Option<TokioInstant> {
+        if self.client_since.is_some() {
+            return None;
+        }
+        self.client_since = Some(now);
+        Some(now + self.stall)
+    }
+
     /// Who has lapsed at `now`; the replica counts only while the pump is `reading` it (while
     /// it is not, its silence starts over, so the next check is never one already past).
-    fn lapsed(&mut self, now: Instant, reading: bool) -> Option<Lapse> {
+    fn lapsed(&mut self, now: TokioInstant, reading: bool) -> Option<Lapse> {
         if !reading {
             self.replica_since = now;
         }
-        if self.client_since.is_some_and(|t| now >= t + self.stall) {
-            Some(Lapse::Client)
-        } else if reading && now >= self.replica_since + self.idle {
+        // A replica silent while the pump reads it is reported even if the client is slow too.
+        if reading && now >= self.replica_since + self.idle {
             Some(Lapse::Replica)
+        } else if self.client_since.is_some_and(|t| now >= t + self.stall) {
+            Some(Lapse::Client)
         } else {
             None
         }
     }
 
     /// When to look again.
-    fn next_check(&self) -> Instant {
+    fn next_check(&self) -> TokioInstant {
         let replica = self.replica_since + self.idle;
         self.client_since
             .map_or(replica, |t| replica.min(t + self.stall))
@@ -825,13 +838,13 @@ async fn pump(
     mut flight: Flight,
     mut upstream: Upstream,
     tx: mpsc::Sender<Piece>,
-    deadline: tokio::time::Instant,
+    deadline: TokioInstant,
 ) {
     let app = flight.app.clone();
     let stall = Duration::from_millis(app.relay.load().client_stall_ms);
     let mut preemption = flight.assignment.take_preemption();
-    let mut watch = Watch::new(stall, Instant::now());
-    let timer = tokio::time::sleep_until(watch.next_check().into());
+    let mut watch = Watch::new(stall, TokioInstant::now());
+    let timer = tokio::time::sleep_until(watch.next_check());
     let (mut timer, mut closed) = (pin!(timer), pin!(tx.closed()));
     let (mut deadline, mut cut) = (pin!(tokio::time::sleep_until(deadline)), pin!(cut(&app)));
     // What the replica sent that the client has not taken yet.
@@ -855,13 +868,13 @@ async fn pump(
                 break Ending::Deadline;
             }
             () = &mut timer => {
-                match watch.lapsed(Instant::now(), reading) {
+                match watch.lapsed(TokioInstant::now(), reading) {
                     Some(Lapse::Client) => {
                         flight.finish("slow_client", None);
                         return;
                     }
                     Some(Lapse::Replica) => break lost_replica(&mut flight),
-                    None => timer.as_mut().reset(watch.next_check().into()),
+                    None => timer.as_mut().reset(watch.next_check()),
                 }
             }
             requeued = preempted(&mut preemption) => {
@@ -881,7 +894,7 @@ async fn pump(
                     Resumed::Streaming(next) => {
                         upstream = next;
                         preemption = flight.assignment.take_preemption();
-                        watch.replica_since = Instant::now();
+                        watch.replica_since = TokioInstant::now();
                         watch.client_since = None;
                     }
                     Resumed::Ended(ending) => {
@@ -894,18 +907,16 @@ async fn pump(
             }
             next = upstream.next(), if reading => match next {
                 Some(Ok(chunk)) => {
-                    let now = Instant::now();
+                    let now = TokioInstant::now();
                     watch.replica_since = now;
                     let chunk = flight.splice(&chunk);
                     let chunk = if chunk.is_empty() { chunk } else { flight.observe(&chunk) };
                     if !chunk.is_empty() {
-                        if watch.client_since.is_none() {
-                            watch.client_since = Some(now);
-                            // The client's limit may come before the check the timer is set for.
-                            let due = (now + stall).into();
-                            if due < timer.deadline() {
-                                timer.as_mut().reset(due);
-                            }
+                        // The client's limit may come before the check the timer is set for.
+                        if let Some(due) = watch.client_waits(now)
+                            && due < timer.deadline()
+                        {
+                            timer.as_mut().reset(due);
                         }
                         pending.extend_from_slice(&chunk);
                         gathering = true;
@@ -938,7 +949,7 @@ async fn pump(
                 let Ok(permit) = permit else { continue };
                 permit.send(Piece::Chunk(pending.split().freeze()));
                 watch.client_since = None;
-                watch.replica_since = Instant::now();
+                watch.replica_since = TokioInstant::now();
             }
         }
     };
@@ -1000,7 +1011,7 @@ enum Resumed {
 async fn unless_ended<T>(
     work: impl Future<Output = T>,
     tx: &mpsc::Sender<Piece>,
-    deadline: tokio::time::Instant,
+    deadline: TokioInstant,
     app: &App,
 ) -> Result<T, (&'static str, Option<Ending>)> {
     tokio::select! {
@@ -1018,7 +1029,7 @@ async fn resumed(
     flight: &mut Flight,
     requeued: Requeued,
     tx: &mpsc::Sender<Piece>,
-    deadline: tokio::time::Instant,
+    deadline: TokioInstant,
 ) -> Resumed {
     let app = flight.app.clone();
     let assigned = match unless_ended(requeued, tx, deadline, &app).await {
@@ -1244,16 +1255,14 @@ mod tests {
         }
     }
 
-    /// FINDING 1: the one timer is armed for the replica's 30 s silence and moved only when it
-    /// fires, so a client that stops reading is cut when that timer next fires, up to
-    /// `IDLE_TIMEOUT` after `client_stall_ms`: with a 200 ms stall limit, the engine stays
-    /// pinned (KV held, slot taken) for 30 s.
+    /// A client that stops reading is cut at its stall limit, not when the timer set for the
+    /// replica's 30 s silence next fires (which kept the engine's KV and slot for 30 s).
     #[tokio::test]
     async fn a_client_that_stops_reading_is_cut_at_the_stall_limit_not_the_idle_timeout() {
         let mut rig = rig(200);
         let (feed, upstream) = replica();
         let (tx, _client) = mpsc::channel(1); // never read
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
         // One chunk fills the body channel; the next waits for a client that never takes it.
         for i in 0..4 {
@@ -1263,23 +1272,26 @@ mod tests {
         let started = std::time::Instant::now();
         let n = released(&mut rig, Duration::from_secs(3)).await;
         assert_eq!(
-            n, 1,
+            n,
+            1,
             "the hold is given back once within 3 s of a 200 ms stall (took {:?})",
             started.elapsed()
         );
-        tokio::time::timeout(Duration::from_secs(1), pump).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(1), pump)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(outcomes(&rig), ["slow_client"]);
     }
 
-    /// FINDING 2: while the pump is not reading (16 KiB pending), the replica's silence does
-    /// not count, but its deadline still sets the next check: once it is past and the client's
-    /// stall limit is not (`client_stall_ms` above 30 s), the timer is re-armed in the past and
-    /// fires at once, again and again — a busy loop (which, biased ahead of the body channel,
-    /// also keeps the pump from handing the client its bytes) until the stall limit lapses.
+    /// While the pump is not reading (16 KiB pending), the replica's silence does not count,
+    /// and its deadline must not set a check already past: the timer re-armed in the past fired
+    /// at once, again and again (a busy loop that, biased ahead of the body channel, also kept
+    /// the client from its bytes) until a stall limit above 30 s lapsed.
     #[test]
     fn a_check_with_nothing_lapsed_is_never_due_already() {
         let stall = Duration::from_secs(60);
-        let t0 = Instant::now();
+        let t0 = TokioInstant::now();
         let mut watch = Watch::new(stall, t0);
         // 16 KiB came at t0 for a client that has not taken the last chunk: no more reading.
         watch.client_since = Some(t0);
@@ -1299,14 +1311,14 @@ mod tests {
         );
     }
 
-    /// What held: a replica that ends its stream while bytes wait for a slow client — all of
-    /// it reaches the client, in order, then the end; one record, one release.
+    /// A replica that ends its stream while bytes wait for a slow client: all of it reaches
+    /// the client, in order, then the end; one record, one release.
     #[tokio::test]
     async fn pending_bytes_reach_a_slow_client_in_order_before_the_end() {
         let mut rig = rig(5_000);
         let (feed, upstream) = replica();
         let (tx, mut client) = mpsc::channel(1);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
         let mut want = Vec::new();
         for i in 0..2000 {
@@ -1315,7 +1327,8 @@ mod tests {
             feed.unbounded_send(Ok(t)).unwrap();
         }
         want.extend_from_slice(b"data: [DONE]\n\n");
-        feed.unbounded_send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).unwrap();
+        feed.unbounded_send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
+            .unwrap();
         drop(feed);
         // A slow client: a chunk every 20 ms.
         let mut got = Vec::new();
@@ -1338,14 +1351,14 @@ mod tests {
         assert_eq!(outcomes(&rig), ["ok"]);
     }
 
-    /// What held: the stream's deadline while bytes are pending for a client that has not
-    /// taken the last chunk: the pending bytes, then weir's closing event, one record.
+    /// The stream's deadline while bytes are pending for a client that has not taken the last
+    /// chunk: the pending bytes, then weir's closing event, one record.
     #[tokio::test]
     async fn the_deadline_delivers_what_was_pending_before_its_event() {
         let mut rig = rig(5_000);
         let (feed, upstream) = replica();
         let (tx, mut client) = mpsc::channel(1);
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(300);
+        let deadline = TokioInstant::now() + Duration::from_millis(300);
         let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
         let mut want = Vec::new();
         for i in 0..50 {
@@ -1359,20 +1372,23 @@ mod tests {
         assert_eq!(how, "last");
         assert!(got.starts_with(&want), "the pending bytes come first");
         let event = String::from_utf8_lossy(&got[want.len()..]).into_owned();
-        assert!(event.contains("[DONE]"), "then weir's closing event: {event}");
+        assert!(
+            event.contains("[DONE]"),
+            "then weir's closing event: {event}"
+        );
         pump.await.unwrap();
         assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
         assert_eq!(outcomes(&rig), ["stream_deadline"]);
         drop(feed);
     }
 
-    /// What held: the shutdown cut, with bytes pending.
+    /// The shutdown cut, with bytes pending: they come first, then weir's closing event.
     #[tokio::test]
     async fn the_shutdown_cut_delivers_what_was_pending_before_its_event() {
         let mut rig = rig(5_000);
         let (feed, upstream) = replica();
         let (tx, mut client) = mpsc::channel(1);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
         let mut want = Vec::new();
         for i in 0..50 {
@@ -1392,8 +1408,8 @@ mod tests {
         drop(feed);
     }
 
-    /// What held: a client that never reads does not make the pump read without bound: it
-    /// stops taking the replica's bytes at 16 KiB pending (plus the chunk in the channel).
+    /// A client that never reads does not make the pump read without bound: it stops taking
+    /// the replica's bytes at 16 KiB pending (plus the chunk in the channel).
     #[tokio::test]
     async fn a_client_that_never_reads_stops_the_pump_reading() {
         let rig = rig(5_000);
@@ -1406,7 +1422,7 @@ mod tests {
             }
         }));
         let (tx, _client) = mpsc::channel(1);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
         for i in 0..5000 {
             feed.unbounded_send(Ok(token(i))).unwrap();
@@ -1422,7 +1438,7 @@ mod tests {
         drop(feed);
     }
 
-    /// What held: a preempted stream that cannot be resumed, with bytes pending for a client
+    /// A preempted stream that cannot be resumed, with bytes pending for a client
     /// that has not taken the last chunk: the pending bytes, then the `not_resumed` event;
     /// one release, one record.
     #[tokio::test]
@@ -1440,7 +1456,7 @@ mod tests {
             trace_id: None,
             splice: Splice::new(Default::default()),
         });
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight, upstream, tx, deadline));
         let mut want = Vec::new();
         for i in 0..50 {
@@ -1462,14 +1478,14 @@ mod tests {
         drop(feed);
     }
 
-    /// What held: a replica whose connection fails mid-stream, with bytes pending: they come
+    /// A replica whose connection fails mid-stream, with bytes pending: they come
     /// first, then the lost-replica event; the dispatcher is told; one record.
     #[tokio::test]
     async fn a_failing_replica_delivers_what_was_pending_before_its_event() {
         let mut rig = rig(5_000);
         let (feed, upstream) = replica();
         let (tx, mut client) = mpsc::channel(1);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
         let mut want = Vec::new();
         for i in 0..50 {
@@ -1497,14 +1513,14 @@ mod tests {
         assert_eq!(outcomes(&rig), ["failed"]);
     }
 
-    /// What held: weir's usage chunk stays hidden when it comes in the same burst as the
+    /// Weir's usage chunk stays hidden when it comes in the same burst as the
     /// tokens, and the client still gets `[DONE]`.
     #[tokio::test]
     async fn a_hidden_usage_chunk_does_not_leak_from_a_gathered_burst() {
         let mut rig = rig(5_000);
         let (feed, upstream) = replica();
         let (tx, mut client) = mpsc::channel(1);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight(&rig, true), upstream, tx, deadline));
         for i in 0..20 {
             feed.unbounded_send(Ok(token(i))).unwrap();
@@ -1513,71 +1529,39 @@ mod tests {
         // Split mid-event, as a connection may.
         feed.unbounded_send(Ok(Bytes::from(&usage[..30]))).unwrap();
         feed.unbounded_send(Ok(Bytes::from(&usage[30..]))).unwrap();
-        feed.unbounded_send(Ok(Bytes::from_static(b"data: [DONE]\n\n"))).unwrap();
+        feed.unbounded_send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
+            .unwrap();
         drop(feed);
         let (got, how) = read_all(&mut client).await;
         let got = String::from_utf8(got).unwrap();
         assert_eq!(how, "end");
         assert!(!got.contains("usage"), "{got}");
-        assert!(got.contains("t19") && got.ends_with("data: [DONE]\n\n"), "{got}");
+        assert!(
+            got.contains("t19") && got.ends_with("data: [DONE]\n\n"),
+            "{got}"
+        );
         pump.await.unwrap();
         assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
         assert_eq!(outcomes(&rig), ["ok"]);
     }
 
-    /// FINDING 2 at the pump, in real time (35 s, hence ignored): with `client_stall_ms` at
-    /// 40 s, a client that does not read for 31 s after 16 KiB came makes the pump spin on
-    /// its timer (CPU time while nothing happens); and the spinning timer, polled ahead of the
-    /// body channel, starves the client when it comes back to read.
-    #[tokio::test]
-    #[ignore = "35 s of real time"]
-    async fn a_pump_waiting_on_a_client_does_not_spin() {
-        fn cpu() -> Duration {
-            let stat = std::fs::read_to_string("/proc/self/stat").unwrap();
-            let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
-            let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
-            Duration::from_millis(ticks * 10)
-        }
-        let rig = rig(40_000);
-        let (feed, upstream) = replica();
-        let (tx, mut client) = mpsc::channel(1);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
-        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
-        // Enough for the chunk in the channel and 16 KiB pending: the pump stops reading.
-        for i in 0..1000 {
-            feed.unbounded_send(Ok(token(i))).unwrap();
-        }
-        tokio::time::sleep(Duration::from_secs(31)).await;
-        let before = cpu();
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let spent = cpu() - before;
-        // The client comes back: it gets the chunk in the channel and then what was pending.
-        let first = tokio::time::timeout(Duration::from_secs(1), client.recv()).await;
-        assert!(matches!(first, Ok(Some(Piece::Chunk(_)))));
-        let second = tokio::time::timeout(Duration::from_secs(2), client.recv()).await;
-        let starved = !matches!(second, Ok(Some(Piece::Chunk(_))));
-        pump.abort();
-        drop(feed);
-        assert!(
-            spent < Duration::from_millis(500) && !starved,
-            "{spent:?} of CPU in 2 s of waiting; the client starved: {starved}"
-        );
-    }
-
-    /// What held: the client leaving while bytes are pending: cancelled, once, and released.
+    /// The client leaving while bytes are pending: cancelled, once, and released.
     #[tokio::test]
     async fn a_client_that_leaves_with_bytes_pending_is_cancelled_once() {
         let mut rig = rig(5_000);
         let (feed, upstream) = replica();
         let (tx, client) = mpsc::channel(1);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(600);
+        let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
         for i in 0..50 {
             feed.unbounded_send(Ok(token(i))).unwrap();
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
         drop(client);
-        tokio::time::timeout(Duration::from_secs(1), pump).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(1), pump)
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
         assert_eq!(outcomes(&rig), ["cancelled"]);
         drop(feed);

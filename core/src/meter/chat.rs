@@ -4,16 +4,19 @@
 
 use std::borrow::Cow;
 
+use std::fmt;
+
 use serde::Deserialize;
+use serde::de::{Deserializer, SeqAccess, Visitor};
 
 use super::{Observed, Reported, generated_tokens};
 
 /// Text fields are borrowed from the event where they hold no escapes: a stream is read event
 /// by event, and most events are one short delta.
 #[derive(Deserialize)]
-struct Event<'a> {
-    #[serde(default, borrow)]
-    choices: Option<Vec<Choice<'a>>>,
+struct Event {
+    #[serde(default)]
+    choices: Option<Choices>,
     #[serde(default)]
     usage: Option<Reported>,
     #[serde(default)]
@@ -101,6 +104,37 @@ impl Choice<'_> {
     }
 }
 
+/// An event's choices, read one by one into what metering needs of them (how many, and the
+/// tokens of their generated text) rather than kept as a list: most events are one short delta.
+#[derive(Default)]
+struct Choices {
+    count: usize,
+    generated: u64,
+}
+
+impl<'de> Deserialize<'de> for Choices {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Each;
+        impl<'de> Visitor<'de> for Each {
+            type Value = Choices;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a list of choices")
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Choices, A::Error> {
+                let mut choices = Choices::default();
+                while let Some(choice) = seq.next_element::<Choice<'de>>()? {
+                    choices.count += 1;
+                    choices.generated += generated_tokens(choice.texts());
+                }
+                Ok(choices)
+            }
+        }
+        deserializer.deserialize_seq(Each)
+    }
+}
+
 pub(super) fn observe(data: &[u8]) -> Option<Observed> {
     if data.trim_ascii() == b"[DONE]" {
         return Some(Observed {
@@ -113,9 +147,9 @@ pub(super) fn observe(data: &[u8]) -> Option<Observed> {
     let choices = event.choices.unwrap_or_default();
     Some(Observed {
         answer,
-        usage_only: event.usage.is_some() && choices.is_empty(),
+        usage_only: event.usage.is_some() && choices.count == 0,
         usage: event.usage,
-        generated: generated_tokens(choices.iter().flat_map(Choice::texts)),
+        generated: choices.generated,
         error: event.error.is_some(),
         terminal: false,
         provisional_output: false,
