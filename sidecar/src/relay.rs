@@ -1207,6 +1207,52 @@ mod tests {
         ))
     }
 
+    const LONG: Duration = Duration::from_secs(600);
+
+    /// A pump relaying `flight` from a replica the test writes to (`feed`) to the client's end
+    /// of the body channel, with `time` left on the stream.
+    struct Running {
+        feed: Feed,
+        client: mpsc::Receiver<Piece>,
+        pump: tokio::task::JoinHandle<()>,
+    }
+
+    fn run(flight: Flight, time: Duration) -> Running {
+        let (feed, upstream) = replica();
+        let (tx, client) = mpsc::channel(1);
+        let pump = tokio::spawn(pump(flight, upstream, tx, TokioInstant::now() + time));
+        Running { feed, client, pump }
+    }
+
+    /// Sends tokens `0..n` from the replica; the bytes sent.
+    fn send_tokens(feed: &Feed, n: usize) -> Vec<u8> {
+        let mut sent = Vec::new();
+        for i in 0..n {
+            let t = token(i);
+            sent.extend_from_slice(&t);
+            feed.unbounded_send(Ok(t)).unwrap();
+        }
+        sent
+    }
+
+    /// A stream that ends early: the client reads the bytes that were pending (`sent`), then
+    /// weir's closing event, which is returned once the pump is done.
+    async fn closes_after(
+        mut client: mpsc::Receiver<Piece>,
+        pump: tokio::task::JoinHandle<()>,
+        sent: &[u8],
+    ) -> String {
+        let (got, how) = read_all(&mut client).await;
+        assert_eq!(how, "last");
+        let text = String::from_utf8_lossy(&got).into_owned();
+        assert!(
+            got.starts_with(sent),
+            "the pending bytes come first: {text}"
+        );
+        pump.await.unwrap();
+        text[sent.len()..].to_owned()
+    }
+
     /// The outcomes the ledger recorded (waits for the writer).
     fn outcomes(rig: &Rig) -> Vec<String> {
         assert!(rig.app.ledger.flush(Duration::from_secs(5)));
@@ -1260,10 +1306,11 @@ mod tests {
     #[tokio::test]
     async fn a_client_that_stops_reading_is_cut_at_the_stall_limit_not_the_idle_timeout() {
         let mut rig = rig(200);
-        let (feed, upstream) = replica();
-        let (tx, _client) = mpsc::channel(1); // never read
-        let deadline = TokioInstant::now() + Duration::from_secs(600);
-        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
+        let Running {
+            feed,
+            client: _never_read,
+            pump,
+        } = run(flight(&rig, false), LONG);
         // One chunk fills the body channel; the next waits for a client that never takes it.
         for i in 0..4 {
             feed.unbounded_send(Ok(token(i))).unwrap();
@@ -1316,16 +1363,12 @@ mod tests {
     #[tokio::test]
     async fn pending_bytes_reach_a_slow_client_in_order_before_the_end() {
         let mut rig = rig(5_000);
-        let (feed, upstream) = replica();
-        let (tx, mut client) = mpsc::channel(1);
-        let deadline = TokioInstant::now() + Duration::from_secs(600);
-        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
-        let mut want = Vec::new();
-        for i in 0..2000 {
-            let t = token(i);
-            want.extend_from_slice(&t);
-            feed.unbounded_send(Ok(t)).unwrap();
-        }
+        let Running {
+            feed,
+            mut client,
+            pump,
+        } = run(flight(&rig, false), LONG);
+        let mut want = send_tokens(&feed, 2000);
         want.extend_from_slice(b"data: [DONE]\n\n");
         feed.unbounded_send(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
             .unwrap();
@@ -1356,27 +1399,12 @@ mod tests {
     #[tokio::test]
     async fn the_deadline_delivers_what_was_pending_before_its_event() {
         let mut rig = rig(5_000);
-        let (feed, upstream) = replica();
-        let (tx, mut client) = mpsc::channel(1);
-        let deadline = TokioInstant::now() + Duration::from_millis(300);
-        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
-        let mut want = Vec::new();
-        for i in 0..50 {
-            let t = token(i);
-            want.extend_from_slice(&t);
-            feed.unbounded_send(Ok(t)).unwrap();
-        }
+        let Running { feed, client, pump } = run(flight(&rig, false), Duration::from_millis(300));
+        let want = send_tokens(&feed, 50);
         // The client reads nothing until the deadline has passed.
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let (got, how) = read_all(&mut client).await;
-        assert_eq!(how, "last");
-        assert!(got.starts_with(&want), "the pending bytes come first");
-        let event = String::from_utf8_lossy(&got[want.len()..]).into_owned();
-        assert!(
-            event.contains("[DONE]"),
-            "then weir's closing event: {event}"
-        );
-        pump.await.unwrap();
+        let event = closes_after(client, pump, &want).await;
+        assert!(event.contains("stream_deadline") && event.ends_with("data: [DONE]\n\n"));
         assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
         assert_eq!(outcomes(&rig), ["stream_deadline"]);
         drop(feed);
@@ -1386,23 +1414,13 @@ mod tests {
     #[tokio::test]
     async fn the_shutdown_cut_delivers_what_was_pending_before_its_event() {
         let mut rig = rig(5_000);
-        let (feed, upstream) = replica();
-        let (tx, mut client) = mpsc::channel(1);
-        let deadline = TokioInstant::now() + Duration::from_secs(600);
-        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
-        let mut want = Vec::new();
-        for i in 0..50 {
-            let t = token(i);
-            want.extend_from_slice(&t);
-            feed.unbounded_send(Ok(t)).unwrap();
-        }
+        let Running { feed, client, pump } = run(flight(&rig, false), LONG);
+        let want = send_tokens(&feed, 50);
         tokio::time::sleep(Duration::from_millis(100)).await;
         rig.cut.send(true).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let (got, how) = read_all(&mut client).await;
-        assert_eq!(how, "last");
-        assert!(got.starts_with(&want));
-        pump.await.unwrap();
+        let event = closes_after(client, pump, &want).await;
+        assert!(event.contains("shutting_down") && event.ends_with("data: [DONE]\n\n"));
         assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
         assert_eq!(outcomes(&rig), ["shutdown"]);
         drop(feed);
@@ -1424,9 +1442,7 @@ mod tests {
         let (tx, _client) = mpsc::channel(1);
         let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
-        for i in 0..5000 {
-            feed.unbounded_send(Ok(token(i))).unwrap();
-        }
+        send_tokens(&feed, 5000);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let taken = taken.load(std::sync::atomic::Ordering::Relaxed);
         assert!(taken >= MAX_PENDING_BYTES, "it reads: {taken}");
@@ -1445,7 +1461,7 @@ mod tests {
     async fn a_preempted_stream_delivers_what_was_pending_before_it_ends() {
         let mut rig = rig(5_000);
         let (feed, upstream) = replica();
-        let (tx, mut client) = mpsc::channel(1);
+        let (tx, client) = mpsc::channel(1);
         let (preempt, preempted) = oneshot::channel();
         let mut flight = flight(&rig, false);
         flight.assignment = Assignment::for_tests(rig.app.events.clone(), 110, Some(preempted));
@@ -1458,21 +1474,14 @@ mod tests {
         });
         let deadline = TokioInstant::now() + Duration::from_secs(600);
         let pump = tokio::spawn(pump(flight, upstream, tx, deadline));
-        let mut want = Vec::new();
-        for i in 0..50 {
-            let t = token(i);
-            want.extend_from_slice(&t);
-            feed.unbounded_send(Ok(t)).unwrap();
-        }
+        let want = send_tokens(&feed, 50);
         tokio::time::sleep(Duration::from_millis(100)).await;
         let (requeue, requeued) = oneshot::channel();
         preempt.send(requeued).unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         let _ = requeue.send(Err(crate::dispatcher::Refusal::NoReplica));
-        let (got, how) = read_all(&mut client).await;
-        assert_eq!(how, "last");
-        assert!(got.starts_with(&want), "{}", String::from_utf8_lossy(&got));
-        pump.await.unwrap();
+        let event = closes_after(client, pump, &want).await;
+        assert!(event.contains("\"preempted\"") && event.ends_with("data: [DONE]\n\n"));
         assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
         assert_eq!(outcomes(&rig), ["not_resumed"]);
         drop(feed);
@@ -1483,23 +1492,13 @@ mod tests {
     #[tokio::test]
     async fn a_failing_replica_delivers_what_was_pending_before_its_event() {
         let mut rig = rig(5_000);
-        let (feed, upstream) = replica();
-        let (tx, mut client) = mpsc::channel(1);
-        let deadline = TokioInstant::now() + Duration::from_secs(600);
-        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
-        let mut want = Vec::new();
-        for i in 0..50 {
-            let t = token(i);
-            want.extend_from_slice(&t);
-            feed.unbounded_send(Ok(t)).unwrap();
-        }
+        let Running { feed, client, pump } = run(flight(&rig, false), LONG);
+        let want = send_tokens(&feed, 50);
         let error = reqwest::get("http://127.0.0.1:9/").await.unwrap_err();
         feed.unbounded_send(Err(error)).unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let (got, how) = read_all(&mut client).await;
-        assert_eq!(how, "last");
-        assert!(got.starts_with(&want));
-        pump.await.unwrap();
+        let event = closes_after(client, pump, &want).await;
+        assert!(event.contains("replica_lost") && event.ends_with("data: [DONE]\n\n"));
         let mut failed = 0;
         let mut finished = 0;
         while let Ok(e) = rig.events.try_recv() {
@@ -1518,13 +1517,12 @@ mod tests {
     #[tokio::test]
     async fn a_hidden_usage_chunk_does_not_leak_from_a_gathered_burst() {
         let mut rig = rig(5_000);
-        let (feed, upstream) = replica();
-        let (tx, mut client) = mpsc::channel(1);
-        let deadline = TokioInstant::now() + Duration::from_secs(600);
-        let pump = tokio::spawn(pump(flight(&rig, true), upstream, tx, deadline));
-        for i in 0..20 {
-            feed.unbounded_send(Ok(token(i))).unwrap();
-        }
+        let Running {
+            feed,
+            mut client,
+            pump,
+        } = run(flight(&rig, true), LONG);
+        send_tokens(&feed, 20);
         let usage = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":20,\"total_tokens\":27}}\n\n";
         // Split mid-event, as a connection may.
         feed.unbounded_send(Ok(Bytes::from(&usage[..30]))).unwrap();
@@ -1549,13 +1547,8 @@ mod tests {
     #[tokio::test]
     async fn a_client_that_leaves_with_bytes_pending_is_cancelled_once() {
         let mut rig = rig(5_000);
-        let (feed, upstream) = replica();
-        let (tx, client) = mpsc::channel(1);
-        let deadline = TokioInstant::now() + Duration::from_secs(600);
-        let pump = tokio::spawn(pump(flight(&rig, false), upstream, tx, deadline));
-        for i in 0..50 {
-            feed.unbounded_send(Ok(token(i))).unwrap();
-        }
+        let Running { feed, client, pump } = run(flight(&rig, false), LONG);
+        send_tokens(&feed, 50);
         tokio::time::sleep(Duration::from_millis(50)).await;
         drop(client);
         tokio::time::timeout(Duration::from_secs(1), pump)
