@@ -108,14 +108,16 @@ pub fn append(conn: &Connection, r: &UsageRecord) -> rusqlite::Result<bool> {
 }
 
 fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<bool> {
-    let inserted = conn.execute(
+    // Prepared once per connection: parsing the statement cost as much as running it.
+    let inserted = conn.prepare_cached(
         "INSERT OR IGNORE INTO usage (tenant, idempotency_key, attempt, request_id, model, replica,
              prompt_tokens, completion_tokens, source, outcome, queued_ms, finished_at_ms, api,
              cached_prompt_tokens, currency, price_input, price_cached_input, price_output,
              cost_micros)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
              ?18, ?19)",
-        params![
+    )?
+    .execute(params![
             r.tenant,
             r.idempotency_key,
             attempt,
@@ -135,8 +137,7 @@ fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<
             r.price_cached_input,
             r.price_output,
             r.cost_micros.map(|c| c as i64),
-        ],
-    )?;
+        ])?;
     Ok(inserted == 1)
 }
 
