@@ -31,7 +31,7 @@ struct Choice<'a> {
     message: Option<Generated<'a>>,
     /// The completions endpoint's output.
     #[serde(default, borrow)]
-    text: Option<Cow<'a, str>>,
+    text: Option<Text<'a>>,
 }
 
 /// Every field of a message or delta the engine generates, each billed as output: the answer,
@@ -40,13 +40,13 @@ struct Choice<'a> {
 #[derive(Deserialize)]
 struct Generated<'a> {
     #[serde(default, borrow)]
-    content: Option<Cow<'a, str>>,
+    content: Option<Text<'a>>,
     #[serde(default, borrow)]
-    reasoning_content: Option<Cow<'a, str>>,
+    reasoning_content: Option<Text<'a>>,
     #[serde(default, borrow)]
-    reasoning: Option<Cow<'a, str>>,
+    reasoning: Option<Text<'a>>,
     #[serde(default, borrow)]
-    refusal: Option<Cow<'a, str>>,
+    refusal: Option<Text<'a>>,
     #[serde(default, borrow)]
     tool_calls: Option<Vec<ToolCall<'a>>>,
     #[serde(default, borrow)]
@@ -62,9 +62,9 @@ struct ToolCall<'a> {
 #[derive(Deserialize)]
 struct FunctionCall<'a> {
     #[serde(default, borrow)]
-    name: Option<Cow<'a, str>>,
+    name: Option<Text<'a>>,
     #[serde(default, borrow)]
-    arguments: Option<Cow<'a, str>>,
+    arguments: Option<Text<'a>>,
 }
 
 impl Generated<'_> {
@@ -83,12 +83,12 @@ impl Generated<'_> {
         ]
         .into_iter()
         .flatten()
-        .map(Cow::as_ref)
+        .map(Text::as_str)
         .chain(functions.flat_map(|f| {
             [&f.name, &f.arguments]
                 .into_iter()
                 .flatten()
-                .map(Cow::as_ref)
+                .map(Text::as_str)
         }))
     }
 }
@@ -100,7 +100,46 @@ impl Choice<'_> {
             .iter()
             .chain(self.message.iter())
             .flat_map(Generated::texts)
-            .chain(self.text.as_deref())
+            .chain(self.text.as_ref().map(Text::as_str))
+    }
+}
+
+/// A generated text field, borrowed from the event unless it holds escapes (serde borrows a
+/// bare `Cow<str>` field, never one inside an `Option`).
+struct Text<'a>(Cow<'a, str>);
+
+impl Text<'_> {
+    fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Str;
+        impl<'de> Visitor<'de> for Str {
+            type Value = Cow<'de, str>;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+
+            fn visit_borrowed_str<E: serde::de::Error>(
+                self,
+                v: &'de str,
+            ) -> Result<Self::Value, E> {
+                Ok(Cow::Borrowed(v))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, v: String) -> Result<Self::Value, E> {
+                Ok(Cow::Owned(v))
+            }
+        }
+        deserializer.deserialize_str(Str).map(Text)
     }
 }
 
@@ -154,4 +193,18 @@ pub(super) fn observe(data: &[u8]) -> Option<Observed> {
         terminal: false,
         provisional_output: false,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_text_is_borrowed_from_the_event_unless_it_holds_escapes() {
+        let plain: Text = serde_json::from_str(r#""a delta""#).unwrap();
+        assert!(matches!(plain.0, Cow::Borrowed("a delta")));
+        let escaped: Text = serde_json::from_str(r#""a \"quoted\" delta""#).unwrap();
+        assert!(matches!(&escaped.0, Cow::Owned(s) if s == "a \"quoted\" delta"));
+        assert!(serde_json::from_str::<Text>("7").is_err());
+    }
 }
