@@ -328,9 +328,13 @@ fn event_data(event: &[u8]) -> Option<Cow<'_, [u8]>> {
             let value = value.strip_prefix(b" ").unwrap_or(value);
             match &mut data {
                 None => data = Some(Cow::Borrowed(value)),
+                // Lines join with `\n`, none before the first non-empty one (as before the
+                // data was borrowed).
                 Some(d) => {
                     let d = d.to_mut();
-                    d.push(b'\n');
+                    if !d.is_empty() {
+                        d.push(b'\n');
+                    }
                     d.extend_from_slice(value);
                 }
             }
@@ -412,6 +416,18 @@ mod tests {
         let before_lf = &buf[..lf.unwrap_or(buf.len())];
         let crlf = before_lf.windows(4).position(|w| w == b"\r\n\r\n");
         crlf.map(|i| i + 4).or(lf)
+    }
+
+    #[test]
+    fn an_events_data_lines_join_with_no_break_before_the_first_non_empty_one() {
+        let data = |event: &str| event_data(event.as_bytes()).map(|d| d.into_owned());
+        assert_eq!(data("data: {}\n\n").as_deref(), Some(&b"{}"[..]));
+        assert_eq!(data("data:\ndata: {}\n\n").as_deref(), Some(&b"{}"[..]));
+        assert_eq!(
+            data("data: a\ndata:\ndata: b\n\n").as_deref(),
+            Some(&b"a\n\nb"[..])
+        );
+        assert_eq!(data("event: ping\n\n"), None);
     }
 
     #[test]
