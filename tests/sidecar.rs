@@ -425,12 +425,15 @@ async fn weights_divide_service_two_to_one_and_returning_tenants_are_lifted() {
 async fn replicas_idle() {
     for _ in 0..100 {
         let metrics = stack().sidecar.metrics().await;
-        // What weir holds there, and what the engines last said they hold: the affine replica
-        // still read as full from an earlier test's load would send a request elsewhere.
+        // What weir holds there, and what the engines last said they hold and queue: the affine
+        // replica still read as full or queueing (a health read that caught the last request
+        // before the engine scheduled it) would send a request elsewhere.
         let held: f64 = metrics
             .lines()
             .filter(|l| {
-                l.starts_with("weir_replica_in_flight{") || l.starts_with("weir_replica_kv_usage{")
+                ["in_flight", "kv_usage", "waiting"]
+                    .iter()
+                    .any(|m| l.starts_with(&format!("weir_replica_{m}{{")))
             })
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum();
