@@ -6,12 +6,14 @@ use rand_distr::{Distribution, Exp, LogNormal};
 
 use crate::profile::OutputLength;
 
-/// Token-sized pieces of text; one piece is streamed per generated token.
+/// Pieces of text, one streamed per generated token: each is one token in both vocabularies and
+/// no two merge, so generated text re-tokenizes to as many tokens as were generated — as a real
+/// engine's output does, and as a continuation's re-prefill relies on.
 const PIECES: &[&str] = &[
     " the", " a", " token", " cache", " of", " and", " model", " to", " is", " in", " memory",
     " each", " tenant", " request", " stream", " batch", " that", " block", " queue", " for",
-    " prefix", " with", " on", " time", " fair", " share", " it", " as", ",", ".", " we", " key",
-    " value", " step", " decode", " prefill", " GPU", " runs", " waits", " fits",
+    " prefix", " with", " on", " time", " fair", " share", " it", " as", " so", " then", " we",
+    " key", " value", " step", " decode", " fill", " GPU", " runs", " waits", " fits",
 ];
 
 /// The generator for one request.
@@ -52,6 +54,23 @@ impl TextGen {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use weir_core::tokens::Encoding;
+
+    #[test]
+    fn every_piece_and_pair_of_pieces_tokenizes_as_generated() {
+        for encoding in [Encoding::Cl100kBase, Encoding::O200kBase] {
+            for a in PIECES {
+                for b in PIECES {
+                    let text = format!("{a}{b}");
+                    assert_eq!(
+                        encoding.encode(&text).unwrap().len(),
+                        2,
+                        "{encoding:?} {text:?}"
+                    );
+                }
+            }
+        }
+    }
 
     #[test]
     fn same_seed_same_text() {
