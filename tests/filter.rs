@@ -98,6 +98,55 @@ async fn requests_without_a_valid_key_get_401() {
     }
 }
 
+/// The filter's header edits touch only the headers it owns: the caller's others reach the
+/// upstream as sent — repeated ones each in order, bytes that are not UTF-8 unchanged.
+#[tokio::test]
+async fn the_callers_other_headers_reach_the_upstream_as_sent() {
+    let id = "headers-as-sent-1";
+    let mut headers = reqwest::header::HeaderMap::new();
+    headers.insert("x-request-id", id.parse().unwrap());
+    headers.append("x-repeated", "one".parse().unwrap());
+    headers.append("x-repeated", "two".parse().unwrap());
+    let raw = b"caf\xe9 \xff";
+    headers.insert(
+        "x-latin1",
+        reqwest::header::HeaderValue::from_bytes(raw).unwrap(),
+    );
+    let resp = reqwest::Client::new()
+        .post(format!("{}{CHAT}", stack().envoy.url))
+        .bearer_auth("key-plain")
+        .headers(headers)
+        .header("content-type", "application/json")
+        .body(chat("as sent", json!({"max_tokens": 1})).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+
+    let received = stack().sim.received().await;
+    let seen = received
+        .iter()
+        .find(|r| r["headers"]["x-request-id"] == id)
+        .expect("the upstream saw the request");
+    assert_eq!(seen["path"], CHAT);
+    let pairs = seen["header_pairs"].as_array().unwrap();
+    let values = |name: &str| -> Vec<Vec<u8>> {
+        pairs
+            .iter()
+            .filter(|p| p[0] == name)
+            .map(|p| serde_json::from_value(p[1].clone()).unwrap())
+            .collect()
+    };
+    assert_eq!(values("x-repeated"), [b"one".to_vec(), b"two".to_vec()]);
+    assert_eq!(values("x-latin1"), [raw.to_vec()]);
+    assert_eq!(values("x-weir-tenant"), [b"acme/lab/e2e/plain".to_vec()]);
+    assert!(
+        values("authorization").is_empty(),
+        "the key stops at the gateway"
+    );
+    assert_eq!(values("accept-encoding"), [b"identity".to_vec()]);
+}
+
 #[tokio::test]
 async fn spoofed_identity_and_cache_salt_never_reach_the_upstream() {
     let id = "spoof-check-1";

@@ -4,7 +4,6 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::fmt::Write;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
@@ -101,10 +100,12 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 
 /// weir's id of one attempt (`x-weir-request-id`): random, so no caller can choose or predict it.
 pub fn unique_id() -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut id = String::with_capacity(37);
     id.push_str("weir-");
     for b in random_bytes::<16>() {
-        let _ = write!(id, "{b:02x}");
+        id.push(char::from(HEX[usize::from(b >> 4)]));
+        id.push(char::from(HEX[usize::from(b & 0xf)]));
     }
     id
 }

@@ -69,6 +69,11 @@ impl App {
         if self.settings.record_requests == 0 {
             return;
         }
+        // By name (a repeated header's last value), and every line as sent: name and bytes.
+        let pairs: Vec<Value> = headers
+            .iter()
+            .map(|(k, v)| json!([k.as_str(), v.as_bytes()]))
+            .collect();
         let headers: serde_json::Map<String, Value> = headers
             .iter()
             .map(|(k, v)| (k.to_string(), json!(String::from_utf8_lossy(v.as_bytes()))))
@@ -79,7 +84,9 @@ impl App {
         if recorded.len() == self.settings.record_requests {
             recorded.pop_front();
         }
-        recorded.push_back(json!({"path": path, "headers": headers, "body": body}));
+        recorded.push_back(
+            json!({"path": path, "headers": headers, "header_pairs": pairs, "body": body}),
+        );
     }
 
     /// The requests recorded, oldest first.
