@@ -8,6 +8,7 @@
 //! when the client did not ask for it.
 
 mod chat;
+mod delta;
 mod messages;
 mod responses;
 

@@ -12,7 +12,8 @@ use serde::de::{Deserializer, SeqAccess, Visitor};
 use super::{Observed, Reported, generated_tokens};
 
 /// Text fields are borrowed from the event where they hold no escapes: a stream is read event
-/// by event, and most events are one short delta.
+/// by event, and most events are one short delta (read first without serde, by
+/// [`super::delta`], which must know every field here).
 #[derive(Deserialize)]
 struct Event {
     #[serde(default)]
@@ -181,6 +182,18 @@ pub(super) fn observe(data: &[u8]) -> Option<Observed> {
             ..Observed::default()
         });
     }
+    if let Some(generated) = super::delta::generated(data) {
+        return Some(Observed {
+            answer: true,
+            generated,
+            ..Observed::default()
+        });
+    }
+    read(data)
+}
+
+/// An event (not `[DONE]`) or a body, read by serde.
+fn read(data: &[u8]) -> Option<Observed> {
     let event: Event = serde_json::from_slice(data).ok()?;
     let answer = event.choices.is_some() && event.error.is_none();
     let choices = event.choices.unwrap_or_default();
@@ -198,6 +211,198 @@ pub(super) fn observe(data: &[u8]) -> Option<Observed> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A small xorshift: reproducible without a dependency.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % n as u64) as usize
+        }
+
+        fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
+            from[self.below(from.len())]
+        }
+    }
+
+    const KEYS: [&str; 17] = [
+        "choices",
+        "usage",
+        "error",
+        "delta",
+        "message",
+        "text",
+        "content",
+        "reasoning",
+        "reasoning_content",
+        "refusal",
+        "tool_calls",
+        "function_call",
+        "index",
+        "id",
+        "finish_reason",
+        "cont\\u0065nt",
+        "logprobs",
+    ];
+
+    const SCALARS: [&str; 26] = [
+        "\"\"",
+        "\"we\"",
+        "\" the\"",
+        "\"h\u{e9}llo\"",
+        "\"\u{4e2d}\u{6587}\"",
+        "\"a\\nb\"",
+        "\"\\u0041\"",
+        "\"tab\there\"",
+        "\"\\\"q\\\"\"",
+        "0",
+        "-1",
+        "12",
+        "01",
+        "-",
+        "1.5",
+        "1e3",
+        "123456789012345678901234567890",
+        "null",
+        "true",
+        "false",
+        "nul",
+        "nullx",
+        "{}",
+        "[]",
+        "\"x\\",
+        "[null]",
+    ];
+
+    /// A value: mostly what a stream's events hold, sometimes anything.
+    fn value(rng: &mut Rng, depth: usize) -> String {
+        match rng.below(if depth > 3 { 1 } else { 4 }) {
+            0 => rng.pick(&SCALARS).to_owned(),
+            1 => object(rng, depth + 1),
+            2 => format!("[{}]", list(rng, depth)),
+            _ => format!("[{}]", object(rng, depth + 1)),
+        }
+    }
+
+    fn list(rng: &mut Rng, depth: usize) -> String {
+        let n = rng.below(3);
+        (0..n)
+            .map(|_| value(rng, depth + 1))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn object(rng: &mut Rng, depth: usize) -> String {
+        let n = rng.below(5);
+        let members: Vec<String> = (0..n)
+            .map(|_| format!("\"{}\":{}", rng.pick(&KEYS), value(rng, depth)))
+            .collect();
+        format!("{{{}}}", members.join(","))
+    }
+
+    /// An event of the plain shape, or near it.
+    fn event(rng: &mut Rng) -> Vec<u8> {
+        let text = rng.pick(&["\"we\"", "\"\"", "\" caf\u{e9}\"", "null", "\"a b c\""]);
+        let field = rng.pick(&["content", "reasoning", "reasoning_content", "refusal"]);
+        let choice = match rng.below(6) {
+            4 => format!(
+                "{{\"delta\":{{\"{field}\":{text}}},\"{}\":{{}}}}",
+                rng.pick(&["delta", "message", "index"])
+            ),
+            5 => format!(
+                "{{\"delta\":{{\"{field}\":{text},\"{}\":{text}}}}}",
+                rng.pick(&["content", "refusal", "role"])
+            ),
+            0 => format!(
+                "{{\"index\":0,\"delta\":{{\"{field}\":{text}}},\"logprobs\":null,\"finish_reason\":null}}"
+            ),
+            1 => format!("{{\"index\":1,\"text\":{text},\"finish_reason\":\"stop\"}}"),
+            2 => format!(
+                "{{\"message\":{{\"role\":\"assistant\",\"{field}\":{text},\"tool_calls\":null}}}}"
+            ),
+            _ => object(rng, 1),
+        };
+        let choices = match rng.below(5) {
+            0 => String::new(),
+            1 => format!("{choice},{choice}"),
+            _ => choice,
+        };
+        let extra = match rng.below(6) {
+            0 => format!(",\"usage\":{}", value(rng, 1)),
+            1 => format!(",\"error\":{}", value(rng, 1)),
+            2 => format!(",\"{}\":{}", rng.pick(&KEYS), value(rng, 1)),
+            _ => String::new(),
+        };
+        let mut bytes = format!(
+            " {{\"id\":\"chatcmpl-1\",\"object\":\"chat.completion.chunk\",\"created\":17,\"choices\":[{choices}]{extra}}}\n"
+        )
+        .into_bytes();
+        // Sometimes one byte changed, added or taken away.
+        for _ in 0..rng.below(3).saturating_sub(1) {
+            let at = rng.below(bytes.len());
+            const BYTES: &[u8] = b",\"\\{}[] n0-.:\xff\x01e";
+            let byte = BYTES[rng.below(BYTES.len())];
+            match rng.below(3) {
+                0 => bytes[at] = byte,
+                1 => bytes.insert(at, byte),
+                _ => drop(bytes.remove(at)),
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn the_plain_event_reader_agrees_with_serde_wherever_it_answers() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut answered = 0;
+        let rounds = 200_000;
+        for _ in 0..rounds {
+            let data = event(&mut rng);
+            let Some(generated) = super::super::delta::generated(&data) else {
+                continue;
+            };
+            answered += 1;
+            let by_serde = read(&data);
+            let agrees = by_serde.as_ref().is_some_and(|o| {
+                o.answer
+                    && o.generated == generated
+                    && o.usage.is_none()
+                    && !(o.error || o.usage_only || o.terminal || o.provisional_output)
+            });
+            assert!(
+                agrees,
+                "{:?}: {generated} tokens, serde {by_serde:?}",
+                String::from_utf8_lossy(&data)
+            );
+        }
+        // Honest only if it answers often: a reader that always declined would pass.
+        assert!(answered > rounds / 5, "answered {answered} of {rounds}");
+    }
+
+    #[test]
+    fn the_plain_event_reader_answers_for_a_real_engines_deltas() {
+        let capture = include_str!("../../testdata/vllm-chat-stream.sse");
+        let mut deltas = 0;
+        for event in capture
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+        {
+            if event.contains("\"usage\":{") || event == "[DONE]" {
+                continue;
+            }
+            let generated = super::super::delta::generated(event.as_bytes());
+            assert_eq!(
+                generated,
+                read(event.as_bytes()).map(|o| o.generated),
+                "{event}"
+            );
+            deltas += 1;
+        }
+        assert!(deltas > 10);
+    }
 
     #[test]
     fn generated_text_is_borrowed_from_the_event_unless_it_holds_escapes() {
