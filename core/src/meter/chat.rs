@@ -382,6 +382,53 @@ mod tests {
         assert!(answered > rounds / 5, "answered {answered} of {rounds}");
     }
 
+    /// Every one-byte insertion, replacement and deletion, and every truncation, of events
+    /// the plain reader answers: wherever it still answers, serde agrees.
+    #[test]
+    fn every_one_byte_edit_of_a_plain_event_is_read_as_serde_reads_it() {
+        const SEEDS: [&str; 4] = [
+            r#"{"id":"c","choices":[{"index":0,"delta":{"content":"we","role":"assistant"},"logprobs":null,"finish_reason":null}],"usage":null}"#,
+            r#"{"choices":[{"text":"a b","delta":{"reasoning":"x y","refusal":null,"tool_calls":null,"function_call":null},"message":{"reasoning_content":"q"}}],"error":null}"#,
+            r#"{"choices":[{"delta":{}},{"message":null,"x":[1,-0,true,false,null,{"k":[{}]},"s"]}]}"#,
+            "{\"choices\":[{\"delta\":{\"content\":\"\u{e9}t\u{e9} \u{4e2d}\"}}]}",
+        ];
+        let agrees = |data: &[u8]| {
+            let Some(generated) = super::super::delta::generated(data) else {
+                return true;
+            };
+            read(data).is_some_and(|o| {
+                o.answer
+                    && o.generated == generated
+                    && o.usage.is_none()
+                    && !(o.error || o.usage_only || o.terminal || o.provisional_output)
+            })
+        };
+        for seed in SEEDS.map(str::as_bytes) {
+            assert!(super::super::delta::generated(seed).is_some(), "{seed:?}");
+            for at in 0..=seed.len() {
+                let mut edits = vec![seed[..at].to_vec()];
+                for byte in 0..=255u8 {
+                    let mut inserted = seed.to_vec();
+                    inserted.insert(at, byte);
+                    edits.push(inserted);
+                    if at < seed.len() {
+                        let mut replaced = seed.to_vec();
+                        replaced[at] = byte;
+                        edits.push(replaced);
+                    }
+                }
+                if at < seed.len() {
+                    let mut removed = seed.to_vec();
+                    removed.remove(at);
+                    edits.push(removed);
+                }
+                for edit in edits {
+                    assert!(agrees(&edit), "{:?}", String::from_utf8_lossy(&edit));
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_plain_event_reader_answers_for_a_real_engines_deltas() {
         let capture = include_str!("../../testdata/vllm-chat-stream.sse");
