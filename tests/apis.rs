@@ -14,7 +14,7 @@ use futures::StreamExt;
 use reqwest::{RequestBuilder, Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, api_key_limited};
+use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim, api_key, api_key_limited, http2_upstream};
 
 /// Per-minute token limits of the metered keys: slow enough a refill that a bucket's movement
 /// is read to within a few tokens.
@@ -97,7 +97,15 @@ fn stack() -> &'static Stack {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let dead_port = closed.local_addr().unwrap().port();
         drop(closed);
-        let envoy = Envoy::start(&weir_config(), sidecar.port, dead_port);
+        // To the sidecar over HTTP/2, as the shipped configs speak to it.
+        let opts = EnvoyOptions {
+            weir_config: &weir_config(),
+            upstream_port: sidecar.port,
+            alt_port: dead_port,
+            listen_port: 0,
+            with_filter: true,
+        };
+        let envoy = Envoy::launch_edited(opts, http2_upstream);
         sidecar.wait_for_probes(2);
         Stack {
             sims,
@@ -486,6 +494,14 @@ async fn a_client_leaving_mid_stream_settles_and_cancels_upstream_on_every_strea
         slow.wait_idle().await;
         assert_eq!(slow.gauge("vllm:num_requests_running").await, 0.0, "{api}");
     }
+    // Each leaving was a reset of an HTTP/2 stream to the sidecar, not a closed connection.
+    let envoy = &stack().envoy;
+    assert!(envoy.stat("cluster.upstream.upstream_cx_http2_total").await >= Some(1));
+    assert_eq!(
+        envoy.stat("cluster.upstream.upstream_cx_http1_total").await,
+        Some(0)
+    );
+    assert!(envoy.stat("cluster.upstream.upstream_rq_tx_reset").await >= Some(4));
     // Every slot of the key came back.
     let resp = request(reqwest::Method::GET, "/v1/models", "leaver")
         .send()

@@ -229,7 +229,7 @@ fn the_rendered_base_holds_every_kind_and_its_parts_agree() {
     let service = the(&base.docs, "Service", Some("weir-sidecar-llama-3-1-8b"));
     assert_eq!(
         service["spec"]["ports"],
-        json!([{"name": "http-serving", "port": serving, "targetPort": "http-serving", "protocol": "TCP", "appProtocol": "http"}]),
+        json!([{"name": "http-serving", "port": serving, "targetPort": "http-serving", "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}]),
         "the gateway's Service has the serving port only"
     );
     let metrics = the(

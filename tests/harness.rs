@@ -782,6 +782,28 @@ pub(crate) fn render(
     config_path
 }
 
+/// An edit of the template for [`Envoy::launch_edited`]: its `upstream` cluster speaks HTTP/2
+/// without TLS, as the shipped `deploy/envoy/envoy.yaml` speaks to the sidecar (an engine
+/// speaks HTTP/1.1 only).
+pub fn http2_upstream(template: String) -> String {
+    let cluster = "  - name: upstream\n    type: STATIC\n";
+    assert_eq!(
+        template.matches(cluster).count(),
+        1,
+        "the template's upstream cluster"
+    );
+    template.replace(
+        cluster,
+        &format!(
+            "{cluster}    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+"
+        ),
+    )
+}
+
 impl Envoy {
     /// Starts Envoy with `weir_config` and `signing_secret` in its environment, expecting it to
     /// refuse the configuration: returns what it logged before exiting with an error (panics if

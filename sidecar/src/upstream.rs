@@ -36,7 +36,10 @@ impl std::fmt::Debug for Upstream {
 
 /// The client every pool without a CA file of its own shares.
 pub fn client(ca_pem: Option<&[u8]>) -> anyhow::Result<reqwest::Client> {
+    // Engines speak HTTP/1.1 (vLLM, llama.cpp); saying so keeps TLS from offering HTTP/2 in a
+    // build whose features another crate of the workspace widened.
     let mut builder = reqwest::Client::builder()
+        .http1_only()
         .connect_timeout(CONNECT_TIMEOUT)
         .redirect(reqwest::redirect::Policy::none());
     if let Some(pem) = ca_pem {

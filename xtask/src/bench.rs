@@ -362,14 +362,33 @@ fn signed(
         .header("x-weir-signature", signature)
 }
 
+/// How a caller's streams reach a server.
+#[derive(Clone, Copy, PartialEq)]
+enum Hop {
+    /// A connection a stream, as to an engine.
+    Http1,
+    /// Up to `STREAMS_PER_CONNECTION` streams a connection (HTTP/2 without TLS), as Envoy's
+    /// pool to the sidecar can: it opens another connection when one is at the server's limit.
+    Http2,
+}
+
+const STREAMS_PER_CONNECTION: usize = 100;
+
 /// `n` concurrent streams of `RELAY_TOKENS` tokens; returns tokens received per second.
-async fn streams(url: &str, n: usize, trusted: bool) -> anyhow::Result<f64> {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(n)
-        .build()?;
+async fn streams(url: &str, n: usize, trusted: bool, hop: Hop) -> anyhow::Result<f64> {
+    let clients = match hop {
+        Hop::Http1 => vec![
+            reqwest::Client::builder()
+                .pool_max_idle_per_host(n)
+                .build()?,
+        ],
+        Hop::Http2 => (0..n.div_ceil(STREAMS_PER_CONNECTION))
+            .map(|_| reqwest::Client::builder().http2_prior_knowledge().build())
+            .collect::<Result<_, _>>()?,
+    };
     let start = Instant::now();
     let one = |i: usize| {
-        let client = client.clone();
+        let client = clients[i % clients.len()].clone();
         async move {
             let mut req = client
                 .post(format!("{url}/v1/chat/completions"))
@@ -434,15 +453,27 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Ve
         "{RELAY_ROUNDS} rounds alternating direct and relayed; tok/s the median, ratio the median of the rounds' ratios [their range]"
     );
     println!(
-        "{:>8} {:>14} {:>14} {:>7} {:>15} {:>16}",
-        "streams", "direct tok/s", "relayed tok/s", "ratio", "range", "sidecar peak RSS"
+        "the callers' streams reach the engine over HTTP/1.1 (a connection each), the sidecar over HTTP/2 ({STREAMS_PER_CONNECTION} a connection,"
     );
+    println!(
+        "as the shipped gateway configs speak to it) and, where the open-files limit allows, over HTTP/1.1 too"
+    );
+    println!(
+        "{:>8} {:>8} {:>14} {:>14} {:>7} {:>15} {:>16}",
+        "streams", "to it", "direct tok/s", "relayed tok/s", "ratio", "range", "sidecar peak RSS"
+    );
+    let limit = open_files_limit().unwrap_or(u64::MAX);
     let mut rows = Vec::new();
-    for n in [1_000, 5_000, 10_000] {
+    for n in [1_000usize, 5_000, 10_000] {
         let path = format!("sidecar relay, {n} streams, tokens/s");
-        // Each relayed stream holds two sockets in the sidecar (the caller's, the replica's).
-        let needed = 2 * n as u64 + 64;
-        if let Some(limit) = open_files_limit().filter(|&limit| limit < needed) {
+        // The sockets the sidecar holds: a replica's for each stream, and a caller's for each
+        // stream over HTTP/1.1 or for each connection over HTTP/2.
+        let needed = |hop| match hop {
+            Hop::Http1 => 2 * n as u64 + 64,
+            Hop::Http2 => (n + n.div_ceil(STREAMS_PER_CONNECTION)) as u64 + 64,
+        };
+        if needed(Hop::Http2) > limit {
+            let needed = needed(Hop::Http2);
             println!(
                 "{n:>8} not run: a process may hold {limit} files here, the sidecar needs {needed}"
             );
@@ -455,54 +486,22 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Ve
             ));
             continue;
         }
-        let tokens = n as u64 * RELAY_TOKENS;
-        let me = std::process::id();
-        // What the engine, the sidecar and the client (this process) used per token.
-        let (mut engine, mut sidecar_used, mut client) =
-            ([vec![], vec![]], vec![], [vec![], vec![]]);
-        let r = alternate(RELAY_ROUNDS, || {
-            let (direct, [e, c]) = usage_per_token([direct_sim.pid(), me], tokens, || {
-                runtime.block_on(streams(&direct_sim.url, n, false))
-            })?;
-            engine[0].push(e);
-            client[0].push(c);
-            let (relayed, [e, s, c]) =
-                usage_per_token([relayed_sim.pid(), sidecar.pid(), me], tokens, || {
-                    runtime.block_on(streams(&sidecar.url, n, true))
-                })?;
-            engine[1].push(e);
-            sidecar_used.push(s);
-            client[1].push(c);
-            Ok((direct, relayed))
-        })?;
-        let ratio = r.ratio;
-        println!(
-            "{n:>8} {:>14.0} {:>14.0} {ratio:>6.2}x {:>15} {:>13.0} MB",
-            r.baseline,
-            r.measured,
-            format!("[{:.2}–{:.2}]", r.low, r.high),
-            peak_rss_mb(sidecar.pid())
-        );
-        println!(
-            "{:>8} a token (CPU, write calls): direct: engine {}, client {}",
-            "",
-            usage_median(&engine[0]),
-            usage_median(&client[0])
-        );
-        println!(
-            "{:>8}   relayed: engine {}, sidecar {}, client {}",
-            "",
-            usage_median(&engine[1]),
-            usage_median(&sidecar_used),
-            usage_median(&client[1])
-        );
-        rows.push(Row::new(
-            path,
-            "streams straight from an engine",
-            ratio,
-            Target::AtLeast(0.8),
-            "×",
-        ));
+        let hops = [Hop::Http1, Hop::Http2]
+            .into_iter()
+            .filter(|&hop| needed(hop) <= limit);
+        for hop in hops {
+            let ratio = relay_rounds(&runtime, n, hop, &direct_sim, &relayed_sim, &sidecar)?;
+            // The target is the sidecar as the shipped configs reach it.
+            if hop == Hop::Http2 {
+                rows.push(Row::new(
+                    path.clone(),
+                    "streams straight from an engine",
+                    ratio,
+                    Target::AtLeast(0.8),
+                    "×",
+                ));
+            }
+        }
         if n == 10_000 {
             rows.push(Row::new(
                 "sidecar relay, 10000 streams, peak RSS",
@@ -514,6 +513,63 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Ve
         }
     }
     Ok(rows)
+}
+
+/// `RELAY_ROUNDS` rounds of `n` streams straight from one engine and through the sidecar (to
+/// an identical engine) over `hop`; prints them and returns the median ratio.
+fn relay_rounds(
+    runtime: &tokio::runtime::Runtime,
+    n: usize,
+    hop: Hop,
+    direct_sim: &Sim,
+    relayed_sim: &Sim,
+    sidecar: &Sidecar,
+) -> anyhow::Result<f64> {
+    let tokens = n as u64 * RELAY_TOKENS;
+    let me = std::process::id();
+    // What the engine, the sidecar and the client (this process) used per token.
+    let (mut engine, mut sidecar_used, mut client) = ([vec![], vec![]], vec![], [vec![], vec![]]);
+    let r = alternate(RELAY_ROUNDS, || {
+        let (direct, [e, c]) = usage_per_token([direct_sim.pid(), me], tokens, || {
+            runtime.block_on(streams(&direct_sim.url, n, false, Hop::Http1))
+        })?;
+        engine[0].push(e);
+        client[0].push(c);
+        let (relayed, [e, s, c]) =
+            usage_per_token([relayed_sim.pid(), sidecar.pid(), me], tokens, || {
+                runtime.block_on(streams(&sidecar.url, n, true, hop))
+            })?;
+        engine[1].push(e);
+        sidecar_used.push(s);
+        client[1].push(c);
+        Ok((direct, relayed))
+    })?;
+    let protocol = match hop {
+        Hop::Http1 => "HTTP/1.1",
+        Hop::Http2 => "HTTP/2",
+    };
+    println!(
+        "{n:>8} {protocol:>8} {:>14.0} {:>14.0} {:>6.2}x {:>15} {:>13.0} MB",
+        r.baseline,
+        r.measured,
+        r.ratio,
+        format!("[{:.2}–{:.2}]", r.low, r.high),
+        peak_rss_mb(sidecar.pid())
+    );
+    println!(
+        "{:>17} a token (CPU, write calls): direct: engine {}, client {}",
+        "",
+        usage_median(&engine[0]),
+        usage_median(&client[0])
+    );
+    println!(
+        "{:>17}   relayed: engine {}, sidecar {}, client {}",
+        "",
+        usage_median(&engine[1]),
+        usage_median(&sidecar_used),
+        usage_median(&client[1])
+    );
+    Ok(r.ratio)
 }
 
 /// The hard limit on open files a process here may raise itself to.

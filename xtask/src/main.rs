@@ -60,7 +60,7 @@ enum Task {
     /// and in wasm, exact vs fast), scheduler decisions, Envoy with vs without the weir filter
     /// (and a no-op one) with where the filter's time goes, long prompts, the filter's latency
     /// with fleet mode on vs off, fair vs FIFO on a saturated pool, prefix affinity on vs off,
-    /// and sidecar relay throughput and memory at 1,000 and 5,000 streams; then the targets
+    /// and sidecar relay throughput and memory at 1,000, 5,000 and 10,000 streams; then the targets
     /// table.
     Bench {
         /// Run one of them only.
@@ -268,13 +268,14 @@ fn up(
             &sidecar_bin,
             serde_json::json!({"policy": "fair", "pools": pools}),
         );
-        let envoy = Envoy::launch(EnvoyOptions {
+        let opts = EnvoyOptions {
             weir_config: &config,
             upstream_port: sidecar.port,
             alt_port: sidecar.port,
             listen_port: port,
             with_filter: true,
-        });
+        };
+        let envoy = Envoy::launch_edited(opts, weir_e2e::http2_upstream);
         fleet::Stack::single(envoy, sidecar)
     };
     let prometheus = if extras.observe {

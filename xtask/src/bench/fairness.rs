@@ -8,7 +8,7 @@ use std::path::Path;
 use serde_json::json;
 use weir_e2e::{Sidecar, Sim};
 
-use super::{RELAY_TOKENS, Row, Target, alternate, streams};
+use super::{Hop, RELAY_TOKENS, Row, Target, alternate, streams};
 
 /// Streams in the burst, and the engine's batch (and the sidecar's per-replica cap): the rest
 /// wait in the sidecar's queue, where the policy orders them.
@@ -46,8 +46,11 @@ pub fn fairness_cost(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Vec<R
     std::thread::sleep(std::time::Duration::from_millis(500));
     let runtime = tokio::runtime::Runtime::new()?;
     let r = alternate(ROUNDS, || {
-        let fair = runtime.block_on(streams(&fair.url, STREAMS, true))?;
-        Ok((runtime.block_on(streams(&fifo.url, STREAMS, true))?, fair))
+        let fair = runtime.block_on(streams(&fair.url, STREAMS, true, Hop::Http1))?;
+        Ok((
+            runtime.block_on(streams(&fifo.url, STREAMS, true, Hop::Http1))?,
+            fair,
+        ))
     })?;
     let ratio = r.ratio;
     println!(
