@@ -1,11 +1,11 @@
 //! Envoy in front of several sidecars of one pool, as a fleet runs them: the template's
-//! `upstream` cluster (a ring hashed on `x-weir-org`) listing every sidecar, each health-checked
-//! on its admin port's `/ready` with the settings of the shipped `deploy/envoy/envoy.yaml`, so
-//! the tests run what a platform deploys.
+//! `upstream` cluster (a ring hashed on `x-weir-org`, over HTTP/2) listing every sidecar, each
+//! health-checked on its admin port's `/ready` with the settings of the shipped
+//! `deploy/envoy/envoy.yaml`, so the tests run what a platform deploys.
 
 use std::time::Duration;
 
-use crate::{Envoy, EnvoyOptions, Sidecar, http_get, wait_for, workspace_root};
+use crate::{Envoy, EnvoyOptions, Sidecar, http_get, http2_upstream, wait_for, workspace_root};
 
 /// How long after the health checks pass every Envoy worker hashes over the whole ring.
 pub const RING_SETTLE: Duration = Duration::from_secs(1);
@@ -69,10 +69,10 @@ impl Envoy {
                 .unwrap();
             let mut template = template;
             template.replace_range(start..end, &endpoints);
-            template.replace(
+            http2_upstream(template.replace(
                 "    # @@UPSTREAM_HEALTH_CHECKS@@\n",
                 &shipped_health_checks(),
-            )
+            ))
         });
         envoy.wait_for_healthy("upstream", sidecars.len());
         // The workers' rings follow the main thread's health view a moment later: requests in
