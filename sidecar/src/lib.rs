@@ -18,6 +18,7 @@ pub mod isolation;
 pub mod isolation_probe;
 pub mod ledger;
 pub mod limiter;
+pub mod listener;
 pub mod metrics;
 pub mod pool;
 pub mod prediction;

@@ -2,7 +2,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use clap::Parser;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
@@ -11,6 +10,7 @@ use weir_core::scheduler::Policy;
 use weir_sidecar::discovery::{FileResolver, Resolver, SystemResolver};
 use weir_sidecar::dispatcher::Dispatcher;
 use weir_sidecar::ledger::Ledger;
+use weir_sidecar::listener::{self, Protocols};
 use weir_sidecar::metrics::Metrics;
 use weir_sidecar::reload::{Live, Overrides, Reloader};
 use weir_sidecar::server::{App, admin_router, router};
@@ -143,21 +143,23 @@ async fn main() -> anyhow::Result<()> {
         config.policy,
         admin.local_addr()?
     );
-    // Chunks are small writes: without TCP_NODELAY, Nagle holds them for the peer's delayed ACK.
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let mut api = tokio::spawn(
-        axum::serve(listener, router(app.clone()))
-            .with_graceful_shutdown(raised(stopping.clone()))
-            .into_future(),
-    );
+    let mut api = tokio::spawn(listener::serve(
+        listener,
+        router(app.clone()),
+        Protocols::Http1AndHttp2,
+        raised(stopping.clone()),
+    ));
     // The admin port serves through the drain (`/ready` says 503, `/metrics` goes on) and
     // stops with the process.
-    let admin = tokio::spawn(axum::serve(admin, admin_router(app.clone())).into_future());
+    let admin = tokio::spawn(listener::serve(
+        admin,
+        admin_router(app.clone()),
+        Protocols::Http1,
+        std::future::pending(),
+    ));
     tokio::select! {
         result = &mut api => {
-            result??;
+            result?;
             return Ok(());
         }
         () = termination() => {}
@@ -208,8 +210,8 @@ async fn drain(
     app: Arc<App>,
     stop: watch::Sender<bool>,
     cut: watch::Sender<bool>,
-    mut api: tokio::task::JoinHandle<std::io::Result<()>>,
-    admin: tokio::task::JoinHandle<std::io::Result<()>>,
+    mut api: tokio::task::JoinHandle<()>,
+    admin: tokio::task::JoinHandle<()>,
     grace: Duration,
 ) {
     tracing::info!("stopping: no new connections; in-flight requests have {grace:?} to finish");
