@@ -14,7 +14,8 @@ use futures::StreamExt;
 use reqwest::{RequestBuilder, Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim, api_key, api_key_limited, http2_upstream};
+use weir_e2e::ring::http2_upstream;
+use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim, api_key, api_key_limited};
 
 /// Per-minute token limits of the metered keys: slow enough a refill that a bucket's movement
 /// is read to within a few tokens.

@@ -138,6 +138,35 @@ pub fn signing_secret() -> &'static str {
     })
 }
 
+/// The trusted headers the filter sends with a request of `tenant` (standard tier, equal
+/// weights, interactive), with `extra` ones, signed with [`signing_secret`] for ten minutes:
+/// for tests and benchmarks that call the sidecar as the filter would.
+pub fn vouched(tenant: &str, request_id: &str, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut headers: Vec<(String, String)> = [
+        ("x-weir-tenant", tenant),
+        ("x-weir-tier", "standard"),
+        ("x-weir-weight", "1,1,1,1"),
+        ("x-weir-priority", "interactive"),
+        ("x-weir-request-id", request_id),
+    ]
+    .iter()
+    .chain(extra)
+    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+    .collect();
+    let view: Vec<(&str, &str)> = headers
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let expires_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+        + 600_000;
+    let signature = weir_core::signature::sign(signing_secret().as_bytes(), &view, expires_ms)
+        .expect("the trusted headers sign");
+    headers.push(("x-weir-signature".to_owned(), signature));
+    headers
+}
+
 type SpawnRequest = (Command, Sender<std::io::Result<Child>>);
 
 /// Spawns a child that is killed when this process exits (the spawning thread never ends).
@@ -780,28 +809,6 @@ pub(crate) fn render(
     let config_path = dir.join("envoy.yaml");
     std::fs::write(&config_path, rendered).unwrap();
     config_path
-}
-
-/// An edit of the template for [`Envoy::launch_edited`]: its `upstream` cluster speaks HTTP/2
-/// without TLS, as the shipped `deploy/envoy/envoy.yaml` speaks to the sidecar (an engine
-/// speaks HTTP/1.1 only).
-pub fn http2_upstream(template: String) -> String {
-    let cluster = "  - name: upstream\n    type: STATIC\n";
-    assert_eq!(
-        template.matches(cluster).count(),
-        1,
-        "the template's upstream cluster"
-    );
-    template.replace(
-        cluster,
-        &format!(
-            "{cluster}    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-"
-        ),
-    )
 }
 
 impl Envoy {

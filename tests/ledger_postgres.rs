@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use weir_core::price::{Price, Usage};
 use weir_e2e::postgres::Postgres;
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, signing_secret, weir_cli};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, weir_cli};
 use weir_sidecar::ledger::UsageRecord;
 use weir_sidecar::ledger::postgres as store;
 use weir_sidecar::ledger::remote::Store;
@@ -171,24 +171,7 @@ fn signed(tenant: &str, request_id: &str) -> Vec<(String, String)> {
         default: Some(PRICE),
     }
     .to_header();
-    let mut headers: Vec<(String, String)> = [
-        ("x-weir-tenant", tenant),
-        ("x-weir-tier", "standard"),
-        ("x-weir-weight", "1,1,1,1"),
-        ("x-weir-priority", "interactive"),
-        ("x-weir-request-id", request_id),
-        ("x-weir-price", price.as_str()),
-    ]
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .to_vec();
-    let view: Vec<(&str, &str)> = headers
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    let signature =
-        weir_core::signature::sign(signing_secret().as_bytes(), &view, now_ms() + 120_000).unwrap();
-    headers.push(("x-weir-signature".into(), signature));
-    headers
+    weir_e2e::vouched(tenant, request_id, &[("x-weir-price", price.as_str())])
 }
 
 /// A metric's value on a sidecar's admin `/metrics` (0 when absent).

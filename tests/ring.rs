@@ -1,11 +1,12 @@
 //! Envoy in front of several sidecars of one pool, as a fleet runs them: the template's
 //! `upstream` cluster (a ring hashed on `x-weir-org`, over HTTP/2) listing every sidecar, each
 //! health-checked on its admin port's `/ready` with the settings of the shipped
-//! `deploy/envoy/envoy.yaml`, so the tests run what a platform deploys.
+//! `deploy/envoy/envoy.yaml`, so the tests run what a platform deploys; and the same cluster
+//! settings for one sidecar ([`http2_upstream`]).
 
 use std::time::Duration;
 
-use crate::{Envoy, EnvoyOptions, Sidecar, http_get, http2_upstream, wait_for, workspace_root};
+use crate::{Envoy, EnvoyOptions, Sidecar, http_get, wait_for, workspace_root};
 
 /// How long after the health checks pass every Envoy worker hashes over the whole ring.
 pub const RING_SETTLE: Duration = Duration::from_secs(1);
@@ -17,18 +18,33 @@ impl Sidecar {
     }
 }
 
-/// The `health_checks` block of the shipped plain-Envoy config's sidecar cluster, as it stands.
-fn shipped_health_checks() -> String {
+/// A block of the shipped plain-Envoy config's sidecar cluster, as it stands: the line `key`
+/// and the lines after it that start with `indent` (comments end it).
+fn shipped_block(key: &str, indent: &str) -> String {
     let shipped =
         std::fs::read_to_string(workspace_root().join("deploy/envoy/envoy.yaml")).unwrap();
-    let mut lines = shipped.lines().skip_while(|l| *l != "    health_checks:");
+    let mut lines = shipped.lines().skip_while(|l| *l != key);
     let mut block = vec![
         lines
             .next()
-            .expect("deploy/envoy/envoy.yaml health-checks its sidecars"),
+            .unwrap_or_else(|| panic!("deploy/envoy/envoy.yaml's sidecar cluster has {key}")),
     ];
-    block.extend(lines.take_while(|l| l.starts_with("    ") && !l.trim_start().starts_with('#')));
+    block.extend(lines.take_while(|l| l.starts_with(indent) && !l.trim_start().starts_with('#')));
     block.join("\n") + "\n"
+}
+
+/// An edit of the template for [`Envoy::launch_edited`]: its `upstream` cluster speaks to the
+/// sidecar as the shipped `deploy/envoy/envoy.yaml` does (HTTP/2 without TLS; an engine
+/// speaks HTTP/1.1 only).
+pub fn http2_upstream(template: String) -> String {
+    let cluster = "  - name: upstream\n    type: STATIC\n";
+    assert_eq!(
+        template.matches(cluster).count(),
+        1,
+        "the template's upstream cluster"
+    );
+    let options = shipped_block("    typed_extension_protocol_options:", "      ");
+    template.replace(cluster, &format!("{cluster}{options}"))
 }
 
 impl Envoy {
@@ -71,7 +87,7 @@ impl Envoy {
             template.replace_range(start..end, &endpoints);
             http2_upstream(template.replace(
                 "    # @@UPSTREAM_HEALTH_CHECKS@@\n",
-                &shipped_health_checks(),
+                &shipped_block("    health_checks:", "    "),
             ))
         });
         envoy.wait_for_healthy("upstream", sidecars.len());

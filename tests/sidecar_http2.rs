@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use weir_e2e::{Sidecar, Sim, signing_secret};
+use weir_e2e::{Sidecar, Sim, vouched};
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 const DATA: u8 = 0;
@@ -61,33 +61,22 @@ fn header_block(fields: &[(&str, &str)]) -> Vec<u8> {
 
 /// A chat request's header block, signed for `tenant` when `signed` (as the filter signs).
 fn chat_headers(tenant: &str, request_id: &str, signed: bool) -> Vec<u8> {
-    let mut fields = vec![
-        (":method", "POST".to_owned()),
-        (":scheme", "http".to_owned()),
-        (":path", "/v1/chat/completions".to_owned()),
-        (":authority", "127.0.0.1".to_owned()),
-        ("content-type", "application/json".to_owned()),
-    ];
+    let mut fields: Vec<(String, String)> = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", "/v1/chat/completions"),
+        (":authority", "127.0.0.1"),
+        ("content-type", "application/json"),
+    ]
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .to_vec();
     if signed {
-        let trusted = [
-            ("x-weir-tenant", format!("acme/w/p/{tenant}")),
-            ("x-weir-tier", "standard".to_owned()),
-            ("x-weir-weight", "1,1,1,1".to_owned()),
-            ("x-weir-priority", "interactive".to_owned()),
-            ("x-weir-request-id", request_id.to_owned()),
-        ];
-        let view: Vec<(&str, &str)> = trusted.iter().map(|(k, v)| (*k, v.as_str())).collect();
-        let expires_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_millis() as u64
-            + 600_000;
-        let signature =
-            weir_core::signature::sign(signing_secret().as_bytes(), &view, expires_ms).unwrap();
-        fields.extend(trusted);
-        fields.push(("x-weir-signature", signature));
+        fields.extend(vouched(&format!("acme/w/p/{tenant}"), request_id, &[]));
     }
-    let view: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let view: Vec<(&str, &str)> = fields
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
     header_block(&view)
 }
 

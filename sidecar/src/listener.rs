@@ -73,11 +73,10 @@ pub async fn serve(
 }
 
 fn builder(protocols: Protocols) -> Builder<TokioExecutor> {
-    let builder = Builder::new(TokioExecutor::new());
+    let mut builder = Builder::new(TokioExecutor::new());
     match protocols {
         Protocols::Http1 => builder.http1_only(),
         Protocols::Http1AndHttp2 => {
-            let mut builder = builder;
             builder
                 .http2()
                 .max_concurrent_streams(STREAMS_PER_CONNECTION)

@@ -338,28 +338,11 @@ fn signed(
     i: usize,
     start: Instant,
 ) -> reqwest::RequestBuilder {
-    let fields = [
-        ("x-weir-tenant", format!("bench/w/p/t{}", i % 100)),
-        ("x-weir-tier", "standard".to_owned()),
-        ("x-weir-weight", "1,1,1,1".to_owned()),
-        ("x-weir-priority", "interactive".to_owned()),
-        (
-            "x-weir-request-id",
-            format!("relay-{n}-{i}-{}", start.elapsed().as_nanos()),
-        ),
-    ];
-    let view: Vec<(&str, &str)> = fields.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    let expires_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-        + 600_000;
-    let signature =
-        weir_core::signature::sign(weir_e2e::signing_secret().as_bytes(), &view, expires_ms)
-            .unwrap_or_default();
-    fields
+    let tenant = format!("bench/w/p/t{}", i % 100);
+    let request_id = format!("relay-{n}-{i}-{}", start.elapsed().as_nanos());
+    weir_e2e::vouched(&tenant, &request_id, &[])
         .into_iter()
         .fold(req, |req, (k, v)| req.header(k, v))
-        .header("x-weir-signature", signature)
 }
 
 /// How a caller's streams reach a server.

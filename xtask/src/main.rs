@@ -275,7 +275,7 @@ fn up(
             listen_port: port,
             with_filter: true,
         };
-        let envoy = Envoy::launch_edited(opts, weir_e2e::http2_upstream);
+        let envoy = Envoy::launch_edited(opts, weir_e2e::ring::http2_upstream);
         fleet::Stack::single(envoy, sidecar)
     };
     let prometheus = if extras.observe {
