@@ -31,6 +31,7 @@ use weir_core::error::ApiError;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 
 use crate::dispatcher::{Assignment, Event, Requeued, now_ms};
+use crate::engine::Dialect;
 use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
 use crate::metrics::{HistogramSeries, Labels, gen_ai};
@@ -491,7 +492,7 @@ pub async fn relay(
         flight.nothing_ran = true;
         return cut_short(flight);
     }
-    let request = post(&flight.assignment, &url, body, trace_id);
+    let request = post(&flight.assignment, &url, body, trace_id, stream);
     let sent = tokio::select! {
         sent = request => sent,
         () = cut(&app) => return cut_short(flight),
@@ -500,7 +501,7 @@ pub async fn relay(
     let upstream = match sent {
         Ok(resp) => resp,
         Err(e) => {
-            tracing::warn!(replica = %flight.assignment.url, "replica unreachable: {e}");
+            tracing::warn!(replica = %flight.assignment.url, "replica unreachable: {:#}", anyhow::Error::from(e));
             let _ = flight.app.events.send(Event::ReplicaFailed {
                 pool: flight.assignment.pool,
                 replica: flight.assignment.replica,
@@ -604,12 +605,20 @@ fn post(
     url: &str,
     body: Vec<u8>,
     trace_id: Option<HeaderValue>,
+    stream: bool,
 ) -> impl Future<Output = reqwest::Result<reqwest::Response>> + use<> {
     let mut request = (assignment.upstream)
         .post(url)
         .header(header::CONTENT_TYPE, JSON);
     if let Some(trace_id) = trace_id {
         request = request.header(TRACE_ID, trace_id);
+    }
+    // llama.cpp's server closes a connection once it has streamed a response on it, though its
+    // headers say keep-alive. Taken back from the pool for the next request (at once, when
+    // that one was queued for the slot), it fails it: "connection closed before message
+    // completed", nothing run, the replica marked failed. Asked to close, it is never pooled.
+    if stream && assignment.provider == Dialect::Llamacpp.name() {
+        request = request.header(header::CONNECTION, "close");
     }
     request.body(body).send()
 }
@@ -1090,7 +1099,7 @@ fn continuation(flight: &mut Flight) -> impl Future<Output = Option<Upstream>> +
             .trace_id
             .as_ref()
             .and_then(|id| segment_id(id, c.splice.segment()));
-        post(&flight.assignment, &url, body, engine_id)
+        post(&flight.assignment, &url, body, engine_id, true)
     });
     async move {
         let resp = request?.await.ok()?;
