@@ -1,6 +1,6 @@
 //! Attacks on the sidecar through the real gateway: an engine that accepts a request and never
 //! answers, and engines that refuse work, checked against what the sidecar holds (admin
-//! metrics) and what it bills (the ledger). Real Envoy with the filter → the sidecar →
+//! metrics) and what it bills (the ledger). Real Envoy with the filter → (HTTP/2) the sidecar →
 //! simulator replicas, one stack per test binary.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
+use weir_e2e::ring::http2_upstream;
+use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim, api_key, chat_body, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -140,9 +141,17 @@ fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
 }
 
 /// Starts a sidecar (and an Envoy in front of it) once its probes have read every replica.
+/// A sidecar, and Envoy in front of it speaking HTTP/2 to it, as the shipped configs do.
 fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
     let sidecar = Sidecar::start(config);
-    let envoy = Envoy::start(&weir_config(), sidecar.port, sidecar.port);
+    let opts = EnvoyOptions {
+        weir_config: &weir_config(),
+        upstream_port: sidecar.port,
+        alt_port: sidecar.port,
+        listen_port: 0,
+        with_filter: true,
+    };
+    let envoy = Envoy::launch_edited(opts, http2_upstream);
     // Every simulator, and the lax engine.
     sidecar.wait_for_probes(sims.len() + 1);
     (sidecar, envoy)

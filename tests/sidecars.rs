@@ -402,7 +402,13 @@ async fn a_sidecar_killed_under_load_hands_its_orgs_to_the_survivor_which_keeps_
         refused.iter().filter(|r| shed(r.2)).count(),
         refused.iter().filter(|r| !shed(r.2)).collect::<Vec<_>>()
     );
-    assert!(cut > 0, "streams were in flight on the victim");
+    // How many of its streams are running at the cut depends on the KV the other sidecar's
+    // flood leaves it in the shared engines: one or two in most runs, none in some (its queue
+    // then waits on KV). `sidecar_attacks` cuts a running stream deterministically.
+    assert!(
+        cut + dequeued > 0,
+        "the victim had work when its grace period ended"
+    );
     assert_eq!(
         cut + dequeued,
         shutdown_records,
