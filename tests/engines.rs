@@ -80,7 +80,14 @@ fn weir_config() -> Value {
 
 /// A `tiny` simulator at ten times real speed in `dialect`, serving `model`.
 fn sim(dialect: &str, model: &str) -> Sim {
-    let mut args = vec!["--metrics-dialect", dialect, "--served-model-name", model];
+    let mut args = vec![
+        "--metrics-dialect",
+        dialect,
+        "--served-model-name",
+        model,
+        "--record-requests",
+        "64",
+    ];
     if dialect == "llamacpp" {
         args.extend(["--slots", "4"]);
     }
@@ -414,6 +421,48 @@ async fn noisy_neighbour(dialect: &str) {
     }
     assert!(kept[0], "fair: small tenants keep their latency");
     assert!(!kept[1], "FIFO: small tenants queue behind the flood");
+}
+
+/// llama.cpp's server closes a connection once it has streamed a response on it, though its
+/// headers say keep-alive: weir asks it to (`Connection: close`), so the connection is never
+/// pooled for the next request, and asks nothing of the sort otherwise.
+#[tokio::test]
+async fn only_streams_to_llamacpp_ask_the_engine_to_close_the_connection() {
+    let _turn = turn().await;
+    let nonce = weir_sidecar::dispatcher::now_ms();
+    for engines in &stack().engines {
+        for stream in [true, false] {
+            let prompt = format!("connection check {nonce} {} {stream}", engines.dialect);
+            let body = chat_body(
+                &engines.model,
+                &prompt,
+                json!({"stream": stream, "max_tokens": 4}),
+            );
+            let answer = ask("/v1/chat/completions", "small-1", body).await;
+            assert!(
+                matches!(answer, Answer::Served(_)),
+                "{} stream {stream}",
+                engines.dialect
+            );
+            let mut received = Vec::new();
+            for sim in &engines.sims {
+                received.extend(sim.received().await.into_iter().filter(|r| {
+                    r["body"]["messages"][0]["content"]
+                        .as_str()
+                        .is_some_and(|c| c.contains(&prompt))
+                }));
+            }
+            assert_eq!(received.len(), 1, "{} stream {stream}", engines.dialect);
+            let connection = received[0]["headers"]["connection"].as_str();
+            let asked_to_close = stream && engines.dialect == "llamacpp";
+            assert_eq!(
+                connection == Some("close"),
+                asked_to_close,
+                "{} stream {stream}: connection {connection:?}",
+                engines.dialect
+            );
+        }
+    }
 }
 
 #[tokio::test]

@@ -29,7 +29,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime};
 
-use anyhow::Context;
 use tokio::signal::unix::Signal;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -198,11 +197,14 @@ impl Reloader {
                 }
             };
             let upstream = Upstream::of(pool, &self.shared, &format!("pools[{i}]"))?;
-            // Load the vocabulary now (tens of milliseconds, once per process), not on the
-            // pool's first requests, which would wait for it.
-            pool.encoding
-                .bpe()
-                .with_context(|| format!("pools[{i}].encoding"))?;
+            // Load the vocabulary now (tens of milliseconds, once per encoding and process),
+            // not on the pool's first requests, which would wait for it.
+            if pool.encoding.bpe().is_err() {
+                anyhow::bail!(
+                    "pools[{i}].encoding: the {:?} vocabulary did not load",
+                    pool.encoding
+                );
+            }
             routes.push(Route {
                 model: pool.model.clone(),
                 pool: index,

@@ -17,6 +17,11 @@ use crate::config::PoolConfig;
 /// Longest a connection to an engine may take to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Longest an idle connection to an engine is kept for reuse. Engines' servers close theirs
+/// after 5 s (uvicorn's default, under vLLM and SGLang; llama.cpp says `Keep-Alive: timeout=5`):
+/// a connection taken from the pool as its engine closes it fails the request sent on it.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
 pub struct Upstream {
     http: reqwest::Client,
     /// `Bearer …`, marked sensitive.
@@ -41,6 +46,7 @@ pub fn client(ca_pem: Option<&[u8]>) -> anyhow::Result<reqwest::Client> {
     let mut builder = reqwest::Client::builder()
         .http1_only()
         .connect_timeout(CONNECT_TIMEOUT)
+        .pool_idle_timeout(IDLE_TIMEOUT)
         .redirect(reqwest::redirect::Policy::none());
     if let Some(pem) = ca_pem {
         let certs = reqwest::Certificate::from_pem_bundle(pem)
