@@ -14,8 +14,7 @@ use futures::StreamExt;
 use reqwest::{RequestBuilder, Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::ring::http2_upstream;
-use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim, api_key, api_key_limited};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, api_key_limited};
 
 /// Per-minute token limits of the metered keys: slow enough a refill that a bucket's movement
 /// is read to within a few tokens.
@@ -99,14 +98,7 @@ fn stack() -> &'static Stack {
         let dead_port = closed.local_addr().unwrap().port();
         drop(closed);
         // To the sidecar over HTTP/2, as the shipped configs speak to it.
-        let opts = EnvoyOptions {
-            weir_config: &weir_config(),
-            upstream_port: sidecar.port,
-            alt_port: dead_port,
-            listen_port: 0,
-            with_filter: true,
-        };
-        let envoy = Envoy::launch_edited(opts, http2_upstream);
+        let envoy = Envoy::start_http2(&weir_config(), sidecar.port, dead_port);
         sidecar.wait_for_probes(2);
         Stack {
             sims,

@@ -553,17 +553,33 @@ pub struct EnvoyOptions<'a> {
     pub with_filter: bool,
 }
 
-impl Envoy {
-    /// Starts Envoy (`--concurrency 2`) on a free port with `weir_config` (signing with
-    /// [`signing_secret`] unless the config says otherwise).
-    pub fn start(weir_config: &serde_json::Value, upstream_port: u16, alt_port: u16) -> Envoy {
-        Envoy::launch(EnvoyOptions {
+impl<'a> EnvoyOptions<'a> {
+    /// The filter with `weir_config`, on a free port, in front of `upstream_port` (and
+    /// `alt_port` on `/alt/`).
+    pub fn filtering(
+        weir_config: &'a serde_json::Value,
+        upstream_port: u16,
+        alt_port: u16,
+    ) -> Self {
+        EnvoyOptions {
             weir_config,
             upstream_port,
             alt_port,
             listen_port: 0,
             with_filter: true,
-        })
+        }
+    }
+}
+
+impl Envoy {
+    /// Starts Envoy (`--concurrency 2`) on a free port with `weir_config` (signing with
+    /// [`signing_secret`] unless the config says otherwise).
+    pub fn start(weir_config: &serde_json::Value, upstream_port: u16, alt_port: u16) -> Envoy {
+        Envoy::launch(EnvoyOptions::filtering(
+            weir_config,
+            upstream_port,
+            alt_port,
+        ))
     }
 
     /// [`Envoy::start`] with the filter's fault-injection build ([`fault_filter_wasm`]), for
@@ -573,13 +589,7 @@ impl Envoy {
         upstream_port: u16,
         alt_port: u16,
     ) -> Envoy {
-        let opts = EnvoyOptions {
-            weir_config,
-            upstream_port,
-            alt_port,
-            listen_port: 0,
-            with_filter: true,
-        };
+        let opts = EnvoyOptions::filtering(weir_config, upstream_port, alt_port);
         Envoy::launch_with(opts, &fault_filter_wasm(), |template| template)
     }
 

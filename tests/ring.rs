@@ -48,6 +48,17 @@ pub fn http2_upstream(template: String) -> String {
 }
 
 impl Envoy {
+    /// [`Envoy::start`], speaking HTTP/2 to the sidecar on `upstream_port` as the shipped
+    /// configs do.
+    pub fn start_http2(
+        weir_config: &serde_json::Value,
+        upstream_port: u16,
+        alt_port: u16,
+    ) -> Envoy {
+        let opts = EnvoyOptions::filtering(weir_config, upstream_port, alt_port);
+        Envoy::launch_edited(opts, http2_upstream)
+    }
+
     /// Starts Envoy with the filter (`weir_config`) in front of `sidecars`, all of one pool,
     /// and waits until every one of them is in the ring (health-checked healthy). The `/alt/`
     /// route goes to the first.

@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
-use weir_e2e::ring::http2_upstream;
-use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim, api_key, chat_body, post_json};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
 
 struct Stack {
     sims: Vec<Sim>,
@@ -140,18 +139,11 @@ fn sidecar_config(sims: &[Sim], lax: &str) -> Value {
     })
 }
 
-/// Starts a sidecar (and an Envoy in front of it) once its probes have read every replica.
-/// A sidecar, and Envoy in front of it speaking HTTP/2 to it, as the shipped configs do.
+/// Starts a sidecar, and an Envoy in front of it speaking HTTP/2 to it as the shipped configs
+/// do, once its probes have read every replica.
 fn start_sidecar(sims: &[Sim], config: Value) -> (Sidecar, Envoy) {
     let sidecar = Sidecar::start(config);
-    let opts = EnvoyOptions {
-        weir_config: &weir_config(),
-        upstream_port: sidecar.port,
-        alt_port: sidecar.port,
-        listen_port: 0,
-        with_filter: true,
-    };
-    let envoy = Envoy::launch_edited(opts, http2_upstream);
+    let envoy = Envoy::start_http2(&weir_config(), sidecar.port, sidecar.port);
     // Every simulator, and the lax engine.
     sidecar.wait_for_probes(sims.len() + 1);
     (sidecar, envoy)

@@ -455,17 +455,17 @@ pub fn relay_throughput(sim_bin: &Path, sidecar_bin: &Path) -> anyhow::Result<Ve
             Hop::Http1 => 2 * n as u64 + 64,
             Hop::Http2 => (n + n.div_ceil(STREAMS_PER_CONNECTION)) as u64 + 64,
         };
-        if needed(Hop::Http2) > limit {
-            let needed = needed(Hop::Http2);
+        let needed_over_http2 = needed(Hop::Http2);
+        if needed_over_http2 > limit {
             println!(
-                "{n:>8} not run: a process may hold {limit} files here, the sidecar needs {needed}"
+                "{n:>8} not run: a process may hold {limit} files here, the sidecar needs {needed_over_http2}"
             );
             rows.push(Row::not_run(
                 path,
                 "streams straight from an engine",
                 Target::AtLeast(0.8),
                 "×",
-                format!("open files: {limit} allowed (hard limit), {needed} needed"),
+                format!("open files: {limit} allowed (hard limit), {needed_over_http2} needed"),
             ));
             continue;
         }
