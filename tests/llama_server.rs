@@ -390,6 +390,9 @@ const NOISY_SHARE: usize = 2 * SLOTS as usize - SMALL.len();
 /// The noisy tenant's flood: three times the requests the pool has slots for.
 const NOISY_FLOOD: usize = 3 * 2 * SLOTS as usize;
 
+/// When the noisy tenant starts, after the small tenants.
+const NOISY_DELAY: Duration = Duration::from_millis(500);
+
 /// Small tenants' time to first token on `path` while the noisy tenant keeps `noisy` streams in
 /// flight.
 async fn noisy_neighbour_run(path: &'static str, noisy: usize, window: Duration) -> Run {
@@ -423,18 +426,25 @@ async fn noisy_neighbour_run(path: &'static str, noisy: usize, window: Duration)
         };
         (answer, waited)
     };
+    // The small tenants are active when the noisy tenant arrives, as in a running service:
+    // the fair policy keeps them a slot each. (Arriving after a flood took every slot, each
+    // would wait for a stream to end, as long as a whole 400-token answer when the flood's
+    // streams all started together.) Their requests count once the noisy tenant has been
+    // running for 500 ms.
+    let measured_from = start + 2 * NOISY_DELAY;
     let small = |key: &'static str| async move {
-        // Let the noisy tenant fill its slots first.
-        tokio::time::sleep(Duration::from_millis(500)).await;
         let (mut ttfts, mut refused, mut longest) = (Vec::new(), Vec::new(), Duration::ZERO);
         let mut n = 0;
         while Instant::now() < stop {
             let content = format!("{key} asks question {n}: please answer briefly");
+            let counted = Instant::now() >= measured_from;
             let (answer, waited) = request(key, content, 16).await;
-            longest = longest.max(waited);
-            match answer {
-                Ok(ttft) => ttfts.push(ttft),
-                Err(refusal) => refused.push(refusal),
+            if counted {
+                longest = longest.max(waited);
+                match answer {
+                    Ok(ttft) => ttfts.push(ttft),
+                    Err(refusal) => refused.push(refusal),
+                }
             }
             n += 1;
             tokio::time::sleep(Duration::from_millis(100)).await;
@@ -442,6 +452,7 @@ async fn noisy_neighbour_run(path: &'static str, noisy: usize, window: Duration)
         (ttfts, refused, longest)
     };
     let noisy_client = |client: usize| async move {
+        tokio::time::sleep(NOISY_DELAY).await;
         let (mut served, mut longest) = (0, Duration::ZERO);
         let mut n = 0;
         while Instant::now() < stop {

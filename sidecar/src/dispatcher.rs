@@ -16,7 +16,7 @@ use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights, Verdict};
 
 use crate::backoff::{Backoff, Waits};
 use crate::config::{DiscoveryConfig, PoolConfig, QueueConfig};
-use crate::engine::{EngineLimits, EngineSample};
+use crate::engine::{Dialect, EngineLimits, EngineSample};
 use crate::health::{Command, Link};
 use crate::isolation::Isolation;
 use crate::limiter::Ticket;
@@ -104,8 +104,8 @@ pub struct Assignment {
     pub upstream: Arc<Upstream>,
     /// The replica's isolation mode when the job was dispatched: what the body must carry.
     pub isolation: Isolation,
-    /// Its engine (`gen_ai.provider.name`).
-    pub provider: &'static str,
+    /// Its engine's dialect when the job was dispatched (`None`: OpenAI's API only).
+    pub dialect: Option<Dialect>,
     pub queued_ms: u64,
     tenant: String,
     kv_held: u64,
@@ -208,7 +208,7 @@ impl Assignment {
             url: "http://127.0.0.1:9".into(),
             upstream: crate::upstream::Upstream::plain(),
             isolation: Isolation::default(),
-            provider: "vllm",
+            dialect: Some(Dialect::Vllm),
             queued_ms: 0,
             tenant: "t".into(),
             kv_held: kv,
@@ -314,10 +314,8 @@ pub enum Event {
         pool: usize,
         replica: ReplicaId,
         limits: EngineLimits,
-        /// Its engine can resume a preempted stream.
-        resumes: bool,
-        /// Its engine, as the GenAI conventions' `gen_ai.provider.name`.
-        provider: &'static str,
+        /// Its engine's dialect, if the probe recognised it.
+        dialect: Option<Dialect>,
     },
     /// Sent by [`Assignment::started`].
     FirstByte {
@@ -606,14 +604,12 @@ impl Dispatcher {
                 pool,
                 replica,
                 limits,
-                resumes,
-                provider,
+                dialect,
             } => {
                 let configured = self.budget_configured(pool);
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.join(limits);
-                    r.resumes = resumes;
-                    r.provider = provider;
+                    r.dialect = dialect;
                     if let (false, Some(kv)) = (configured, limits.kv_tokens) {
                         r.hold_kv(kv);
                     }
@@ -1275,7 +1271,7 @@ impl Dispatcher {
         let r = &mut self.pools[pool].replicas[index];
         r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
-        let (resumes, provider) = (r.resumes, r.provider);
+        let (resumes, dialect) = (r.resumes(), r.dialect);
         let (replica, url, isolation) = (r.id, r.url.clone(), r.isolation);
         let running = self.pool_running[pool].entry(t.clone()).or_default();
         *running = running.saturating_add(job.sequences);
@@ -1308,7 +1304,7 @@ impl Dispatcher {
             url,
             upstream,
             isolation,
-            provider,
+            dialect,
             queued_ms,
             tenant: t,
             kv_held: job.kv_need,
@@ -1544,7 +1540,7 @@ mod tests {
                 for r in &mut pool.replicas {
                     r.healthy = true;
                     r.isolation = Isolation::Salt;
-                    r.resumes = true;
+                    r.dialect = Some(Dialect::Vllm);
                 }
                 pool
             })
@@ -2065,7 +2061,7 @@ mod tests {
     fn a_stream_on_an_engine_that_cannot_continue_it_is_never_preempted() {
         let (mut d, _events) = slotted(1, 1);
         d.queue.preempt_batch_after_ms = 10;
-        d.pools[0].replicas[0].resumes = false;
+        d.pools[0].replicas[0].dialect = Some(Dialect::Tgi);
         let (mut b, mut b_rx) = job("b", "standard", 10);
         (b.priority, b.preemptible) = (Priority::Batch, true);
         d.apply(Event::Enqueue(b));
@@ -2180,8 +2176,7 @@ mod tests {
                 max_concurrency: Some(3),
                 kv_tokens: None,
             },
-            resumes: true,
-            provider: "vllm",
+            dialect: Some(Dialect::Vllm),
         });
         let mut replies = enqueue(&mut d, "t", 3);
         replies.extend(enqueue(&mut d, "u", 3));

@@ -92,6 +92,20 @@ impl Dialect {
         !matches!(self, Dialect::Tgi)
     }
 
+    /// Whether the engine closes a connection once it has streamed a response on it, though its
+    /// headers say keep-alive (llama.cpp's server). Taken back from the pool for the next
+    /// request (at once, when that one was queued for the slot), such a connection fails it:
+    /// "connection closed before message completed", nothing run, the replica marked failed.
+    pub fn closes_after_a_stream(self) -> bool {
+        matches!(self, Dialect::Llamacpp)
+    }
+
+    /// `gen_ai.provider.name` of an engine speaking `dialect`, or `openai` for one whose
+    /// dialect weir does not know (it speaks OpenAI's API).
+    pub fn provider(dialect: Option<Dialect>) -> &'static str {
+        dialect.map_or("openai", Dialect::name)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Dialect::Vllm => "vllm",

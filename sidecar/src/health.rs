@@ -23,9 +23,6 @@ use crate::isolation_probe::Prober;
 use crate::pool::ReplicaId;
 use crate::upstream::Upstream;
 
-/// `gen_ai.provider.name` of an engine whose dialect weir does not know: it speaks OpenAI's API.
-pub const OPENAI: &str = "openai";
-
 /// How often each replica's `/metrics` is read.
 pub const PROBE_EVERY: Duration = Duration::from_millis(100);
 
@@ -161,8 +158,7 @@ async fn check(
                             pool,
                             replica,
                             limits,
-                            resumes: dialect.is_some_and(Dialect::resumes),
-                            provider: dialect.map_or(OPENAI, Dialect::name),
+                            dialect,
                         })
                         .is_err()
                     {

@@ -16,7 +16,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use crate::config::PoolConfig;
-use crate::engine::{EngineLimits, EngineSample};
+use crate::engine::{Dialect, EngineLimits, EngineSample};
 use crate::isolation::Isolation;
 use crate::limiter::Limiter;
 use crate::share::EngineShare;
@@ -50,12 +50,9 @@ pub struct Replica {
     pub limiter: Limiter,
     /// This sidecar's part of the replica, when other sidecars admit to it too.
     pub share: EngineShare,
-    /// Its engine can resume a preempted stream (see [`crate::engine::Dialect::resumes`]):
-    /// batch streams dispatched here may be preempted. Unknown engines cannot.
-    pub resumes: bool,
-    /// Its engine as `gen_ai.provider.name`: the dialect, or `openai` for an engine that only
-    /// speaks OpenAI's API.
-    pub provider: &'static str,
+    /// Its engine's dialect, once a probe has told it; `None` for an engine that only speaks
+    /// OpenAI's API.
+    pub dialect: Option<Dialect>,
 }
 
 impl Replica {
@@ -82,9 +79,14 @@ impl Replica {
                     .map(|l| config.sidecars.part(l)),
             ),
             share: config.sidecars,
-            resumes: false,
-            provider: crate::health::OPENAI,
+            dialect: None,
         }
+    }
+
+    /// Its engine can resume a preempted stream (see [`Dialect::resumes`]): batch streams
+    /// dispatched here may be preempted. Unknown engines cannot.
+    pub fn resumes(&self) -> bool {
+        self.dialect.is_some_and(Dialect::resumes)
     }
 
     /// Requests weir may have running here at once: min(the engine's or configured limit, the

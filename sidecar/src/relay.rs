@@ -408,7 +408,7 @@ impl Flight {
         let operation = gen_ai::operation(self.endpoint);
         let attributes = [
             (gen_ai::OPERATION, operation),
-            (gen_ai::PROVIDER, self.assignment.provider),
+            (gen_ai::PROVIDER, Dialect::provider(self.assignment.dialect)),
             (gen_ai::REQUEST_MODEL, self.model.as_str()),
             (gen_ai::TENANT, tenant),
         ];
@@ -613,11 +613,11 @@ fn post(
     if let Some(trace_id) = trace_id {
         request = request.header(TRACE_ID, trace_id);
     }
-    // llama.cpp's server closes a connection once it has streamed a response on it, though its
-    // headers say keep-alive. Taken back from the pool for the next request (at once, when
-    // that one was queued for the slot), it fails it: "connection closed before message
-    // completed", nothing run, the replica marked failed. Asked to close, it is never pooled.
-    if stream && assignment.provider == Dialect::Llamacpp.name() {
+    // Asked to close, the connection is never pooled for a request it would fail.
+    let closes = assignment
+        .dialect
+        .is_some_and(Dialect::closes_after_a_stream);
+    if stream && closes {
         request = request.header(header::CONNECTION, "close");
     }
     request.body(body).send()
