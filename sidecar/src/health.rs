@@ -1,6 +1,7 @@
 //! Each replica's health check: its `/metrics` read every [`PROBE_EVERY`], which is also how
-//! weir learns its engine's load. When a replica joins — its first answer, or the first after
-//! it was unreachable — its engine's limits are read first ([`Event::Joined`]) and its
+//! weir learns its engine's load. When a replica joins — its first answer, the first after it
+//! was unreachable, or the first after its metrics showed another engine than it joined as —
+//! its engine's limits are read first ([`Event::Joined`]) and its
 //! prefix-cache isolation probed ([`crate::isolation_probe`]) before it gets work.
 //!
 //! The dispatcher starts and stops one check per replica as replicas join and leave
@@ -121,6 +122,8 @@ async fn check(
     // An isolation probe takes a while: no burst of catch-up reads after it.
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut joined = false;
+    // The dialect it joined as: what the dispatcher holds of it (see `Event::Joined`).
+    let mut joined_as: Option<Dialect> = None;
     // Odd engine output is logged once per replica, not ten times a second.
     let mut warned = false;
     loop {
@@ -139,6 +142,15 @@ async fn check(
         let upstream = &current.upstream;
         let sample = match get_text(upstream, &format!("{url}/metrics")).await {
             None => {
+                joined = false;
+                None
+            }
+            Some(text) if joined && swapped(joined_as, current.engine.dialect(&text)) => {
+                // Another engine answers at this address (a rolling update behind one URL):
+                // its limits, its dialect (`Connection: close` for llama.cpp's streams) and its
+                // cache isolation are not the last one's. Out for this read, it joins again at
+                // the next, probed before it gets work, as after an outage.
+                tracing::warn!(replica = %url, "another engine answers: the replica joins again");
                 joined = false;
                 None
             }
@@ -165,6 +177,7 @@ async fn check(
                         return;
                     }
                     joined = true;
+                    joined_as = dialect;
                 }
                 Some(match dialect {
                     Some(dialect) => dialect.parse(&text, |line| {
@@ -206,6 +219,12 @@ async fn check(
     }
 }
 
+/// Whether a replica that joined as `joined_as` now shows the metrics of another engine. One
+/// that shows none weir knows keeps what it joined as (its answer says nothing of its engine).
+fn swapped(joined_as: Option<Dialect>, now: Option<Dialect>) -> bool {
+    now.is_some() && now != joined_as
+}
+
 /// A successful answer's text, within a second and [`MAX_ANSWER_BYTES`].
 async fn get_text(upstream: &Upstream, url: &str) -> Option<String> {
     let resp = upstream
@@ -236,6 +255,7 @@ async fn read_limits(upstream: &Upstream, url: &str, dialect: Option<Dialect>) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::isolation::Isolation;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     /// A one-shot engine that answers any request with `len` bytes of metric comments.
@@ -261,6 +281,81 @@ mod tests {
             }
         });
         url
+    }
+
+    /// An engine whose `/metrics` are vLLM's for its first `vllm_reads` answers, then
+    /// llama.cpp's (4 slots at `/props`): another engine behind the same URL.
+    async fn engine_swapped_after(vllm_reads: usize) -> String {
+        use axum::routing::get;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let reads = Arc::new(AtomicUsize::new(0));
+        let metrics = move || {
+            let reads = reads.clone();
+            async move {
+                if reads.fetch_add(1, Ordering::Relaxed) < vllm_reads {
+                    "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                } else {
+                    "llamacpp:requests_processing 0\nllamacpp:requests_deferred 0\n"
+                }
+            }
+        };
+        // Isolation probes read no cached tokens: found unisolated, each time.
+        let chat = || async { r#"{"usage": {"prompt_tokens_details": {"cached_tokens": 0}}}"# };
+        let router = axum::Router::new()
+            .route("/metrics", get(metrics))
+            .route("/props", get(|| async { r#"{"total_slots": 4}"# }))
+            .route("/v1/chat/completions", axum::routing::post(chat));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        url
+    }
+
+    #[tokio::test]
+    async fn a_replica_behind_which_another_engine_answers_joins_again_as_that_engine() {
+        let url = engine_swapped_after(3).await;
+        let (events_tx, mut events) = mpsc::unbounded_channel();
+        let link = watch::Sender::new(Arc::new(Link {
+            model: "m".into(),
+            engine: EngineChoice::Auto,
+            cache_isolation: CacheIsolation::Probe,
+            upstream: Upstream::plain(),
+        }));
+        let task = tokio::spawn(check(events_tx, 0, 0, url, link.subscribe()));
+        let (mut joined, mut out_between, mut isolations) = (Vec::new(), false, Vec::new());
+        let watched = tokio::time::timeout(Duration::from_secs(3), async {
+            while let Some(event) = events.recv().await {
+                match event {
+                    Event::Joined {
+                        dialect, limits, ..
+                    } => {
+                        joined.push((dialect, limits.max_concurrency));
+                        if joined.len() == 2 {
+                            return;
+                        }
+                    }
+                    Event::Sample { sample: None, .. } => out_between = !joined.is_empty(),
+                    Event::Isolated { isolation, .. } => isolations.push(isolation),
+                    _ => {}
+                }
+            }
+        })
+        .await;
+        task.abort();
+        assert!(watched.is_ok(), "joined only as {joined:?}");
+        assert_eq!(
+            joined,
+            [
+                (Some(Dialect::Vllm), None),
+                (Some(Dialect::Llamacpp), Some(4))
+            ]
+        );
+        assert!(out_between, "no work between the two engines");
+        assert_eq!(
+            isolations.last(),
+            Some(&Isolation::Unprobed),
+            "what was probed of the last engine no longer holds: {isolations:?}"
+        );
     }
 
     #[tokio::test]
