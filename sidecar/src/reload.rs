@@ -32,6 +32,7 @@ use std::time::{Duration, SystemTime};
 use tokio::signal::unix::Signal;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
+use weir_core::tokens::Encoding;
 
 use crate::config::{DiscoveryConfig, SidecarConfig};
 use crate::discovery::Resolver;
@@ -275,10 +276,25 @@ impl Reloader {
         self.applied = Some(config);
     }
 
+    /// Reads the file and plans it. The pools' vocabularies load on a blocking thread first:
+    /// the first load of one parses megabytes (64 ms for cl100k_base in a release build, more
+    /// for o200k_base), a stall of every task on the runtime's worker were it done there.
+    async fn prepare(&self) -> anyhow::Result<Plan> {
+        let config = load(&self.path, &self.overrides)?;
+        let encodings: Vec<Encoding> = config.pools.iter().map(|p| p.encoding).collect();
+        let loaded = tokio::task::spawn_blocking(move || {
+            for encoding in encodings {
+                let _ = encoding.bpe();
+            }
+        });
+        // A load that failed fails the plan, which names the pool.
+        let _ = loaded.await;
+        self.plan(config)
+    }
+
     /// Reads the file again and applies it, or logs why not and keeps the config in force.
-    pub fn reload(&mut self, app: &App, why: &str) {
-        let plan = load(&self.path, &self.overrides).and_then(|config| self.plan(config));
-        let plan = match plan {
+    pub async fn reload(&mut self, app: &App, why: &str) {
+        let plan = match self.prepare().await {
             Ok(plan) => plan,
             Err(e) => {
                 tracing::error!(
@@ -350,7 +366,7 @@ impl Reloader {
             };
             // Taken before reading: a change made while reading is seen at the next poll.
             let before = self.watched();
-            self.reload(&app, why);
+            self.reload(&app, why).await;
             // The files the config now names, as they were before reading where known.
             seen = self
                 .watched()
@@ -448,6 +464,53 @@ mod tests {
         );
         let error = format!("{:#}", reloader.plan(unset).err().unwrap());
         assert!(error.contains("pools[0].credential.env"), "{error}");
+    }
+
+    /// A reload that brings in a vocabulary not loaded yet (o200k_base: no other test of this
+    /// binary loads it) leaves the runtime's thread free while it loads: a task ticking every
+    /// 5 ms on it is never held up for long.
+    #[tokio::test]
+    async fn a_vocabulary_loads_off_the_runtime() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let dir = std::env::temp_dir().join(format!("weir-vocab-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("sidecar.json");
+        std::fs::write(
+            &path,
+            r#"{"signing": {"secret_env": "X"}, "pools": [
+            {"model": "a", "replicas": ["http://a"], "encoding": "o200k_base"}]}"#,
+        )
+        .unwrap();
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let reloader = Reloader::new(
+            path,
+            Overrides::default(),
+            Arc::new(crate::discovery::SystemResolver),
+            tx,
+        )
+        .unwrap();
+        let longest_us = Arc::new(AtomicU64::new(0));
+        let ticker = tokio::spawn({
+            let longest_us = longest_us.clone();
+            async move {
+                loop {
+                    let before = std::time::Instant::now();
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let waited = before.elapsed().as_micros() as u64;
+                    longest_us.fetch_max(waited, Ordering::Relaxed);
+                }
+            }
+        });
+        tokio::task::yield_now().await;
+        assert!(reloader.prepare().await.is_ok());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        ticker.abort();
+        let longest = Duration::from_micros(longest_us.load(Ordering::Relaxed));
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            longest < Duration::from_millis(100),
+            "the runtime stalled {longest:?}"
+        );
     }
 
     #[test]
