@@ -610,8 +610,10 @@ impl Dispatcher {
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.join(limits);
                     r.dialect = dialect;
-                    if let (false, Some(kv)) = (configured, limits.kv_tokens) {
-                        r.hold_kv(kv);
+                    // What an engine said before no longer holds (another may answer here
+                    // now): its figure, or none until a sample says.
+                    if !configured {
+                        r.hold_kv(limits.kv_tokens.unwrap_or(0));
                     }
                 }
                 self.update_limits(pool, replica);
@@ -2164,6 +2166,24 @@ mod tests {
         let r = &d.pools[0].replicas[0];
         assert_eq!((r.reserved, r.in_flight), (0, 0));
         assert_eq!(d.tenant_kv["b"], 0);
+    }
+
+    #[test]
+    fn a_replica_that_joins_again_as_an_engine_with_no_kv_figure_keeps_none_of_the_last_ones() {
+        let (mut d, _events) = dispatcher_of(&[pool_config("m", None)], 100);
+        let joined = |kv_tokens, dialect| Event::Joined {
+            pool: 0,
+            replica: 0,
+            limits: EngineLimits {
+                max_concurrency: None,
+                kv_tokens,
+            },
+            dialect,
+        };
+        d.apply(joined(Some(50_000), Some(Dialect::Vllm)));
+        assert_eq!(d.pools[0].replicas[0].kv_budget, 50_000);
+        d.apply(joined(None, Some(Dialect::Llamacpp)));
+        assert_eq!(d.pools[0].replicas[0].kv_budget, 0, "unknown, not vLLM's");
     }
 
     #[test]
