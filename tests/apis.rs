@@ -667,11 +667,7 @@ async fn an_engine_s_own_retry_after_reaches_the_caller() {
         .await;
         assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS, "{api}");
         // The engine's 1 s, spread up to half as long again so throttled callers part.
-        let retry_after: u64 = resp.headers()["retry-after"]
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let retry_after = weir_e2e::retry_after(&resp);
         assert!(
             (1..=2).contains(&retry_after),
             "{api}: the engine's Retry-After, got {retry_after}"

@@ -48,27 +48,23 @@ fn weir_config() -> Value {
 fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
+        let contended = || {
+            Sim::start(&[
+                "--preset",
+                "tiny",
+                "--time-scale",
+                "2",
+                "--output-len",
+                "fixed:20",
+            ])
+        };
         let sims = vec![
             // Twice real speed: the engines, not the 2 cores that Envoy, the sidecars and 74
             // clients share, bound what is served, so every key stays queued at the sidecar
             // (at ten times, a slower machine's cores bound it first: the queues ran dry and
             // each org was served by its clients' count, many:solo 1.06-1.29).
-            Sim::start(&[
-                "--preset",
-                "tiny",
-                "--time-scale",
-                "2",
-                "--output-len",
-                "fixed:20",
-            ]),
-            Sim::start(&[
-                "--preset",
-                "tiny",
-                "--time-scale",
-                "2",
-                "--output-len",
-                "fixed:20",
-            ]),
+            contended(),
+            contended(),
             // Real speed, two requests at a time: a queue of a few dozen is seconds long.
             Sim::start(&[
                 "--preset",
@@ -245,9 +241,8 @@ async fn refusals(keys: &[&str], clients: usize, from: Instant, until: Instant) 
                     "{status}: {}",
                     resp.text().await.unwrap()
                 );
-                let retry_after = resp.headers()["retry-after"].to_str().unwrap().to_owned();
                 if Instant::now() >= from {
-                    seen.push(retry_after.parse::<u64>().unwrap());
+                    seen.push(weir_e2e::retry_after(&resp));
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }

@@ -211,11 +211,7 @@ async fn a_tenant_over_its_input_budget_gets_429_while_another_is_served() {
         assert_eq!(resp.status(), StatusCode::OK);
     }
     let denied = denied.expect("the budget runs out");
-    let retry_after: u64 = denied.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry_after = weir_e2e::retry_after(&denied);
     assert!((1..=3).contains(&retry_after), "{retry_after}");
     assert!(
         denied
@@ -250,11 +246,7 @@ async fn a_tenant_over_its_input_budget_gets_429_while_another_is_served() {
         }
         let headers = format!("{:?}", again.headers());
         assert_eq!(again.status(), StatusCode::TOO_MANY_REQUESTS, "{headers}");
-        let wait: u64 = again.headers()["retry-after"]
-            .to_str()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let wait = weir_e2e::retry_after(&again);
         waits.push(wait);
         assert!(
             waits.len() <= 3 && waits.iter().sum::<u64>() <= 5,

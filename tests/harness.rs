@@ -917,6 +917,15 @@ pub fn wait_for<T>(limit: Duration, mut probe: impl FnMut() -> Option<T>) -> Opt
     }
 }
 
+/// A refusal's `Retry-After`, in whole seconds (a check fails if it has none or another form).
+pub fn retry_after(resp: &reqwest::Response) -> u64 {
+    resp.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 /// The 95th percentile of `xs` (nearest rank below), for latency checks.
 pub fn p95(mut xs: Vec<f64>) -> f64 {
     assert!(!xs.is_empty(), "no samples");

@@ -339,11 +339,7 @@ async fn a_tenant_over_its_token_quota_gets_an_openai_429_with_retry_after() {
             StatusCode::TOO_MANY_REQUESTS
         ]
     );
-    let retry_after: u64 = resp.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let retry_after = weir_e2e::retry_after(&resp);
     assert!((1..=60).contains(&retry_after), "{retry_after}");
     assert!(resp.headers().contains_key("x-ratelimit-remaining-tokens"));
     let error: Value = resp.json().await.unwrap();

@@ -121,9 +121,8 @@ async fn check(
     let mut tick = tokio::time::interval(PROBE_EVERY);
     // An isolation probe takes a while: no burst of catch-up reads after it.
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut joined = false;
-    // The dialect it joined as: what the dispatcher holds of it (see `Event::Joined`).
-    let mut joined_as: Option<Dialect> = None;
+    // Once joined, the dialect it joined as: what the dispatcher holds of it (`Event::Joined`).
+    let mut joined: Option<Option<Dialect>> = None;
     // Odd engine output is logged once per replica, not ten times a second.
     let mut warned = false;
     loop {
@@ -133,7 +132,7 @@ async fn check(
             if current.rejoin_under(&next) {
                 tracing::info!(replica = %url, "pool settings changed: the replica joins again");
                 isolation = prober(&next);
-                joined = false;
+                joined = None;
             } else {
                 isolation.set_upstream(next.upstream.clone());
             }
@@ -142,21 +141,22 @@ async fn check(
         let upstream = &current.upstream;
         let sample = match get_text(upstream, &format!("{url}/metrics")).await {
             None => {
-                joined = false;
+                joined = None;
                 None
             }
-            Some(text) if joined && swapped(joined_as, current.engine.dialect(&text)) => {
-                // Another engine answers at this address (a rolling update behind one URL):
-                // its limits, its dialect (`Connection: close` for llama.cpp's streams) and its
-                // cache isolation are not the last one's. Out for this read, it joins again at
-                // the next, probed before it gets work, as after an outage.
-                tracing::warn!(replica = %url, "another engine answers: the replica joins again");
-                joined = false;
-                None
-            }
-            Some(text) => {
+            Some(text) => 'read: {
                 let dialect = current.engine.dialect(&text);
-                if !joined {
+                if joined.is_some_and(|joined_as| swapped(joined_as, dialect)) {
+                    // Another engine answers at this address (a rolling update behind one
+                    // URL): its limits, its dialect (`Connection: close` for llama.cpp's
+                    // streams) and its cache isolation are not the last one's. Out for this
+                    // read, it joins again at the next, probed before it gets work, as after
+                    // an outage.
+                    tracing::warn!(replica = %url, "another engine answers: the replica joins again");
+                    joined = None;
+                    break 'read None;
+                }
+                if joined.is_none() {
                     let limits = read_limits(upstream, &url, dialect).await;
                     tracing::info!(
                         replica = %url,
@@ -176,8 +176,7 @@ async fn check(
                     {
                         return;
                     }
-                    joined = true;
-                    joined_as = dialect;
+                    joined = Some(dialect);
                 }
                 Some(match dialect {
                     Some(dialect) => dialect.parse(&text, |line| {
