@@ -69,6 +69,16 @@ pub enum Share {
     Key,
 }
 
+impl Share {
+    /// What `tenant` shares a pool as at the top of the tree: its org, or the key itself.
+    pub fn of(self, tenant: &str) -> &str {
+        match self {
+            Share::Hierarchy => org_of(tenant),
+            Share::Key => tenant,
+        }
+    }
+}
+
 const CLASSES: usize = 2;
 const ROOT: usize = 0;
 
@@ -317,6 +327,38 @@ impl<T> Scheduler<T> {
             .map_or(0, |&n| self.nodes[n].queues.iter().map(VecDeque::len).sum())
     }
 
+    /// Requests of a tenant's that a new one of `priority` would wait behind in its own
+    /// queues: its interactive ones, and for batch work its batch ones too.
+    pub fn queued_ahead(&self, tenant: &str, priority: Priority) -> usize {
+        self.by_name.get(tenant).map_or(0, |&n| {
+            let queues = &self.nodes[n].queues;
+            queues[..=class_of(priority)]
+                .iter()
+                .map(VecDeque::len)
+                .sum()
+        })
+    }
+
+    /// Removes and returns a tenant's newest queued request (its batch work first): what a
+    /// full queue gives up to take a newcomer from a tenant with less queued.
+    pub fn pop_newest(&mut self, tenant: &str) -> Option<T> {
+        let &leaf = self.by_name.get(tenant)?;
+        let class = (0..CLASSES)
+            .rev()
+            .find(|&c| !self.nodes[leaf].queues[c].is_empty())?;
+        let only = self.nodes[leaf].queues[class].len() == 1;
+        if only {
+            self.unindex_head(leaf, class);
+        }
+        let entry = self.nodes[leaf].queues[class].pop_back()?;
+        self.arrivals[class].gone(&entry);
+        let path = self.ancestry(leaf);
+        self.remove_backlog(&path, class, 1);
+        self.count_org(leaf, 1, false);
+        self.len -= 1;
+        Some(entry.item)
+    }
+
     /// Requests the org of a tenant has waiting, under all its keys.
     pub fn org_depth(&self, tenant: &str) -> usize {
         self.orgs
@@ -355,10 +397,7 @@ impl<T> Scheduler<T> {
     /// What `tenant` shares the pool as at the top of the tree: its org, or the key itself
     /// with [`Share::Key`].
     pub fn share_of<'a>(&self, tenant: &'a str) -> &'a str {
-        match self.share {
-            Share::Hierarchy => org_of(tenant),
-            Share::Key => tenant,
-        }
+        self.share.of(tenant)
     }
 
     /// The top-level shares with work queued: name, weight among its siblings and virtual
@@ -1605,7 +1644,7 @@ mod invariants {
             };
             let now = clock;
             let tenant = o.tenants[rng.below(o.tenants.len() as u64) as usize].as_str();
-            match rng.below(11) {
+            match rng.below(12) {
                 0..=3 => {
                     let weights: Vec<f64> = (0..rng.below(6))
                         .map(|_| [0.5, 1.0, 3.0, 0.0, f64::NAN][rng.below(5) as usize])
@@ -1660,9 +1699,22 @@ mod invariants {
                     // A large refund: counters go below their siblings', even below zero.
                     s.correct_input(tenant, rng.below(100_000), 0);
                 }
-                _ => {
+                10 => {
                     let m = rng.below(5) as u32 + 2;
                     s.remove_where(|&i| i % m == 0);
+                }
+                _ => {
+                    // A full queue gives up a tenant's newest request (its batch work first).
+                    let newest = s.by_name.get(tenant).and_then(|&n| {
+                        let q = &s.nodes[n].queues;
+                        q[1].back().or(q[0].back()).map(|e| e.item)
+                    });
+                    let before = s.queued_ahead(tenant, Priority::Batch);
+                    assert_eq!(s.pop_newest(tenant), newest);
+                    assert_eq!(
+                        s.queued_ahead(tenant, Priority::Batch),
+                        before - usize::from(newest.is_some())
+                    );
                 }
             }
             check(&s);

@@ -34,6 +34,12 @@ impl Backoff {
         spread(projected, waits.cap_ms, fastrand::f64())
     }
 
+    /// Seconds to send in `Retry-After` for a refusal whose tenant's own projected wait is
+    /// `wait_ms`: [`spread`] around it, capped.
+    pub fn retry_after_wait_s(&self, wait_ms: u64) -> u64 {
+        spread(wait_ms, self.waits.borrow().cap_ms, fastrand::f64())
+    }
+
     /// Seconds to send in `Retry-After` for an engine's refusal in `pool` that gave its own
     /// `Retry-After` of `engine_s` seconds: see [`after_engine`].
     pub fn after_engine_s(&self, pool: usize, engine_s: u64) -> u64 {

@@ -381,47 +381,15 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     }
     let assignment = match assigned.await {
         Ok(Ok(a)) => a,
-        Ok(Err(Refusal::QueueFull)) => {
-            return error_response(
-                &ApiError::rate_limited("too many requests queued for this tenant; retry shortly")
-                    .with_code("queue_full"),
+        Ok(Err(refusal)) => {
+            // Told to come back about when its own backlog has gone, not the pool's.
+            let retry_after = refusal.wait_ms().map_or_else(
+                || app.backoff.retry_after_s(Some(pool)),
+                |ms| app.backoff.retry_after_wait_s(ms),
             );
+            return self::error_response(&refused(refusal), shape, retry_after);
         }
-        Ok(Err(Refusal::Shed)) => {
-            return error_response(
-                &ApiError::rate_limited(
-                    "the pool is overloaded; free-tier requests are shed first",
-                )
-                .with_code("overloaded"),
-            );
-        }
-        Ok(Err(Refusal::ProjectedWait)) => {
-            return error_response(
-                &ApiError::new(
-                    503,
-                    "ServiceUnavailableError",
-                    "the pool is saturated: the projected wait exceeds the request's deadline",
-                )
-                .with_code("projected_wait"),
-            );
-        }
-        Ok(Err(Refusal::DeadlinePassed)) => {
-            return error_response(
-                &ApiError::new(
-                    503,
-                    "ServiceUnavailableError",
-                    "the pool is saturated and the request's wait passed its deadline",
-                )
-                .with_code("queue_deadline"),
-            );
-        }
-        Ok(Err(Refusal::NoReplica)) | Err(_) => {
-            return error_response(&ApiError::new(
-                503,
-                "ServiceUnavailableError",
-                "no healthy replica",
-            ));
-        }
+        Err(_) => return error_response(&refused(Refusal::NoReplica)),
     };
     // The caller's trace id goes back to the caller and, suffixed with weir's attempt id, to
     // the engine: engines such as vLLM take `x-request-id` as their own request id, so two
@@ -522,6 +490,30 @@ fn replayed(stored: StoredResponse) -> Response {
     );
     headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
     resp
+}
+
+/// The answer to a refusal from the queue.
+fn refused(refusal: Refusal) -> ApiError {
+    let unavailable = |message| ApiError::new(503, "ServiceUnavailableError", message);
+    match refusal {
+        Refusal::QueueFull(_) => {
+            ApiError::rate_limited("too many requests queued for this tenant; retry shortly")
+                .with_code("queue_full")
+        }
+        Refusal::Shed(_) => ApiError::rate_limited(
+            "the pool is overloaded; free-tier requests beyond one queued are shed first",
+        )
+        .with_code("overloaded"),
+        Refusal::ProjectedWait(_) => unavailable(
+            "this tenant's queued requests would not be dispatched before this one's deadline",
+        )
+        .with_code("projected_wait"),
+        Refusal::DeadlinePassed(_) => {
+            unavailable("the pool is saturated and the request's wait passed its deadline")
+                .with_code("queue_deadline")
+        }
+        Refusal::NoReplica => unavailable("no healthy replica"),
+    }
 }
 
 #[cfg(test)]
