@@ -339,13 +339,16 @@ impl<T> Scheduler<T> {
         })
     }
 
-    /// Removes and returns a tenant's newest queued request (its batch work first): what a
-    /// full queue gives up to take a newcomer from a tenant with less queued.
-    pub fn pop_newest(&mut self, tenant: &str) -> Option<T> {
+    /// Removes and returns a tenant's newest queued request (its batch work first) if `may`
+    /// allows it: what a full queue gives up to take a newcomer from a tenant with less
+    /// queued.
+    pub fn pop_newest_where(&mut self, tenant: &str, may: impl Fn(&T) -> bool) -> Option<T> {
         let &leaf = self.by_name.get(tenant)?;
-        let class = (0..CLASSES)
-            .rev()
-            .find(|&c| !self.nodes[leaf].queues[c].is_empty())?;
+        let class = (0..CLASSES).rev().find(|&c| {
+            self.nodes[leaf].queues[c]
+                .back()
+                .is_some_and(|e| may(&e.item))
+        })?;
         let only = self.nodes[leaf].queues[class].len() == 1;
         if only {
             self.unindex_head(leaf, class);
@@ -1704,13 +1707,17 @@ mod invariants {
                     s.remove_where(|&i| i % m == 0);
                 }
                 _ => {
-                    // A full queue gives up a tenant's newest request (its batch work first).
+                    // A full queue gives up a tenant's newest request (its batch work first)
+                    // that it may give up.
+                    let m = rng.below(3) as u32 + 2;
+                    let may = |i: &u32| !i.is_multiple_of(m);
                     let newest = s.by_name.get(tenant).and_then(|&n| {
                         let q = &s.nodes[n].queues;
-                        q[1].back().or(q[0].back()).map(|e| e.item)
+                        let back = |c: usize| q[c].back().map(|e| e.item).filter(may);
+                        back(1).or(back(0))
                     });
                     let before = s.queued_ahead(tenant, Priority::Batch);
-                    assert_eq!(s.pop_newest(tenant), newest);
+                    assert_eq!(s.pop_newest_where(tenant, may), newest);
                     assert_eq!(
                         s.queued_ahead(tenant, Priority::Batch),
                         before - usize::from(newest.is_some())

@@ -1090,9 +1090,9 @@ impl Dispatcher {
             ));
         }
         let org = t.split('/').next().unwrap_or(t);
-        let full_org = self.org_depth(t) >= self.queue.max_per_org;
-        let full = self.queued() >= self.queue.max_total;
-        if (full_org && !self.make_room(t, Some(org))) || (full && !self.make_room(t, None)) {
+        if (self.org_depth(t) >= self.queue.max_per_org && !self.make_room(t, Some(org)))
+            || (self.queued() >= self.queue.max_total && !self.make_room(t, None))
+        {
             return Some((
                 Refusal::QueueFull(self.tenant_wait_ms(job.pool, t, job.priority)),
                 "queue_full",
@@ -1127,8 +1127,8 @@ impl Dispatcher {
 
     /// Makes room in a full queue (`org`'s, or the whole sidecar's) for a request of `t`:
     /// refuses the newest request of the longest queue in it — the org with the most queued,
-    /// then its key with the most — unless that is `t`'s own or no longer than it (then `t`
-    /// is the one refused: false). So the refusal falls on the tenant whose backlog filled
+    /// then its key with the most — unless that is `t`'s own or no longer than it, or that
+    /// request is a preempted stream waiting to resume (then `t` is the one refused: false). So the refusal falls on the tenant whose backlog filled
     /// the queue, never on one with less queued.
     fn make_room(&mut self, t: &str, org: Option<&str>) -> bool {
         let org_of = |key: &str| key.split('/').next().unwrap_or(key).to_owned();
@@ -1161,7 +1161,9 @@ impl Dispatcher {
         else {
             return false;
         };
-        let Some(job) = self.schedulers[pool].pop_newest(&victim) else {
+        // A preempted request is a stream already running for its client: never given up.
+        let Some(job) = self.schedulers[pool].pop_newest_where(&victim, |j| j.preemptions == 0)
+        else {
             return false;
         };
         self.update_depth(&victim);
