@@ -1107,12 +1107,8 @@ impl Dispatcher {
                 "shed_free_tier",
             ));
         }
-        // Only once the pool is saturated does a queue mean waiting.
-        let saturated = self
-            .pools
-            .get(job.pool)
-            .is_none_or(|p| !p.fits_for(job.kv_need, job.sequences));
-        if saturated
+        // Only once the request cannot start now does a queue mean waiting.
+        if !self.may_start(job)
             && let Some(projected_ms) = self.projected_ms(job.pool, t, job.priority)
             && projected_ms > 0.0
             && now as f64 + projected_ms > job.deadline_ms as f64
@@ -1123,6 +1119,21 @@ impl Dispatcher {
             ));
         }
         None
+    }
+
+    /// Whether `job` could start now: it fits a replica and, under the fair policy, its share
+    /// is within the headroom rule.
+    fn may_start(&self, job: &Job) -> bool {
+        let Some(p) = self.pools.get(job.pool) else {
+            return false;
+        };
+        let within = || {
+            self.shares.get(job.pool).is_some_and(|shares| {
+                let headroom = shares.headroom(Room::of(p), self.queue.kv_headroom);
+                headroom.admits(self.share.of(&job.tenant), job.sequences, job.kv_need)
+            })
+        };
+        p.fits_for(job.kv_need, job.sequences) && (!self.fair || within())
     }
 
     /// Makes room in a full queue (`org`'s, or the whole sidecar's) for a request of `t`:
@@ -1334,14 +1345,7 @@ impl Dispatcher {
         // A tenant over its own KV cap, or its share past its fair part while others are
         // active ([`crate::headroom`]), (or a client gone) is passed over; the next job in fair
         // order that does not fit yet holds the line until room frees.
-        let serving = || p.replicas.iter().filter(|r| r.serves());
-        let room = Room {
-            slots: p.concurrency(),
-            slots_used: serving().map(|r| r.in_flight).fold(0, u64::saturating_add),
-            kv: p.capacity(),
-            kv_used: serving().map(|r| r.reserved).fold(0, u64::saturating_add),
-        };
-        let headroom = shares.headroom(room, queue.kv_headroom);
+        let headroom = shares.headroom(Room::of(p), queue.kv_headroom);
         let judge = |t: &str, job: &Job| {
             let held = tenant_kv.get(t).copied().unwrap_or(0);
             let under_cap = job
@@ -2725,6 +2729,34 @@ mod tests {
         assert!(
             matches!(again_rx.try_recv(), Ok(Err(Refusal::ProjectedWait(_)))),
             "4 ahead at its own pace"
+        );
+    }
+
+    #[test]
+    fn a_flood_held_back_by_the_headroom_is_refused_at_its_own_projected_wait() {
+        // The pool has slots free (kept for a quiet tenant), so it is not full; the flood
+        // cannot start more, so its backlog is a wait, projected and refused at once rather
+        // than left to run into its deadline.
+        let (mut d, _events) = slotted(2, 4);
+        d.activate(0, "quiet", now_ms());
+        let mut flood = enqueue(&mut d, "flood", 6);
+        let _running = assigned_of(&mut flood);
+        d.paces[0].pool.per_s = 0.5;
+        let soon = |d: &mut Dispatcher| {
+            let (mut j, rx) = job("flood", "standard", 10);
+            j.deadline_ms = now_ms() + 1_000;
+            d.apply(Event::Enqueue(j));
+            rx
+        };
+        let mut first = soon(&mut d);
+        assert!(
+            first.try_recv().is_err(),
+            "nothing of its own ahead: queued"
+        );
+        let mut second = soon(&mut d);
+        assert!(
+            matches!(second.try_recv(), Ok(Err(Refusal::ProjectedWait(_)))),
+            "one ahead at a quarter a second"
         );
     }
 

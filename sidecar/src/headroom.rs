@@ -14,6 +14,8 @@
 
 use std::collections::HashMap;
 
+use crate::pool::{Pool, Replica};
+
 /// What one share holds of a pool: slots (sequences running) and KV tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Holding {
@@ -29,6 +31,20 @@ pub struct Room {
     /// KV tokens; 0 where the engines report none (the pool admits by slots alone).
     pub kv: u64,
     pub kv_used: u64,
+}
+
+impl Room {
+    /// What `pool`'s replicas that serve have, and hold for weir's requests.
+    pub fn of(pool: &Pool) -> Room {
+        let serving = || pool.replicas.iter().filter(|r| r.serves());
+        let sum = |figure: fn(&Replica) -> u64| serving().map(figure).fold(0, u64::saturating_add);
+        Room {
+            slots: pool.concurrency(),
+            slots_used: sum(|r| r.in_flight),
+            kv: pool.capacity(),
+            kv_used: sum(|r| r.reserved),
+        }
+    }
 }
 
 /// The active shares of a pool at one decision, and what each holds.
