@@ -894,9 +894,10 @@ impl Dispatcher {
             r.reserved = (r.reserved + add).saturating_sub(remove);
         }
         self.update_replica_hold(pool, replica);
-        if let (Some(s), Some(shares)) = (self.schedulers.get(pool), self.shares.get_mut(pool)) {
-            shares.hold(s.share_of(t), 0, add, true);
-            shares.hold(s.share_of(t), 0, remove, false);
+        if let Some(shares) = self.shares.get_mut(pool) {
+            let org = self.share.of(t);
+            shares.hold(t, org, 0, add, true);
+            shares.hold(t, org, 0, remove, false);
         }
         let held = self.tenant_kv.entry(t.to_owned()).or_default();
         *held = (*held + add).saturating_sub(remove);
@@ -905,8 +906,8 @@ impl Dispatcher {
 
     /// `t`'s share starts (`add`) or stops running `sequences` sequences in `pool`.
     fn hold_slots(&mut self, pool: usize, t: &str, sequences: u64, add: bool) {
-        if let (Some(s), Some(shares)) = (self.schedulers.get(pool), self.shares.get_mut(pool)) {
-            shares.hold(s.share_of(t), sequences, 0, add);
+        if let Some(shares) = self.shares.get_mut(pool) {
+            shares.hold(t, self.share.of(t), sequences, 0, add);
         }
     }
 
@@ -1130,7 +1131,8 @@ impl Dispatcher {
         let within = || {
             self.shares.get(job.pool).is_some_and(|shares| {
                 let headroom = shares.headroom(Room::of(p), self.queue.kv_headroom);
-                headroom.admits(self.share.of(&job.tenant), job.sequences, job.kv_need)
+                let t = &job.tenant;
+                headroom.admits(t, self.share.of(t), job.sequences, job.kv_need)
             })
         };
         p.fits_for(job.kv_need, job.sequences) && (!self.fair || within())
@@ -1192,10 +1194,7 @@ impl Dispatcher {
         if !self.fair {
             return paces.pool_wait_ms(s.len());
         }
-        let part = self
-            .shares
-            .get(pool)
-            .map_or(1.0, |sh| sh.part(s.share_of(t)));
+        let part = self.shares.get(pool).map_or(1.0, |sh| sh.part(t));
         paces.tenant_wait_ms(t, s.queued_ahead(t, priority), part)
     }
 
@@ -1263,16 +1262,25 @@ impl Dispatcher {
             job.arrived_ms,
         );
         self.schedulers[pool].push(&t, &weights, priority, job, arrived);
-        self.activate(pool, &t, arrived);
+        self.activate(pool, &t, arrived, &weights);
         self.update_counter(pool, &t);
         self.update_depth(&t);
     }
 
-    /// `t`'s share is active in `pool` from `now` (for the headroom rule).
-    fn activate(&mut self, pool: usize, t: &str, now: u64) {
-        if let (Some(s), Some(shares)) = (self.schedulers.get(pool), self.shares.get_mut(pool)) {
-            let share = s.share_of(t);
-            shares.arrived(share, s.share_weight(share), now);
+    /// `t` is active in `pool` from `now` (for the headroom rule), with the weights it was
+    /// queued with: its org's among orgs, and its own below the org (the product of its
+    /// path's weights under `fair_share: key`, where every key is an org of its own).
+    fn activate(&mut self, pool: usize, t: &str, now: u64, weights: &[f64]) {
+        let sane = |w: &f64| if w.is_finite() && *w > 0.0 { *w } else { 1.0 };
+        let (org_weight, key_weight) = match self.share {
+            Share::Hierarchy => (
+                weights.first().map_or(1.0, sane),
+                weights.iter().skip(1).map(sane).product(),
+            ),
+            Share::Key => (weights.iter().map(sane).product(), 1.0),
+        };
+        if let Some(shares) = self.shares.get_mut(pool) {
+            shares.arrived(t, self.share.of(t), org_weight, key_weight, now);
         }
     }
 
@@ -1351,7 +1359,8 @@ impl Dispatcher {
             let under_cap = job
                 .kv_cap
                 .is_none_or(|cap| held == 0 || held + job.kv_need <= cap);
-            let within_share = !*fair || headroom.admits(share.of(t), job.sequences, job.kv_need);
+            let within_share =
+                !*fair || headroom.admits(t, share.of(t), job.sequences, job.kv_need);
             if !under_cap || !within_share || job.reply.is_closed() {
                 Verdict::Skip
             } else if p.fits_for(job.kv_need, job.sequences) {
@@ -1535,10 +1544,10 @@ impl Dispatcher {
             });
             let (weights, priority) = (job.weights.clone(), job.priority);
             scheduler.push_front(&t, &weights, priority, job, now);
-            requeued_for.push(t);
+            requeued_for.push((t, weights));
         }
-        for t in requeued_for {
-            self.activate(pool, &t, now);
+        for (t, weights) in requeued_for {
+            self.activate(pool, &t, now, &weights);
             self.update_depth(&t);
         }
     }
@@ -2287,7 +2296,7 @@ mod tests {
         // its own share of slots only, and together they took all eight.
         let (mut d, mut events) = slotted(2, 4);
         for t in ["q1", "q2", "f1", "f2", "f3", "f4"] {
-            d.activate(0, t, now_ms());
+            d.activate(0, t, now_ms(), &[1.0]);
         }
         let mut floods: Vec<Vec<Reply>> = ["f1", "f2", "f3", "f4"]
             .map(|t| enqueue(&mut d, t, 8))
@@ -2330,7 +2339,7 @@ mod tests {
         // Replicas of different limits (1 and 3): the rule counts the pool's slots.
         let (mut d, _events) = slotted(2, 3);
         d.pools[0].replicas[0].limiter.restart(Some(1));
-        d.activate(0, "q", now_ms());
+        d.activate(0, "q", now_ms(), &[1.0]);
         let mut flood = enqueue(&mut d, "f", 8);
         assert_eq!(assigned_of(&mut flood).len(), 3, "one of 4 slots kept");
         let mut quiet = enqueue(&mut d, "q", 1);
@@ -2342,7 +2351,7 @@ mod tests {
         // An org mints 8 keys and floods from each: it is one share, so a slot stays free
         // for the other org.
         let (mut d, _events) = slotted(2, 4);
-        d.activate(0, "other/w/p/k", now_ms());
+        d.activate(0, "other/w/p/k", now_ms(), &[1.0]);
         let mut floods: Vec<Vec<Reply>> = (0..8)
             .map(|i| enqueue(&mut d, &format!("minted/w/p/k{i}"), 2))
             .collect();
@@ -2738,7 +2747,7 @@ mod tests {
         // cannot start more, so its backlog is a wait, projected and refused at once rather
         // than left to run into its deadline.
         let (mut d, _events) = slotted(2, 4);
-        d.activate(0, "quiet", now_ms());
+        d.activate(0, "quiet", now_ms(), &[1.0]);
         let mut flood = enqueue(&mut d, "flood", 6);
         let _running = assigned_of(&mut flood);
         d.paces[0].pool.per_s = 0.5;

@@ -1,26 +1,44 @@
 //! Headroom: a turn for every active tenant.
 //!
-//! Tenants share a pool as *shares* (orgs, or keys with `fair_share: key`), active for
-//! `active_window_ms` after their last request. While several are active, each share's fair
-//! part of the pool's slots is `⌊slots · weight / active weights⌋` (at least one) and of its KV
-//! `capacity · weight / active weights`. A share holding nothing always starts a request (its
-//! turn; one larger than the pool runs alone). Any other request leaves a slot free for each
-//! other active share holding nothing; one that takes a share past its fair part (a flood)
-//! also leaves `kv_headroom` of the slots (rounded up) and of the KV free while another active
-//! share is below its part. The rule is collective: however many tenants flood, together they
-//! never take the room kept for the others, so a quiet tenant's request starts at the next
-//! decision instead of waiting for the longest of the flood's streams. A share alone uses the
-//! whole pool.
+//! A pool's slots and KV are shared as fair share is: among orgs by their weights (the *shares*;
+//! every key on its own with `fair_share: key`), and within an org among its keys. A key is
+//! active in a pool for `active_window_ms` after its last request there. While others are
+//! active, an org's fair part is `⌊slots · weight / active orgs' weights⌋` slots (at least one)
+//! and `capacity · weight / active orgs' weights` KV tokens; a key's is its org's part split
+//! among the org's active keys by their weights below the org.
+//!
+//! - A key holding nothing starts a request — its turn (one larger than the pool runs alone) —
+//!   unless its org already holds its part (so minted keys take their turns within their org's
+//!   part).
+//! - Any other request leaves a slot free for each other active org holding nothing and each
+//!   other active key of its own org holding nothing: their turns.
+//! - A request that takes its key or its org past its fair part — a flood — also leaves
+//!   `kv_headroom` of the slots (rounded up) and of the KV free, while another active org, or
+//!   another active key of its org, is below its part.
+//!
+//! The rule is collective: however many tenants flood, together they never take the room kept
+//! for the quiet ones, so a quiet tenant's request starts at the next decision instead of waiting
+//! for the longest of the flood's streams. Turns are counted per org across orgs, so an org
+//! that mints keys keeps no more turns free against the others than one; its keys take turns
+//! among themselves. A tenant alone uses the whole pool.
 
 use std::collections::HashMap;
 
 use crate::pool::{Pool, Replica};
 
-/// What one share holds of a pool: slots (sequences running) and KV tokens.
+/// What a key (or an org, summed over its keys) holds of a pool: slots (sequences running) and
+/// KV tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Holding {
     pub slots: u64,
     pub kv: u64,
+}
+
+impl Holding {
+    fn add(&mut self, other: Holding) {
+        self.slots = self.slots.saturating_add(other.slots);
+        self.kv = self.kv.saturating_add(other.kv);
+    }
 }
 
 /// A pool's resources and how much of them is in use (weir's own accounting).
@@ -47,170 +65,281 @@ impl Room {
     }
 }
 
-/// The active shares of a pool at one decision, and what each holds.
-pub struct Headroom<'a> {
-    room: Room,
-    fraction: f64,
-    weights: &'a HashMap<String, f64>,
-    held: &'a HashMap<String, Holding>,
-    total_weight: f64,
-    /// Active shares below their fair part of slots, of KV, and holding no slot at all.
-    below_slots: usize,
-    below_kv: usize,
-    idle: usize,
+/// A key of a pool: its org, weight within it, when it was last active, what it holds.
+#[derive(Clone, Debug)]
+struct Key {
+    org: String,
+    weight: f64,
+    seen: Option<u64>,
+    held: Holding,
 }
 
-impl<'a> Headroom<'a> {
-    /// `weights`: the active shares and their weights; `held`: what shares hold (active or
-    /// not); `fraction`: `queue.kv_headroom`.
-    pub fn new(
-        room: Room,
-        fraction: f64,
-        weights: &'a HashMap<String, f64>,
-        held: &'a HashMap<String, Holding>,
-    ) -> Self {
-        let total_weight = weights.values().sum::<f64>();
-        let mut headroom = Headroom {
-            room,
-            fraction,
-            weights,
-            held,
-            total_weight,
-            below_slots: 0,
-            below_kv: 0,
-            idle: 0,
-        };
-        for share in weights.keys() {
-            let h = headroom.holding(share);
-            headroom.below_slots += usize::from(h.slots < headroom.fair_slots(share));
-            headroom.below_kv += usize::from((h.kv as f64) < headroom.fair_kv(share));
-            headroom.idle += usize::from(h.slots == 0);
-        }
-        headroom
-    }
-
-    fn holding(&self, share: &str) -> Holding {
-        self.held.get(share).copied().unwrap_or_default()
-    }
-
-    fn weight(&self, share: &str) -> f64 {
-        self.weights.get(share).copied().unwrap_or(1.0)
-    }
-
-    /// The share's fair part of the slots: at least one.
-    pub fn fair_slots(&self, share: &str) -> u64 {
-        let part =
-            self.room.slots as f64 * self.weight(share) / self.total_weight.max(f64::MIN_POSITIVE);
-        (part.floor() as u64).max(1)
-    }
-
-    fn fair_kv(&self, share: &str) -> f64 {
-        self.room.kv as f64 * self.weight(share) / self.total_weight.max(f64::MIN_POSITIVE)
-    }
-
-    /// Whether `share` may start a request of `sequences` slots and `kv_need` KV tokens now
-    /// (if it fits a replica: that is the pool's to say).
-    pub fn admits(&self, share: &str, sequences: u64, kv_need: u64) -> bool {
-        let active = self.weights.contains_key(share);
-        let others = self.weights.len() - usize::from(active);
-        if others == 0 {
-            return true;
-        }
-        let h = self.holding(share);
-        let minus_own = |count: usize, own: bool| count - usize::from(active && own);
-        // Every other active share holding nothing keeps a slot free for its turn; past its
-        // fair part a share also leaves the headroom free while another is below its part.
-        let within = h.slots + sequences <= self.fair_slots(share);
-        let below = minus_own(self.below_slots, h.slots < self.fair_slots(share));
-        let idle = minus_own(self.idle, h.slots == 0) as u64;
-        let kept = if within || below == 0 {
-            idle
-        } else {
-            ((self.fraction * self.room.slots as f64).ceil() as u64).max(idle)
-        };
-        let used = self.room.slots_used.saturating_add(sequences);
-        let slots_ok = h.slots == 0 || (used <= self.room.slots && self.room.slots - used >= kept);
-        let kv_ok =
-            self.room.kv == 0 || h.kv == 0 || (h.kv + kv_need) as f64 <= self.fair_kv(share) || {
-                let below = minus_own(self.below_kv, (h.kv as f64) < self.fair_kv(share));
-                let kept = if below == 0 {
-                    0.0
-                } else {
-                    self.fraction * self.room.kv as f64
-                };
-                let used = self.room.kv_used.saturating_add(kv_need);
-                self.room.kv.saturating_sub(used) as f64 >= kept
-            };
-        slots_ok && kv_ok
-    }
-}
-
-/// A pool's shares: which are active (and since when, with what weight) and what each holds.
+/// A pool's keys and orgs: which are active and what each holds.
 #[derive(Debug, Default)]
 pub struct Shares {
-    seen: HashMap<String, u64>,
-    weights: HashMap<String, f64>,
-    held: HashMap<String, Holding>,
+    keys: HashMap<String, Key>,
+    /// Orgs' weights among orgs, as last seen.
+    org_weights: HashMap<String, f64>,
 }
 
 impl Shares {
-    /// A request of `share` arrived (or was queued again) at `now_ms`.
-    pub fn arrived(&mut self, share: &str, weight: f64, now_ms: u64) {
-        self.seen.insert(share.to_owned(), now_ms);
-        self.weights.insert(share.to_owned(), weight);
+    /// A request of `key` (of `org`, with `org_weight` among orgs and `key_weight` within the
+    /// org) arrived, or was queued again, at `now_ms`.
+    pub fn arrived(&mut self, key: &str, org: &str, org_weight: f64, key_weight: f64, now_ms: u64) {
+        self.org_weights.insert(org.to_owned(), org_weight);
+        let k = self.entry(key, org);
+        k.weight = key_weight;
+        k.seen = Some(now_ms);
     }
 
-    /// Shares with no request for `window_ms` are no longer active.
+    fn entry(&mut self, key: &str, org: &str) -> &mut Key {
+        self.keys.entry(key.to_owned()).or_insert_with(|| Key {
+            org: org.to_owned(),
+            weight: 1.0,
+            seen: None,
+            held: Holding::default(),
+        })
+    }
+
+    /// Keys with no request for `window_ms` are no longer active; those holding nothing are
+    /// forgotten, and orgs with no key left.
     pub fn expire(&mut self, now_ms: u64, window_ms: u64) {
-        let weights = &mut self.weights;
-        self.seen.retain(|share, seen| {
-            let active = now_ms.saturating_sub(*seen) < window_ms;
-            if !active {
-                weights.remove(share);
+        for k in self.keys.values_mut() {
+            if k.seen
+                .is_some_and(|seen| now_ms.saturating_sub(seen) >= window_ms)
+            {
+                k.seen = None;
             }
-            active
-        });
+        }
+        self.keys
+            .retain(|_, k| k.seen.is_some() || k.held != Holding::default());
+        let keys = &self.keys;
+        self.org_weights
+            .retain(|org, _| keys.values().any(|k| &k.org == org));
     }
 
-    /// Active shares.
-    pub fn active(&self) -> usize {
-        self.weights.len()
+    /// `key` (of `org`) starts (`add`) or ends holding `slots` and `kv` tokens.
+    pub fn hold(&mut self, key: &str, org: &str, slots: u64, kv: u64, add: bool) {
+        let k = self.entry(key, org);
+        if add {
+            k.held.add(Holding { slots, kv });
+        } else {
+            k.held.slots = k.held.slots.saturating_sub(slots);
+            k.held.kv = k.held.kv.saturating_sub(kv);
+        }
+        if k.seen.is_none() && k.held == Holding::default() {
+            self.keys.remove(key);
+        }
     }
 
-    /// `share`'s weight over the active shares' (1 when it is the only one).
-    pub fn part(&self, share: &str) -> f64 {
-        let total: f64 = self.weights.values().sum();
-        let own = self.weights.get(share).copied().unwrap_or(1.0);
-        if total > 0.0 {
-            (own / total).min(1.0)
+    /// `key`'s fair part of the pool as a fraction (1 when nobody else is active): its org's
+    /// weight over the active orgs', times its own over its org's active keys'.
+    pub fn part(&self, key: &str) -> f64 {
+        let Some(k) = self.keys.get(key) else {
+            return 1.0;
+        };
+        let (orgs, keys) = self.active_weights(&k.org);
+        let org = self.org_weights.get(&k.org).copied().unwrap_or(1.0);
+        let of = |own: f64, all: f64| if all > 0.0 { (own / all).min(1.0) } else { 1.0 };
+        of(org, orgs) * of(k.weight, keys)
+    }
+
+    /// The active orgs' weights, and `org`'s active keys' weights.
+    fn active_weights(&self, org: &str) -> (f64, f64) {
+        let mut orgs: HashMap<&str, f64> = HashMap::new();
+        let mut keys = 0.0;
+        for k in self.keys.values().filter(|k| k.seen.is_some()) {
+            let w = self.org_weights.get(&k.org).copied().unwrap_or(1.0);
+            orgs.insert(&k.org, w);
+            if k.org == org {
+                keys += k.weight;
+            }
+        }
+        (orgs.values().sum(), keys)
+    }
+
+    /// The rule at one decision, over `room`, with `fraction` (`queue.kv_headroom`).
+    pub fn headroom(&self, room: Room, fraction: f64) -> Headroom<'_> {
+        Headroom::new(self, room, fraction)
+    }
+}
+
+/// An org at one decision: its weight if active, what its keys hold, its active keys.
+#[derive(Debug, Default)]
+struct Org {
+    weight: f64,
+    active: bool,
+    held: Holding,
+    key_weights: f64,
+    /// Active keys holding no slot, and active keys below their part of slots and of KV.
+    idle_keys: usize,
+    below_slots: usize,
+    below_kv: usize,
+}
+
+/// The shares of a pool at one decision.
+pub struct Headroom<'a> {
+    shares: &'a Shares,
+    room: Room,
+    fraction: f64,
+    orgs: HashMap<&'a str, Org>,
+    org_weights: f64,
+    active_keys: usize,
+    /// Active orgs holding no slot, and below their part of slots and of KV.
+    idle_orgs: usize,
+    below_slots: usize,
+    below_kv: usize,
+}
+
+impl<'a> Headroom<'a> {
+    fn new(shares: &'a Shares, room: Room, fraction: f64) -> Self {
+        let mut orgs: HashMap<&str, Org> = HashMap::new();
+        let mut active_keys = 0;
+        for k in shares.keys.values() {
+            let org = orgs.entry(&k.org).or_default();
+            org.held.add(k.held);
+            if k.seen.is_some() {
+                active_keys += 1;
+                org.active = true;
+                org.weight = shares.org_weights.get(&k.org).copied().unwrap_or(1.0);
+                org.key_weights += k.weight;
+            }
+        }
+        let mut h = Headroom {
+            shares,
+            room,
+            fraction,
+            org_weights: orgs.values().map(|o| o.weight).sum(),
+            orgs,
+            active_keys,
+            idle_orgs: 0,
+            below_slots: 0,
+            below_kv: 0,
+        };
+        let mut counts: Vec<(&str, usize, usize, usize)> = Vec::new();
+        for (name, k) in &shares.keys {
+            if k.seen.is_none() {
+                continue;
+            }
+            let (slots, kv) = h.key_part(name);
+            counts.push((
+                &k.org,
+                usize::from(k.held.slots == 0),
+                usize::from((k.held.slots as f64) < slots),
+                usize::from((k.held.kv as f64) < kv),
+            ));
+        }
+        for (org, idle, below_slots, below_kv) in counts {
+            if let Some(o) = h.orgs.get_mut(org) {
+                o.idle_keys += idle;
+                o.below_slots += below_slots;
+                o.below_kv += below_kv;
+            }
+        }
+        let (mut idle, mut below_slots, mut below_kv) = (0, 0, 0);
+        for (name, o) in &h.orgs {
+            if o.active {
+                let (slots, kv) = h.org_part(name);
+                idle += usize::from(o.held.slots == 0);
+                below_slots += usize::from((o.held.slots as f64) < slots);
+                below_kv += usize::from((o.held.kv as f64) < kv);
+            }
+        }
+        (h.idle_orgs, h.below_slots, h.below_kv) = (idle, below_slots, below_kv);
+        h
+    }
+
+    /// An org's fair part: slots (whole, at least one) and KV tokens.
+    fn org_part(&self, org: &str) -> (f64, f64) {
+        let w = self.orgs.get(org).map_or(1.0, |o| o.weight);
+        let share = if self.org_weights > 0.0 {
+            (w / self.org_weights).min(1.0)
         } else {
             1.0
-        }
+        };
+        let slots = (self.room.slots as f64 * share).floor().max(1.0);
+        (slots, self.room.kv as f64 * share)
     }
 
-    /// `share` starts (`add`) or ends holding `slots` and `kv` tokens.
-    pub fn hold(&mut self, share: &str, slots: u64, kv: u64, add: bool) {
-        let h = self.held.entry(share.to_owned()).or_default();
-        if add {
-            h.slots = h.slots.saturating_add(slots);
-            h.kv = h.kv.saturating_add(kv);
+    /// A key's fair part: its org's, split among the org's active keys by weight.
+    fn key_part(&self, key: &str) -> (f64, f64) {
+        let Some(k) = self.shares.keys.get(key) else {
+            return (self.room.slots as f64, self.room.kv as f64);
+        };
+        let (slots, kv) = self.org_part(&k.org);
+        let all = self.orgs.get(k.org.as_str()).map_or(0.0, |o| o.key_weights);
+        let share = if all > 0.0 {
+            (k.weight / all).min(1.0)
         } else {
-            h.slots = h.slots.saturating_sub(slots);
-            h.kv = h.kv.saturating_sub(kv);
-        }
-        if *h == Holding::default() {
-            self.held.remove(share);
-        }
+            1.0
+        };
+        (slots * share, kv * share)
     }
 
-    /// What `share` holds.
-    pub fn holding(&self, share: &str) -> Holding {
-        self.held.get(share).copied().unwrap_or_default()
-    }
-
-    /// The rule at one decision, over `room`.
-    pub fn headroom(&self, room: Room, fraction: f64) -> Headroom<'_> {
-        Headroom::new(room, fraction, &self.weights, &self.held)
+    /// Whether `key` (of `org`) may start a request of `sequences` slots and `kv_need` KV
+    /// tokens now (if it fits a replica: that is the pool's to say).
+    pub fn admits(&self, key: &str, org: &str, sequences: u64, kv_need: u64) -> bool {
+        let own = self.shares.keys.get(key);
+        let active = own.is_some_and(|k| k.seen.is_some());
+        if self.active_keys <= usize::from(active) {
+            return true;
+        }
+        let held = own.map_or(Holding::default(), |k| k.held);
+        let o = self.orgs.get(org);
+        let org_held = o.map_or(Holding::default(), |o| o.held);
+        let (key_slots, key_kv) = self.key_part(key);
+        let (org_slots, org_kv) = self.org_part(org);
+        // Other orgs and other keys of its org, below their parts (own ones taken out).
+        let others = |orgs: usize, keys: usize, org_below: bool, key_below: bool| {
+            let in_org = o.map_or(0, |_| keys - usize::from(active && key_below));
+            orgs - usize::from(o.is_some_and(|o| o.active) && org_below) + in_org
+        };
+        // Its turn: a key holding nothing, unless its org is past its part (an org's minted
+        // keys take their turns within the org's part).
+        let turn = |own: u64, org: u64, want: u64, part: f64| {
+            own == 0 && (org == 0 || (org.saturating_add(want)) as f64 <= part)
+        };
+        let slots_ok = turn(held.slots, org_held.slots, sequences, org_slots) || {
+            let past = (held.slots + sequences) as f64 > key_slots
+                || (org_held.slots + sequences) as f64 > org_slots;
+            let below = others(
+                self.below_slots,
+                o.map_or(0, |o| o.below_slots),
+                (org_held.slots as f64) < org_slots,
+                (held.slots as f64) < key_slots,
+            );
+            // Its org holds something, so it is not among the idle orgs; nor is it, if it holds
+            // nothing, among its org's idle keys.
+            let own_idle = usize::from(active && held.slots == 0);
+            let turns = (self.idle_orgs + o.map_or(0, |o| o.idle_keys) - own_idle) as u64;
+            let kept = if past && below > 0 {
+                ((self.fraction * self.room.slots as f64).ceil() as u64).max(turns)
+            } else {
+                turns
+            };
+            let used = self.room.slots_used.saturating_add(sequences);
+            used <= self.room.slots && self.room.slots - used >= kept
+        };
+        let kv_ok = self.room.kv == 0 || turn(held.kv, org_held.kv, kv_need, org_kv) || {
+            let past =
+                (held.kv + kv_need) as f64 > key_kv || (org_held.kv + kv_need) as f64 > org_kv;
+            let below = others(
+                self.below_kv,
+                o.map_or(0, |o| o.below_kv),
+                (org_held.kv as f64) < org_kv,
+                (held.kv as f64) < key_kv,
+            );
+            let kept = if past && below > 0 {
+                self.fraction * self.room.kv as f64
+            } else {
+                0.0
+            };
+            self.room
+                .kv
+                .saturating_sub(self.room.kv_used.saturating_add(kv_need)) as f64
+                >= kept
+        };
+        slots_ok && kv_ok
     }
 }
 
@@ -218,41 +347,43 @@ impl Shares {
 mod tests {
     use super::*;
 
-    fn shares(list: &[(&str, f64, u64, u64)]) -> (HashMap<String, f64>, HashMap<String, Holding>) {
-        let weights = list.iter().map(|&(s, w, _, _)| (s.to_owned(), w)).collect();
-        let held = list
-            .iter()
-            .map(|&(s, _, slots, kv)| (s.to_owned(), Holding { slots, kv }))
-            .collect();
-        (weights, held)
+    /// Shares of `(key, org weight, slots held, kv held)`, each key an org of its own (the
+    /// org is the key's first path id).
+    fn shares(list: &[(&str, f64, u64, u64)]) -> Shares {
+        let mut s = Shares::default();
+        for &(key, weight, slots, kv) in list {
+            let org = key.split('/').next().unwrap_or(key);
+            s.arrived(key, org, weight, 1.0, 0);
+            s.hold(key, org, slots, kv, true);
+        }
+        s
     }
 
-    fn slots(
-        total: u64,
-        list: &[(&str, f64, u64, u64)],
-    ) -> (Room, HashMap<String, f64>, HashMap<String, Holding>) {
-        let (w, h) = shares(list);
-        let used = list.iter().map(|s| s.2).sum();
+    fn slots(total: u64, list: &[(&str, f64, u64, u64)]) -> (Room, Shares) {
         let room = Room {
             slots: total,
-            slots_used: used,
+            slots_used: list.iter().map(|s| s.2).sum(),
             kv: 0,
             kv_used: 0,
         };
-        (room, w, h)
+        (room, shares(list))
     }
 
-    /// How many more slots `share` may take, one at a time, as nobody else moves.
-    fn takes(total: u64, list: &[(&str, f64, u64, u64)], share: &str) -> u64 {
+    fn org(key: &str) -> &str {
+        key.split('/').next().unwrap_or(key)
+    }
+
+    /// How many more slots `key` may take, one at a time, as nobody else moves.
+    fn takes(total: u64, list: &[(&str, f64, u64, u64)], key: &str) -> u64 {
         let mut list: Vec<(&str, f64, u64, u64)> = list.to_vec();
         let mut taken = 0;
         loop {
-            let (room, w, h) = slots(total, &list);
-            if room.slots_used == total || !Headroom::new(room, 0.2, &w, &h).admits(share, 1, 0) {
+            let (room, s) = slots(total, &list);
+            if room.slots_used == total || !s.headroom(room, 0.2).admits(key, org(key), 1, 0) {
                 return taken;
             }
             taken += 1;
-            if let Some(s) = list.iter_mut().find(|s| s.0 == share) {
+            if let Some(s) = list.iter_mut().find(|s| s.0 == key) {
                 s.2 += 1;
             }
         }
@@ -261,48 +392,64 @@ mod tests {
     #[test]
     fn alone_a_share_uses_the_whole_pool() {
         assert_eq!(takes(8, &[("flood", 1.0, 0, 0)], "flood"), 8);
+        // Alone with keys of its own org: the same.
+        assert_eq!(takes(8, &[("o/k1", 1.0, 0, 0)], "o/k1"), 8);
     }
 
     #[test]
     fn however_many_shares_flood_a_turn_stays_free_for_each_quiet_one() {
-        // One to four flooders, one to six quiet tenants holding nothing, 2 to 16 slots:
-        // the flooders, taking turns, leave a slot for each quiet one (and the headroom
-        // fraction), as far as the pool has slots beyond one each.
-        for flooders in 1..=4usize {
-            for quiet in 1..=6usize {
-                for total in 2..=16u64 {
-                    let names: Vec<String> = (0..flooders).map(|i| format!("f{i}")).collect();
-                    let mut list: Vec<(&str, f64, u64, u64)> =
-                        names.iter().map(|n| (n.as_str(), 1.0, 0, 0)).collect();
-                    let quiet_names: Vec<String> = (0..quiet).map(|i| format!("q{i}")).collect();
-                    list.extend(quiet_names.iter().map(|n| (n.as_str(), 1.0, 0, 0)));
-                    // Round robin among the flooders until none may take more.
-                    loop {
-                        let mut moved = false;
-                        for i in 0..flooders {
-                            let (room, w, h) = slots(total, &list);
-                            if room.slots_used < total
-                                && Headroom::new(room, 0.2, &w, &h).admits(list[i].0, 1, 0)
-                            {
-                                list[i].2 += 1;
-                                moved = true;
+        // One to four flooders, one to six quiet tenants holding nothing, 2 to 16 slots, orgs
+        // of their own or keys of one org: the flooders, taking turns, leave a slot for each
+        // quiet one (and the headroom fraction), as far as the pool has slots beyond one each.
+        for same_org in [false, true] {
+            for flooders in 1..=4usize {
+                for quiet in 1..=6usize {
+                    for total in 2..=16u64 {
+                        let name = |kind: &str, i| {
+                            if same_org {
+                                format!("acme/{kind}{i}")
+                            } else {
+                                format!("{kind}{i}")
+                            }
+                        };
+                        let names: Vec<String> = (0..flooders).map(|i| name("f", i)).collect();
+                        let quiet_names: Vec<String> = (0..quiet).map(|i| name("q", i)).collect();
+                        let mut list: Vec<(&str, f64, u64, u64)> = names
+                            .iter()
+                            .chain(&quiet_names)
+                            .map(|n| (n.as_str(), 1.0, 0, 0))
+                            .collect();
+                        // Round robin among the flooders until none may take more.
+                        loop {
+                            let mut moved = false;
+                            for i in 0..flooders {
+                                let (room, s) = slots(total, &list);
+                                let key = list[i].0;
+                                if room.slots_used < total
+                                    && s.headroom(room, 0.2).admits(key, org(key), 1, 0)
+                                {
+                                    list[i].2 += 1;
+                                    moved = true;
+                                }
+                            }
+                            if !moved {
+                                break;
                             }
                         }
-                        if !moved {
-                            break;
-                        }
+                        let free = total - list.iter().map(|s| s.2).sum::<u64>();
+                        let owed = (quiet as u64).min(total.saturating_sub(flooders as u64));
+                        assert!(
+                            free >= owed,
+                            "{flooders} flooders, {quiet} quiet, {total} slots, one org {same_org}: {free} free"
+                        );
+                        // Every quiet tenant may start one request now, while a slot is free.
+                        let (room, s) = slots(total, &list);
+                        let headroom = s.headroom(room, 0.2);
+                        assert!(
+                            free == 0
+                                || quiet_names.iter().all(|q| headroom.admits(q, org(q), 1, 0))
+                        );
                     }
-                    let used: u64 = list.iter().map(|s| s.2).sum();
-                    let free = total - used;
-                    let owed = (quiet as u64).min(total.saturating_sub(flooders as u64));
-                    assert!(
-                        free >= owed,
-                        "{flooders} flooders, {quiet} quiet, {total} slots: {free} free"
-                    );
-                    // Every quiet tenant may start one request now.
-                    let (room, w, h) = slots(total, &list);
-                    let headroom = Headroom::new(room, 0.2, &w, &h);
-                    assert!(quiet_names.iter().all(|q| headroom.admits(q, 1, 0)));
                 }
             }
         }
@@ -325,8 +472,28 @@ mod tests {
     }
 
     #[test]
+    fn keys_minted_by_one_org_keep_one_turn_free_against_another() {
+        // Org m has eight active keys holding nothing; org f floods. m's idle keys keep one
+        // turn (m is one org), not eight.
+        let mut list = vec![("f/k", 1.0, 0, 0)];
+        let minted: Vec<String> = (0..8).map(|i| format!("m/k{i}")).collect();
+        list.extend(minted.iter().map(|k| (k.as_str(), 1.0, 0, 0)));
+        assert_eq!(
+            takes(8, &list, "f/k"),
+            6,
+            "the headroom (2) and one turn kept"
+        );
+        // Within m, its keys take turns among themselves: one running, the others kept a turn
+        // each as far as m's part (4) goes.
+        let mut list = vec![("f/k", 1.0, 4, 0)];
+        list.extend(minted.iter().map(|k| (k.as_str(), 1.0, 0, 0)));
+        list[1].2 = 1;
+        assert_eq!(takes(8, &list, "m/k0"), 0, "its siblings' turns come first");
+    }
+
+    #[test]
     fn kv_past_its_fair_part_leaves_the_headroom_free() {
-        let (w, h) = shares(&[("flood", 1.0, 1, 500), ("quiet", 1.0, 0, 0)]);
+        let s = shares(&[("flood", 1.0, 1, 500), ("quiet", 1.0, 0, 0)]);
         let room = |used| Room {
             slots: 100,
             slots_used: 1,
@@ -334,9 +501,31 @@ mod tests {
             kv_used: used,
         };
         // 500 held of a fair 500: 300 more would leave 200 free (20%), 301 would not.
-        assert!(Headroom::new(room(500), 0.2, &w, &h).admits("flood", 1, 300));
-        assert!(!Headroom::new(room(500), 0.2, &w, &h).admits("flood", 1, 301));
+        assert!(s.headroom(room(500), 0.2).admits("flood", "flood", 1, 300));
+        assert!(!s.headroom(room(500), 0.2).admits("flood", "flood", 1, 301));
         // A share holding nothing starts a request of any size.
-        assert!(Headroom::new(room(500), 0.2, &w, &h).admits("quiet", 1, 5_000));
+        assert!(
+            s.headroom(room(500), 0.2)
+                .admits("quiet", "quiet", 1, 5_000)
+        );
+    }
+
+    #[test]
+    fn a_key_s_part_is_its_org_s_split_among_its_active_keys() {
+        let s = shares(&[("a/k1", 1.0, 0, 0), ("a/k2", 1.0, 0, 0), ("b/k", 1.0, 0, 0)]);
+        assert_eq!(s.part("a/k1"), 0.25);
+        assert_eq!(s.part("b/k"), 0.5);
+        assert_eq!(s.part("nobody"), 1.0);
+    }
+
+    #[test]
+    fn idle_keys_are_forgotten_once_they_hold_nothing() {
+        let mut s = shares(&[("a/k", 1.0, 1, 10)]);
+        s.expire(10_000, 1_000);
+        assert_eq!(s.keys.len(), 1, "still holds a slot");
+        s.hold("a/k", "a", 1, 10, false);
+        assert!(s.keys.is_empty() && !s.org_weights.is_empty());
+        s.expire(10_000, 1_000);
+        assert!(s.org_weights.is_empty());
     }
 }
