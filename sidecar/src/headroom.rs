@@ -11,10 +11,13 @@
 //!   unless its org already holds its part (so minted keys take their turns within their org's
 //!   part).
 //! - Any other request leaves a slot free for each other active org holding nothing and each
-//!   other active key of its own org holding nothing: their turns.
+//!   other active key of its own org holding nothing, as far as the org's part goes: their
+//!   turns.
 //! - A request that takes its key or its org past its fair part — a flood — also leaves
-//!   `kv_headroom` of the slots (rounded up) and of the KV free, while another active org, or
-//!   another active key of its org, is below its part.
+//!   `kv_headroom` of the slots (rounded up) and of the KV free, while another active org is
+//!   below its part or another active key of its org holds nothing. (Within an org a key's
+//!   part is a fraction of the org's, often less than one request, so "below its part" would
+//!   hold back a weighted key whenever a sibling's request ended: holding nothing is the test.)
 //!
 //! The rule is collective: however many tenants flood, together they never take the room kept
 //! for the quiet ones, so a quiet tenant's request starts at the next decision instead of waiting
@@ -171,10 +174,11 @@ struct Org {
     active: bool,
     held: Holding,
     key_weights: f64,
-    /// Active keys holding no slot, and active keys below their part of slots and of KV.
+    /// Active keys holding no slot, and holding no KV: within an org, the keys a flood of
+    /// one of them leaves the headroom for (parts split among many keys are fractions of a
+    /// request, which a key holding one is already past).
     idle_keys: usize,
-    below_slots: usize,
-    below_kv: usize,
+    idle_kv_keys: usize,
 }
 
 /// The shares of a pool at one decision.
@@ -216,24 +220,10 @@ impl<'a> Headroom<'a> {
             below_slots: 0,
             below_kv: 0,
         };
-        let mut counts: Vec<(&str, usize, usize, usize)> = Vec::new();
-        for (name, k) in &shares.keys {
-            if k.seen.is_none() {
-                continue;
-            }
-            let (slots, kv) = h.key_part(name);
-            counts.push((
-                &k.org,
-                usize::from(k.held.slots == 0),
-                usize::from((k.held.slots as f64) < slots),
-                usize::from((k.held.kv as f64) < kv),
-            ));
-        }
-        for (org, idle, below_slots, below_kv) in counts {
-            if let Some(o) = h.orgs.get_mut(org) {
-                o.idle_keys += idle;
-                o.below_slots += below_slots;
-                o.below_kv += below_kv;
+        for k in shares.keys.values().filter(|k| k.seen.is_some()) {
+            if let Some(o) = h.orgs.get_mut(k.org.as_str()) {
+                o.idle_keys += usize::from(k.held.slots == 0);
+                o.idle_kv_keys += usize::from(k.held.kv == 0);
             }
         }
         let (mut idle, mut below_slots, mut below_kv) = (0, 0, 0);
@@ -289,7 +279,8 @@ impl<'a> Headroom<'a> {
         let org_held = o.map_or(Holding::default(), |o| o.held);
         let (key_slots, key_kv) = self.key_part(key);
         let (org_slots, org_kv) = self.org_part(org);
-        // Other orgs and other keys of its org, below their parts (own ones taken out).
+        // Other orgs below their parts and other keys of its org holding nothing (own ones
+        // taken out).
         let others = |orgs: usize, keys: usize, org_below: bool, key_below: bool| {
             let in_org = o.map_or(0, |_| keys - usize::from(active && key_below));
             orgs - usize::from(o.is_some_and(|o| o.active) && org_below) + in_org
@@ -304,14 +295,17 @@ impl<'a> Headroom<'a> {
                 || (org_held.slots + sequences) as f64 > org_slots;
             let below = others(
                 self.below_slots,
-                o.map_or(0, |o| o.below_slots),
+                o.map_or(0, |o| o.idle_keys),
                 (org_held.slots as f64) < org_slots,
-                (held.slots as f64) < key_slots,
+                held.slots == 0,
             );
             // Its org holds something, so it is not among the idle orgs; nor is it, if it holds
-            // nothing, among its org's idle keys.
+            // nothing, among its org's idle keys. Turns within the org go no further than the
+            // org's part: an org of more keys than its part has slots takes turns in fair order.
             let own_idle = usize::from(active && held.slots == 0);
-            let turns = (self.idle_orgs + o.map_or(0, |o| o.idle_keys) - own_idle) as u64;
+            let idle_keys = o.map_or(0, |o| o.idle_keys) - own_idle;
+            let org_left = (org_slots - org_held.slots as f64).max(0.0) as usize;
+            let turns = (self.idle_orgs + idle_keys.min(org_left)) as u64;
             let kept = if past && below > 0 {
                 ((self.fraction * self.room.slots as f64).ceil() as u64).max(turns)
             } else {
@@ -325,9 +319,9 @@ impl<'a> Headroom<'a> {
                 (held.kv + kv_need) as f64 > key_kv || (org_held.kv + kv_need) as f64 > org_kv;
             let below = others(
                 self.below_kv,
-                o.map_or(0, |o| o.below_kv),
+                o.map_or(0, |o| o.idle_kv_keys),
                 (org_held.kv as f64) < org_kv,
-                (held.kv as f64) < key_kv,
+                held.kv == 0,
             );
             let kept = if past && below > 0 {
                 self.fraction * self.room.kv as f64
