@@ -75,6 +75,8 @@ struct Key {
     weight: f64,
     seen: Option<u64>,
     held: Holding,
+    /// Requests it has queued in the pool: a key with work queued stays active.
+    queued: usize,
 }
 
 /// A pool's keys and orgs: which are active and what each holds.
@@ -101,21 +103,35 @@ impl Shares {
             weight: 1.0,
             seen: None,
             held: Holding::default(),
+            queued: 0,
         })
+    }
+
+    /// `key` (of `org`) has `depth` requests queued in the pool.
+    pub fn queued(&mut self, key: &str, org: &str, depth: usize) {
+        match self.keys.get_mut(key) {
+            Some(k) => k.queued = depth,
+            None if depth > 0 => self.entry(key, org).queued = depth,
+            None => {}
+        }
     }
 
     /// Keys with no request for `window_ms` are no longer active; those holding nothing are
     /// forgotten, and orgs with no key left.
     pub fn expire(&mut self, now_ms: u64, window_ms: u64) {
         for k in self.keys.values_mut() {
-            if k.seen
+            if k.queued > 0 {
+                // Backlogged: active as long as it waits, and a window after.
+                k.seen = Some(now_ms);
+            } else if k
+                .seen
                 .is_some_and(|seen| now_ms.saturating_sub(seen) >= window_ms)
             {
                 k.seen = None;
             }
         }
         self.keys
-            .retain(|_, k| k.seen.is_some() || k.held != Holding::default());
+            .retain(|_, k| k.seen.is_some() || k.held != Holding::default() || k.queued > 0);
         let keys = &self.keys;
         self.org_weights
             .retain(|org, _| keys.values().any(|k| &k.org == org));
@@ -130,7 +146,7 @@ impl Shares {
             k.held.slots = k.held.slots.saturating_sub(slots);
             k.held.kv = k.held.kv.saturating_sub(kv);
         }
-        if k.seen.is_none() && k.held == Holding::default() {
+        if k.seen.is_none() && k.held == Holding::default() && k.queued == 0 {
             self.keys.remove(key);
         }
     }
@@ -147,11 +163,13 @@ impl Shares {
         of(org, orgs) * of(k.weight, keys)
     }
 
-    /// The active orgs' weights, and `org`'s active keys' weights.
+    /// The weights of the orgs that compete for the pool (keys with work queued or running),
+    /// and of `org`'s such keys: a pace is shared only with those.
     fn active_weights(&self, org: &str) -> (f64, f64) {
         let mut orgs: HashMap<&str, f64> = HashMap::new();
         let mut keys = 0.0;
-        for k in self.keys.values().filter(|k| k.seen.is_some()) {
+        let competing = |k: &&Key| k.queued > 0 || k.held != Holding::default();
+        for k in self.keys.values().filter(competing) {
             let w = self.org_weights.get(&k.org).copied().unwrap_or(1.0);
             orgs.insert(&k.org, w);
             if k.org == org {
@@ -193,6 +211,10 @@ pub struct Headroom<'a> {
     idle_orgs: usize,
     below_slots: usize,
     below_kv: usize,
+    /// The two least slot holdings among orgs past their part (the floods), with their orgs:
+    /// a request that leaves its org holding no more than the least of the other floods may
+    /// use the headroom (a quiet tenant's burst), one beyond them may not.
+    least_past: [Option<(&'a str, u64)>; 2],
 }
 
 impl<'a> Headroom<'a> {
@@ -219,6 +241,7 @@ impl<'a> Headroom<'a> {
             idle_orgs: 0,
             below_slots: 0,
             below_kv: 0,
+            least_past: [None; 2],
         };
         for k in shares.keys.values().filter(|k| k.seen.is_some()) {
             if let Some(o) = h.orgs.get_mut(k.org.as_str()) {
@@ -227,14 +250,20 @@ impl<'a> Headroom<'a> {
             }
         }
         let (mut idle, mut below_slots, mut below_kv) = (0, 0, 0);
+        let mut past: Vec<(&str, u64)> = Vec::new();
         for (name, o) in &h.orgs {
+            let (slots, kv) = h.org_part(name);
             if o.active {
-                let (slots, kv) = h.org_part(name);
                 idle += usize::from(o.held.slots == 0);
                 below_slots += usize::from((o.held.slots as f64) < slots);
                 below_kv += usize::from((o.held.kv as f64) < kv);
             }
+            if o.held.slots as f64 > slots {
+                past.push((name, o.held.slots));
+            }
         }
+        past.sort_unstable_by_key(|&(name, held)| (held, name));
+        h.least_past = [past.first().copied(), past.get(1).copied()];
         (h.idle_orgs, h.below_slots, h.below_kv) = (idle, below_slots, below_kv);
         h
     }
@@ -291,8 +320,8 @@ impl<'a> Headroom<'a> {
             own == 0 && (org == 0 || (org.saturating_add(want)) as f64 <= part)
         };
         let slots_ok = turn(held.slots, org_held.slots, sequences, org_slots) || {
-            let past = (held.slots + sequences) as f64 > key_slots
-                || (org_held.slots + sequences) as f64 > org_slots;
+            let past = held.slots.saturating_add(sequences) as f64 > key_slots
+                || org_held.slots.saturating_add(sequences) as f64 > org_slots;
             let below = others(
                 self.below_slots,
                 o.map_or(0, |o| o.idle_keys),
@@ -306,7 +335,16 @@ impl<'a> Headroom<'a> {
             let idle_keys = o.map_or(0, |o| o.idle_keys) - own_idle;
             let org_left = (org_slots - org_held.slots as f64).max(0.0) as usize;
             let turns = (self.idle_orgs + idle_keys.min(org_left)) as u64;
-            let kept = if past && below > 0 {
+            // A burst that leaves its org holding no more than every other flood does: the
+            // headroom is kept against floods, not against the quiet tenants it is for.
+            let least_other = self
+                .least_past
+                .iter()
+                .flatten()
+                .find(|(name, _)| *name != org)
+                .map(|&(_, held)| held);
+            let burst = least_other.is_some_and(|l| org_held.slots.saturating_add(sequences) <= l);
+            let kept = if past && below > 0 && !burst {
                 ((self.fraction * self.room.slots as f64).ceil() as u64).max(turns)
             } else {
                 turns
@@ -315,8 +353,8 @@ impl<'a> Headroom<'a> {
             used <= self.room.slots && self.room.slots - used >= kept
         };
         let kv_ok = self.room.kv == 0 || turn(held.kv, org_held.kv, kv_need, org_kv) || {
-            let past =
-                (held.kv + kv_need) as f64 > key_kv || (org_held.kv + kv_need) as f64 > org_kv;
+            let past = held.kv.saturating_add(kv_need) as f64 > key_kv
+                || org_held.kv.saturating_add(kv_need) as f64 > org_kv;
             let below = others(
                 self.below_kv,
                 o.map_or(0, |o| o.idle_kv_keys),
@@ -506,7 +544,8 @@ mod tests {
 
     #[test]
     fn a_key_s_part_is_its_org_s_split_among_its_active_keys() {
-        let s = shares(&[("a/k1", 1.0, 0, 0), ("a/k2", 1.0, 0, 0), ("b/k", 1.0, 0, 0)]);
+        // (Keys competing for the pool: each runs a request.)
+        let s = shares(&[("a/k1", 1.0, 1, 0), ("a/k2", 1.0, 1, 0), ("b/k", 1.0, 1, 0)]);
         assert_eq!(s.part("a/k1"), 0.25);
         assert_eq!(s.part("b/k"), 0.5);
         assert_eq!(s.part("nobody"), 1.0);
@@ -521,5 +560,20 @@ mod tests {
         assert!(s.keys.is_empty() && !s.org_weights.is_empty());
         s.expire(10_000, 1_000);
         assert!(s.org_weights.is_empty());
+    }
+    #[test]
+    fn absurd_demands_do_not_overflow() {
+        // A key running one request asks for u64::MAX sequences (`n` as sent on an off-mode
+        // route) or KV tokens, while another key is active.
+        let s = shares(&[("a", 1.0, 1, 10), ("b", 1.0, 0, 0)]);
+        let room = Room {
+            slots: 8,
+            slots_used: 1,
+            kv: 1_000,
+            kv_used: 10,
+        };
+        let h = s.headroom(room, 0.2);
+        assert!(!h.admits("a", "a", u64::MAX, 1));
+        assert!(!h.admits("a", "a", 1, u64::MAX));
     }
 }

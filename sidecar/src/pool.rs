@@ -143,7 +143,8 @@ impl Replica {
     /// larger than the whole limit runs alone, as a prompt larger than the KV budget does.
     pub fn fits_for(&self, kv_need: u64, sequences: u64) -> bool {
         let idle = self.in_flight == 0;
-        let kv_room = self.kv_budget == 0 || self.reserved + kv_need <= self.kv_budget || idle;
+        let kv_room =
+            self.kv_budget == 0 || self.reserved.saturating_add(kv_need) <= self.kv_budget || idle;
         let slot_room = idle || self.in_flight.saturating_add(sequences) <= self.limit();
         self.serves() && self.engine.waiting == 0 && slot_room && kv_room
     }

@@ -352,7 +352,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let output_held = demand
         .output_tokens
         .map_or(predicted, |cap| cap.min(predicted));
-    let kv_need = demand.input_tokens + output_held;
+    let kv_need = demand.input_tokens.saturating_add(output_held);
 
     let (reply, assigned) = oneshot::channel();
     let job = Job {
