@@ -22,6 +22,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 pub mod ecds;
+pub mod grid;
 pub mod llama;
 pub mod loopback_ca;
 pub mod postgres;
@@ -980,6 +981,32 @@ pub fn chat_body(model: &str, content: &str, extra: serde_json::Value) -> serde_
         .unwrap()
         .extend(extra.as_object().unwrap().clone());
     body
+}
+
+/// A prompt of about `tokens` tokens after `tag`, distinct per tag from its first block, so no
+/// two requests with different tags share a cached prefix. Two tokens a repetition both in
+/// cl100k (weir's count, the simulator's) and in the tiny llama.cpp model's tokenizer, so a
+/// prompt drawn to fit a slot fits it on either engine.
+pub fn prompt_of(tag: &str, tokens: u32) -> String {
+    format!("{tag}: {}", "the cache ".repeat(tokens as usize / 2))
+}
+
+/// The complete JSON events of (the start of) a server-sent event stream, without the closing
+/// `[DONE]`; an event not yet ended by its blank line is left out.
+pub fn sse_events(text: &str) -> Vec<serde_json::Value> {
+    let complete = text.rfind("\n\n").map_or("", |end| &text[..end]);
+    complete
+        .split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .filter(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect()
+}
+
+/// Whether a chat stream's event carries generated text (llama.cpp's first chunk has
+/// `content: null`).
+pub fn has_content(event: &serde_json::Value) -> bool {
+    event["choices"][0]["delta"]["content"].is_string()
 }
 
 /// POSTs a JSON `body` to `url` on a connection of its own, with `key-{key}` as the bearer

@@ -15,7 +15,10 @@ use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
 use weir_e2e::llama::{LlamaServer, MODEL};
-use weir_e2e::{Envoy, Sidecar, api_key, api_key_limited, chat_body, kept_latency, p95, post_json};
+use weir_e2e::{
+    Envoy, Sidecar, api_key, api_key_limited, chat_body, has_content, kept_latency, p95, post_json,
+    sse_events,
+};
 
 struct Stack {
     engines: Vec<LlamaServer>,
@@ -114,23 +117,6 @@ async fn post(path: &str, key: &str, body: Value, idempotency_key: Option<&str>)
     post_json(&url, Some(key), body.to_string(), headers).await
 }
 
-/// The complete JSON events of (the start of) a server-sent event stream, without the closing
-/// `[DONE]`; an event not yet ended by its blank line is left out.
-fn events(text: &str) -> Vec<Value> {
-    let complete = text.rfind("\n\n").map_or("", |end| &text[..end]);
-    complete
-        .split("\n\n")
-        .filter_map(|e| e.trim().strip_prefix("data: "))
-        .filter(|data| *data != "[DONE]")
-        .map(|data| serde_json::from_str(data).unwrap())
-        .collect()
-}
-
-/// Whether an event carries generated text (llama.cpp's first chunk has `content: null`).
-fn has_content(event: &Value) -> bool {
-    event["choices"][0]["delta"]["content"].is_string()
-}
-
 /// Sum of a `llamacpp:` series over both engines.
 async fn engines_metric(name: &str) -> f64 {
     let mut total = 0.0;
@@ -198,7 +184,7 @@ async fn a_stream_carries_the_engines_usage_and_the_ledger_bills_it() {
         assert_eq!(resp.status(), StatusCode::OK);
         let text = resp.text().await.unwrap();
         assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
-        let events = events(&text);
+        let events = sse_events(&text);
         let content = events.iter().filter(|e| has_content(e)).count();
         assert!((1..=12).contains(&content), "{content} content events");
         let usage: Vec<&Value> = events.iter().filter_map(|e| e.get("usage")).collect();
@@ -270,7 +256,7 @@ async fn a_client_that_disconnects_mid_stream_frees_its_slot_and_the_attempt_is_
     let mut resp = post(CHAT, "cancel", body, Some("cancel-1")).await;
     assert_eq!(resp.status(), StatusCode::OK);
     let mut text = String::new();
-    while events(&text).iter().filter(|e| has_content(e)).count() < 5 {
+    while sse_events(&text).iter().filter(|e| has_content(e)).count() < 5 {
         let chunk = resp.chunk().await.unwrap().expect("the stream goes on");
         text.push_str(&String::from_utf8_lossy(&chunk));
     }
@@ -409,7 +395,7 @@ async fn noisy_neighbour_run(path: &'static str, noisy: usize, window: Duration)
         let (mut text, mut ttft) = (String::new(), None);
         while let Ok(Some(chunk)) = resp.chunk().await {
             text.push_str(&String::from_utf8_lossy(&chunk));
-            if ttft.is_none() && events(&text).iter().any(has_content) {
+            if ttft.is_none() && sse_events(&text).iter().any(has_content) {
                 ttft = Some(sent.elapsed().as_secs_f64());
             }
         }

@@ -270,6 +270,11 @@ pub struct PoolConfig {
     /// size. Unset, the adaptive limit alone holds, from 16 up to 1024.
     #[serde(default)]
     pub max_concurrency_per_replica: Option<u64>,
+    /// `true` (default): each replica's limit adapts under the engine's (or configured) one, to
+    /// the engine's queue or, for an engine that reports none, its time to first byte and
+    /// goodput ([`crate::limiter`]). `false`: it holds at that one (16 where neither names one).
+    #[serde(default = "adaptive_by_default")]
+    pub adaptive_concurrency: bool,
     /// The engine's metric dialect: `auto` (detected from `/metrics`), `vllm`, `sglang`,
     /// `llamacpp` or `tgi`.
     #[serde(default)]
@@ -357,6 +362,7 @@ impl PoolConfig {
             affinity_load_threshold: default_affinity_threshold(),
             affinity_prefix_bytes: default_affinity_prefix(),
             max_concurrency_per_replica: None,
+            adaptive_concurrency: true,
             engine: EngineChoice::Auto,
             max_in_flight_without_kv: None,
             cache_isolation: CacheIsolation::Probe,
@@ -385,6 +391,10 @@ fn default_policy() -> String {
 
 fn default_ledger() -> PathBuf {
     PathBuf::from("weir-ledger.sqlite")
+}
+
+fn adaptive_by_default() -> bool {
+    true
 }
 
 fn default_affinity_threshold() -> f64 {
@@ -608,6 +618,9 @@ mod tests {
             (EngineChoice::Llamacpp, Some(4))
         );
         assert_eq!(pool_config("").unwrap().pools[0].engine, EngineChoice::Auto);
+        assert!(pool_config("").unwrap().pools[0].adaptive_concurrency);
+        let fixed = pool_config(r#", "adaptive_concurrency": false"#).unwrap();
+        assert!(!fixed.pools[0].adaptive_concurrency);
         assert!(pool_config(r#", "engine": "ollama""#).is_err());
         assert!(pool_config(r#", "max_concurrency_per_replica": 0"#).is_err());
         let old = pool_config(r#", "max_in_flight_without_kv": 16"#)

@@ -287,9 +287,11 @@ impl Refusal {
 
 pub enum Event {
     Enqueue(Job),
-    /// Output tokens streamed to a tenant: charged to its virtual token counter in that pool.
+    /// Output tokens streamed to a tenant: charged to its virtual token counter in that pool,
+    /// and counted in the replica's goodput.
     Served {
         pool: usize,
+        replica: ReplicaId,
         tenant: String,
         output_tokens: u64,
     },
@@ -543,10 +545,16 @@ impl Dispatcher {
             Event::Enqueue(job) => self.enqueue(job),
             Event::Served {
                 pool,
+                replica,
                 tenant: t,
                 output_tokens,
             } => {
                 self.charge(pool, &t, |s, t| s.charge(t, 0, output_tokens));
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    let in_flight = r.in_flight;
+                    r.limiter.served(output_tokens, in_flight, now_ms());
+                }
+                self.update_limits(pool, replica);
             }
             Event::Reconciled {
                 pool,
@@ -614,8 +622,7 @@ impl Dispatcher {
             } => {
                 let configured = self.budget_configured(pool);
                 if let Some(r) = self.replica_mut(pool, replica) {
-                    r.join(limits);
-                    r.dialect = dialect;
+                    r.join(limits, dialect);
                     // What an engine said before no longer holds (another may answer here
                     // now): its figure, or none until a sample says.
                     if !configured {
@@ -781,6 +788,7 @@ impl Dispatcher {
         p.affinity_prefix_bytes = new.affinity_prefix_bytes;
         let isolation_changed = old.cache_isolation != new.cache_isolation;
         let limit_changed = old.max_concurrency_per_replica != new.max_concurrency_per_replica;
+        let adaptive_changed = old.adaptive_concurrency != new.adaptive_concurrency;
         let share_changed = old.sidecars != new.sidecars;
         for r in &mut p.replicas {
             r.share = new.sidecars;
@@ -793,8 +801,9 @@ impl Dispatcher {
             if limit_changed {
                 r.configured_limit = new.max_concurrency_per_replica;
             }
+            r.adaptive = new.adaptive_concurrency;
             // A scraped KV budget takes the new share at the next scrape.
-            if (limit_changed && r.engine_limit.is_none()) || share_changed {
+            if (limit_changed && r.engine_limit.is_none()) || share_changed || adaptive_changed {
                 r.restart_limiter();
             }
         }
@@ -2288,14 +2297,25 @@ mod tests {
         let mut next = enqueue(&mut d, "small", 1);
         assert_eq!(assigned_of(&mut next).len(), 1);
 
-        // Three others active, each running one of its fair two: the headroom stays free.
+        // Three others active, each running one of its fair two: the flood keeps to its two,
+        // and a slot stays free for each of the others' next request.
         let (mut d, _events) = slotted(2, 4);
-        let _smalls: Vec<Vec<Reply>> = ["s1", "s2", "s3"]
+        let mut smalls: Vec<Vec<Reply>> = ["s1", "s2", "s3"]
             .map(|t| enqueue(&mut d, t, 1))
             .into_iter()
             .collect();
+        let _running: Vec<Assignment> = smalls.iter_mut().flat_map(|s| assigned_of(s)).collect();
         let mut noisy = enqueue(&mut d, "noisy", 10);
-        assert_eq!(assigned_of(&mut noisy).len(), 3);
+        assert_eq!(assigned_of(&mut noisy).len(), 2);
+        let mut bursts: Vec<Vec<Reply>> = ["s1", "s2", "s3"]
+            .map(|t| enqueue(&mut d, t, 1))
+            .into_iter()
+            .collect();
+        let burst: usize = bursts.iter_mut().map(|b| assigned_of(b).len()).sum();
+        assert_eq!(
+            burst, 3,
+            "each small tenant's second request starts at once"
+        );
 
         // Alone, a tenant may use the whole pool.
         let (mut d, _events) = slotted(2, 4);
@@ -2334,6 +2354,7 @@ mod tests {
             let (pool, tenant, output_tokens) = (0, f.to_owned(), 500);
             d.apply(Event::Served {
                 pool,
+                replica: 0,
                 tenant,
                 output_tokens,
             });

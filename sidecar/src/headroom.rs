@@ -344,8 +344,16 @@ impl<'a> Headroom<'a> {
                 .find(|(name, _)| *name != org)
                 .map(|&(_, held)| held);
             let burst = least_other.is_some_and(|l| org_held.slots.saturating_add(sequences) <= l);
+            // Past its part, a flood also keeps a slot for each other org below its part that
+            // holds something already: its next request (a quiet tenant's burst) is within its
+            // part, and finds the idle orgs' turns alone taken.
+            let own_busy_below = o.is_some_and(|o| o.active)
+                && org_held.slots > 0
+                && (org_held.slots as f64) < org_slots;
+            let busy_below = (self.below_slots.saturating_sub(self.idle_orgs))
+                .saturating_sub(usize::from(own_busy_below)) as u64;
             let kept = if past && below > 0 && !burst {
-                ((self.fraction * self.room.slots as f64).ceil() as u64).max(turns)
+                ((self.fraction * self.room.slots as f64).ceil() as u64).max(turns + busy_below)
             } else {
                 turns
             };

@@ -7,8 +7,9 @@
 //! not in the engine's arrival order.
 //!
 //! Each replica also has a concurrency limit ([`crate::limiter`]): the engine's own (its slots),
-//! else the configured `max_concurrency_per_replica`, lowered while the engine is slow to start
-//! what it was sent. It holds whatever the KV figures say, so a replica whose engine reports no
+//! else the configured `max_concurrency_per_replica`, lowered while the engine holds a queue of
+//! its own (or, for an engine that reports none, starts what it was sent slowly, as far as its
+//! goodput allows). It holds whatever the KV figures say, so a replica whose engine reports no
 //! KV (llama.cpp, TGI) or no load at all never holds a queue of weir's work either.
 
 use std::collections::BTreeSet;
@@ -18,7 +19,7 @@ use std::sync::Arc;
 use crate::config::PoolConfig;
 use crate::engine::{Dialect, EngineLimits, EngineSample};
 use crate::isolation::Isolation;
-use crate::limiter::Limiter;
+use crate::limiter::{Limiter, Mode};
 use crate::share::EngineShare;
 use crate::upstream::Upstream;
 
@@ -46,6 +47,8 @@ pub struct Replica {
     pub engine_limit: Option<u64>,
     /// `max_concurrency_per_replica`: the limit when the engine does not say its own.
     pub configured_limit: Option<u64>,
+    /// `adaptive_concurrency`: the limit adapts (else it holds at the engine's or configured one).
+    pub adaptive: bool,
     /// The adaptive limit, never above this sidecar's share of the engine's (or configured) one.
     pub limiter: Limiter,
     /// This sidecar's part of the replica, when other sidecars admit to it too.
@@ -73,10 +76,12 @@ impl Replica {
             engine: EngineSample::default(),
             engine_limit: None,
             configured_limit: config.max_concurrency_per_replica,
+            adaptive: config.adaptive_concurrency,
             limiter: Limiter::new(
                 config
                     .max_concurrency_per_replica
                     .map(|l| config.sidecars.part(l)),
+                limit_mode(config.adaptive_concurrency, None),
             ),
             share: config.sidecars,
             dialect: None,
@@ -96,16 +101,19 @@ impl Replica {
     }
 
     /// The replica answered its probe for the first time, or again after being unreachable,
-    /// with its engine's `limits`: the adaptive limit starts over under them.
-    pub fn join(&mut self, limits: EngineLimits) {
+    /// with its engine's `limits` and `dialect`: the adaptive limit starts over under them.
+    pub fn join(&mut self, limits: EngineLimits, dialect: Option<Dialect>) {
         self.engine_limit = limits.max_concurrency;
+        self.dialect = dialect;
         self.restart_limiter();
     }
 
     /// The adaptive limit starts over under this sidecar's share of the engine's (or
-    /// configured) limit.
+    /// configured) limit, moving as the config and the engine's dialect say.
     pub fn restart_limiter(&mut self) {
         let ceiling = self.engine_limit.or(self.configured_limit);
+        self.limiter
+            .set_mode(limit_mode(self.adaptive, self.dialect));
         self.limiter.restart(ceiling.map(|l| self.share.part(l)));
     }
 
@@ -147,6 +155,16 @@ impl Replica {
             self.kv_budget == 0 || self.reserved.saturating_add(kv_need) <= self.kv_budget || idle;
         let slot_room = idle || self.in_flight.saturating_add(sequences) <= self.limit();
         self.serves() && self.engine.waiting == 0 && slot_room && kv_room
+    }
+}
+
+/// How a replica's limit moves: held, or adapting — to the engine's own queue where it reports
+/// one (every dialect weir reads does: see [`crate::engine`]), else to time to first byte.
+fn limit_mode(adaptive: bool, dialect: Option<Dialect>) -> Mode {
+    match (adaptive, dialect) {
+        (false, _) => Mode::Fixed,
+        (true, Some(_)) => Mode::EngineQueue,
+        (true, None) => Mode::FirstByte,
     }
 }
 
@@ -369,10 +387,13 @@ mod tests {
     #[test]
     fn a_request_of_several_sequences_takes_a_slot_for_each() {
         let mut p = pool(1);
-        p.replicas[0].join(EngineLimits {
-            max_concurrency: Some(4),
-            kv_tokens: None,
-        });
+        p.replicas[0].join(
+            EngineLimits {
+                max_concurrency: Some(4),
+                kv_tokens: None,
+            },
+            None,
+        );
         p.replicas[0].kv_budget = 0;
         assert!(
             p.fits_for(1, 9),
@@ -388,10 +409,13 @@ mod tests {
     #[test]
     fn a_replica_runs_no_more_than_its_limit_whatever_its_kv_says() {
         let mut p = pool(1);
-        p.replicas[0].join(EngineLimits {
-            max_concurrency: Some(2),
-            kv_tokens: None,
-        });
+        p.replicas[0].join(
+            EngineLimits {
+                max_concurrency: Some(2),
+                kv_tokens: None,
+            },
+            None,
+        );
         p.replicas[0].kv_budget = 0;
         assert!(p.fits(100_000), "no KV budget of 0 that blocks forever");
         p.replicas[0].in_flight = 1;
@@ -408,11 +432,14 @@ mod tests {
     #[test]
     fn the_engine_s_limit_replaces_the_configured_one_when_it_joins() {
         let mut p = pool(2);
-        p.replicas[0].join(EngineLimits {
-            max_concurrency: Some(4),
-            kv_tokens: None,
-        });
-        p.replicas[1].join(EngineLimits::default());
+        p.replicas[0].join(
+            EngineLimits {
+                max_concurrency: Some(4),
+                kv_tokens: None,
+            },
+            None,
+        );
+        p.replicas[1].join(EngineLimits::default(), None);
         assert_eq!((p.replicas[0].limit(), p.replicas[1].limit()), (4, 16));
         assert_eq!(p.concurrency(), 20);
         p.replicas[1].healthy = false;
@@ -434,10 +461,13 @@ mod tests {
             (500, 8),
             "configured figures, halved"
         );
-        r.join(EngineLimits {
-            max_concurrency: Some(6),
-            kv_tokens: None,
-        });
+        r.join(
+            EngineLimits {
+                max_concurrency: Some(6),
+                kv_tokens: None,
+            },
+            None,
+        );
         r.hold_kv(3001);
         assert_eq!(
             (r.kv_budget, r.limit()),
@@ -451,14 +481,62 @@ mod tests {
     }
 
     #[test]
+    fn the_engine_s_dialect_and_the_config_choose_how_the_limit_moves() {
+        let limits = EngineLimits {
+            max_concurrency: Some(4),
+            kv_tokens: None,
+        };
+        let slow_starts = |r: &mut Replica| {
+            for ttfb_ms in [10.0, 1_000.0, 1_000.0, 1_000.0] {
+                let t = r.limiter.dispatch();
+                r.limiter.first_byte(t, ttfb_ms, 100, 4);
+            }
+        };
+        let config = PoolConfig::listing("m", ["http://r0".to_owned()]);
+        // llama.cpp reports its queue: slow starts are its batch's cost.
+        let mut r = Replica::new(0, "http://r0", &config);
+        r.join(limits, Some(Dialect::Llamacpp));
+        slow_starts(&mut r);
+        assert_eq!(r.limit(), 4);
+        r.limiter.engine_scrape(2, 1);
+        r.limiter.engine_scrape(2, 1);
+        assert_eq!(r.limit(), 1, "its queue does lower it");
+        // `adaptive_concurrency: false`, as a reload sets it: held at the engine's slots.
+        r.adaptive = false;
+        r.restart_limiter();
+        r.limiter.engine_scrape(2, 1);
+        r.limiter.engine_scrape(2, 1);
+        let t = r.limiter.dispatch();
+        r.limiter.timed_out(t);
+        assert_eq!(r.limit(), 4);
+        // Turned on again: it adapts again.
+        r.adaptive = true;
+        r.restart_limiter();
+        r.limiter.engine_scrape(2, 1);
+        r.limiter.engine_scrape(2, 1);
+        assert_eq!(r.limit(), 1);
+        // An engine weir does not know: TTFB moves it, once goodput is measured.
+        let mut r = Replica::new(0, "http://r0", &config);
+        r.join(limits, None);
+        for i in 0..=64 {
+            r.limiter.served(16, 4, i * 10);
+        }
+        slow_starts(&mut r);
+        assert_eq!(r.limit(), 2);
+    }
+
+    #[test]
     fn absurd_engine_figures_saturate_the_pool_s_totals() {
         // Engines that claim u64::MAX slots (`/props`) and KV tokens (`cache_config_info`).
         let mut p = pool(2);
         for r in &mut p.replicas {
-            r.join(EngineLimits {
-                max_concurrency: Some(u64::MAX),
-                kv_tokens: None,
-            });
+            r.join(
+                EngineLimits {
+                    max_concurrency: Some(u64::MAX),
+                    kv_tokens: None,
+                },
+                None,
+            );
             r.kv_budget = u64::MAX;
         }
         assert_eq!(p.concurrency(), u64::MAX);

@@ -266,6 +266,7 @@ impl Flight {
         if served > self.charged {
             let _ = self.app.events.send(Event::Served {
                 pool: self.assignment.pool,
+                replica: self.assignment.replica,
                 tenant: self.who.tenant.clone(),
                 output_tokens: served - self.charged,
             });

@@ -254,7 +254,7 @@ impl Metrics {
             ),
             replica_limit: m.int_gauge(
                 "replica_concurrency_limit",
-                "Requests weir may run on the replica at once: the engine's (or configured) limit, lowered while the engine is slow to start requests",
+                "Requests weir may run on the replica at once: the engine's (or configured) limit, lowered while the engine holds a queue (or, for an engine that reports none, as its time to first byte and goodput say)",
             ),
             replica_adaptive_limit: m.gauge(
                 "replica_adaptive_limit",
