@@ -1,11 +1,10 @@
 //! Headroom: a turn for every active tenant.
 //!
-//! A pool's slots and KV are shared as fair share is: among orgs by their weights (the *shares*;
-//! every key on its own with `fair_share: key`), and within an org among its keys. A key is
-//! active in a pool for `active_window_ms` after its last request there. While others are
-//! active, an org's fair part is `⌊slots · weight / active orgs' weights⌋` slots (at least one)
-//! and `capacity · weight / active orgs' weights` KV tokens; a key's is its org's part split
-//! among the org's active keys by their weights below the org.
+//! A pool's slots and KV are shared among orgs by their weights (the *shares*; every key on its
+//! own with `fair_share: key`). A key is active in a pool for `active_window_ms` after its last
+//! request there, and while it has work queued. While others are active, an org's fair part is
+//! `⌊slots · weight / active orgs' weights⌋` slots (at least one) and `capacity · weight /
+//! active orgs' weights` KV tokens.
 //!
 //! - A key holding nothing starts a request — its turn (one larger than the pool runs alone) —
 //!   unless its org already holds its part (so minted keys take their turns within their org's
@@ -13,11 +12,15 @@
 //! - Any other request leaves a slot free for each other active org holding nothing and each
 //!   other active key of its own org holding nothing, as far as the org's part goes: their
 //!   turns.
-//! - A request that takes its key or its org past its fair part — a flood — also leaves
-//!   `kv_headroom` of the slots (rounded up) and of the KV free, while another active org is
-//!   below its part or another active key of its org holds nothing. (Within an org a key's
-//!   part is a fraction of the org's, often less than one request, so "below its part" would
-//!   hold back a weighted key whenever a sibling's request ended: holding nothing is the test.)
+//! - A request that takes its org past its fair part — a flood — also leaves `kv_headroom` of
+//!   the slots (rounded up) and of the KV free, while another active org is below its part or
+//!   another active key of its org holds nothing; and a slot for each other org below its part
+//!   that already holds one (its next request). A quiet org's burst that leaves it holding no
+//!   more than the least of the floods may use that room.
+//!
+//! Within an org, keys share by the fair order alone (and turns): a key's part would be a
+//! fraction of one request, and holding keys to it held back a weighted key (3× its siblings'
+//! weight got 2×) whenever a sibling's request ended.
 //!
 //! The rule is collective: however many tenants flood, together they never take the room kept
 //! for the quiet ones, so a quiet tenant's request starts at the next decision instead of waiting
@@ -191,7 +194,6 @@ struct Org {
     weight: f64,
     active: bool,
     held: Holding,
-    key_weights: f64,
     /// Active keys holding no slot, and holding no KV: within an org, the keys a flood of
     /// one of them leaves the headroom for (parts split among many keys are fractions of a
     /// request, which a key holding one is already past).
@@ -228,7 +230,6 @@ impl<'a> Headroom<'a> {
                 active_keys += 1;
                 org.active = true;
                 org.weight = shares.org_weights.get(&k.org).copied().unwrap_or(1.0);
-                org.key_weights += k.weight;
             }
         }
         let mut h = Headroom {
@@ -280,21 +281,6 @@ impl<'a> Headroom<'a> {
         (slots, self.room.kv as f64 * share)
     }
 
-    /// A key's fair part: its org's, split among the org's active keys by weight.
-    fn key_part(&self, key: &str) -> (f64, f64) {
-        let Some(k) = self.shares.keys.get(key) else {
-            return (self.room.slots as f64, self.room.kv as f64);
-        };
-        let (slots, kv) = self.org_part(&k.org);
-        let all = self.orgs.get(k.org.as_str()).map_or(0.0, |o| o.key_weights);
-        let share = if all > 0.0 {
-            (k.weight / all).min(1.0)
-        } else {
-            1.0
-        };
-        (slots * share, kv * share)
-    }
-
     /// Whether `key` (of `org`) may start a request of `sequences` slots and `kv_need` KV
     /// tokens now (if it fits a replica: that is the pool's to say).
     pub fn admits(&self, key: &str, org: &str, sequences: u64, kv_need: u64) -> bool {
@@ -306,7 +292,6 @@ impl<'a> Headroom<'a> {
         let held = own.map_or(Holding::default(), |k| k.held);
         let o = self.orgs.get(org);
         let org_held = o.map_or(Holding::default(), |o| o.held);
-        let (key_slots, key_kv) = self.key_part(key);
         let (org_slots, org_kv) = self.org_part(org);
         // Other orgs below their parts and other keys of its org holding nothing (own ones
         // taken out).
@@ -320,8 +305,7 @@ impl<'a> Headroom<'a> {
             own == 0 && (org == 0 || (org.saturating_add(want)) as f64 <= part)
         };
         let slots_ok = turn(held.slots, org_held.slots, sequences, org_slots) || {
-            let past = held.slots.saturating_add(sequences) as f64 > key_slots
-                || org_held.slots.saturating_add(sequences) as f64 > org_slots;
+            let past = org_held.slots.saturating_add(sequences) as f64 > org_slots;
             let below = others(
                 self.below_slots,
                 o.map_or(0, |o| o.idle_keys),
@@ -361,8 +345,7 @@ impl<'a> Headroom<'a> {
             used <= self.room.slots && self.room.slots - used >= kept
         };
         let kv_ok = self.room.kv == 0 || turn(held.kv, org_held.kv, kv_need, org_kv) || {
-            let past = held.kv.saturating_add(kv_need) as f64 > key_kv
-                || org_held.kv.saturating_add(kv_need) as f64 > org_kv;
+            let past = org_held.kv.saturating_add(kv_need) as f64 > org_kv;
             let below = others(
                 self.below_kv,
                 o.map_or(0, |o| o.idle_kv_keys),
