@@ -12,15 +12,17 @@
 //! - Any other request leaves a slot free for each other active org holding nothing and each
 //!   other active key of its own org holding nothing, as far as the org's part goes: their
 //!   turns.
-//! - A request that takes its org past its fair part — a flood — also leaves `kv_headroom` of
+//! - A request that takes its org (or its key, below) past its fair part — a flood — also leaves `kv_headroom` of
 //!   the slots (rounded up) and of the KV free, while another active org is below its part or
 //!   another active key of its org holds nothing; and a slot for each other org below its part
 //!   that already holds one (its next request). A quiet org's burst that leaves it holding no
 //!   more than the least of the floods may use that room.
 //!
-//! Within an org, keys share by the fair order alone (and turns): a key's part would be a
-//! fraction of one request, and holding keys to it held back a weighted key (3× its siblings'
-//! weight got 2×) whenever a sibling's request ended.
+//! Within an org, a key's part is the org's split among its active keys by weight. A key past
+//! it is a flood within its org (the headroom rule holds it back while a sibling holds
+//! nothing) only while it also holds more, for its weight, than the least of its siblings past
+//! theirs: split among many keys a part is a fraction of one request, and holding keys to it
+//! alone held a key weighted 3× its siblings to 2× whenever a sibling's request ended.
 //!
 //! The rule is collective: however many tenants flood, together they never take the room kept
 //! for the quiet ones, so a quiet tenant's request starts at the next decision instead of waiting
@@ -199,6 +201,28 @@ struct Org {
     /// request, which a key holding one is already past).
     idle_keys: usize,
     idle_kv_keys: usize,
+    /// Its active keys' weights.
+    key_weights: f64,
+}
+
+/// The two least weighted holdings (held ÷ weight) among an org's active keys past their part,
+/// with the key: a key past its own part is a flood within its org only while it holds more,
+/// for its weight, than the least of its siblings past theirs.
+type LeastPast<'a> = [Option<(&'a str, f64)>; 2];
+
+/// Keeps the two least of `list` by their figure.
+fn two_least<'a>(mut list: Vec<(&'a str, f64)>) -> LeastPast<'a> {
+    list.sort_unstable_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(b.0)));
+    [list.first().copied(), list.get(1).copied()]
+}
+
+/// The least of `least` that is not `key`'s.
+fn least_other(least: &LeastPast<'_>, key: &str) -> Option<f64> {
+    least
+        .iter()
+        .flatten()
+        .find(|(k, _)| *k != key)
+        .map(|&(_, f)| f)
 }
 
 /// The shares of a pool at one decision.
@@ -217,6 +241,8 @@ pub struct Headroom<'a> {
     /// a request that leaves its org holding no more than the least of the other floods may
     /// use the headroom (a quiet tenant's burst), one beyond them may not.
     least_past: [Option<(&'a str, u64)>; 2],
+    /// Per org, [`LeastPast`] of slots and of KV.
+    least_past_keys: HashMap<&'a str, (LeastPast<'a>, LeastPast<'a>)>,
 }
 
 impl<'a> Headroom<'a> {
@@ -243,13 +269,31 @@ impl<'a> Headroom<'a> {
             below_slots: 0,
             below_kv: 0,
             least_past: [None; 2],
+            least_past_keys: HashMap::new(),
         };
         for k in shares.keys.values().filter(|k| k.seen.is_some()) {
             if let Some(o) = h.orgs.get_mut(k.org.as_str()) {
                 o.idle_keys += usize::from(k.held.slots == 0);
                 o.idle_kv_keys += usize::from(k.held.kv == 0);
+                o.key_weights += k.weight;
             }
         }
+        let mut past_keys: HashMap<&str, (Vec<(&str, f64)>, Vec<(&str, f64)>)> = HashMap::new();
+        for (name, k) in shares.keys.iter().filter(|(_, k)| k.seen.is_some()) {
+            let (slots, kv) = h.key_part(name);
+            let entry = past_keys.entry(&k.org).or_default();
+            let w = k.weight.max(f64::MIN_POSITIVE);
+            if k.held.slots as f64 > slots {
+                entry.0.push((name, k.held.slots as f64 / w));
+            }
+            if k.held.kv as f64 > kv {
+                entry.1.push((name, k.held.kv as f64 / w));
+            }
+        }
+        h.least_past_keys = past_keys
+            .into_iter()
+            .map(|(org, (slots, kv))| (org, (two_least(slots), two_least(kv))))
+            .collect();
         let (mut idle, mut below_slots, mut below_kv) = (0, 0, 0);
         let mut past: Vec<(&str, u64)> = Vec::new();
         for (name, o) in &h.orgs {
@@ -267,6 +311,43 @@ impl<'a> Headroom<'a> {
         h.least_past = [past.first().copied(), past.get(1).copied()];
         (h.idle_orgs, h.below_slots, h.below_kv) = (idle, below_slots, below_kv);
         h
+    }
+
+    /// A key's fair part: its org's, split among the org's active keys by weight.
+    fn key_part(&self, key: &str) -> (f64, f64) {
+        let Some(k) = self.shares.keys.get(key) else {
+            return (self.room.slots as f64, self.room.kv as f64);
+        };
+        let (slots, kv) = self.org_part(&k.org);
+        let all = self.orgs.get(k.org.as_str()).map_or(0.0, |o| o.key_weights);
+        let share = if all > 0.0 {
+            (k.weight / all).min(1.0)
+        } else {
+            1.0
+        };
+        (slots * share, kv * share)
+    }
+
+    /// Whether `key` holding `held` and asking `want` more is past its part within its org: past
+    /// its share of the org's part, and holding more for its weight than the least of its
+    /// siblings past theirs (a weighted key may hold its weight's worth of theirs).
+    fn key_past(&self, key: &str, org: &str, held: u64, want: u64, kv: bool) -> bool {
+        let (slots_part, kv_part) = self.key_part(key);
+        let part = if kv { kv_part } else { slots_part };
+        let after = held.saturating_add(want) as f64;
+        if after <= part {
+            return false;
+        }
+        let w = self
+            .shares
+            .keys
+            .get(key)
+            .map_or(1.0, |k| k.weight.max(f64::MIN_POSITIVE));
+        let least = self
+            .least_past_keys
+            .get(org)
+            .and_then(|(slots, kvs)| least_other(if kv { kvs } else { slots }, key));
+        least.is_none_or(|least| after / w > least)
     }
 
     /// An org's fair part: slots (whole, at least one) and KV tokens.
@@ -305,7 +386,8 @@ impl<'a> Headroom<'a> {
             own == 0 && (org == 0 || (org.saturating_add(want)) as f64 <= part)
         };
         let slots_ok = turn(held.slots, org_held.slots, sequences, org_slots) || {
-            let past = org_held.slots.saturating_add(sequences) as f64 > org_slots;
+            let past = org_held.slots.saturating_add(sequences) as f64 > org_slots
+                || self.key_past(key, org, held.slots, sequences, false);
             let below = others(
                 self.below_slots,
                 o.map_or(0, |o| o.idle_keys),
@@ -345,7 +427,8 @@ impl<'a> Headroom<'a> {
             used <= self.room.slots && self.room.slots - used >= kept
         };
         let kv_ok = self.room.kv == 0 || turn(held.kv, org_held.kv, kv_need, org_kv) || {
-            let past = org_held.kv.saturating_add(kv_need) as f64 > org_kv;
+            let past = org_held.kv.saturating_add(kv_need) as f64 > org_kv
+                || self.key_past(key, org, held.kv, kv_need, true);
             let below = others(
                 self.below_kv,
                 o.map_or(0, |o| o.idle_kv_keys),
