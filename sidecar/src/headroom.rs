@@ -278,7 +278,9 @@ impl<'a> Headroom<'a> {
                 o.key_weights += k.weight;
             }
         }
-        let mut past_keys: HashMap<&str, (Vec<(&str, f64)>, Vec<(&str, f64)>)> = HashMap::new();
+        // Per org, its keys past their part of slots and of KV, by weighted holding.
+        type Past<'k> = Vec<(&'k str, f64)>;
+        let mut past_keys: HashMap<&str, (Past, Past)> = HashMap::new();
         for (name, k) in shares.keys.iter().filter(|(_, k)| k.seen.is_some()) {
             let (slots, kv) = h.key_part(name);
             let entry = past_keys.entry(&k.org).or_default();
