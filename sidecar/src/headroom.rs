@@ -378,9 +378,15 @@ impl<'a> Headroom<'a> {
         let (org_slots, org_kv) = self.org_part(org);
         // Other orgs below their parts and other keys of its org holding nothing (own ones
         // taken out).
+        // Other orgs below their parts, and other keys of its org holding nothing (own ones
+        // taken out): what an org past its part, and a key past its part within its org,
+        // leave the headroom for.
         let others = |orgs: usize, keys: usize, org_below: bool, key_below: bool| {
             let in_org = o.map_or(0, |_| keys - usize::from(active && key_below));
-            orgs - usize::from(o.is_some_and(|o| o.active) && org_below) + in_org
+            (
+                orgs - usize::from(o.is_some_and(|o| o.active) && org_below),
+                in_org,
+            )
         };
         // Its turn: a key holding nothing, unless its org is past its part (an org's minted
         // keys take their turns within the org's part).
@@ -388,9 +394,9 @@ impl<'a> Headroom<'a> {
             own == 0 && (org == 0 || (org.saturating_add(want)) as f64 <= part)
         };
         let slots_ok = turn(held.slots, org_held.slots, sequences, org_slots) || {
-            let past = org_held.slots.saturating_add(sequences) as f64 > org_slots
-                || self.key_past(key, org, held.slots, sequences, false);
-            let below = others(
+            let org_past = org_held.slots.saturating_add(sequences) as f64 > org_slots;
+            let key_past = self.key_past(key, org, held.slots, sequences, false);
+            let (orgs_below, keys_idle) = others(
                 self.below_slots,
                 o.map_or(0, |o| o.idle_keys),
                 (org_held.slots as f64) < org_slots,
@@ -420,7 +426,8 @@ impl<'a> Headroom<'a> {
                 && (org_held.slots as f64) < org_slots;
             let busy_below = (self.below_slots.saturating_sub(self.idle_orgs))
                 .saturating_sub(usize::from(own_busy_below)) as u64;
-            let kept = if past && below > 0 && !burst {
+            let held_back = (org_past && orgs_below > 0) || (key_past && keys_idle > 0);
+            let kept = if held_back && !burst {
                 ((self.fraction * self.room.slots as f64).ceil() as u64).max(turns + busy_below)
             } else {
                 turns
@@ -429,15 +436,16 @@ impl<'a> Headroom<'a> {
             used <= self.room.slots && self.room.slots - used >= kept
         };
         let kv_ok = self.room.kv == 0 || turn(held.kv, org_held.kv, kv_need, org_kv) || {
-            let past = org_held.kv.saturating_add(kv_need) as f64 > org_kv
-                || self.key_past(key, org, held.kv, kv_need, true);
-            let below = others(
+            let org_past = org_held.kv.saturating_add(kv_need) as f64 > org_kv;
+            let key_past = self.key_past(key, org, held.kv, kv_need, true);
+            let (orgs_below, keys_idle) = others(
                 self.below_kv,
                 o.map_or(0, |o| o.idle_kv_keys),
                 (org_held.kv as f64) < org_kv,
                 held.kv == 0,
             );
-            let kept = if past && below > 0 {
+            let held_back = (org_past && orgs_below > 0) || (key_past && keys_idle > 0);
+            let kept = if held_back {
                 self.fraction * self.room.kv as f64
             } else {
                 0.0
