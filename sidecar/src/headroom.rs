@@ -12,10 +12,11 @@
 //! - Any other request leaves a slot free for each other active org holding nothing and each
 //!   other active key of its own org holding nothing, as far as the org's part goes: their
 //!   turns.
-//! - A request that takes its org (or its key, below) past its fair part — a flood — also leaves `kv_headroom` of
-//!   the slots (rounded up) and of the KV free, while another active org is below its part or
-//!   another active key of its org holds nothing; and a slot for each other org below its part
-//!   that already holds one (its next request). A quiet org's burst that leaves it holding no
+//! - A request that takes its org past its fair part — a flood — also leaves `kv_headroom` of
+//!   the slots (rounded up) and of the KV free while another active org is below its part, and
+//!   a slot for each other org below its part that already holds one (its next request); one
+//!   that takes its key past its part within its org (below) leaves the same while a sibling
+//!   key holds nothing. A quiet org's burst that leaves it holding no
 //!   more than the least of the floods may use that room.
 //!
 //! Within an org, a key's part is the org's split among its active keys by weight. A key past
