@@ -403,13 +403,11 @@ impl<'a> Headroom<'a> {
                 (org_held.slots as f64) < org_slots,
                 held.slots == 0,
             );
-            // Its org holds something, so it is not among the idle orgs; nor is it, if it holds
-            // nothing, among its org's idle keys. Turns within the org go no further than the
-            // org's part: an org of more keys than its part has slots takes turns in fair order.
-            let own_idle = usize::from(active && held.slots == 0);
-            let idle_keys = o.map_or(0, |o| o.idle_keys) - own_idle;
+            // Its org holds something, so it is not among the idle orgs; `keys_idle` leaves it
+            // out of its org's idle keys. Turns within the org go no further than the org's
+            // part: an org of more keys than its part has slots takes turns in fair order.
             let org_left = (org_slots - org_held.slots as f64).max(0.0) as usize;
-            let turns = (self.idle_orgs + idle_keys.min(org_left)) as u64;
+            let turns = (self.idle_orgs + keys_idle.min(org_left)) as u64;
             // A burst that leaves its org holding no more than every other flood does: the
             // headroom is kept against floods, not against the quiet tenants it is for.
             let least_other = self
