@@ -429,10 +429,22 @@ impl Timing {
 }
 
 /// `count` shapes drawn from `seed`, spread over `pools` in turn.
+///
+/// `WEIR_SHAPES=1,7` keeps only those of the seed's shapes (drawn the same), to replay one
+/// that failed.
 pub fn draw_shapes(seed: u64, count: usize, pools: &[Pool]) -> Vec<Shape> {
     let mut rng = Rng::stream(seed, "shapes");
+    let only: Option<Vec<usize>> = std::env::var("WEIR_SHAPES").ok().map(|list| {
+        let index = |i: &str| {
+            i.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("WEIR_SHAPES={list}"))
+        };
+        list.split(',').map(index).collect()
+    });
     (0..count)
         .map(|i| Shape::draw(&mut rng, i, i % pools.len(), &pools[i % pools.len()]))
+        .filter(|shape| only.as_ref().is_none_or(|only| only.contains(&shape.index)))
         .collect()
 }
 

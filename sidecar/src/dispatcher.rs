@@ -17,7 +17,7 @@ use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights, Verdict};
 use crate::backoff::{Backoff, Waits};
 use crate::config::{DiscoveryConfig, PoolConfig, QueueConfig};
 use crate::engine::{Dialect, EngineLimits, EngineSample};
-use crate::headroom::{Room, Shares};
+use crate::headroom::{Headroom, Room, Shares, Start};
 use crate::health::{Command, Link};
 use crate::isolation::Isolation;
 use crate::limiter::Ticket;
@@ -1135,17 +1135,12 @@ impl Dispatcher {
     /// Whether `job` could start now: it fits a replica and, under the fair policy, its share
     /// is within the headroom rule.
     fn may_start(&self, job: &Job) -> bool {
-        let Some(p) = self.pools.get(job.pool) else {
+        let (Some(p), Some(shares)) = (self.pools.get(job.pool), self.shares.get(job.pool)) else {
             return false;
         };
-        let within = || {
-            self.shares.get(job.pool).is_some_and(|shares| {
-                let headroom = shares.headroom(Room::of(p), self.queue.kv_headroom);
-                let t = &job.tenant;
-                headroom.admits(t, self.share.of(t), job.sequences, job.kv_need)
-            })
-        };
-        p.fits_for(job.kv_need, job.sequences) && (!self.fair || within())
+        let headroom = shares.headroom(Room::of(p), self.queue.kv_headroom);
+        admission(self.fair, &headroom, self.share, job)
+            .is_some_and(|start| p.fits_for(job.kv_need, job.sequences, start == Start::Quiet))
     }
 
     /// Makes room in a full queue (`org`'s, or the whole sidecar's) for a request of `t`:
@@ -1375,27 +1370,30 @@ impl Dispatcher {
         // active ([`crate::headroom`]), (or a client gone) is passed over; the next job in fair
         // order that does not fit yet holds the line until room frees.
         let headroom = shares.headroom(Room::of(p), queue.kv_headroom);
+        // Whether the job taken starts quiet (it may join an engine's own queue).
+        let mut quiet = false;
         let judge = |t: &str, job: &Job| {
             let held = tenant_kv.get(t).copied().unwrap_or(0);
             let under_cap = job
                 .kv_cap
                 .is_none_or(|cap| held == 0 || held.saturating_add(job.kv_need) <= cap);
-            let within_share =
-                !*fair || headroom.admits(t, share.of(t), job.sequences, job.kv_need);
-            if !under_cap || !within_share || job.reply.is_closed() {
-                Verdict::Skip
-            } else if p.fits_for(job.kv_need, job.sequences) {
-                Verdict::Take
-            } else {
-                Verdict::Wait
+            let start = admission(*fair, &headroom, *share, job);
+            match start {
+                _ if !under_cap || job.reply.is_closed() => Verdict::Skip,
+                None => Verdict::Skip,
+                Some(start) if p.fits_for(job.kv_need, job.sequences, start == Start::Quiet) => {
+                    quiet = start == Start::Quiet;
+                    Verdict::Take
+                }
+                Some(_) => Verdict::Wait,
             }
         };
         let Some(d) = scheduler.pop_where(now, judge) else {
             return false;
         };
         let (t, job) = (d.tenant.to_owned(), d.item);
-        let Some(index) = self.pools[pool].route_for(job.affinity, job.kv_need, job.sequences)
-        else {
+        let p = &self.pools[pool];
+        let Some(index) = p.route_for(job.affinity, job.kv_need, job.sequences, quiet) else {
             let _ = job.reply.send(Err(Refusal::NoReplica));
             return true;
         };
@@ -1495,7 +1493,7 @@ impl Dispatcher {
                 && job.priority == Priority::Interactive
                 && waited(job.arrived_ms)
                 && !job.reply.is_closed()
-                && !p.fits_for(job.kv_need, job.sequences)
+                && !p.fits_for(job.kv_need, job.sequences, false)
             {
                 wanted = Some((job.kv_need, job.sequences));
             }
@@ -1576,6 +1574,16 @@ impl Dispatcher {
 }
 
 /// What a pool's health checks follow.
+/// How the headroom rule admits `job` now: under the FIFO baseline, as a flood (it keeps out
+/// of engines' own queues), else by the rule ([`Headroom::admission`]).
+fn admission(fair: bool, headroom: &Headroom, share: Share, job: &Job) -> Option<Start> {
+    if !fair {
+        return Some(Start::Flood);
+    }
+    let t = &job.tenant;
+    headroom.admission(t, share.of(t), job.sequences, job.kv_need)
+}
+
 fn link(pool: &Pool) -> Arc<Link> {
     Arc::new(Link {
         model: pool.model.clone(),
@@ -1887,6 +1895,34 @@ mod tests {
             more_rx.try_recv().is_err(),
             "450 + 400 > 80% of 1000 while small is active"
         );
+    }
+
+    #[test]
+    fn an_engine_s_own_queue_holds_back_a_flood_but_not_a_quiet_tenant() {
+        let (mut d, _events) = dispatcher(100);
+        let mut rx = Vec::new();
+        for _ in 0..2 {
+            let (j, r) = job("noisy", "standard", 300);
+            d.apply(Event::Enqueue(j));
+            rx.push(r);
+        }
+        d.dispatch(0);
+        let _held: Vec<Assignment> = rx.iter_mut().map(assigned).collect();
+        // The engine reports a request waiting inside it (a probe between two of its steps).
+        d.pools[0].replicas[0].engine.waiting = 1;
+        let (small, mut small_rx) = job("small", "standard", 100);
+        d.apply(Event::Enqueue(small));
+        let (more, mut more_rx) = job("noisy", "standard", 100);
+        d.apply(Event::Enqueue(more));
+        d.dispatch(0);
+        assigned(&mut small_rx);
+        assert!(
+            more_rx.try_recv().is_err(),
+            "past its part, the flood's next waits here, in fair order"
+        );
+        d.pools[0].replicas[0].engine.waiting = 0;
+        d.dispatch(0);
+        assigned(&mut more_rx);
     }
 
     #[test]
@@ -3075,7 +3111,7 @@ mod tests {
             assert_eq!(d.queued(), 0);
             d.shares[0].expire(u64::MAX, 1);
             let shares = format!("{:?}", d.shares[0]);
-            assert_eq!(shares, "Shares { keys: {}, org_weights: {} }");
+            assert_eq!(shares, "Shares { keys: {}, org_weights: {}, peaks: {} }");
         }
     }
 

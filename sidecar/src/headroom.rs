@@ -85,12 +85,28 @@ struct Key {
     queued: usize,
 }
 
+/// The most slots an org held at once over the window under way and the one before it: what
+/// it may ask again soon, which a flood keeps free for it (up to its part).
+#[derive(Clone, Copy, Debug, Default)]
+struct Peak {
+    current: u64,
+    previous: u64,
+    since_ms: u64,
+}
+
+impl Peak {
+    fn slots(&self) -> u64 {
+        self.current.max(self.previous)
+    }
+}
+
 /// A pool's keys and orgs: which are active and what each holds.
 #[derive(Debug, Default)]
 pub struct Shares {
     keys: HashMap<String, Key>,
     /// Orgs' weights among orgs, as last seen.
     org_weights: HashMap<String, f64>,
+    peaks: HashMap<String, Peak>,
 }
 
 impl Shares {
@@ -141,6 +157,22 @@ impl Shares {
         let keys = &self.keys;
         self.org_weights
             .retain(|org, _| keys.values().any(|k| &k.org == org));
+        self.peaks
+            .retain(|org, _| keys.values().any(|k| &k.org == org));
+        let due: Vec<String> = (self.peaks.iter())
+            .filter(|(_, p)| now_ms.saturating_sub(p.since_ms) >= window_ms)
+            .map(|(org, _)| org.clone())
+            .collect();
+        for org in due {
+            let current = self.org_slots(&org);
+            if let Some(peak) = self.peaks.get_mut(&org) {
+                *peak = Peak {
+                    current,
+                    previous: peak.current,
+                    since_ms: now_ms,
+                };
+            }
+        }
     }
 
     /// `key` (of `org`) starts (`add`) or ends holding `slots` and `kv` tokens.
@@ -155,6 +187,17 @@ impl Shares {
         if k.seen.is_none() && k.held == Holding::default() && k.queued == 0 {
             self.keys.remove(key);
         }
+        if add && slots > 0 {
+            let held = self.org_slots(org);
+            let peak = self.peaks.entry(org.to_owned()).or_default();
+            peak.current = peak.current.max(held);
+        }
+    }
+
+    /// The slots `org`'s keys hold.
+    fn org_slots(&self, org: &str) -> u64 {
+        let held = self.keys.values().filter(|k| k.org == org);
+        held.map(|k| k.held.slots).fold(0, u64::saturating_add)
     }
 
     /// `key`'s fair part of the pool as a fraction (1 when nobody else is active): its org's
@@ -204,6 +247,9 @@ struct Org {
     idle_kv_keys: usize,
     /// Its active keys' weights.
     key_weights: f64,
+    /// Slots a flood leaves free for it: up to one more than it held at its recent peak, as far
+    /// as its part goes, less what it holds.
+    reserve: u64,
 }
 
 /// The two least weighted holdings (held ÷ weight) among an org's active keys past their part,
@@ -236,6 +282,8 @@ pub struct Headroom<'a> {
     active_keys: usize,
     /// Active orgs holding no slot, and below their part of slots and of KV.
     idle_orgs: usize,
+    /// The active orgs' reserves, summed.
+    reserved: u64,
     below_slots: usize,
     below_kv: usize,
     /// The two least slot holdings among orgs past their part (the floods), with their orgs:
@@ -267,6 +315,7 @@ impl<'a> Headroom<'a> {
             orgs,
             active_keys,
             idle_orgs: 0,
+            reserved: 0,
             below_slots: 0,
             below_kv: 0,
             least_past: [None; 2],
@@ -299,15 +348,25 @@ impl<'a> Headroom<'a> {
             .collect();
         let (mut idle, mut below_slots, mut below_kv) = (0, 0, 0);
         let mut past: Vec<(&str, u64)> = Vec::new();
+        let mut reserves: Vec<(&str, u64)> = Vec::new();
         for (name, o) in &h.orgs {
             let (slots, kv) = h.org_part(name);
             if o.active {
                 idle += usize::from(o.held.slots == 0);
                 below_slots += usize::from((o.held.slots as f64) < slots);
                 below_kv += usize::from((o.held.kv as f64) < kv);
+                let peak = shares.peaks.get(*name).map_or(0, Peak::slots);
+                let wants = (peak.saturating_add(1) as f64).min(slots) as u64;
+                reserves.push((name, wants.saturating_sub(o.held.slots)));
             }
             if o.held.slots as f64 > slots {
                 past.push((name, o.held.slots));
+            }
+        }
+        for (name, reserve) in reserves {
+            h.reserved = h.reserved.saturating_add(reserve);
+            if let Some(o) = h.orgs.get_mut(name) {
+                o.reserve = reserve;
             }
         }
         past.sort_unstable_by_key(|&(name, held)| (held, name));
@@ -368,10 +427,17 @@ impl<'a> Headroom<'a> {
     /// Whether `key` (of `org`) may start a request of `sequences` slots and `kv_need` KV
     /// tokens now (if it fits a replica: that is the pool's to say).
     pub fn admits(&self, key: &str, org: &str, sequences: u64, kv_need: u64) -> bool {
+        self.admission(key, org, sequences, kv_need).is_some()
+    }
+
+    /// [`admits`](Self::admits), and how: `Some(Start::Quiet)` for a request within its
+    /// share's part (a turn, or a quiet tenant's burst) while others are active, which may join
+    /// an engine's own queue; `Some(Start::Flood)` for any other it admits.
+    pub fn admission(&self, key: &str, org: &str, sequences: u64, kv_need: u64) -> Option<Start> {
         let own = self.shares.keys.get(key);
         let active = own.is_some_and(|k| k.seen.is_some());
         if self.active_keys <= usize::from(active) {
-            return true;
+            return Some(Start::Flood);
         }
         let held = own.map_or(Holding::default(), |k| k.held);
         let o = self.orgs.get(org);
@@ -394,7 +460,9 @@ impl<'a> Headroom<'a> {
         let turn = |own: u64, org: u64, want: u64, part: f64| {
             own == 0 && (org == 0 || (org.saturating_add(want)) as f64 <= part)
         };
-        let slots_ok = turn(held.slots, org_held.slots, sequences, org_slots) || {
+        let slots = if turn(held.slots, org_held.slots, sequences, org_slots) {
+            Some(Start::Quiet)
+        } else {
             let org_past = org_held.slots.saturating_add(sequences) as f64 > org_slots;
             let key_past = self.key_past(key, org, held.slots, sequences, false);
             let (orgs_below, keys_idle) = others(
@@ -417,24 +485,30 @@ impl<'a> Headroom<'a> {
                 .find(|(name, _)| *name != org)
                 .map(|&(_, held)| held);
             let burst = least_other.is_some_and(|l| org_held.slots.saturating_add(sequences) <= l);
-            // Past its part, a flood also keeps a slot for each other org below its part that
-            // holds something already: its next request (a quiet tenant's burst) is within its
-            // part, and finds the idle orgs' turns alone taken.
-            let own_busy_below = o.is_some_and(|o| o.active)
-                && org_held.slots > 0
-                && (org_held.slots as f64) < org_slots;
-            let busy_below = (self.below_slots.saturating_sub(self.idle_orgs))
-                .saturating_sub(usize::from(own_busy_below)) as u64;
+            // Held back, a request also leaves every other org its reserve: as many slots as
+            // it held at its recent peak and one more, as far as its part goes — a quiet
+            // tenant's next requests find room at once, not after the longest of a flood's
+            // streams (its turn alone would be taken by its first).
+            let reserves = self.reserved - o.map_or(0, |o| o.reserve);
             let held_back = (org_past && orgs_below > 0) || (key_past && keys_idle > 0);
             let kept = if held_back && !burst {
-                ((self.fraction * self.room.slots as f64).ceil() as u64).max(turns + busy_below)
+                let in_org = keys_idle.min(org_left) as u64;
+                ((self.fraction * self.room.slots as f64).ceil() as u64)
+                    .max(in_org.saturating_add(reserves))
             } else {
                 turns
             };
             let used = self.room.slots_used.saturating_add(sequences);
-            used <= self.room.slots && self.room.slots - used >= kept
+            let quiet = burst || !(org_past || key_past);
+            (used <= self.room.slots && self.room.slots - used >= kept).then_some(if quiet {
+                Start::Quiet
+            } else {
+                Start::Flood
+            })
         };
-        let kv_ok = self.room.kv == 0 || turn(held.kv, org_held.kv, kv_need, org_kv) || {
+        let kv = if self.room.kv == 0 || turn(held.kv, org_held.kv, kv_need, org_kv) {
+            Some(Start::Quiet)
+        } else {
             let org_past = org_held.kv.saturating_add(kv_need) as f64 > org_kv;
             let key_past = self.key_past(key, org, held.kv, kv_need, true);
             let (orgs_below, keys_idle) = others(
@@ -449,13 +523,28 @@ impl<'a> Headroom<'a> {
             } else {
                 0.0
             };
-            self.room
+            let free = self
+                .room
                 .kv
-                .saturating_sub(self.room.kv_used.saturating_add(kv_need)) as f64
-                >= kept
+                .saturating_sub(self.room.kv_used.saturating_add(kv_need));
+            let quiet = !(org_past || key_past);
+            (free as f64 >= kept).then_some(if quiet { Start::Quiet } else { Start::Flood })
         };
-        slots_ok && kv_ok
+        match (slots?, kv?) {
+            (Start::Quiet, Start::Quiet) => Some(Start::Quiet),
+            _ => Some(Start::Flood),
+        }
     }
+}
+
+/// How a request the headroom admits starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Start {
+    /// Within its share's part while others are active: a turn, a share below its part, or a
+    /// quiet tenant's burst.
+    Quiet,
+    /// Past its part, or alone in the pool.
+    Flood,
 }
 
 #[cfg(test)]
@@ -584,6 +673,56 @@ mod tests {
         assert_eq!(takes(8, &[("a", 1.0, 0, 0), ("b", 1.0, 4, 0)], "a"), 4);
         // b holds 1 of its 4: the headroom (2 slots) stays free.
         assert_eq!(takes(8, &[("a", 1.0, 0, 0), ("b", 1.0, 1, 0)], "a"), 5);
+    }
+
+    #[test]
+    fn a_quiet_tenant_s_recent_peak_stays_free_through_a_flood() {
+        // 12 slots, four orgs (a part of 3 each): a flood f and quiet tenants q0, q1, q2. q0
+        // ran two requests at once earlier in the window and holds nothing now.
+        let mut s = shares(&[
+            ("f", 1.0, 0, 0),
+            ("q0", 1.0, 0, 0),
+            ("q1", 1.0, 0, 0),
+            ("q2", 1.0, 0, 0),
+        ]);
+        s.hold("q0", "q0", 2, 0, true);
+        s.hold("q0", "q0", 2, 0, false);
+        let room = |s: &Shares| {
+            let used = s.keys.values().map(|k| k.held.slots).sum();
+            Room {
+                slots: 12,
+                slots_used: used,
+                kv: 0,
+                kv_used: 0,
+            }
+        };
+        let admits = |s: &Shares, key: &str| s.headroom(room(s), 0.2).admits(key, key, 1, 0);
+        while admits(&s, "f") {
+            s.hold("f", "f", 1, 0, true);
+        }
+        // The flood keeps q0 its peak and one more (3, its part), q1 and q2 a turn each.
+        assert_eq!(12 - room(&s).slots_used, 5);
+        // q0's burst of two starts at once, not after one of the flood's streams ends...
+        for _ in 0..2 {
+            assert!(admits(&s, "q0"));
+            s.hold("q0", "q0", 1, 0, true);
+        }
+        // ...and leaves q1's and q2's turns.
+        assert!(admits(&s, "q1") && admits(&s, "q2"));
+        // A window later with q0 holding one, its peak is that one: the flood may take
+        // back all but one more for it.
+        s.hold("q0", "q0", 1, 0, false);
+        s.expire(20_000, 10_000);
+        s.expire(40_000, 10_000);
+        for k in ["f", "q0", "q1", "q2"] {
+            s.arrived(k, k, 1.0, 1.0, 40_000);
+        }
+        let mut took = 0;
+        while admits(&s, "f") {
+            s.hold("f", "f", 1, 0, true);
+            took += 1;
+        }
+        assert_eq!(took, 1, "q0: 1 held and 1 kept; q1, q2: a turn each");
     }
 
     #[test]

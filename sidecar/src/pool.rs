@@ -3,8 +3,11 @@
 //! Each replica has a KV token budget; the dispatcher reserves a request's KV need on the replica
 //! it picks and gives it back when the request ends, so work is only sent where it fits.
 //! Scraped engine metrics ([`crate::engine`]) add what the engine itself reports: a replica with
-//! requests waiting inside the engine gets no more, so queueing happens here, in fair order, and
-//! not in the engine's arrival order.
+//! requests waiting inside the engine gets no more floods, so queueing happens here, in fair
+//! order, and not in the engine's arrival order. A quiet tenant's request (within its part,
+//! [`crate::headroom::Start::Quiet`]) may still go there: an engine reports requests waiting
+//! between its steps too, and a probe's snapshot of one would hold the request for the next
+//! probe, while the floods' requests are kept out of the engine's queue ahead of it.
 //!
 //! Each replica also has a concurrency limit ([`crate::limiter`]): the engine's own (its slots),
 //! else the configured `max_concurrency_per_replica`, lowered while the engine holds a queue of
@@ -143,18 +146,19 @@ impl Replica {
 
     /// Whether a request of one sequence needing `kv_need` KV tokens fits now.
     pub fn fits(&self, kv_need: u64) -> bool {
-        self.fits_for(kv_need, 1)
+        self.fits_for(kv_need, 1, false)
     }
 
     /// Whether a request the engine runs as `sequences` sequences (a completions batch: one
     /// per prompt, each in a slot of its own) fits now: each takes a slot of the limit. One
     /// larger than the whole limit runs alone, as a prompt larger than the KV budget does.
-    pub fn fits_for(&self, kv_need: u64, sequences: u64) -> bool {
+    /// Only a `quiet` one may join requests waiting inside the engine.
+    pub fn fits_for(&self, kv_need: u64, sequences: u64, quiet: bool) -> bool {
         let idle = self.in_flight == 0;
         let kv_room =
             self.kv_budget == 0 || self.reserved.saturating_add(kv_need) <= self.kv_budget || idle;
         let slot_room = idle || self.in_flight.saturating_add(sequences) <= self.limit();
-        self.serves() && self.engine.waiting == 0 && slot_room && kv_room
+        self.serves() && (quiet || self.engine.waiting == 0) && slot_room && kv_room
     }
 }
 
@@ -228,12 +232,14 @@ impl Pool {
     }
 
     pub fn fits(&self, kv_need: u64) -> bool {
-        self.fits_for(kv_need, 1)
+        self.fits_for(kv_need, 1, false)
     }
 
     /// [`Replica::fits_for`] on some replica.
-    pub fn fits_for(&self, kv_need: u64, sequences: u64) -> bool {
-        self.replicas.iter().any(|r| r.fits_for(kv_need, sequences))
+    pub fn fits_for(&self, kv_need: u64, sequences: u64, quiet: bool) -> bool {
+        self.replicas
+            .iter()
+            .any(|r| r.fits_for(kv_need, sequences, quiet))
     }
 
     /// Requests the replicas that serve may run at once, together.
@@ -276,21 +282,29 @@ impl Pool {
     /// The affine replica unless it is over the load threshold or full; then the least
     /// loaded replica that fits.
     pub fn route(&self, affinity: u64, kv_need: u64) -> Option<usize> {
-        self.route_for(affinity, kv_need, 1)
+        self.route_for(affinity, kv_need, 1, false)
     }
 
-    /// [`route`](Self::route) for a request of `sequences` sequences.
-    pub fn route_for(&self, affinity: u64, kv_need: u64, sequences: u64) -> Option<usize> {
+    /// [`route`](Self::route) for a request of `sequences` sequences, `quiet` or not
+    /// ([`Replica::fits_for`]).
+    pub fn route_for(
+        &self,
+        affinity: u64,
+        kv_need: u64,
+        sequences: u64,
+        quiet: bool,
+    ) -> Option<usize> {
+        let fits = |r: &Replica| r.fits_for(kv_need, sequences, quiet);
         if let Some(i) = self.affine(affinity) {
             let r = &self.replicas[i];
-            if r.fits_for(kv_need, sequences) && r.load() < self.affinity_load_threshold {
+            if fits(r) && r.load() < self.affinity_load_threshold {
                 return Some(i);
             }
         }
         self.replicas
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.fits_for(kv_need, sequences))
+            .filter(|(_, r)| fits(r))
             .min_by(|(_, a), (_, b)| a.load().total_cmp(&b.load()))
             .map(|(i, _)| i)
     }
@@ -359,6 +373,10 @@ mod tests {
         assert!(p.fits(10));
         p.replicas[0].engine.waiting = 1;
         assert!(!p.fits(10));
+        assert!(
+            p.fits_for(10, 1, true),
+            "a quiet tenant's request may join the queue"
+        );
         p.replicas[0].engine.waiting = 0;
         p.replicas[0].healthy = false;
         assert!(!p.fits(10));
@@ -396,13 +414,13 @@ mod tests {
         );
         p.replicas[0].kv_budget = 0;
         assert!(
-            p.fits_for(1, 9),
+            p.fits_for(1, 9, false),
             "larger than the limit: alone on an idle replica"
         );
         p.replicas[0].in_flight = 2;
-        assert!(p.fits_for(1, 2));
-        assert!(!p.fits_for(1, 3), "two slots left, not three");
-        assert_eq!(p.route_for(0, 1, 3), None);
+        assert!(p.fits_for(1, 2, false));
+        assert!(!p.fits_for(1, 3, false), "two slots left, not three");
+        assert_eq!(p.route_for(0, 1, 3, false), None);
         assert!(p.fits(1));
     }
 
