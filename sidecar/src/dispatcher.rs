@@ -1372,6 +1372,10 @@ impl Dispatcher {
         let headroom = shares.headroom(Room::of(p), queue.kv_headroom);
         // Whether the job taken starts quiet (it may join an engine's own queue).
         let mut quiet = false;
+        // Whether a flood next in line fits but for requests waiting inside the engines: it
+        // holds the line for the floods after it, not for quiet tenants' requests, which may
+        // join those engines' queues.
+        let mut floods_wait = false;
         let judge = |t: &str, job: &Job| {
             let held = tenant_kv.get(t).copied().unwrap_or(0);
             let under_cap = job
@@ -1381,9 +1385,14 @@ impl Dispatcher {
             match start {
                 _ if !under_cap || job.reply.is_closed() => Verdict::Skip,
                 None => Verdict::Skip,
+                Some(Start::Flood) if floods_wait => Verdict::Skip,
                 Some(start) if p.fits_for(job.kv_need, job.sequences, start == Start::Quiet) => {
                     quiet = start == Start::Quiet;
                     Verdict::Take
+                }
+                Some(Start::Flood) if p.fits_for(job.kv_need, job.sequences, true) => {
+                    floods_wait = true;
+                    Verdict::Skip
                 }
                 Some(_) => Verdict::Wait,
             }
@@ -1920,6 +1929,36 @@ mod tests {
             more_rx.try_recv().is_err(),
             "past its part, the flood's next waits here, in fair order"
         );
+        d.pools[0].replicas[0].engine.waiting = 0;
+        d.dispatch(0);
+        assigned(&mut more_rx);
+    }
+
+    #[test]
+    fn a_flood_kept_out_of_an_engine_s_queue_does_not_hold_a_quiet_tenant_behind_it() {
+        let (mut d, _events) = dispatcher(100);
+        // Batch requests that waited past the aging bound go first, in arrival order.
+        d.schedulers[0].set_aging_ms(0);
+        let mut rx = Vec::new();
+        for _ in 0..2 {
+            let (j, r) = job("noisy", "standard", 300);
+            d.apply(Event::Enqueue(j));
+            rx.push(r);
+        }
+        d.dispatch(0);
+        let _held: Vec<Assignment> = rx.iter_mut().map(assigned).collect();
+        // The engine reports a request waiting inside it (a probe between two of its steps).
+        d.pools[0].replicas[0].engine.waiting = 1;
+        let (mut more, mut more_rx) = job("noisy", "standard", 100);
+        more.priority = Priority::Batch;
+        d.apply(Event::Enqueue(more));
+        let (small, mut small_rx) = job("small", "standard", 100);
+        d.apply(Event::Enqueue(small));
+        d.dispatch(0);
+        assert!(more_rx.try_recv().is_err(), "the flood's next waits here");
+        // The flood's request, first in line, is kept out of the engine's queue: that is no
+        // reason for the quiet tenant's to wait for the next probe.
+        assigned(&mut small_rx);
         d.pools[0].replicas[0].engine.waiting = 0;
         d.dispatch(0);
         assigned(&mut more_rx);
@@ -3111,7 +3150,10 @@ mod tests {
             assert_eq!(d.queued(), 0);
             d.shares[0].expire(u64::MAX, 1);
             let shares = format!("{:?}", d.shares[0]);
-            assert_eq!(shares, "Shares { keys: {}, org_weights: {}, peaks: {} }");
+            assert!(
+                shares.starts_with("Shares { keys: {}, org_weights: {}, usage: {}, "),
+                "{shares}"
+            );
         }
     }
 

@@ -85,18 +85,34 @@ struct Key {
     queued: usize,
 }
 
-/// The most slots an org held at once over the window under way and the one before it: what
-/// it may ask again soon, which a flood keeps free for it (up to its part).
+/// An org's slots over time: the most it held at once over the window under way and the one
+/// before it (what it may ask again soon, which a flood keeps free for it, up to its part), and
+/// how many it held on average, decaying over the active window.
 #[derive(Clone, Copy, Debug, Default)]
-struct Peak {
+struct Usage {
     current: u64,
     previous: u64,
     since_ms: u64,
+    held: u64,
+    mean: f64,
+    at_ms: u64,
+    /// When it first held a slot: its average means something after a window.
+    since_first_ms: u64,
 }
 
-impl Peak {
-    fn slots(&self) -> u64 {
+impl Usage {
+    fn peak(&self) -> u64 {
         self.current.max(self.previous)
+    }
+
+    /// Counts what it held until `now_ms` into the average, and holds `held` from then.
+    fn update(&mut self, now_ms: u64, window_ms: u64, held: u64) {
+        let elapsed = now_ms.saturating_sub(self.at_ms) as f64;
+        let weight = 1.0 - (-elapsed / window_ms.max(1) as f64).exp();
+        self.mean += (self.held as f64 - self.mean) * weight;
+        self.held = held;
+        self.at_ms = self.at_ms.max(now_ms);
+        self.current = self.current.max(held);
     }
 }
 
@@ -106,7 +122,10 @@ pub struct Shares {
     keys: HashMap<String, Key>,
     /// Orgs' weights among orgs, as last seen.
     org_weights: HashMap<String, f64>,
-    peaks: HashMap<String, Peak>,
+    usage: HashMap<String, Usage>,
+    /// The time and active window last seen (`expire` runs every few ms), for the usage.
+    now_ms: u64,
+    window_ms: u64,
 }
 
 impl Shares {
@@ -114,6 +133,7 @@ impl Shares {
     /// org) arrived, or was queued again, at `now_ms`.
     pub fn arrived(&mut self, key: &str, org: &str, org_weight: f64, key_weight: f64, now_ms: u64) {
         self.org_weights.insert(org.to_owned(), org_weight);
+        self.now_ms = self.now_ms.max(now_ms);
         let k = self.entry(key, org);
         k.weight = key_weight;
         k.seen = Some(now_ms);
@@ -157,20 +177,19 @@ impl Shares {
         let keys = &self.keys;
         self.org_weights
             .retain(|org, _| keys.values().any(|k| &k.org == org));
-        self.peaks
+        self.usage
             .retain(|org, _| keys.values().any(|k| &k.org == org));
-        let due: Vec<String> = (self.peaks.iter())
-            .filter(|(_, p)| now_ms.saturating_sub(p.since_ms) >= window_ms)
-            .map(|(org, _)| org.clone())
-            .collect();
-        for org in due {
-            let current = self.org_slots(&org);
-            if let Some(peak) = self.peaks.get_mut(&org) {
-                *peak = Peak {
-                    current,
-                    previous: peak.current,
-                    since_ms: now_ms,
-                };
+        let mut held: HashMap<&str, u64> = HashMap::new();
+        for k in keys.values() {
+            let slots = held.entry(&k.org).or_default();
+            *slots = slots.saturating_add(k.held.slots);
+        }
+        (self.now_ms, self.window_ms) = (self.now_ms.max(now_ms), window_ms);
+        for (org, usage) in &mut self.usage {
+            let slots = held.get(org.as_str()).copied().unwrap_or(0);
+            usage.update(now_ms, window_ms, slots);
+            if now_ms.saturating_sub(usage.since_ms) >= window_ms {
+                (usage.previous, usage.current, usage.since_ms) = (usage.current, slots, now_ms);
             }
         }
     }
@@ -187,17 +206,17 @@ impl Shares {
         if k.seen.is_none() && k.held == Holding::default() && k.queued == 0 {
             self.keys.remove(key);
         }
-        if add && slots > 0 {
-            let held = self.org_slots(org);
-            let peak = self.peaks.entry(org.to_owned()).or_default();
-            peak.current = peak.current.max(held);
+        if slots > 0 {
+            let held = self.keys.values().filter(|k| k.org == org);
+            let held = held.map(|k| k.held.slots).fold(0, u64::saturating_add);
+            let now_ms = self.now_ms;
+            let usage = (self.usage.entry(org.to_owned())).or_insert_with(|| Usage {
+                since_first_ms: now_ms,
+                at_ms: now_ms,
+                ..Usage::default()
+            });
+            usage.update(now_ms, self.window_ms, held);
         }
-    }
-
-    /// The slots `org`'s keys hold.
-    fn org_slots(&self, org: &str) -> u64 {
-        let held = self.keys.values().filter(|k| k.org == org);
-        held.map(|k| k.held.slots).fold(0, u64::saturating_add)
     }
 
     /// `key`'s fair part of the pool as a fraction (1 when nobody else is active): its org's
@@ -250,6 +269,10 @@ struct Org {
     /// Slots a flood leaves free for it: up to one more than it held at its recent peak, as far
     /// as its part goes, less what it holds.
     reserve: u64,
+    /// Requests its keys have queued.
+    queued: usize,
+    /// Slots it held on average lately ([`Usage`]); infinite until known.
+    mean: f64,
 }
 
 /// The two least weighted holdings (held ÷ weight) among an org's active keys past their part,
@@ -301,6 +324,13 @@ impl<'a> Headroom<'a> {
         for k in shares.keys.values() {
             let org = orgs.entry(&k.org).or_default();
             org.held.add(k.held);
+            org.queued = org.queued.saturating_add(k.queued);
+            // Unknown (as a flood's) until the org has held slots for a window.
+            let known = |u: &&Usage| {
+                let age = shares.now_ms.saturating_sub(u.since_first_ms);
+                shares.window_ms > 0 && age >= shares.window_ms
+            };
+            org.mean = (shares.usage.get(&k.org).filter(known)).map_or(f64::INFINITY, |u| u.mean);
             if k.seen.is_some() {
                 active_keys += 1;
                 org.active = true;
@@ -355,7 +385,7 @@ impl<'a> Headroom<'a> {
                 idle += usize::from(o.held.slots == 0);
                 below_slots += usize::from((o.held.slots as f64) < slots);
                 below_kv += usize::from((o.held.kv as f64) < kv);
-                let peak = shares.peaks.get(*name).map_or(0, Peak::slots);
+                let peak = shares.usage.get(*name).map_or(0, Usage::peak);
                 let wants = (peak.saturating_add(1) as f64).min(slots) as u64;
                 reserves.push((name, wants.saturating_sub(o.held.slots)));
             }
@@ -457,11 +487,21 @@ impl<'a> Headroom<'a> {
         };
         // Its turn: a key holding nothing, unless its org is past its part (an org's minted
         // keys take their turns within the org's part).
+        let within = |org: u64, want: u64, part: f64| org.saturating_add(want) as f64 <= part;
         let turn = |own: u64, org: u64, want: u64, part: f64| {
-            own == 0 && (org == 0 || (org.saturating_add(want)) as f64 <= part)
+            own == 0 && (org == 0 || within(org, want, part))
+        };
+        // A turn past its part at once (many sequences, a long prompt) is no quiet one: it
+        // would join an engine's own queue ahead of the quiet tenants' requests.
+        let turn_start = |org: u64, want: u64, part: f64| {
+            if within(org, want, part) {
+                Start::Quiet
+            } else {
+                Start::Flood
+            }
         };
         let slots = if turn(held.slots, org_held.slots, sequences, org_slots) {
-            Some(Start::Quiet)
+            Some(turn_start(org_held.slots, sequences, org_slots))
         } else {
             let org_past = org_held.slots.saturating_add(sequences) as f64 > org_slots;
             let key_past = self.key_past(key, org, held.slots, sequences, false);
@@ -484,30 +524,45 @@ impl<'a> Headroom<'a> {
                 .flatten()
                 .find(|(name, _)| *name != org)
                 .map(|&(_, held)| held);
-            let burst = least_other.is_some_and(|l| org_held.slots.saturating_add(sequences) <= l);
+            // And a quiet tenant's burst one past its part — an org that held less than its part
+            // on average lately and has nothing else queued: its requests come and go in
+            // bursts (a Poisson stream of short chats sometimes runs three at once), not as a
+            // flood's backlog. A flood has its backlog queued.
+            let after = org_held.slots.saturating_add(sequences);
+            let steady = o.is_some_and(|o| o.mean < org_slots && o.queued <= 1)
+                && after as f64 <= org_slots + 1.0;
+            let catching_up = least_other.is_some_and(|l| after <= l);
             // Held back, a request also leaves every other org its reserve: as many slots as
             // it held at its recent peak and one more, as far as its part goes — a quiet
             // tenant's next requests find room at once, not after the longest of a flood's
             // streams (its turn alone would be taken by its first).
             let reserves = self.reserved - o.map_or(0, |o| o.reserve);
             let held_back = (org_past && orgs_below > 0) || (key_past && keys_idle > 0);
-            let kept = if held_back && !burst {
-                let in_org = keys_idle.min(org_left) as u64;
-                ((self.fraction * self.room.slots as f64).ceil() as u64)
-                    .max(in_org.saturating_add(reserves))
-            } else {
-                turns
+            // A quiet tenant's burst leaves the others their turns; a flood catching up with
+            // another may use the headroom but leaves the others their reserves too.
+            let in_org = keys_idle.min(org_left) as u64;
+            let kept = match (held_back, steady, catching_up) {
+                (false, _, _) | (true, true, _) => turns,
+                (true, false, true) => turns.max(in_org.saturating_add(reserves)),
+                (true, false, false) => ((self.fraction * self.room.slots as f64).ceil() as u64)
+                    .max(in_org.saturating_add(reserves)),
             };
             let used = self.room.slots_used.saturating_add(sequences);
-            let quiet = burst || !(org_past || key_past);
+            // Only a quiet org's requests start quiet: a flood catching up with another may
+            // use the room, but stays out of engines' own queues.
+            let quiet = steady
+                || (catching_up && org_held.slots as f64 <= org_slots)
+                || !(org_past || key_past);
             (used <= self.room.slots && self.room.slots - used >= kept).then_some(if quiet {
                 Start::Quiet
             } else {
                 Start::Flood
             })
         };
-        let kv = if self.room.kv == 0 || turn(held.kv, org_held.kv, kv_need, org_kv) {
+        let kv = if self.room.kv == 0 {
             Some(Start::Quiet)
+        } else if turn(held.kv, org_held.kv, kv_need, org_kv) {
+            Some(turn_start(org_held.kv, kv_need, org_kv))
         } else {
             let org_past = org_held.kv.saturating_add(kv_need) as f64 > org_kv;
             let key_past = self.key_past(key, org, held.kv, kv_need, true);
@@ -723,6 +778,130 @@ mod tests {
             took += 1;
         }
         assert_eq!(took, 1, "q0: 1 held and 1 kept; q1, q2: a turn each");
+    }
+
+    #[test]
+    fn a_flood_s_burst_to_another_flood_leaves_the_quiet_orgs_their_reserves() {
+        // 24 slots, four orgs (a part of 6 each): f1 floods (12), f2 floods less (7); d ran
+        // three at once earlier (a reserve of 4), e nothing (a reserve of 1): 5 free.
+        let mut s = shares(&[
+            ("f1", 1.0, 12, 0),
+            ("f2", 1.0, 7, 0),
+            ("d", 1.0, 0, 0),
+            ("e", 1.0, 0, 0),
+        ]);
+        s.hold("d", "d", 3, 0, true);
+        s.hold("d", "d", 3, 0, false);
+        let room = |s: &Shares| Room {
+            slots: 24,
+            slots_used: s.keys.values().map(|k| k.held.slots).sum(),
+            kv: 0,
+            kv_used: 0,
+        };
+        let mut took = 0;
+        while s.headroom(room(&s), 0.2).admits("f2", "f2", 1, 0) {
+            s.hold("f2", "f2", 1, 0, true);
+            took += 1;
+        }
+        assert_eq!(took, 0, "f2 catching up with f1 takes d's and e's reserves");
+        // d's burst of its peak and one more starts at once, and e's turn after it.
+        for _ in 0..4 {
+            assert!(s.headroom(room(&s), 0.2).admits("d", "d", 1, 0));
+            s.hold("d", "d", 1, 0, true);
+        }
+        assert!(s.headroom(room(&s), 0.2).admits("e", "e", 1, 0));
+    }
+
+    #[test]
+    fn a_flood_below_another_flood_starts_as_a_flood() {
+        // 24 slots, four orgs (a part of 6 each): a and b both flood, c and d hold nothing.
+        // a, past its part already, is below b: its next request may use the room (a burst,
+        // as far as b's holding), but it is no quiet tenant's: it stays out of an engine's
+        // own queue.
+        let (mut room, mut s) = slots(
+            24,
+            &[
+                ("a", 1.0, 7, 0),
+                ("b", 1.0, 9, 0),
+                ("c", 1.0, 0, 0),
+                ("d", 1.0, 0, 0),
+            ],
+        );
+        let h = s.headroom(room, 0.2);
+        assert_eq!(h.admission("a", "a", 1, 0), Some(Start::Flood));
+        // A quiet org's burst past its part, as far as the least flood, still starts quiet.
+        room.slots_used += 6;
+        s.hold("c", "c", 6, 0, true);
+        let h = s.headroom(room, 0.2);
+        assert_eq!(h.admission("c", "c", 1, 0), Some(Start::Quiet));
+    }
+
+    #[test]
+    fn a_turn_larger_than_its_part_starts_as_a_flood() {
+        // 12 slots and 1000 KV tokens, four orgs (parts of 3 slots and 250 tokens), nothing
+        // held: a turn of 8 sequences, or of 600 tokens, is past its part at once and must not
+        // join an engine's own queue ahead of the quiet tenants' requests.
+        let s = shares(&[
+            ("a", 1.0, 0, 0),
+            ("b", 1.0, 0, 0),
+            ("c", 1.0, 0, 0),
+            ("d", 1.0, 0, 0),
+        ]);
+        let room = Room {
+            slots: 12,
+            slots_used: 0,
+            kv: 1_000,
+            kv_used: 0,
+        };
+        let h = s.headroom(room, 0.2);
+        assert_eq!(h.admission("a", "a", 8, 10), Some(Start::Flood));
+        assert_eq!(h.admission("a", "a", 1, 600), Some(Start::Flood));
+        assert_eq!(h.admission("a", "a", 3, 250), Some(Start::Quiet));
+    }
+
+    #[test]
+    fn a_quiet_tenant_s_burst_may_go_one_past_its_part() {
+        // 12 slots, six orgs (a part of 2 each): three floods hold their parts with backlogs,
+        // q0 and q1 ran a request at a time earlier (a reserve of 2 each), q2 has run one at
+        // a time since `since` and now holds its part. It bursts to a third.
+        let burst = |since: u64| {
+            let mut s = Shares::default();
+            let orgs = ["f0", "f1", "f2", "q0", "q1", "q2"];
+            for k in orgs {
+                s.arrived(k, k, 1.0, 1.0, 0);
+            }
+            s.expire(0, 10_000);
+            for q in ["q0", "q1"] {
+                s.hold(q, q, 1, 0, true);
+                s.hold(q, q, 1, 0, false);
+            }
+            for f in ["f0", "f1", "f2"] {
+                s.hold(f, f, 2, 0, true);
+                s.queued(f, f, 5);
+            }
+            s.expire(since, 10_000);
+            s.hold("q2", "q2", 1, 0, true);
+            for k in orgs {
+                s.arrived(k, k, 1.0, 1.0, 12_000);
+            }
+            s.expire(12_000, 10_000);
+            s.hold("q2", "q2", 1, 0, true);
+            s.queued("q2", "q2", 1);
+            let room = Room {
+                slots: 12,
+                slots_used: 8,
+                kv: 0,
+                kv_used: 0,
+            };
+            let h = s.headroom(room, 0.2);
+            (h.admission("q2", "q2", 1, 0), h.admission("q2", "q2", 2, 0))
+        };
+        // Below its part on average over the window: its third starts, quietly; a fourth
+        // would not.
+        assert_eq!(burst(0), (Some(Start::Quiet), None));
+        // Holding slots for less than a window, its average is not known yet (a flood's
+        // first seconds look the same): it waits.
+        assert_eq!(burst(6_000), (None, None));
     }
 
     #[test]
