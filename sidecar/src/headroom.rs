@@ -87,7 +87,7 @@ struct Key {
 
 /// An org's slots over time: the most it held at once over the window under way and the one
 /// before it (what it may ask again soon, which a flood keeps free for it, up to its part), and
-/// how many it held on average, decaying over the active window.
+/// how many it held on average lately ([`Shares::averaging_ms`]).
 #[derive(Clone, Copy, Debug, Default)]
 struct Usage {
     current: u64,
@@ -106,9 +106,9 @@ impl Usage {
     }
 
     /// Counts what it held until `now_ms` into the average, and holds `held` from then.
-    fn update(&mut self, now_ms: u64, window_ms: u64, held: u64) {
+    fn update(&mut self, now_ms: u64, span_ms: u64, held: u64) {
         let elapsed = now_ms.saturating_sub(self.at_ms) as f64;
-        let weight = 1.0 - (-elapsed / window_ms.max(1) as f64).exp();
+        let weight = 1.0 - (-elapsed / span_ms.max(1) as f64).exp();
         self.mean += (self.held as f64 - self.mean) * weight;
         self.held = held;
         self.at_ms = self.at_ms.max(now_ms);
@@ -187,11 +187,17 @@ impl Shares {
         (self.now_ms, self.window_ms) = (self.now_ms.max(now_ms), window_ms);
         for (org, usage) in &mut self.usage {
             let slots = held.get(org.as_str()).copied().unwrap_or(0);
-            usage.update(now_ms, window_ms, slots);
+            usage.update(now_ms, self.window_ms / 4, slots);
             if now_ms.saturating_sub(usage.since_ms) >= window_ms {
                 (usage.previous, usage.current, usage.since_ms) = (usage.current, slots, now_ms);
             }
         }
+    }
+
+    /// The span an org's average use is taken over: a quarter of the active window (2.5 s by
+    /// default), long beside a chat, short beside a flood.
+    fn averaging_ms(&self) -> u64 {
+        self.window_ms / 4
     }
 
     /// `key` (of `org`) starts (`add`) or ends holding `slots` and `kv` tokens.
@@ -209,13 +215,13 @@ impl Shares {
         if slots > 0 {
             let held = self.keys.values().filter(|k| k.org == org);
             let held = held.map(|k| k.held.slots).fold(0, u64::saturating_add);
-            let now_ms = self.now_ms;
+            let (now_ms, span_ms) = (self.now_ms, self.averaging_ms());
             let usage = (self.usage.entry(org.to_owned())).or_insert_with(|| Usage {
                 since_first_ms: now_ms,
                 at_ms: now_ms,
                 ..Usage::default()
             });
-            usage.update(now_ms, self.window_ms, held);
+            usage.update(now_ms, span_ms, held);
         }
     }
 
@@ -328,7 +334,7 @@ impl<'a> Headroom<'a> {
             // Unknown (as a flood's) until the org has held slots for a window.
             let known = |u: &&Usage| {
                 let age = shares.now_ms.saturating_sub(u.since_first_ms);
-                shares.window_ms > 0 && age >= shares.window_ms
+                shares.window_ms > 0 && age >= shares.averaging_ms()
             };
             org.mean = (shares.usage.get(&k.org).filter(known)).map_or(f64::INFINITY, |u| u.mean);
             if k.seen.is_some() {
@@ -385,8 +391,11 @@ impl<'a> Headroom<'a> {
                 idle += usize::from(o.held.slots == 0);
                 below_slots += usize::from((o.held.slots as f64) < slots);
                 below_kv += usize::from((o.held.kv as f64) < kv);
+                // Up to its share of the slots rounded up: with more orgs than a pool has
+                // slots twice over, a part of one would keep a quiet tenant no second request.
+                let cap = (h.room.slots as f64 * h.org_share(name)).ceil().max(1.0);
                 let peak = shares.usage.get(*name).map_or(0, Usage::peak);
-                let wants = (peak.saturating_add(1) as f64).min(slots) as u64;
+                let wants = (peak.saturating_add(1) as f64).min(cap) as u64;
                 reserves.push((name, wants.saturating_sub(o.held.slots)));
             }
             if o.held.slots as f64 > slots {
@@ -444,14 +453,19 @@ impl<'a> Headroom<'a> {
 
     /// An org's fair part: slots (whole, at least one) and KV tokens.
     fn org_part(&self, org: &str) -> (f64, f64) {
+        let share = self.org_share(org);
+        let slots = (self.room.slots as f64 * share).floor().max(1.0);
+        (slots, self.room.kv as f64 * share)
+    }
+
+    /// An org's share of the pool: its weight over the active orgs'.
+    fn org_share(&self, org: &str) -> f64 {
         let w = self.orgs.get(org).map_or(1.0, |o| o.weight);
-        let share = if self.org_weights > 0.0 {
+        if self.org_weights > 0.0 {
             (w / self.org_weights).min(1.0)
         } else {
             1.0
-        };
-        let slots = (self.room.slots as f64 * share).floor().max(1.0);
-        (slots, self.room.kv as f64 * share)
+        }
     }
 
     /// Whether `key` (of `org`) may start a request of `sequences` slots and `kv_need` KV
@@ -879,6 +893,9 @@ mod tests {
                 s.hold(f, f, 2, 0, true);
                 s.queued(f, f, 5);
             }
+            for k in orgs {
+                s.arrived(k, k, 1.0, 1.0, since);
+            }
             s.expire(since, 10_000);
             s.hold("q2", "q2", 1, 0, true);
             for k in orgs {
@@ -899,9 +916,9 @@ mod tests {
         // Below its part on average over the window: its third starts, quietly; a fourth
         // would not.
         assert_eq!(burst(0), (Some(Start::Quiet), None));
-        // Holding slots for less than a window, its average is not known yet (a flood's
-        // first seconds look the same): it waits.
-        assert_eq!(burst(6_000), (None, None));
+        // Holding slots for less than a quarter of the window, its average is not known yet
+        // (a flood's first second looks the same): it waits.
+        assert_eq!(burst(11_000), (None, None));
     }
 
     #[test]
