@@ -1,8 +1,8 @@
 //! What each engine says about its load, in its own words.
 //!
 //! Engines name the same figures differently. weir reads, per replica: requests **running**,
-//! requests **waiting** inside the engine (weir dispatches nothing more to a replica whose
-//! engine holds a queue), **KV usage** and **KV capacity** where the engine reports them, and
+//! requests **waiting** inside the engine (weir dispatches no flood's request to a replica
+//! whose engine holds a queue), **KV usage** and **KV capacity** where the engine reports them, and
 //! the most requests the engine runs at once (its **concurrency limit**) where it says:
 //!
 //! | dialect | running | waiting | KV usage / capacity | concurrency limit |
