@@ -642,6 +642,24 @@ mod tests {
         (room, shares(list))
     }
 
+    /// [`shares`], where `key` (an org of its own) held `peak` slots at once a moment ago.
+    fn peaked(list: &[(&str, f64, u64, u64)], key: &str, peak: u64) -> Shares {
+        let mut s = shares(list);
+        s.hold(key, key, peak, 0, true);
+        s.hold(key, key, peak, 0, false);
+        s
+    }
+
+    /// A pool of `total` slots, as many used as `s`'s keys hold, and no KV figures.
+    fn held_of(total: u64, s: &Shares) -> Room {
+        Room {
+            slots: total,
+            slots_used: s.keys.values().map(|k| k.held.slots).sum(),
+            kv: 0,
+            kv_used: 0,
+        }
+    }
+
     fn org(key: &str) -> &str {
         key.split('/').next().unwrap_or(key)
     }
@@ -748,23 +766,14 @@ mod tests {
     fn a_quiet_tenant_s_recent_peak_stays_free_through_a_flood() {
         // 12 slots, four orgs (a part of 3 each): a flood f and quiet tenants q0, q1, q2. q0
         // ran two requests at once earlier in the window and holds nothing now.
-        let mut s = shares(&[
+        let list = [
             ("f", 1.0, 0, 0),
             ("q0", 1.0, 0, 0),
             ("q1", 1.0, 0, 0),
             ("q2", 1.0, 0, 0),
-        ]);
-        s.hold("q0", "q0", 2, 0, true);
-        s.hold("q0", "q0", 2, 0, false);
-        let room = |s: &Shares| {
-            let used = s.keys.values().map(|k| k.held.slots).sum();
-            Room {
-                slots: 12,
-                slots_used: used,
-                kv: 0,
-                kv_used: 0,
-            }
-        };
+        ];
+        let mut s = peaked(&list, "q0", 2);
+        let room = |s: &Shares| held_of(12, s);
         let admits = |s: &Shares, key: &str| s.headroom(room(s), 0.2).admits(key, key, 1, 0);
         while admits(&s, "f") {
             s.hold("f", "f", 1, 0, true);
@@ -798,20 +807,14 @@ mod tests {
     fn a_flood_s_burst_to_another_flood_leaves_the_quiet_orgs_their_reserves() {
         // 24 slots, four orgs (a part of 6 each): f1 floods (12), f2 floods less (7); d ran
         // three at once earlier (a reserve of 4), e nothing (a reserve of 1): 5 free.
-        let mut s = shares(&[
+        let list = [
             ("f1", 1.0, 12, 0),
             ("f2", 1.0, 7, 0),
             ("d", 1.0, 0, 0),
             ("e", 1.0, 0, 0),
-        ]);
-        s.hold("d", "d", 3, 0, true);
-        s.hold("d", "d", 3, 0, false);
-        let room = |s: &Shares| Room {
-            slots: 24,
-            slots_used: s.keys.values().map(|k| k.held.slots).sum(),
-            kv: 0,
-            kv_used: 0,
-        };
+        ];
+        let mut s = peaked(&list, "d", 3);
+        let room = |s: &Shares| held_of(24, s);
         let mut took = 0;
         while s.headroom(room(&s), 0.2).admits("f2", "f2", 1, 0) {
             s.hold("f2", "f2", 1, 0, true);
