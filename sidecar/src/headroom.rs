@@ -14,10 +14,16 @@
 //!   turns.
 //! - A request that takes its org past its fair part — a flood — also leaves `kv_headroom` of
 //!   the slots (rounded up) and of the KV free while another active org is below its part, and
-//!   a slot for each other org below its part that already holds one (its next request); one
-//!   that takes its key past its part within its org (below) leaves the same while a sibling
-//!   key holds nothing. A quiet org's burst that leaves it holding no
-//!   more than the least of the floods may use that room.
+//!   each other active org its *reserve*: its recent peak and one more ([`Usage`]), as far as
+//!   its share rounded up goes, less what it holds; one that takes its key past its part
+//!   within its org (below) leaves the same while a sibling key holds nothing.
+//! - Past its part but no flood: a quiet org's burst (below its part on average lately, with
+//!   nothing else queued) may go one request past it, leaving the others their turns; a flood
+//!   catching up with the least of the others may use the `kv_headroom` room, leaving the
+//!   others their reserves.
+//!
+//! [`Headroom::admission`] says how a request starts ([`Start`]): a quiet one may join an
+//! engine's own queue, a flood's keeps out of it.
 //!
 //! Within an org, a key's part is the org's split among its active keys by weight. A key past
 //! it is a flood within its org (the headroom rule holds it back while a sibling holds
@@ -564,9 +570,10 @@ impl<'a> Headroom<'a> {
             let used = self.room.slots_used.saturating_add(sequences);
             // Only a quiet org's requests start quiet: a flood catching up with another may
             // use the room, but stays out of engines' own queues.
-            let quiet = steady
-                || (catching_up && org_held.slots as f64 <= org_slots)
-                || !(org_past || key_past);
+            // Quiet or not is between orgs: a key past its part within an org that is not is
+            // its siblings' business (an org's many keys would keep out of engines' queues
+            // while a single-key org's requests went in).
+            let quiet = steady || (catching_up && org_held.slots as f64 <= org_slots) || !org_past;
             (used <= self.room.slots && self.room.slots - used >= kept).then_some(if quiet {
                 Start::Quiet
             } else {
@@ -596,7 +603,7 @@ impl<'a> Headroom<'a> {
                 .room
                 .kv
                 .saturating_sub(self.room.kv_used.saturating_add(kv_need));
-            let quiet = !(org_past || key_past);
+            let quiet = !org_past;
             (free as f64 >= kept).then_some(if quiet { Start::Quiet } else { Start::Flood })
         };
         match (slots?, kv?) {
@@ -851,6 +858,26 @@ mod tests {
         s.hold("c", "c", 6, 0, true);
         let h = s.headroom(room, 0.2);
         assert_eq!(h.admission("c", "c", 1, 0), Some(Start::Quiet));
+    }
+
+    #[test]
+    fn quiet_or_flood_is_between_orgs_not_among_one_org_s_keys() {
+        // 12 slots, orgs m (four keys) and s: a part of 6 each, 1.5 a key within m. m/k0 runs
+        // two and asks a third: past its own part (its idle siblings keep their turns), but m
+        // is within its part, so the request starts quiet, as s's would.
+        let (room, s) = slots(
+            12,
+            &[
+                ("m/k0", 1.0, 2, 0),
+                ("m/k1", 1.0, 0, 0),
+                ("m/k2", 1.0, 0, 0),
+                ("m/k3", 1.0, 0, 0),
+                ("s", 1.0, 2, 0),
+            ],
+        );
+        let h = s.headroom(room, 0.2);
+        assert_eq!(h.admission("m/k0", "m", 1, 0), Some(Start::Quiet));
+        assert_eq!(h.admission("s", "s", 1, 0), Some(Start::Quiet));
     }
 
     #[test]
