@@ -895,6 +895,24 @@ mod tests {
     }
 
     #[test]
+    fn a_key_past_its_part_within_its_org_owes_its_siblings_not_other_orgs() {
+        // 12 slots, three orgs (a part of 4 each): m's k0 runs two (its part within m) while
+        // k1 idles, s ran four at once lately and runs one (a reserve of 3), f floods (5).
+        // k0's third leaves k1 its turn and the headroom; s's reserve is owed by f, past its
+        // part, not by m, within its own.
+        let list = [
+            ("m/k0", 1.0, 2, 0),
+            ("m/k1", 1.0, 0, 0),
+            ("s", 1.0, 1, 0),
+            ("f", 1.0, 5, 0),
+        ];
+        let s = peaked(&list, "s", 3);
+        let room = held_of(12, &s);
+        assert!(s.headroom(room, 0.2).admits("m/k0", "m", 1, 0));
+        assert!(!s.headroom(room, 0.2).admits("f", "f", 1, 0));
+    }
+
+    #[test]
     fn a_turn_larger_than_its_part_starts_as_a_flood() {
         // 12 slots and 1000 KV tokens, four orgs (parts of 3 slots and 250 tokens), nothing
         // held: a turn of 8 sequences, or of 600 tokens, is past its part at once and must not
