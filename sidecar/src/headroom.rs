@@ -338,12 +338,6 @@ impl<'a> Headroom<'a> {
             let org = orgs.entry(&k.org).or_default();
             org.held.add(k.held);
             org.queued = org.queued.saturating_add(k.queued);
-            // Unknown (as a flood's) until the org has held slots for a window.
-            let known = |u: &&Usage| {
-                let age = shares.now_ms.saturating_sub(u.since_first_ms);
-                shares.window_ms > 0 && age >= shares.averaging_ms()
-            };
-            org.mean = (shares.usage.get(&k.org).filter(known)).map_or(f64::INFINITY, |u| u.mean);
             if k.seen.is_some() {
                 active_keys += 1;
                 org.active = true;
@@ -391,9 +385,18 @@ impl<'a> Headroom<'a> {
             .collect();
         let (mut idle, mut below_slots, mut below_kv) = (0, 0, 0);
         let mut past: Vec<(&str, u64)> = Vec::new();
-        let mut reserves: Vec<(&str, u64)> = Vec::new();
+        // Per org, its reserve and its average use, applied once the orgs are read.
+        let mut usages: Vec<(&str, u64, f64)> = Vec::new();
         for (name, o) in &h.orgs {
             let (slots, kv) = h.org_part(name);
+            let usage = shares.usage.get(*name);
+            // Unknown (as a flood's) until the org has held slots for a while.
+            let known = |u: &&Usage| {
+                let age = shares.now_ms.saturating_sub(u.since_first_ms);
+                shares.window_ms > 0 && age >= shares.averaging_ms()
+            };
+            let mean = usage.filter(known).map_or(f64::INFINITY, |u| u.mean);
+            let mut reserve = 0;
             if o.active {
                 idle += usize::from(o.held.slots == 0);
                 below_slots += usize::from((o.held.slots as f64) < slots);
@@ -401,18 +404,19 @@ impl<'a> Headroom<'a> {
                 // Up to its share of the slots rounded up: with more orgs than a pool has
                 // slots twice over, a part of one would keep a quiet tenant no second request.
                 let cap = (h.room.slots as f64 * h.org_share(name)).ceil().max(1.0);
-                let peak = shares.usage.get(*name).map_or(0, Usage::peak);
+                let peak = usage.map_or(0, Usage::peak);
                 let wants = (peak.saturating_add(1) as f64).min(cap) as u64;
-                reserves.push((name, wants.saturating_sub(o.held.slots)));
+                reserve = wants.saturating_sub(o.held.slots);
             }
+            usages.push((name, reserve, mean));
             if o.held.slots as f64 > slots {
                 past.push((name, o.held.slots));
             }
         }
-        for (name, reserve) in reserves {
+        for (name, reserve, mean) in usages {
             h.reserved = h.reserved.saturating_add(reserve);
             if let Some(o) = h.orgs.get_mut(name) {
-                o.reserve = reserve;
+                (o.reserve, o.mean) = (reserve, mean);
             }
         }
         past.sort_unstable_by_key(|&(name, held)| (held, name));
@@ -553,19 +557,18 @@ impl<'a> Headroom<'a> {
             let steady = o.is_some_and(|o| o.mean < org_slots && o.queued <= 1)
                 && after as f64 <= org_slots + 1.0;
             let catching_up = least_other.is_some_and(|l| after <= l);
-            // Held back, a request also leaves every other org its reserve: as many slots as
-            // it held at its recent peak and one more, as far as its part goes — a quiet
-            // tenant's next requests find room at once, not after the longest of a flood's
-            // streams (its turn alone would be taken by its first).
-            // Only an org past its part owes the others their reserves: a key past its part
-            // within an org that is not owes its idle siblings their turns (with two flooding
-            // orgs, the one of many keys was held to 0.87-0.89 of the other's share in a third
-            // of the runs when its keys left the other org its reserve too).
+            // An org past its part leaves every other org its reserve (its recent peak and one
+            // more): a quiet tenant's next requests find room at once, not after the longest
+            // of a flood's streams (its turn alone would be taken by its first). A key past its
+            // part within an org that is not owes its idle siblings their turns, and the other
+            // orgs only theirs (with two flooding orgs, the one of many keys was held to
+            // 0.87-0.89 of the other's share in a third of the runs when its keys left the
+            // other org its reserve too).
             let held_back_org = org_past && orgs_below > 0;
             let reserves = if held_back_org {
                 self.reserved - o.map_or(0, |o| o.reserve)
             } else {
-                turns.saturating_sub(keys_idle.min(org_left) as u64)
+                self.idle_orgs as u64
             };
             let held_back = held_back_org || (key_past && keys_idle > 0);
             // A quiet tenant's burst leaves the others their turns; a flood catching up with
