@@ -17,12 +17,12 @@ use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights, Verdict};
 use crate::backoff::{Backoff, Waits};
 use crate::config::{DiscoveryConfig, PoolConfig, QueueConfig};
 use crate::engine::{Dialect, EngineLimits, EngineSample};
-use crate::headroom::{Headroom, Room, Shares, Start};
+use crate::headroom::{Headroom, Room, Shares};
 use crate::health::{Command, Link};
 use crate::isolation::Isolation;
 use crate::limiter::Ticket;
 use crate::metrics::{Labels, Metrics};
-use crate::pool::{Pool, Replica, ReplicaId};
+use crate::pool::{Pool, Replica, ReplicaId, Start};
 use crate::projection::Paces;
 use crate::readiness::Readiness;
 use crate::roster::Change;
@@ -52,6 +52,8 @@ pub struct Job {
     /// A batch stream its relay can resume elsewhere ([`crate::resume`]): it may be preempted
     /// for interactive work.
     pub preemptible: bool,
+    /// Streamed: its first bytes come when the engine has prefilled its prompt.
+    pub stream: bool,
     /// Times it was preempted: past [`MAX_PREEMPTIONS`] it runs to its end.
     pub preemptions: u32,
     pub reply: oneshot::Sender<Result<Assignment, Refusal>>,
@@ -594,6 +596,7 @@ impl Dispatcher {
             } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.in_flight = r.in_flight.saturating_sub(sequences);
+                    r.prefilled(ticket);
                 }
                 self.hold_slots(pool, &t, sequences, false);
                 self.adjust_hold(pool, replica, &t, 0, kv_need);
@@ -642,6 +645,7 @@ impl Dispatcher {
                     let in_flight = r.in_flight;
                     r.limiter
                         .first_byte(ticket, ttfb_ms, prompt_tokens, in_flight);
+                    r.prefilled(ticket);
                 }
                 if let Some(running) = self.preemptible.get_mut(pool)
                     && let Some(r) = running
@@ -660,6 +664,7 @@ impl Dispatcher {
                 if let Some(r) = self.replica_mut(pool, replica) {
                     let in_flight = r.in_flight;
                     r.limiter.answered(ticket, in_flight);
+                    r.prefilled(ticket);
                 }
                 self.update_limits(pool, replica);
             }
@@ -670,6 +675,7 @@ impl Dispatcher {
             } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.limiter.timed_out(ticket);
+                    r.prefilled(ticket);
                     let url = r.url.clone();
                     (self.metrics.replica_first_byte_timeouts).inc(&[("replica", &url)]);
                 }
@@ -1140,7 +1146,7 @@ impl Dispatcher {
         };
         let headroom = shares.headroom(Room::of(p), self.queue.kv_headroom);
         admission(self.fair, &headroom, self.share, job)
-            .is_some_and(|start| p.fits_for(job.kv_need, job.sequences, start == Start::Quiet))
+            .is_some_and(|start| p.fits_for(job.kv_need, job.sequences, start))
     }
 
     /// Makes room in a full queue (`org`'s, or the whole sidecar's) for a request of `t`:
@@ -1370,11 +1376,11 @@ impl Dispatcher {
         // active ([`crate::headroom`]), (or a client gone) is passed over; the next job in fair
         // order that does not fit yet holds the line until room frees.
         let headroom = shares.headroom(Room::of(p), queue.kv_headroom);
-        // Whether the job taken starts quiet (it may join an engine's own queue).
-        let mut quiet = false;
-        // Whether a flood next in line fits but for requests waiting inside the engines: it
-        // holds the line for the floods after it, not for quiet tenants' requests, which may
-        // join those engines' queues.
+        // How the job taken starts ([`Start`]).
+        let mut taken = Start::Alone;
+        // Whether a flood next in line fits but for requests waiting inside the engines, or
+        // for its prefills: it holds the line for the floods after it, not for quiet tenants'
+        // requests, which may go there.
         let mut floods_wait = false;
         let judge = |t: &str, job: &Job| {
             let held = tenant_kv.get(t).copied().unwrap_or(0);
@@ -1386,11 +1392,11 @@ impl Dispatcher {
                 _ if !under_cap || job.reply.is_closed() => Verdict::Skip,
                 None => Verdict::Skip,
                 Some(Start::Flood) if floods_wait => Verdict::Skip,
-                Some(start) if p.fits_for(job.kv_need, job.sequences, start == Start::Quiet) => {
-                    quiet = start == Start::Quiet;
+                Some(start) if p.fits_for(job.kv_need, job.sequences, start) => {
+                    taken = start;
                     Verdict::Take
                 }
-                Some(Start::Flood) if p.fits_for(job.kv_need, job.sequences, true) => {
+                Some(Start::Flood) if p.fits_for(job.kv_need, job.sequences, Start::Quiet) => {
                     floods_wait = true;
                     Verdict::Skip
                 }
@@ -1402,7 +1408,7 @@ impl Dispatcher {
         };
         let (t, job) = (d.tenant.to_owned(), d.item);
         let p = &self.pools[pool];
-        let Some(index) = p.route_for(job.affinity, job.kv_need, job.sequences, quiet) else {
+        let Some(index) = p.route_for(job.affinity, job.kv_need, job.sequences, taken) else {
             let _ = job.reply.send(Err(Refusal::NoReplica));
             return true;
         };
@@ -1410,6 +1416,9 @@ impl Dispatcher {
         let r = &mut self.pools[pool].replicas[index];
         r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
+        if taken == Start::Flood && job.stream {
+            r.prefilling.push(ticket);
+        }
         let (resumes, dialect) = (r.resumes(), r.dialect);
         let (replica, url, isolation) = (r.id, r.url.clone(), r.isolation);
         self.hold_slots(pool, &t, job.sequences, true);
@@ -1502,7 +1511,7 @@ impl Dispatcher {
                 && job.priority == Priority::Interactive
                 && waited(job.arrived_ms)
                 && !job.reply.is_closed()
-                && !p.fits_for(job.kv_need, job.sequences, false)
+                && !p.fits_for(job.kv_need, job.sequences, Start::Alone)
             {
                 wanted = Some((job.kv_need, job.sequences));
             }
@@ -1583,11 +1592,11 @@ impl Dispatcher {
 }
 
 /// What a pool's health checks follow.
-/// How the headroom rule admits `job` now: under the FIFO baseline, as a flood (it keeps out
-/// of engines' own queues), else by the rule ([`Headroom::admission`]).
+/// How the headroom rule admits `job` now: under the FIFO baseline, as alone (it keeps out of
+/// engines' own queues, as before the rule), else by the rule ([`Headroom::admission`]).
 fn admission(fair: bool, headroom: &Headroom, share: Share, job: &Job) -> Option<Start> {
     if !fair {
-        return Some(Start::Flood);
+        return Some(Start::Alone);
     }
     let t = &job.tenant;
     headroom.admission(t, share.of(t), job.sequences, job.kv_need)
@@ -1685,6 +1694,7 @@ mod tests {
             arrived_ms: 0,
             deadline_ms: u64::MAX,
             preemptible: false,
+            stream: false,
             preemptions: 0,
             reply,
         };
@@ -3039,6 +3049,7 @@ mod tests {
                             rng.u64(1..1_500),
                         );
                         j.sequences = rng.u64(1..4);
+                        j.stream = rng.bool();
                         if rng.bool() {
                             (j.priority, j.preemptible) = (Priority::Batch, true);
                         }
@@ -3123,6 +3134,7 @@ mod tests {
             }
             for r in &d.pools[0].replicas {
                 assert_eq!((r.in_flight, r.reserved), (0, 0), "replica {}", r.url);
+                assert!(r.prefilling.is_empty(), "replica {}", r.url);
             }
             assert!(d.tenant_kv.values().all(|&kv| kv == 0), "{:?}", d.tenant_kv);
             assert!(d.label_kv.values().all(|&kv| kv == 0), "{:?}", d.label_kv);

@@ -40,7 +40,7 @@
 
 use std::collections::HashMap;
 
-use crate::pool::{Pool, Replica};
+use crate::pool::{Pool, Replica, Start};
 
 /// What a key (or an org, summed over its keys) holds of a pool: slots (sequences running) and
 /// KV tokens.
@@ -485,14 +485,14 @@ impl<'a> Headroom<'a> {
         self.admission(key, org, sequences, kv_need).is_some()
     }
 
-    /// [`admits`](Self::admits), and how: `Some(Start::Quiet)` for a request within its
-    /// share's part (a turn, or a quiet tenant's burst) while others are active, which may join
-    /// an engine's own queue; `Some(Start::Flood)` for any other it admits.
+    /// [`admits`](Self::admits), and how ([`Start`]): quiet for a request within its share's
+    /// part (a turn, or a quiet tenant's burst) while others are active, alone for a share
+    /// alone in the pool, a flood for any other it admits.
     pub fn admission(&self, key: &str, org: &str, sequences: u64, kv_need: u64) -> Option<Start> {
         let own = self.shares.keys.get(key);
         let active = own.is_some_and(|k| k.seen.is_some());
         if self.active_keys <= usize::from(active) {
-            return Some(Start::Flood);
+            return Some(Start::Alone);
         }
         let held = own.map_or(Holding::default(), |k| k.held);
         let o = self.orgs.get(org);
@@ -628,16 +628,6 @@ impl<'a> Headroom<'a> {
             _ => Some(Start::Flood),
         }
     }
-}
-
-/// How a request the headroom admits starts.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Start {
-    /// Within its share's part while others are active: a turn, a share below its part, or a
-    /// quiet tenant's burst.
-    Quiet,
-    /// Past its part, or alone in the pool.
-    Flood,
 }
 
 #[cfg(test)]

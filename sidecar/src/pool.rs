@@ -22,7 +22,7 @@ use std::sync::Arc;
 use crate::config::PoolConfig;
 use crate::engine::{Dialect, EngineLimits, EngineSample};
 use crate::isolation::Isolation;
-use crate::limiter::{Limiter, Mode};
+use crate::limiter::{Limiter, Mode, Ticket};
 use crate::share::EngineShare;
 use crate::upstream::Upstream;
 
@@ -59,6 +59,22 @@ pub struct Replica {
     /// Its engine's dialect, once a probe has told it; `None` for an engine that only speaks
     /// OpenAI's API.
     pub dialect: Option<Dialect>,
+    /// A flood's streams sent here whose first bytes have not come: the engine is prefilling
+    /// their prompts.
+    pub prefilling: Vec<Ticket>,
+}
+
+/// How a request starts on a pool, as the headroom rule ([`crate::headroom`]) admits it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Start {
+    /// Within its share's part while others are active (a turn, or a quiet tenant's burst):
+    /// it may join requests waiting inside an engine, and goes where no flood is prefilling.
+    Quiet,
+    /// Past its part while others are active: it keeps out of engines' own queues, and starts
+    /// a stream only while another replica stays clear of the flood's prefills.
+    Flood,
+    /// Alone in the pool (or under the FIFO baseline): it keeps out of engines' own queues.
+    Alone,
 }
 
 impl Replica {
@@ -88,6 +104,7 @@ impl Replica {
             ),
             share: config.sidecars,
             dialect: None,
+            prefilling: Vec::new(),
         }
     }
 
@@ -146,19 +163,25 @@ impl Replica {
 
     /// Whether a request of one sequence needing `kv_need` KV tokens fits now.
     pub fn fits(&self, kv_need: u64) -> bool {
-        self.fits_for(kv_need, 1, false)
+        self.fits_for(kv_need, 1, Start::Alone)
+    }
+
+    /// The request of `ticket` is past its prefill: its first bytes came, or it ended.
+    pub fn prefilled(&mut self, ticket: Ticket) {
+        self.prefilling.retain(|&t| t != ticket);
     }
 
     /// Whether a request the engine runs as `sequences` sequences (a completions batch: one
     /// per prompt, each in a slot of its own) fits now: each takes a slot of the limit. One
     /// larger than the whole limit runs alone, as a prompt larger than the KV budget does.
-    /// Only a `quiet` one may join requests waiting inside the engine.
-    pub fn fits_for(&self, kv_need: u64, sequences: u64, quiet: bool) -> bool {
+    /// Only a quiet one may join requests waiting inside the engine.
+    pub fn fits_for(&self, kv_need: u64, sequences: u64, start: Start) -> bool {
         let idle = self.in_flight == 0;
         let kv_room =
             self.kv_budget == 0 || self.reserved.saturating_add(kv_need) <= self.kv_budget || idle;
         let slot_room = idle || self.in_flight.saturating_add(sequences) <= self.limit();
-        self.serves() && (quiet || self.engine.waiting == 0) && slot_room && kv_room
+        let queue = start == Start::Quiet || self.engine.waiting == 0;
+        self.serves() && queue && slot_room && kv_room
     }
 }
 
@@ -232,14 +255,25 @@ impl Pool {
     }
 
     pub fn fits(&self, kv_need: u64) -> bool {
-        self.fits_for(kv_need, 1, false)
+        self.fits_for(kv_need, 1, Start::Alone)
     }
 
-    /// [`Replica::fits_for`] on some replica.
-    pub fn fits_for(&self, kv_need: u64, sequences: u64, quiet: bool) -> bool {
-        self.replicas
-            .iter()
-            .any(|r| r.fits_for(kv_need, sequences, quiet))
+    /// [`Replica::fits_for`] on some replica where [`prefill_allows`](Self::prefill_allows).
+    pub fn fits_for(&self, kv_need: u64, sequences: u64, start: Start) -> bool {
+        (self.replicas.iter())
+            .any(|r| r.fits_for(kv_need, sequences, start) && self.prefill_allows(r, start))
+    }
+
+    /// Whether `r` may take a request starting as `start`: a flood's only while another
+    /// replica that serves has none of its prompts prefilling, so a quiet tenant's request
+    /// finds an engine whose next step is not a flood's long prefill (a compute-bound engine
+    /// runs a step of its whole prefill budget for one: tens of ms to seconds). A flood may
+    /// add prefills to a replica that has some, and a pool of one replica has no choice.
+    pub fn prefill_allows(&self, r: &Replica, start: Start) -> bool {
+        let others = || self.replicas.iter().filter(|o| o.id != r.id && o.serves());
+        start != Start::Flood
+            || others().next().is_none()
+            || others().any(|o| o.prefilling.is_empty())
     }
 
     /// Requests the replicas that serve may run at once, together.
@@ -282,29 +316,34 @@ impl Pool {
     /// The affine replica unless it is over the load threshold or full; then the least
     /// loaded replica that fits.
     pub fn route(&self, affinity: u64, kv_need: u64) -> Option<usize> {
-        self.route_for(affinity, kv_need, 1, false)
+        self.route_for(affinity, kv_need, 1, Start::Alone)
     }
 
-    /// [`route`](Self::route) for a request of `sequences` sequences, `quiet` or not
-    /// ([`Replica::fits_for`]).
+    /// [`route`](Self::route) for a request of `sequences` sequences starting as `start`
+    /// ([`Replica::fits_for`], [`prefill_allows`](Self::prefill_allows)): a quiet one goes
+    /// where no flood is prefilling, if any replica that fits is so.
     pub fn route_for(
         &self,
         affinity: u64,
         kv_need: u64,
         sequences: u64,
-        quiet: bool,
+        start: Start,
     ) -> Option<usize> {
-        let fits = |r: &Replica| r.fits_for(kv_need, sequences, quiet);
+        let fits =
+            |r: &Replica| r.fits_for(kv_need, sequences, start) && self.prefill_allows(r, start);
+        let clear = start == Start::Quiet
+            && (self.replicas.iter()).any(|r| fits(r) && r.prefilling.is_empty());
+        let takes = |r: &Replica| fits(r) && (!clear || r.prefilling.is_empty());
         if let Some(i) = self.affine(affinity) {
             let r = &self.replicas[i];
-            if fits(r) && r.load() < self.affinity_load_threshold {
+            if takes(r) && r.load() < self.affinity_load_threshold {
                 return Some(i);
             }
         }
         self.replicas
             .iter()
             .enumerate()
-            .filter(|(_, r)| fits(r))
+            .filter(|(_, r)| takes(r))
             .min_by(|(_, a), (_, b)| a.load().total_cmp(&b.load()))
             .map(|(i, _)| i)
     }
@@ -368,13 +407,37 @@ mod tests {
     }
 
     #[test]
+    fn a_flood_s_prefills_keep_off_one_replica_for_the_quiet_tenants() {
+        let mut p = pool(2);
+        let key = affinity_key("t", b"prompt");
+        let affine = p.affine(key).unwrap();
+        // A flood's stream prefills on the affine replica: the flood may add more there, not
+        // on the other, which stays clear for quiet tenants' requests; they go there.
+        p.replicas[affine].prefilling.push(Ticket::for_tests());
+        assert_eq!(p.route_for(key, 10, 1, Start::Flood), Some(affine));
+        assert!(!p.prefill_allows(&p.replicas[1 - affine], Start::Flood));
+        assert_eq!(p.route_for(key, 10, 1, Start::Quiet), Some(1 - affine));
+        // Alone in the pool, or under FIFO, a tenant goes where it would.
+        assert_eq!(p.route_for(key, 10, 1, Start::Alone), Some(affine));
+        // With the other replica full, a quiet request takes the prefilling one; a flood
+        // still may not start on the full one, and a pool of one replica has no choice.
+        p.replicas[1 - affine].in_flight = 16;
+        assert_eq!(p.route_for(key, 10, 1, Start::Quiet), Some(affine));
+        let mut one = pool(1);
+        one.replicas[0].prefilling.push(Ticket::for_tests());
+        assert_eq!(one.route_for(key, 10, 1, Start::Flood), Some(0));
+        p.replicas[affine].prefilled(Ticket::for_tests());
+        assert!(p.replicas[affine].prefilling.is_empty());
+    }
+
+    #[test]
     fn engines_with_a_queue_of_their_own_get_no_more() {
         let mut p = pool(1);
         assert!(p.fits(10));
         p.replicas[0].engine.waiting = 1;
         assert!(!p.fits(10));
         assert!(
-            p.fits_for(10, 1, true),
+            p.fits_for(10, 1, Start::Quiet),
             "a quiet tenant's request may join the queue"
         );
         p.replicas[0].engine.waiting = 0;
@@ -414,13 +477,13 @@ mod tests {
         );
         p.replicas[0].kv_budget = 0;
         assert!(
-            p.fits_for(1, 9, false),
+            p.fits_for(1, 9, Start::Alone),
             "larger than the limit: alone on an idle replica"
         );
         p.replicas[0].in_flight = 2;
-        assert!(p.fits_for(1, 2, false));
-        assert!(!p.fits_for(1, 3, false), "two slots left, not three");
-        assert_eq!(p.route_for(0, 1, 3, false), None);
+        assert!(p.fits_for(1, 2, Start::Alone));
+        assert!(!p.fits_for(1, 3, Start::Alone), "two slots left, not three");
+        assert_eq!(p.route_for(0, 1, 3, Start::Alone), None);
         assert!(p.fits(1));
     }
 

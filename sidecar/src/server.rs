@@ -369,6 +369,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         arrived_ms: now_ms(),
         deadline_ms,
         preemptible,
+        stream,
         preemptions: 0,
         reply,
     };
