@@ -103,13 +103,26 @@ struct Usage {
     held: u64,
     mean: f64,
     at_ms: u64,
-    /// When it first held a slot: its average means something after a window.
+    /// When it first held a slot: where its average starts.
     since_first_ms: u64,
 }
 
 impl Usage {
     fn peak(&self) -> u64 {
         self.current.max(self.previous)
+    }
+
+    /// Its average since it first held a slot, corrected for the average's start from nothing:
+    /// an org new to the pool is judged by what it has held so far (a flood holds its part at
+    /// once), not by an average still rising from zero. Unknown (infinite) at its first hold.
+    fn average(&self, span_ms: u64) -> f64 {
+        let age = self.at_ms.saturating_sub(self.since_first_ms) as f64;
+        let seen = 1.0 - (-age / span_ms.max(1) as f64).exp();
+        if seen > 0.0 {
+            self.mean / seen
+        } else {
+            f64::INFINITY
+        }
     }
 
     /// Counts what it held until `now_ms` into the average, and holds `held` from then.
@@ -284,7 +297,7 @@ struct Org {
     reserve: u64,
     /// Requests its keys have queued.
     queued: usize,
-    /// Slots it held on average lately ([`Usage`]); infinite until known.
+    /// Slots it held on average lately ([`Usage::average`]); infinite at its first hold.
     mean: f64,
 }
 
@@ -390,12 +403,9 @@ impl<'a> Headroom<'a> {
         for (name, o) in &h.orgs {
             let (slots, kv) = h.org_part(name);
             let usage = shares.usage.get(*name);
-            // Unknown (as a flood's) until the org has held slots for a while.
-            let known = |u: &&Usage| {
-                let age = shares.now_ms.saturating_sub(u.since_first_ms);
-                shares.window_ms > 0 && age >= shares.averaging_ms()
-            };
-            let mean = usage.filter(known).map_or(f64::INFINITY, |u| u.mean);
+            let mean = usage
+                .filter(|_| shares.window_ms > 0)
+                .map_or(f64::INFINITY, |u| u.average(shares.averaging_ms()));
             let mut reserve = 0;
             if o.active {
                 idle += usize::from(o.held.slots == 0);
@@ -931,9 +941,9 @@ mod tests {
     #[test]
     fn a_quiet_tenant_s_burst_may_go_one_past_its_part() {
         // 12 slots, six orgs (a part of 2 each): three floods hold their parts with backlogs,
-        // q0 and q1 ran a request at a time earlier (a reserve of 2 each), q2 has run one at
-        // a time since `since` and now holds its part. It bursts to a third.
-        let burst = |since: u64| {
+        // q0 and q1 ran a request at a time earlier (a reserve of 2 each), q2 has held `first`
+        // slots since `since` and holds its part at 12 s. It bursts to a third.
+        let burst = |since: u64, first: u64| {
             let mut s = Shares::default();
             let orgs = ["f0", "f1", "f2", "q0", "q1", "q2"];
             for k in orgs {
@@ -952,12 +962,14 @@ mod tests {
                 s.arrived(k, k, 1.0, 1.0, since);
             }
             s.expire(since, 10_000);
-            s.hold("q2", "q2", 1, 0, true);
+            s.hold("q2", "q2", first, 0, true);
             for k in orgs {
                 s.arrived(k, k, 1.0, 1.0, 12_000);
             }
             s.expire(12_000, 10_000);
-            s.hold("q2", "q2", 1, 0, true);
+            if first < 2 {
+                s.hold("q2", "q2", 2 - first, 0, true);
+            }
             s.queued("q2", "q2", 1);
             let room = Room {
                 slots: 12,
@@ -970,10 +982,13 @@ mod tests {
         };
         // Below its part on average over the window: its third starts, quietly; a fourth
         // would not.
-        assert_eq!(burst(0), (Some(Start::Quiet), None));
-        // Holding slots for less than a quarter of the window, its average is not known yet
-        // (a flood's first second looks the same): it waits.
-        assert_eq!(burst(11_000), (None, None));
+        assert_eq!(burst(0, 1), (Some(Start::Quiet), None));
+        // New to the pool a second ago, it is judged by what it held so far: one slot, below
+        // its part (before, its average was unknown for a quarter of the window, and a Poisson
+        // tenant's bursts waited for its own requests to end in its first seconds).
+        assert_eq!(burst(11_000, 1), (Some(Start::Quiet), None));
+        // Holding its part from the start, as a flood's first second does: it waits.
+        assert_eq!(burst(11_000, 2), (None, None));
     }
 
     #[test]
