@@ -1285,6 +1285,11 @@ impl ShapeRun {
         for (kind, stream) in [("stream", true), ("plain", false)] {
             let (b, f) = (&base.ttfts(stream, true), &flood.ttfts(stream, true));
             if b.len().min(f.len()) < MIN_SAMPLES {
+                println!(
+                    "{at}: {kind} TTFT not checked: {} baseline and {} flood samples within the parts (fewer than {MIN_SAMPLES})",
+                    b.len(),
+                    f.len()
+                );
                 continue;
             }
             if let (Some(b), Some(f)) = (p95_ms(b), p95_ms(f))

@@ -92,6 +92,10 @@ struct Key {
     queued: usize,
 }
 
+/// Float noise in an average of whole slots: the average and its correction take different
+/// paths, so an org that held exactly its part reads a hair below it in most decisions.
+const AVERAGE_NOISE: f64 = 1e-6;
+
 /// An org's slots over time: the most it held at once over the window under way and the one
 /// before it (what it may ask again soon, which a flood keeps free for it, up to its part), and
 /// how many it held on average lately ([`Shares::averaging_ms`]).
@@ -564,7 +568,7 @@ impl<'a> Headroom<'a> {
             // bursts (a Poisson stream of short chats sometimes runs three at once), not as a
             // flood's backlog. A flood has its backlog queued.
             let after = org_held.slots.saturating_add(sequences);
-            let steady = o.is_some_and(|o| o.mean < org_slots && o.queued <= 1)
+            let steady = o.is_some_and(|o| o.mean + AVERAGE_NOISE < org_slots && o.queued <= 1)
                 && after as f64 <= org_slots + 1.0;
             let catching_up = least_other.is_some_and(|l| after <= l);
             // An org past its part leaves every other org its reserve (its recent peak and one
@@ -989,6 +993,37 @@ mod tests {
         assert_eq!(burst(11_000, 1), (Some(Start::Quiet), None));
         // Holding its part from the start, as a flood's first second does: it waits.
         assert_eq!(burst(11_000, 2), (None, None));
+    }
+
+    #[test]
+    fn an_org_holding_exactly_its_part_is_never_below_it() {
+        // Two orgs on 4 slots (a part of 2 each): f holds 2 from its first request on, with one
+        // more queued, while the expiry ticks every 2-8 ms; o holds nothing. At every tick f's
+        // third request would be a flood, held back for o's turn and reserve — never a quiet
+        // burst (the average's float noise read it below its part in most ticks).
+        let mut s = Shares::default();
+        for k in ["f", "o"] {
+            s.arrived(k, k, 1.0, 1.0, 0);
+        }
+        s.expire(0, 10_000);
+        s.hold("o", "o", 1, 0, true);
+        s.hold("o", "o", 1, 0, false);
+        s.hold("f", "f", 2, 0, true);
+        s.queued("f", "f", 1);
+        let room = Room {
+            slots: 4,
+            slots_used: 2,
+            kv: 0,
+            kv_used: 0,
+        };
+        let mut now = 0;
+        for tick in 0..200u64 {
+            now += 2 + (tick * 7919) % 7;
+            s.arrived("f", "f", 1.0, 1.0, now);
+            s.expire(now, 10_000);
+            let h = s.headroom(room, 0.2);
+            assert_eq!(h.admission("f", "f", 1, 0), None, "tick {tick} at {now} ms");
+        }
     }
 
     #[test]
