@@ -575,6 +575,60 @@ async fn engine_control_fields_never_reach_the_engine_on_any_route() {
 }
 
 #[tokio::test]
+async fn stored_state_and_engine_run_tools_are_refused_on_any_route() {
+    let _turn = turn().await;
+    let s = stack();
+    let asks = [
+        (
+            "previous_response_id",
+            json!({"previous_response_id": "resp_someone_elses"}),
+        ),
+        (
+            "conversation",
+            json!({"conversation": "conv_someone_elses"}),
+        ),
+        ("tools", json!({"tools": [{"type": "web_search"}]})),
+        (
+            "input",
+            json!({"input": [{"type": "item_reference", "id": "msg_someone_elses"}]}),
+        ),
+    ];
+    // Out of the `/dark/` route's rollout (0%) the filter passes the body as it came, keyed or
+    // not: the sidecar must refuse, or the engine would load another tenant's stored state.
+    for (route, key) in [
+        ("/dark/", Some("key-normal")),
+        ("/dark/", None),
+        ("/", Some("key-normal")),
+    ] {
+        for (param, fields) in &asks {
+            let marker = format!("stored {route} {key:?} {param}");
+            let mut body = json!({"model": "tiny", "input": marker, "max_output_tokens": 2});
+            for (k, v) in fields.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            let mut req = reqwest::Client::new()
+                .post(format!("{}{route}v1/responses", s.envoy.url))
+                .header("content-type", "application/json");
+            if let Some(key) = key {
+                req = req.bearer_auth(key);
+            }
+            let resp = req.body(body.to_string()).send().await.unwrap();
+            let status = resp.status();
+            let v: Value = resp.json().await.unwrap_or(Value::Null);
+            assert_eq!(status, StatusCode::BAD_REQUEST, "{marker}: {v}");
+            assert_eq!(v["error"]["param"], *param, "{marker}: {v}");
+            let received = s.sims[0].received().await;
+            assert!(
+                !received
+                    .iter()
+                    .any(|r| r["body"].to_string().contains(&marker)),
+                "{marker} reached the engine"
+            );
+        }
+    }
+}
+
+#[tokio::test]
 async fn a_stream_the_engine_chose_is_metered_as_a_stream_whatever_the_body_said() {
     let _turn = turn().await;
     let s = stack();

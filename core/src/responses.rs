@@ -108,6 +108,16 @@ fn engine_tool(tools: &RawValue) -> Option<String> {
     })
 }
 
+/// [`ResponsesRequest::check_engine_state`] of a request's raw body. A body that is no JSON
+/// object has no such state (the engine refuses it); one whose fields are malformed is
+/// refused for them.
+pub fn check_engine_state(body: &[u8]) -> Result<(), ApiError> {
+    let Ok(top) = serde_json::from_slice::<RawObject<'_>>(body) else {
+        return Ok(());
+    };
+    ResponsesRequest::from_fields(&top)?.check_engine_state()
+}
+
 impl ResponsesItem {
     /// The chat role the item is rendered as.
     fn role(&self) -> &str {
@@ -194,21 +204,7 @@ impl ResponsesRequest {
     }
 
     pub fn validate(&self) -> Result<(), ApiError> {
-        if let Some(param) = self.stateful {
-            return Err(ApiError::bad_request(format!(
-                "{param} is not supported by this gateway: it runs state the engine keeps, \
-                 which weir can neither count nor keep within your tenant; send the whole \
-                 conversation in `input`"
-            ))
-            .with_param(param));
-        }
-        if let Some(kind) = &self.engine_tool {
-            return Err(ApiError::bad_request(format!(
-                "tools of type '{kind}' are not supported by this gateway: the engine would run \
-                 them itself, past the output limit weir reserved; use function tools"
-            ))
-            .with_param("tools"));
-        }
+        self.check_engine_state()?;
         let items = match &self.input {
             None => return Err(ApiError::bad_request("input is required").with_param("input")),
             Some(ResponsesInput::Text(_)) => return Ok(()),
@@ -218,13 +214,6 @@ impl ResponsesRequest {
             return Err(ApiError::bad_request("input must not be empty").with_param("input"));
         }
         for (i, item) in items.iter().enumerate() {
-            if item.kind.as_deref() == Some("item_reference") {
-                return Err(ApiError::bad_request(format!(
-                    "input[{i}]: item_reference is not supported by this gateway (a stored item \
-                     weir cannot count); send the item itself"
-                ))
-                .with_param("input"));
-            }
             if matches!(item.kind.as_deref(), None | Some("message"))
                 && !MESSAGE_ROLES.contains(&item.role())
             {
@@ -241,6 +230,42 @@ impl ResponsesRequest {
                 ))
                 .with_param("input"));
             }
+        }
+        Ok(())
+    }
+
+    /// Refuses what would have the engine run state weir can neither keep within the tenant
+    /// nor count: stored responses and conversations, stored items, prompt templates, detached
+    /// runs, and tools the engine runs itself (see the module doc). The sidecar, the last hop,
+    /// checks this on every route, whatever the front door's mode ([`check_engine_state`]).
+    pub fn check_engine_state(&self) -> Result<(), ApiError> {
+        if let Some(param) = self.stateful {
+            return Err(ApiError::bad_request(format!(
+                "{param} is not supported by this gateway: it runs state the engine keeps, \
+                 which weir can neither count nor keep within your tenant; send the whole \
+                 conversation in `input`"
+            ))
+            .with_param(param));
+        }
+        if let Some(kind) = &self.engine_tool {
+            return Err(ApiError::bad_request(format!(
+                "tools of type '{kind}' are not supported by this gateway: the engine would run \
+                 them itself, past the output limit weir reserved; use function tools"
+            ))
+            .with_param("tools"));
+        }
+        let items = match &self.input {
+            Some(ResponsesInput::Items(items)) => items.as_slice(),
+            _ => &[],
+        };
+        if let Some(i) =
+            (items.iter()).position(|item| item.kind.as_deref() == Some("item_reference"))
+        {
+            return Err(ApiError::bad_request(format!(
+                "input[{i}]: item_reference is not supported by this gateway (a stored item \
+                 weir cannot count); send the item itself"
+            ))
+            .with_param("input"));
         }
         Ok(())
     }

@@ -295,6 +295,16 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let Ok(mut value) = serde_json::from_slice::<Value>(&body) else {
         return error_response(&ApiError::bad_request("malformed JSON"));
     };
+    // The front door refuses these only where it enforces (not on `off` or `shadow` routes,
+    // nor outside a rollout's share): as the last hop, the sidecar refuses them on every route,
+    // or a tenant who learned another's response id would read that conversation.
+    if endpoint == Endpoint::Responses
+        && let Err(error) = weir_core::responses::check_engine_state(&body)
+    {
+        app.metrics
+            .reject("engine_state", &who.tenant, error.status);
+        return error_response(&error);
+    }
     let model = value["model"].as_str().unwrap_or_default().to_owned();
     let Some((pool, prefix_bytes, encoding)) =
         app.pools.load().iter().find_map(|r| {
