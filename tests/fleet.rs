@@ -160,13 +160,10 @@ async fn a_stopped_store_fails_open_within_the_share_or_closed_and_both_recover(
     let _turn = turn().await;
     let envoy = &fleet().envoys[0];
     let content = "fleet ".repeat(400);
-    // Warm: both limits get their first grant.
+    // Both limits are served with the store up (a first request asks for its lease at once).
     for key in ["open", "closed"] {
-        let ok = weir_e2e::wait_for(Duration::from_secs(10), || {
-            let status = futures_block(served(envoy, key, &content)).0;
-            (status == StatusCode::OK).then_some(())
-        });
-        assert!(ok.is_some(), "{key} was never served with the store up");
+        let (status, v, _) = served(envoy, key, &content).await;
+        assert_eq!(status, StatusCode::OK, "{key} with the store up: {v}");
     }
     fleet().redis.lock().unwrap().stop();
     let down_for = Duration::from_secs(10);
@@ -384,6 +381,42 @@ async fn served(envoy: &Envoy, key: &str, content: &str) -> (StatusCode, Value, 
     let v: Value = r.json().await.unwrap_or(Value::Null);
     let input = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
     (status, v, input)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_tenant_s_first_request_and_its_first_after_idle_are_served() {
+    // A fresh Envoy on the fleet's quota service: its first request finds no lease, asks the
+    // store at once and waits for the answer instead of being refused; so is the first after
+    // the tenant was idle (whether its lease lapsed or the renewal kept it: a lease that lapsed
+    // is `Unleased` in `core/src/allowance.rs`'s tests).
+    let _turn = turn().await;
+    let quota = fleet().sidecar.port;
+    let config = json!({
+        "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": [
+            fleet_key("first", "fail_closed"),
+        ]}]}]}],
+        "models": {"tiny": {"max_context_tokens": 4096}},
+        "fleet": {"cluster": "upstream", "renew_ms": 1_000, "timeout_ms": 2_000,
+                  "lease_ttl_ms": 1_000},
+    });
+    let envoy = Envoy::start(&config, quota, quota);
+    let content = "fleet ".repeat(200);
+    for moment in ["first", "after 3 s idle"] {
+        let (status, v, input) = served(&envoy, "first", &content).await;
+        println!("{moment}: {status}, {input} input tokens");
+        assert_eq!(status, StatusCode::OK, "{moment}: {v}");
+        assert!(input > 0, "{moment}: {v}");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    let asked = envoy
+        .stats()
+        .await
+        .get("weir.fleet.leases_asked_at_once")
+        .copied();
+    assert!(
+        asked >= Some(1),
+        "the first request asked at once: {asked:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

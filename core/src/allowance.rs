@@ -59,8 +59,10 @@ pub struct Allowance {
 /// Why a counter's lease cannot cover a request.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Shortage {
-    /// No grant yet on this Envoy: the first renewal is at most a period away.
-    Cold { retry_after_ms: u64 },
+    /// No lease to spend from — no grant yet on this Envoy, or a lease that lapsed while the
+    /// tenant was idle — though the store may well hold the tokens (`remaining`, its last
+    /// word, 0 before any): worth asking for at once rather than refusing.
+    Unleased { remaining: u64, retry_after_ms: u64 },
     /// The store is unreachable and the counter fails closed.
     Unavailable { retry_after_ms: u64 },
     /// The calendar window's budget is gone; it resets at `resets_ms`.
@@ -228,13 +230,15 @@ impl Allowance {
             }
             (false, _) => {}
         }
-        if !self.granted {
-            return Err(Shortage::Cold { retry_after_ms });
+        if !self.granted || self.lapsed(ctx.window, now_ms) {
+            return Err(Shortage::Unleased {
+                remaining: self.remaining,
+                retry_after_ms,
+            });
         }
         // Gone for the window only when the store said so: with tokens left there, other
         // Envoys' leases lapse back to it, and the next renewal may bring them.
-        let exhausted =
-            ctx.window != Window::Minute && !self.lapsed(ctx.window, now_ms) && self.remaining == 0;
+        let exhausted = ctx.window != Window::Minute && self.remaining == 0;
         if exhausted {
             return Err(Shortage::Exhausted {
                 resets_ms: self.resets_ms,
@@ -420,12 +424,13 @@ mod tests {
     const DOWN: bool = true;
 
     #[test]
-    fn a_cold_counter_refuses_until_its_first_grant_then_spends_it() {
+    fn a_cold_counter_is_unleased_until_its_first_grant_then_spends_it() {
         let c = ctx(Window::Minute, FailMode::FailClosed, UP);
         let a = Allowance::cold(&c, 0);
         assert_eq!(
             a.take(10, &c, 0),
-            Err(Shortage::Cold {
+            Err(Shortage::Unleased {
+                remaining: 0,
                 retry_after_ms: 250
             })
         );
@@ -452,6 +457,29 @@ mod tests {
             Some(900),
             "1,000 target minus 100 held"
         );
+    }
+
+    #[test]
+    fn a_lease_that_lapsed_while_idle_is_unleased_not_spent() {
+        // Granted 600 with 59,400 left in the store, then idle past the lease's life: the next
+        // request finds no lease, but the store's last word says it holds plenty. Before, that
+        // was a 429 saying "remaining 0".
+        let c = ctx(Window::Minute, FailMode::FailClosed, UP);
+        let a = Allowance::cold(&c, 0).add_grant(&grant(600, 59_400, None, 600), &c, 0);
+        let idle = c.terms.lease_ttl_ms + 1;
+        assert_eq!(
+            a.take(10, &c, idle),
+            Err(Shortage::Unleased {
+                remaining: 59_400,
+                retry_after_ms: 250
+            })
+        );
+        // A lease spent under load (not lapsed) waits for the period's renewal, as before.
+        let (spent, _) = a.take(590, &c, 10).unwrap();
+        assert!(matches!(
+            spent.take(20, &c, 20),
+            Err(Shortage::Spent { remaining: 10, .. })
+        ));
     }
 
     #[test]

@@ -171,6 +171,23 @@ pub struct Limits {
     /// Long-window budgets (hour, day, month; tokens or spend), always fleet-wide.
     #[serde(default)]
     pub budgets: Vec<BudgetConfig>,
+    /// What a single request whose prompt is larger than this level's whole
+    /// `input_tokens_per_minute` gets.
+    #[serde(default)]
+    pub oversize: Oversize,
+}
+
+/// What a request larger than a whole per-minute token limit gets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Oversize {
+    /// 429 `request_too_large`, naming the limit and the size, without `Retry-After`: it never
+    /// fits, however long the caller waits (OpenAI's answer).
+    #[default]
+    Refuse,
+    /// Let through from a full bucket, leaving a debt the next minute repays: slowed, not
+    /// banned.
+    Debt,
 }
 
 /// The limits `limits.fleet_wide` may name: per-minute rates. Concurrency stays local (a slot

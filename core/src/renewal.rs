@@ -14,8 +14,9 @@
 use std::collections::HashMap;
 
 use crate::allowance::{self, Allowance};
+use crate::config::Tenant;
 use crate::fleet::{CounterAsk, LeaseRequest, LeaseResponse, MAX_COUNTERS};
-use crate::reservation::{Fleet, SharedStore, Update, update};
+use crate::reservation::{self, Fleet, SharedStore, Update, update};
 
 /// Shared-data key of the renewal claim.
 pub const CLAIM_KEY: &str = "weir:fleet:renewer";
@@ -40,6 +41,15 @@ impl Spec {
             store_down,
         }
     }
+}
+
+/// The renewal's terms for every fleet-wide counter of `tenants`, by counter key.
+pub fn specs<'a>(tenants: impl IntoIterator<Item = &'a Tenant>) -> HashMap<String, Spec> {
+    tenants
+        .into_iter()
+        .flat_map(reservation::fleet_counters)
+        .map(|(key, limit, fleet)| (key, Spec { limit, fleet }))
+        .collect()
 }
 
 /// The claim record: 24 bytes, holder id, call started (0: none in flight), next due.
@@ -184,36 +194,82 @@ pub fn plan(store: &impl SharedStore, specs: &HashMap<String, Spec>, now_ms: u64
             delist(store, &key);
             continue;
         };
-        let ctx = spec.context(false);
-        let mut asked = None;
-        let updated = update::<()>(store, &key, |current| {
-            let a = current
-                .and_then(Allowance::decode)
-                .unwrap_or_else(|| Allowance::cold(&ctx, now_ms));
-            let (next, ask) = a.ask(&ctx, now_ms);
-            asked = ask;
-            Ok(next.encode())
-        });
-        if !matches!(updated, Update::Done(())) {
-            continue;
-        }
-        match asked {
-            None => retire(store, &key),
-            Some(ask) if ask.want > 0 || ask.returned > 0 => counters.push(CounterAsk {
-                key,
-                window: spec.fleet.window,
-                limit: spec.limit,
-                want: ask.want,
-                returned: ask.returned,
-                returned_window_start_ms: ask.returned_window_start_ms,
-            }),
-            Some(_) => {}
+        match ask(store, &key, spec, now_ms) {
+            Asked::Idle => retire(store, &key),
+            Asked::Ask(ask) => counters.push(ask),
+            Asked::Nothing => {}
         }
         if counters.len() >= MAX_COUNTERS {
             break;
         }
     }
     LeaseRequest { counters }
+}
+
+/// The renewal to send at once for a request that found no lease ([`Denial::Unleased`]):
+/// asks for those of `specs` (its tenant's fleet-wide counters) that a request found short,
+/// as the period's renewal would. Concurrent first requests on one Envoy each ask: at most
+/// their number of asks, whose tokens lapse back to the store if unspent.
+///
+/// [`Denial::Unleased`]: crate::reservation::Denial::Unleased
+pub fn plan_for(
+    store: &impl SharedStore,
+    specs: &HashMap<String, Spec>,
+    now_ms: u64,
+) -> LeaseRequest {
+    let wanted = |key: &String| {
+        store
+            .load(key)
+            .and_then(|(v, _)| Allowance::decode(&v))
+            .is_some_and(|a| a.wanted > 0.0)
+    };
+    let counters = specs
+        .iter()
+        .filter(|(key, _)| wanted(key))
+        .filter_map(|(key, spec)| match ask(store, key, spec, now_ms) {
+            Asked::Ask(ask) => Some(ask),
+            Asked::Idle | Asked::Nothing => None,
+        })
+        .take(MAX_COUNTERS)
+        .collect();
+    LeaseRequest { counters }
+}
+
+/// What one counter's lease asks of the store now ([`Allowance::ask`]).
+enum Asked {
+    Ask(CounterAsk),
+    /// Nothing to ask or give back, and the counter is idle.
+    Idle,
+    /// Nothing this time (or its lease kept changing under us).
+    Nothing,
+}
+
+fn ask(store: &impl SharedStore, key: &str, spec: &Spec, now_ms: u64) -> Asked {
+    let ctx = spec.context(false);
+    let mut asked = None;
+    let updated = update::<()>(store, key, |current| {
+        let a = current
+            .and_then(Allowance::decode)
+            .unwrap_or_else(|| Allowance::cold(&ctx, now_ms));
+        let (next, ask) = a.ask(&ctx, now_ms);
+        asked = ask;
+        Ok(next.encode())
+    });
+    if !matches!(updated, Update::Done(())) {
+        return Asked::Nothing;
+    }
+    match asked {
+        None => Asked::Idle,
+        Some(ask) if ask.want > 0 || ask.returned > 0 => Asked::Ask(CounterAsk {
+            key: key.to_owned(),
+            window: spec.fleet.window,
+            limit: spec.limit,
+            want: ask.want,
+            returned: ask.returned,
+            returned_window_start_ms: ask.returned_window_start_ms,
+        }),
+        Some(_) => Asked::Nothing,
+    }
 }
 
 /// Adds the answer's grants to their leases and marks the store up.
@@ -275,16 +331,8 @@ mod tests {
         Config::parse(json.as_bytes()).unwrap()
     }
 
-    fn specs(config: &Config) -> HashMap<String, Spec> {
-        config
-            .directory()
-            .tenants()
-            .flat_map(|t| {
-                reservation::fleet_counters(t)
-                    .map(|(key, limit, fleet)| (key, Spec { limit, fleet }))
-                    .collect::<Vec<_>>()
-            })
-            .collect()
+    fn specs_of(config: &Config) -> HashMap<String, Spec> {
+        specs(config.directory().tenants())
     }
 
     const SLOT: SlotLease = SlotLease {
@@ -361,9 +409,9 @@ mod tests {
     }
 
     #[test]
-    fn a_cold_counter_is_listed_by_its_first_refusal_and_served_after_one_renewal() {
+    fn a_cold_counter_is_unleased_at_its_first_request_and_served_after_its_own_ask() {
         let config = config("fail_closed");
-        let specs = specs(&config);
+        let specs = specs_of(&config);
         let tenant = config.directory().tenants().next().unwrap().clone();
         let store = Memory::default();
         reservation::initialize(&store, [&tenant], 0);
@@ -371,14 +419,16 @@ mod tests {
         assert!(
             matches!(
                 refused,
-                Err(Denial::Limit {
+                Err(Denial::Unleased {
+                    remaining: 0,
                     retry_after_ms: 250,
                     ..
                 })
             ),
             "{refused:?}"
         );
-        let ask = plan(&store, &specs, 10);
+        // The request asks at once for the counters of its tenant that it found short.
+        let ask = plan_for(&store, &specs, 10);
         assert_eq!(ask.counters.len(), 1, "one counter, one call");
         assert_eq!(
             (ask.counters[0].key.as_str(), ask.counters[0].want),
@@ -396,7 +446,7 @@ mod tests {
     #[test]
     fn a_counter_that_finds_the_active_set_full_is_listed_once_there_is_room() {
         let config = config("fail_closed");
-        let specs = specs(&config);
+        let specs = specs_of(&config);
         let tenant = config.directory().tenants().next().unwrap().clone();
         let store = Memory::default();
         // Another tenant's counters fill the active set.
@@ -421,7 +471,7 @@ mod tests {
     #[test]
     fn a_refund_of_a_request_served_from_the_fail_open_share_never_becomes_store_tokens() {
         let config = config("fail_open");
-        let specs = specs(&config);
+        let specs = specs_of(&config);
         let tenant = config.directory().tenants().next().unwrap().clone();
         let store = Memory::default();
         mark_down(&store, 0);
@@ -449,7 +499,7 @@ mod tests {
     fn a_store_down_fails_closed_or_open_and_the_first_answer_recovers() {
         for fail in ["fail_closed", "fail_open"] {
             let config = config(fail);
-            let specs = specs(&config);
+            let specs = specs_of(&config);
             let tenant = config.directory().tenants().next().unwrap().clone();
             let store = Memory::default();
             let _ = reservation::reserve(&store, &tenant, demand(100), Ledger::Enforce, SLOT, 0);
@@ -491,7 +541,7 @@ mod tests {
             r#""prices":{"currency":"USD","default":{"input":1.0,"output":2.0}},"#,
             r#"{"window":"month","spend":0.01}"#,
         );
-        let specs = specs(&config);
+        let specs = specs_of(&config);
         let key = "weir:e:acme:month:spend";
         assert_eq!(
             specs.get(key).map(|s| s.limit),
@@ -568,7 +618,7 @@ mod tests {
     #[test]
     fn a_request_charged_before_the_first_grant_settles_against_the_lease_its_body_took() {
         let config = budget_config("", r#"{"window":"month","tokens":100000}"#);
-        let specs = specs(&config);
+        let specs = specs_of(&config);
         let key = "weir:e:acme:month:tokens";
         let tenant = config.directory().tenants().next().unwrap().clone();
         let store = Memory::default();
@@ -602,7 +652,7 @@ mod tests {
     #[test]
     fn counters_not_in_the_config_or_idle_leave_the_active_set() {
         let config = config("fail_closed");
-        let specs = specs(&config);
+        let specs = specs_of(&config);
         let store = Memory::default();
         enlist(&store, "weir:e:gone:rpm");
         enlist(&store, KEY);

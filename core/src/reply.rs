@@ -33,13 +33,20 @@ impl Reply {
         }
     }
 
-    /// 429 for a reservation that did not fit, with `Retry-After` and the refused limit's
-    /// rate-limit headers.
+    /// 429 for a reservation that did not fit, with `Retry-After` (unless no wait would make it
+    /// fit) and the refused limit's rate-limit headers.
     pub fn denied(denial: &Denial, shape: ErrorShape, now_ms: u64) -> Reply {
         let mut code = "rate_limit_exceeded";
         let mut budget = None;
         let (message, retry_after_ms, standing) = match denial {
             Denial::Limit {
+                level,
+                kind,
+                limit,
+                remaining,
+                retry_after_ms,
+            }
+            | Denial::Unleased {
                 level,
                 kind,
                 limit,
@@ -58,7 +65,21 @@ impl Reply {
                     remaining: *remaining,
                     reset_ms: *retry_after_ms,
                 };
-                (message, *retry_after_ms, Some(standing))
+                (message, Some(*retry_after_ms), Some(standing))
+            }
+            Denial::TooLarge {
+                level,
+                kind,
+                limit,
+                requested,
+            } => {
+                code = "request_too_large";
+                let message = format!(
+                    "Request too large for {} on {level}: limit {limit}, requested {requested}. \
+                     Reduce the prompt to run it: no wait makes it fit.",
+                    kind.name()
+                );
+                (message, None, None)
             }
             Denial::QuotaUnavailable {
                 level,
@@ -72,7 +93,7 @@ impl Reply {
                     kind.name(),
                     duration(*retry_after_ms)
                 );
-                (message, *retry_after_ms, None)
+                (message, Some(*retry_after_ms), None)
             }
             Denial::BudgetExceeded {
                 level,
@@ -97,11 +118,11 @@ impl Reply {
                     window.name(),
                     measure.name(),
                 );
-                (message, resets_ms.saturating_sub(now_ms), None)
+                (message, Some(resets_ms.saturating_sub(now_ms)), None)
             }
             Denial::Contended => (
                 "Quota counters are busy; retry shortly.".to_owned(),
-                1_000,
+                Some(1_000),
                 None,
             ),
         };
@@ -115,8 +136,10 @@ impl Reply {
         if let Some(budget) = budget {
             reply.headers.push((BUDGET_HEADER, budget));
         }
-        let seconds = retry_after_ms.div_ceil(1_000).max(1);
-        reply.headers.push(("retry-after", seconds.to_string()));
+        if let Some(retry_after_ms) = retry_after_ms {
+            let seconds = retry_after_ms.div_ceil(1_000).max(1);
+            reply.headers.push(("retry-after", seconds.to_string()));
+        }
         reply
             .headers
             .extend(quota_headers(standing.as_slice(), shape, now_ms));
@@ -392,6 +415,30 @@ mod tests {
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
         assert_eq!(rfc3339(951_782_400_000), "2000-02-29T00:00:00Z");
         assert_eq!(rfc3339(4_107_542_399_000), "2100-02-28T23:59:59Z");
+    }
+
+    #[test]
+    fn a_request_too_large_names_the_limit_and_the_size_and_no_wait() {
+        let reply = Reply::denied(
+            &Denial::TooLarge {
+                level: "acme/w/p/k".into(),
+                kind: LimitKind::InputTokens,
+                limit: 60_000,
+                requested: 80_000,
+            },
+            ErrorShape::OpenAi,
+            0,
+        );
+        assert_eq!(reply.status, 429);
+        assert_eq!(header(&reply.headers, "retry-after"), None);
+        let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+        assert_eq!(body["error"]["code"], "request_too_large");
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("input_tokens_per_minute on acme/w/p/k")
+                && message.contains("limit 60000, requested 80000"),
+            "{message}"
+        );
     }
 
     #[test]

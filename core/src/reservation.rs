@@ -14,7 +14,7 @@
 
 use crate::allowance::{self, Allowance, Shortage, Source};
 use crate::bucket::Bucket;
-use crate::config::{Level, Limits, Tenant};
+use crate::config::{Level, Limits, Oversize, Tenant};
 use crate::fleet::Window;
 use crate::fleet_config::BudgetConfig;
 use crate::fleet_config::{FailMode, LeaseTerms, Measure};
@@ -119,6 +119,8 @@ struct Counter {
     limit: u64,
     /// Set for a fleet-wide counter: its state is a lease, not a bucket.
     fleet: Option<Fleet>,
+    /// What a request larger than the whole limit gets (input tokens per minute only).
+    oversize: Oversize,
     /// For a held fleet-wide counter: where its tokens came from, so that settling gives them
     /// back there (share if any take of the request was served from it).
     source: Source,
@@ -189,12 +191,32 @@ pub enum Denial {
         remaining: u64,
         retry_after_ms: u64,
     },
+    /// A fleet-wide limit has no lease on this Envoy (none granted yet, or lapsed while the
+    /// tenant was idle), though the store may hold the tokens: the caller asks for a lease at
+    /// once and tries again ([`crate::renewal::plan_for`]); if it still cannot, the answer is
+    /// the limit's, as for [`Denial::Limit`].
+    Unleased {
+        level: String,
+        kind: LimitKind,
+        limit: u64,
+        /// The store's last word (0 before any).
+        remaining: u64,
+        retry_after_ms: u64,
+    },
     /// A fleet-wide limit's lease is spent, the store is unreachable and the limit fails
     /// closed.
     QuotaUnavailable {
         level: String,
         kind: LimitKind,
         retry_after_ms: u64,
+    },
+    /// One request asks more than a whole per-minute limit holds ([`Oversize::Refuse`]): it
+    /// never fits.
+    TooLarge {
+        level: String,
+        kind: LimitKind,
+        limit: u64,
+        requested: u64,
     },
     /// A long-window budget is spent for its window.
     BudgetExceeded {
@@ -242,6 +264,8 @@ fn budget_counter(level: &Level, budget: &BudgetConfig, terms: LeaseTerms) -> Op
             fail: budget.on_store_down,
             terms,
         }),
+        // A budget is no per-minute limit: the first request past it ends it for the window.
+        oversize: Oversize::Debt,
         source: NO_LEASE,
     })
 }
@@ -267,6 +291,7 @@ fn counters(tenant: &Tenant, ledger: Ledger) -> impl Iterator<Item = Counter> + 
                     kind,
                     limit,
                     fleet,
+                    oversize: level.limits.oversize,
                     source: NO_LEASE,
                 })
             })
@@ -421,6 +446,17 @@ impl Counter {
         now_ms: u64,
     ) -> Update<Denial, (Standing, Source)> {
         let amount = self.amount(demand);
+        if self.kind == LimitKind::InputTokens
+            && self.oversize == Oversize::Refuse
+            && amount > self.limit
+        {
+            return Update::Refused(Denial::TooLarge {
+                level: level_of(&self.key),
+                kind: self.kind,
+                limit: self.limit,
+                requested: amount,
+            });
+        }
         if let Some(fleet) = self.fleet {
             return self.take_leased(store, fleet, amount, slot, now_ms);
         }
@@ -523,7 +559,18 @@ impl Counter {
                     retry_after_ms,
                 };
             }
-            Shortage::Cold { retry_after_ms } => (0, retry_after_ms),
+            Shortage::Unleased {
+                remaining,
+                retry_after_ms,
+            } => {
+                return Denial::Unleased {
+                    level,
+                    kind: self.kind,
+                    limit: self.limit,
+                    remaining,
+                    retry_after_ms,
+                };
+            }
             Shortage::Spent {
                 remaining,
                 retry_after_ms,
@@ -930,6 +977,51 @@ pub(crate) mod tests {
         }
         // The org's input tokens taken by the refused request were given back.
         assert_eq!(store.level("weir:e:acme:itpm"), 990.0);
+    }
+
+    #[test]
+    fn a_prompt_larger_than_a_whole_minute_is_refused_as_too_large_unless_in_debt() {
+        // 60,000 input tokens a minute at the key; the org lets oversized requests run in debt.
+        let t = tenant(
+            r#"{"input_tokens_per_minute":1000000,"oversize":"debt"}"#,
+            r#"{"input_tokens_per_minute":60000}"#,
+        );
+        let store = Memory::default();
+        initialize(&store, [&t], 0);
+        let huge = Demand {
+            input_tokens: 80_000,
+            output_tokens: 10,
+            cost_micros: 0,
+        };
+        let denial = reserve(&store, &t, huge, Ledger::Enforce, slot(), 0).unwrap_err();
+        assert_eq!(
+            denial,
+            Denial::TooLarge {
+                level: "acme/w/p/k".into(),
+                kind: LimitKind::InputTokens,
+                limit: 60_000,
+                requested: 80_000,
+            }
+        );
+        // Nothing was taken, at any level.
+        assert_eq!(store.level("weir:e:acme/w/p/k:itpm"), 60_000.0);
+        assert_eq!(store.level("weir:e:acme:itpm"), 1_000_000.0);
+        // A request that fits the key's minute goes through the same full buckets.
+        let fits = Demand {
+            input_tokens: 60_000,
+            ..huge
+        };
+        assert!(reserve(&store, &t, fits, Ledger::Enforce, slot(), 0).is_ok());
+        // In debt at the key too: from a full bucket, the oversized request runs and leaves
+        // the bucket below zero.
+        let t = tenant(
+            "{}",
+            r#"{"input_tokens_per_minute":60000,"oversize":"debt"}"#,
+        );
+        let store = Memory::default();
+        initialize(&store, [&t], 0);
+        assert!(reserve(&store, &t, huge, Ledger::Enforce, slot(), 0).is_ok());
+        assert_eq!(store.level("weir:e:acme/w/p/k:itpm"), -20_000.0);
     }
 
     #[test]

@@ -284,8 +284,16 @@ pub fn local_reply(status: u16, headers: &[(&str, String)], body: &[u8]) {
     }
 }
 
-/// Sends a call to `cluster` outside any request (the lease renewal); the answer comes to the
-/// root context's `on_http_call_response` with the returned token.
+/// Lets a request held for a call's answer (its body paused) go on.
+pub fn resume_request() {
+    counted();
+    if let Err(status) = hostcalls::resume_http_request() {
+        log::warn!("weir: cannot resume the request: {status:?}");
+    }
+}
+
+/// Sends a call to `cluster` (a lease renewal, or a request's own ask); the answer comes to
+/// the calling context's `on_http_call_response` with the returned token.
 pub fn dispatch(
     cluster: &str,
     headers: &[(&str, &str)],

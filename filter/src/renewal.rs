@@ -1,15 +1,15 @@
 //! The host side of lease renewal ([`weir_core::renewal`]): on every root tick a worker tries
 //! to claim the period; the one that wins sends the period's single signed call to the quota
-//! service, and its answer (or its failure) lands here. Never on a request's path.
+//! service, and its answer (or its failure) lands here. A request that finds no lease sends
+//! its own call at once ([`send`], [`answer`]; `crate::request`).
 
 use std::collections::HashMap;
 
 use weir_core::config::{Config, Directory};
-use weir_core::fleet::{self, LeaseResponse};
+use weir_core::fleet::{self, LeaseRequest, LeaseResponse};
 use weir_core::fleet_config::FleetConfig;
 use weir_core::keys::hash_key;
 use weir_core::renewal::{self, Spec};
-use weir_core::reservation;
 use weir_core::trusted;
 
 use crate::host::{self, Metrics, SharedData};
@@ -30,11 +30,7 @@ impl Renewal {
     /// `None` when the config has no fleet-wide limit to renew.
     pub fn new(config: &Config, directory: &Directory) -> Option<Renewal> {
         let fleet = config.fleet.clone()?;
-        let specs: HashMap<String, Spec> = directory
-            .tenants()
-            .flat_map(reservation::fleet_counters)
-            .map(|(key, limit, fleet)| (key, Spec { limit, fleet }))
-            .collect();
+        let specs = renewal::specs(directory.tenants());
         (!specs.is_empty()).then(|| Renewal {
             config: fleet,
             specs,
@@ -59,33 +55,9 @@ impl Renewal {
             renewal::release(&SharedData, self.holder);
             return;
         }
-        let body = serde_json::to_vec(&ask).unwrap_or_default();
-        let digest = hash_key(&String::from_utf8_lossy(&body));
-        // A fresh id per call: two Envoys may send the same body in the same millisecond, and
-        // the service takes each signed call once.
-        let call_id = host::unique_id();
-        let vouched = [
-            (trusted::REQUEST_ID, call_id.as_str()),
-            (trusted::BODY_SHA256, digest.as_str()),
-        ];
-        let signature = signer.and_then(|s| s.sign(&vouched, now));
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", fleet::PATH),
-            (":authority", self.config.authority.as_str()),
-            ("content-type", "application/json"),
-            (trusted::REQUEST_ID, call_id.as_str()),
-            (trusted::BODY_SHA256, digest.as_str()),
-        ];
-        if let Some(signature) = &signature {
-            headers.push((trusted::SIGNATURE, signature));
-        }
-        match host::dispatch(&self.config.cluster, &headers, &body, timeout) {
-            Ok(token) => self.pending = Some(token),
-            Err(status) => {
-                log::warn!("weir: cannot call the quota service: {status:?}");
-                self.failed(metrics, now);
-            }
+        match send(&self.config, signer, &ask, now) {
+            Some(token) => self.pending = Some(token),
+            None => self.failed(metrics),
         }
     }
 
@@ -96,26 +68,73 @@ impl Renewal {
         }
         self.pending = None;
         let now = host::now_ms();
-        let (status, body) = host::call_response(body_size);
-        let parsed = serde_json::from_slice::<LeaseResponse>(&body);
-        match (status, parsed) {
-            (Some(200), Ok(response)) => {
-                renewal::apply(&SharedData, &self.specs, &response, now);
-                renewal::release(&SharedData, self.holder);
-                metrics.add(telemetry::FLEET_RENEWALS, 1);
-            }
-            (status, _) => {
-                log::warn!(
-                    "weir: lease renewal failed (status {status:?}); the store counts as down"
-                );
-                self.failed(metrics, now);
-            }
+        if answer(&self.specs, body_size, now) {
+            renewal::release(&SharedData, self.holder);
+            metrics.add(telemetry::FLEET_RENEWALS, 1);
+        } else {
+            self.failed(metrics);
         }
     }
 
-    fn failed(&self, metrics: &Metrics, now: u64) {
-        renewal::mark_down(&SharedData, now);
+    /// The call failed (the store is marked down): the next period's holder tries again.
+    fn failed(&self, metrics: &Metrics) {
         renewal::release(&SharedData, self.holder);
         metrics.add(telemetry::FLEET_RENEWAL_FAILURES, 1);
+    }
+}
+
+/// Sends `ask` to the quota service, signed; the call's token, or `None` (logged, and the
+/// store marked down) when it cannot be sent.
+pub fn send(
+    config: &FleetConfig,
+    signer: Option<&Signer>,
+    ask: &LeaseRequest,
+    now: u64,
+) -> Option<u32> {
+    let body = serde_json::to_vec(ask).unwrap_or_default();
+    let digest = hash_key(&String::from_utf8_lossy(&body));
+    // A fresh id per call: two Envoys may send the same body in the same millisecond, and
+    // the service takes each signed call once.
+    let call_id = host::unique_id();
+    let vouched = [
+        (trusted::REQUEST_ID, call_id.as_str()),
+        (trusted::BODY_SHA256, digest.as_str()),
+    ];
+    let signature = signer.and_then(|s| s.sign(&vouched, now));
+    let mut headers = vec![
+        (":method", "POST"),
+        (":path", fleet::PATH),
+        (":authority", config.authority.as_str()),
+        ("content-type", "application/json"),
+        (trusted::REQUEST_ID, call_id.as_str()),
+        (trusted::BODY_SHA256, digest.as_str()),
+    ];
+    if let Some(signature) = &signature {
+        headers.push((trusted::SIGNATURE, signature));
+    }
+    match host::dispatch(&config.cluster, &headers, &body, config.timeout_ms) {
+        Ok(token) => Some(token),
+        Err(status) => {
+            log::warn!("weir: cannot call the quota service: {status:?}");
+            renewal::mark_down(&SharedData, now);
+            None
+        }
+    }
+}
+
+/// Applies the quota service's answer to a call of [`send`] (its grants to `specs`' leases);
+/// `false`, logged and the store marked down, when it failed.
+pub fn answer(specs: &HashMap<String, Spec>, body_size: usize, now: u64) -> bool {
+    let (status, body) = host::call_response(body_size);
+    match (status, serde_json::from_slice::<LeaseResponse>(&body)) {
+        (Some(200), Ok(response)) => {
+            renewal::apply(&SharedData, specs, &response, now);
+            true
+        }
+        (status, _) => {
+            log::warn!("weir: lease call failed (status {status:?}); the store counts as down");
+            renewal::mark_down(&SharedData, now);
+            false
+        }
     }
 }

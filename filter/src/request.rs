@@ -40,6 +40,7 @@ use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 use weir_core::path::{self, Route};
 use weir_core::prediction;
 use weir_core::price;
+use weir_core::renewal;
 use weir_core::reply::{self, Reply};
 use weir_core::reservation::{
     self, Demand, Denial, Ledger, LimitKind, Reservation, SlotLease, Standing,
@@ -81,6 +82,22 @@ enum Stage {
     Done,
 }
 
+/// A lease the request asked the quota service for at once: a fleet-wide limit had none on
+/// this Envoy ([`Denial::Unleased`]: the first request after a start, or after the tenant was
+/// idle), though the store may hold the tokens. Rather than refused, the request waits for the
+/// answer (at most the fleet's `timeout_ms`; a failed call marks the store down, and its
+/// `fail_open`/`fail_closed` rule decides), then is charged again — once: a second shortage is
+/// the limit's refusal.
+enum Lease {
+    NotAsked,
+    /// The call's token, and the body waiting for the answer once it is whole.
+    Asked {
+        token: u32,
+        waiting: Option<Vec<u8>>,
+    },
+    Answered,
+}
+
 enum Meter {
     None,
     Stream(StreamMeter),
@@ -98,6 +115,9 @@ pub struct Request {
     tenant: Option<Arc<Tenant>>,
     admitted: Option<Admitted>,
     reservation: Option<Reservation>,
+    lease: Lease,
+    /// Its headers found no lease ([`Lease`]): the request itself is charged with its body.
+    owes_request_charge: bool,
     meter: Meter,
     upstream_status: u16,
     /// In shadow mode, the first rejection enforcement would have made.
@@ -134,6 +154,8 @@ impl Request {
             tenant: None,
             admitted: None,
             reservation: None,
+            lease: Lease::NotAsked,
+            owes_request_charge: false,
             meter: Meter::None,
             upstream_status: 0,
             would_reject: None,
@@ -250,11 +272,68 @@ impl Request {
                 self.reservation = Some(r);
                 Action::Continue
             }
+            Err(Denial::Unleased { .. }) if self.ask_lease() => {
+                // Its headers go on; the body waits for the lease and is charged with it.
+                self.owes_request_charge = true;
+                Action::Continue
+            }
             Err(denial) => {
                 // In shadow mode the request goes on, metered but holding no reservation.
                 let reply = Reply::denied(&denial, self.shape, now);
                 self.refuse(reply, denial_reason(&denial), Stage::AwaitingBody)
             }
+        }
+    }
+
+    /// Asks the quota service at once for the leases the tenant's fleet-wide limits lack
+    /// ([`Lease`]): `true` when the call went out, `false` when the request asked already,
+    /// has nothing to ask, or the call cannot be sent (then the refusal stands, and the store
+    /// counts as down for the next request).
+    fn ask_lease(&mut self) -> bool {
+        let (Lease::NotAsked, false, Some(fleet), Some(tenant)) = (
+            &self.lease,
+            self.shadow,
+            self.gw.config.fleet.as_ref(),
+            self.tenant.as_deref(),
+        ) else {
+            return false;
+        };
+        let now = host::now_ms();
+        let ask = renewal::plan_for(&SharedData, &renewal::specs([tenant]), now);
+        if ask.counters.is_empty() {
+            return false;
+        }
+        self.lease = Lease::Answered;
+        let Some(token) = crate::renewal::send(fleet, self.gw.signer.as_ref(), &ask, now) else {
+            return false;
+        };
+        self.gw
+            .metrics
+            .add(telemetry::FLEET_LEASES_ASKED_AT_ONCE, 1);
+        self.lease = Lease::Asked {
+            token,
+            waiting: None,
+        };
+        true
+    }
+
+    /// The quota service answered this request's call ([`Self::ask_lease`]): its grants go to
+    /// the leases, and a body that waited for them is admitted again.
+    fn on_lease(&mut self, token: u32, body_size: usize) {
+        if !matches!(self.lease, Lease::Asked { token: asked, .. } if asked == token) {
+            return;
+        }
+        let Lease::Asked { waiting, .. } = std::mem::replace(&mut self.lease, Lease::Answered)
+        else {
+            return;
+        };
+        if let Some(tenant) = self.tenant.as_deref() {
+            crate::renewal::answer(&renewal::specs([tenant]), body_size, host::now_ms());
+        }
+        if let Some(body) = waiting
+            && matches!(self.admit_body(body), Action::Continue)
+        {
+            host::resume_request();
         }
     }
 
@@ -585,6 +664,17 @@ impl Request {
                 return self.refuse(reply, rejection.reason, Stage::Passthrough);
             }
         };
+        if self.owes_request_charge {
+            if let Lease::Asked { waiting, .. } = &mut self.lease {
+                *waiting = Some(body);
+                return Action::Pause;
+            }
+            self.owes_request_charge = false;
+            let action = self.reserve_request();
+            if self.stage == Stage::Replied {
+                return action;
+            }
+        }
         // Shadow mode may have let the request on without a reservation (its headers' charge
         // was refused): it goes on holding none.
         if self.reservation.is_some() {
@@ -603,6 +693,12 @@ impl Request {
                 Ok(()) => {
                     #[cfg(feature = "fault-injection")]
                     crate::fault::trap_if(self.fault.as_deref(), crate::fault::TRAP_AFTER_RESERVE);
+                }
+                Err(Denial::Unleased { .. }) if self.ask_lease() => {
+                    if let Lease::Asked { waiting, .. } = &mut self.lease {
+                        *waiting = Some(body);
+                    }
+                    return Action::Pause;
                 }
                 Err(denial) => {
                     let reply = Reply::denied(&denial, self.shape, host::now_ms());
@@ -939,17 +1035,19 @@ fn depends_on_input(denial: &Denial) -> bool {
             kind,
             LimitKind::InputTokens | LimitKind::OutputTokens | LimitKind::Budget(_)
         ),
-        Denial::BudgetExceeded { .. } => true,
-        Denial::QuotaUnavailable { .. } | Denial::Contended => false,
+        Denial::BudgetExceeded { .. } | Denial::TooLarge { .. } => true,
+        // A lease asked for cures it, not a count.
+        Denial::Unleased { .. } | Denial::QuotaUnavailable { .. } | Denial::Contended => false,
     }
 }
 
 /// The rejection reason of a refused reservation: the limit's name.
 fn denial_reason(denial: &Denial) -> &'static str {
     match denial {
-        Denial::Limit { kind, .. } => kind.name(),
+        Denial::Limit { kind, .. } | Denial::Unleased { kind, .. } => kind.name(),
         Denial::QuotaUnavailable { .. } => "quota_unavailable",
         Denial::BudgetExceeded { .. } => "budget_exceeded",
+        Denial::TooLarge { .. } => "request_too_large",
         Denial::Contended => "contended",
     }
 }
@@ -976,7 +1074,11 @@ fn rollout_bucket(request_id: &str) -> u32 {
     hash % 100
 }
 
-impl Context for Request {}
+impl Context for Request {
+    fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
+        host::callback("lease", || self.on_lease(token, body_size));
+    }
+}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _: usize, end_of_stream: bool) -> Action {

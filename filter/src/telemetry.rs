@@ -59,6 +59,8 @@ pub const SETTLE_CONFLICTS: &str = "weir.settle.conflicts";
 /// Lease renewals answered by the quota service, and those that failed (store down).
 pub const FLEET_RENEWALS: &str = "weir.fleet.renewals";
 pub const FLEET_RENEWAL_FAILURES: &str = "weir.fleet.renewal_failures";
+/// Requests that found no lease and asked the quota service at once.
+pub const FLEET_LEASES_ASKED_AT_ONCE: &str = "weir.fleet.leases_asked_at_once";
 /// Metered responses the upstream compressed anyway: charged their reservation.
 pub const UNREADABLE_RESPONSES: &str = "weir.meter.unreadable";
 
@@ -140,6 +142,7 @@ pub fn define() -> Metrics {
         PREDICTION_OVERRUN,
         FLEET_RENEWALS,
         FLEET_RENEWAL_FAILURES,
+        FLEET_LEASES_ASKED_AT_ONCE,
     ] {
         m.define(MetricType::Counter, counter);
     }
