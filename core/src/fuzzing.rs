@@ -9,14 +9,14 @@ use crate::admission::{self, Rejection};
 use crate::config::Config;
 use crate::endpoint::Endpoint;
 use crate::estimate::Counting;
-use crate::meter::{BodyMeter, MAX_HELD_BYTES, StreamMeter};
+use crate::meter::{BodyMeter, MAX_HELD_BYTES, MAX_KEPT_BYTES, StreamMeter};
 use crate::prediction::OutputHistory;
 use crate::request::InferenceRequest;
 use crate::signature;
 
 /// The SSE and JSON meters: never panic; with the usage event asked for, forward exactly the
 /// bytes given; otherwise forward them minus whole events only (a subsequence); give the same
-/// answer however the stream is cut into chunks.
+/// answer however the stream is cut into chunks; never hold more than their bound.
 ///
 /// Every API's meter reads the same input.
 ///
@@ -44,6 +44,8 @@ fn check_meter_of(endpoint: Endpoint, hide: bool, chunk: usize, stream: &[u8]) {
         let last = pieces.peek().is_none();
         forwarded.extend(cut.feed(piece, last));
         metered.meter(piece, last);
+        let held = cut.held_bytes().max(metered.held_bytes());
+        assert!(held <= MAX_HELD_BYTES + MAX_KEPT_BYTES, "held {held}");
     }
     if stream.is_empty() {
         forwarded.extend(cut.feed(&[], true));

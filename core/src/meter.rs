@@ -4,21 +4,27 @@
 //!
 //! Streams are scanned event by event across chunk boundaries. Only the bytes of an incomplete
 //! trailing event are held back (never more than [`MAX_HELD_BYTES`]); everything else is
-//! forwarded at once. The usage-only event that weir asks the engine for is removed again
-//! when the client did not ask for it.
+//! forwarded at once. An event larger than that (a Responses event repeating the request's
+//! instructions and tools) is forwarded as it comes and read as it passes ([`scan`]), so its
+//! usage and its end are still seen. The usage-only event that weir asks the engine for is
+//! removed again when the client did not ask for it.
 
 mod chat;
 mod delta;
 mod messages;
 mod responses;
+mod scan;
 
 use std::borrow::Cow;
 
 use serde::Deserialize;
 
 use crate::endpoint::Endpoint;
+use scan::{EventScan, Skeleton};
 
-/// An event larger than this is forwarded unparsed rather than held.
+pub use scan::MAX_KEPT_BYTES;
+
+/// An event larger than this is not held: it is forwarded as it comes and read as it passes.
 pub const MAX_HELD_BYTES: usize = 64 * 1024;
 
 /// Token counts of a finished response.
@@ -173,6 +179,8 @@ pub struct StreamMeter {
     endpoint: Endpoint,
     hide_usage_event: bool,
     held: Vec<u8>,
+    /// The event too large to hold that is passing, read up to its end.
+    passing: Option<EventScan>,
     reported: Option<Reported>,
     /// An event reported the output count (not only a placeholder for it).
     output_reported: bool,
@@ -189,6 +197,7 @@ impl StreamMeter {
             endpoint,
             hide_usage_event,
             held: Vec::new(),
+            passing: None,
             reported: None,
             output_reported: false,
             generated_tokens: 0,
@@ -229,6 +238,12 @@ impl StreamMeter {
         self.done
     }
 
+    /// Bytes the meter holds between chunks, whatever the size of the events: at most
+    /// [`MAX_HELD_BYTES`] of an incomplete event and [`MAX_KEPT_BYTES`] of one passing.
+    pub fn held_bytes(&self) -> usize {
+        self.held.capacity() + self.passing.as_ref().map_or(0, EventScan::held_bytes)
+    }
+
     /// Takes the next chunk of the stream and returns the bytes to forward now.
     pub fn feed(&mut self, chunk: &[u8], end_of_stream: bool) -> Vec<u8> {
         let mut out = Vec::with_capacity(chunk.len() + self.held.len());
@@ -246,6 +261,10 @@ impl StreamMeter {
     /// stream), adding those to forward to `out`; holds an incomplete last event. A chunk of
     /// whole events with nothing held, the common case, is read where it lies.
     fn take(&mut self, chunk: &[u8], end_of_stream: bool, mut out: Option<&mut Vec<u8>>) {
+        let chunk = self.pass(chunk, end_of_stream, out.as_deref_mut());
+        if self.passing.is_some() {
+            return;
+        }
         let held = std::mem::take(&mut self.held);
         let buf = if held.is_empty() {
             Cow::Borrowed(chunk)
@@ -268,14 +287,45 @@ impl StreamMeter {
             if !rest.is_empty() {
                 self.forward(rest, &mut out);
             }
-        } else if at == 0 && rest.len() > MAX_HELD_BYTES {
-            // No event ends in it: forwarded unparsed rather than held.
-            if let Some(out) = out {
-                out.extend_from_slice(rest);
+        } else if rest.len() > MAX_HELD_BYTES {
+            // Too large to hold: forwarded now, read as it passes. The scan ends events where
+            // `event_end` does, so nothing follows in `rest`; were it to, it is taken anew.
+            self.passing = Some(EventScan::default());
+            let after = self.pass(rest, false, out.as_deref_mut());
+            if !after.is_empty() {
+                self.take(after, false, out);
             }
         } else {
             self.held = rest.to_vec();
         }
+    }
+
+    /// Reads the event passing (if one is) up to its end, forwarding those bytes as they are;
+    /// returns what follows its end.
+    fn pass<'c>(
+        &mut self,
+        chunk: &'c [u8],
+        end_of_stream: bool,
+        out: Option<&mut Vec<u8>>,
+    ) -> &'c [u8] {
+        let Some(scan) = &mut self.passing else {
+            return chunk;
+        };
+        let end = scan.feed(chunk);
+        let (event, rest) = chunk
+            .split_at_checked(end.unwrap_or(chunk.len()))
+            .unwrap_or((chunk, &[]));
+        if let Some(out) = out {
+            out.extend_from_slice(event);
+        }
+        if end.is_some() || end_of_stream {
+            let seen = scan.observed(self.endpoint);
+            self.passing = None;
+            if let Some(seen) = seen {
+                self.record(seen);
+            }
+        }
+        rest
     }
 
     /// Meters one event and adds it to `out` unless it is to be hidden.
@@ -292,6 +342,13 @@ impl StreamMeter {
         let Some(seen) = event_data(event).and_then(|data| observe(self.endpoint, &data)) else {
             return true;
         };
+        let hide = self.hide_usage_event && seen.usage_only;
+        self.record(seen);
+        !hide
+    }
+
+    /// Adds what an event said.
+    fn record(&mut self, seen: Observed) {
         self.error_events += u64::from(seen.error);
         self.done |= seen.terminal;
         self.generated_tokens += seen.generated;
@@ -299,7 +356,6 @@ impl StreamMeter {
             self.output_reported |= !seen.provisional_output;
             self.reported.get_or_insert_default().merge(newer);
         }
-        !(self.hide_usage_event && seen.usage_only)
     }
 }
 
@@ -345,13 +401,15 @@ fn event_data(event: &[u8]) -> Option<Cow<'_, [u8]>> {
 }
 
 /// Meters a non-streamed JSON response: the body is copied (up to a bound) as it passes and
-/// read once it is complete.
+/// read once it is complete. Past the bound (a Responses answer repeating large instructions
+/// and tools) it is read as it passes instead, for its usage only.
 #[derive(Debug)]
 pub struct BodyMeter {
     endpoint: Endpoint,
     body: Vec<u8>,
     limit: usize,
-    overflowed: bool,
+    /// Past the limit: the body's scan (and nothing copied).
+    overflowed: Option<Skeleton>,
 }
 
 /// What a complete non-streamed body says.
@@ -362,7 +420,7 @@ pub enum BodyUsage {
     Estimated {
         completion_tokens: u64,
     },
-    /// Not parseable (too large, not JSON, an error body).
+    /// Not parseable (not JSON, an error body, or too large and reporting no usage).
     Unknown,
 }
 
@@ -372,23 +430,30 @@ impl BodyMeter {
             endpoint,
             body: Vec::new(),
             limit,
-            overflowed: false,
+            overflowed: None,
         }
     }
 
     pub fn feed(&mut self, chunk: &[u8]) {
-        if self.body.len() + chunk.len() > self.limit {
-            self.overflowed = true;
-            self.body = Vec::new();
-        }
-        if !self.overflowed {
+        if let Some(scan) = &mut self.overflowed {
+            scan.feed(chunk);
+        } else if self.body.len().saturating_add(chunk.len()) > self.limit {
+            let mut scan = Skeleton::default();
+            scan.feed(&std::mem::take(&mut self.body));
+            scan.feed(chunk);
+            self.overflowed = Some(scan);
+        } else {
             self.body.extend_from_slice(chunk);
         }
     }
 
     pub fn finish(&self) -> BodyUsage {
-        if self.overflowed {
-            return BodyUsage::Unknown;
+        if let Some(scan) = &self.overflowed {
+            // Too large to read whole: its usage, if it reports one (no estimate from its text).
+            let usage = scan
+                .observed(self.endpoint)
+                .and_then(|seen| seen.usage?.usage());
+            return usage.map_or(BodyUsage::Unknown, BodyUsage::Reported);
         }
         let Some(seen) = observe(self.endpoint, &self.body) else {
             return BodyUsage::Unknown;
@@ -581,6 +646,308 @@ mod tests {
         let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
         let blob = vec![b'x'; MAX_HELD_BYTES + 1];
         assert_eq!(meter.feed(&blob, false).len(), blob.len());
+    }
+
+    /// Most a stream meter holds between chunks, whatever the size of its events.
+    const MAX_METER_HOLD: usize = MAX_HELD_BYTES + MAX_KEPT_BYTES;
+
+    /// Instructions of `bytes` or so, as a request's JSON spells them: quotes, braces,
+    /// backslashes, line breaks and what looks like SSE framing and usage, all escaped.
+    fn instructions(bytes: usize) -> String {
+        let piece = "Answer as \"the {gateway}\" would: C:\\path\\to [x]\n\ndata: {\"type\":\"response.completed\",\"usage\":{\"input_tokens\":999}}\n\n";
+        serde_json::to_string(&piece.repeat(bytes / piece.len() + 1)).unwrap()
+    }
+
+    /// Tool schemas of `bytes` or so, with `usage` and `type` keys nested below the kept ones.
+    fn tools(bytes: usize) -> String {
+        let tool = r#"{"type":"function","name":"lookup","description":"Looks up \"{usage}\".","parameters":{"type":"object","properties":{"usage":{"type":"object","properties":{"input_tokens":{"type":"integer"}}},"type":{"type":"string","enum":["response.completed"]}}}}"#;
+        let n = bytes / tool.len() + 1;
+        format!("[{}]", vec![tool; n].join(","))
+    }
+
+    /// A vLLM Responses stream: `response.created` and `response.completed` each repeat the
+    /// request's instructions and tools (about 100 KB and 60 KB), the usage last.
+    fn responses_stream() -> String {
+        let (instructions, tools) = (instructions(100_000), tools(60_000));
+        let response = |status: &str, usage: &str| {
+            format!(
+                r#"{{"id":"resp_1","object":"response","created_at":1,"instructions":{instructions},"model":"m","output":[],"status":"{status}","tools":{tools},"usage":{usage}}}"#
+            )
+        };
+        let usage = r#"{"input_tokens":41000,"input_tokens_details":{"cached_tokens":40960},"output_tokens":7,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":41007}"#;
+        sse(&[
+            (
+                "response.created",
+                &format!(
+                    r#"{{"type":"response.created","sequence_number":0,"response":{}}}"#,
+                    response("in_progress", "null")
+                ),
+            ),
+            (
+                "response.output_text.delta",
+                r#"{"type":"response.output_text.delta","sequence_number":1,"delta":" the model","output_index":0}"#,
+            ),
+            (
+                "response.completed",
+                &format!(
+                    r#"{{"type":"response.completed","sequence_number":2,"response":{}}}"#,
+                    response("completed", usage)
+                ),
+            ),
+        ])
+    }
+
+    /// Feeds `stream` to a new meter in pieces of `piece` bytes, also cut at `cut`, checking
+    /// after each that the meter holds no more than its bound; returns the meter and what it
+    /// forwarded.
+    fn fed_in_pieces(
+        endpoint: Endpoint,
+        hide: bool,
+        stream: &[u8],
+        piece: usize,
+        cut: usize,
+    ) -> (StreamMeter, Vec<u8>) {
+        let mut meter = StreamMeter::new(endpoint, hide);
+        let mut cuts: Vec<usize> = (piece..stream.len()).step_by(piece).collect();
+        cuts.extend([cut.min(stream.len()), stream.len()]);
+        cuts.sort_unstable();
+        cuts.dedup();
+        let (mut out, mut from) = (Vec::new(), 0);
+        for to in cuts {
+            out.extend(meter.feed(&stream[from..to], to == stream.len()));
+            assert!(
+                meter.held_bytes() <= MAX_METER_HOLD,
+                "held {} after {to} bytes",
+                meter.held_bytes()
+            );
+            from = to;
+        }
+        (meter, out)
+    }
+
+    /// Cuts worth trying in `stream`: every byte of `around` (its first occurrence after
+    /// `after`) and the bytes next to it, and next to every blank line ending an event.
+    fn cuts(stream: &str, around: &str, after: usize) -> Vec<usize> {
+        let at = after + stream[after..].find(around).unwrap();
+        let mut cuts: Vec<usize> = (at.saturating_sub(2)..at + around.len() + 2).collect();
+        for (end, _) in stream.match_indices("\n\n") {
+            cuts.extend(end.saturating_sub(2)..end + 4);
+        }
+        cuts
+    }
+
+    #[test]
+    fn a_responses_stream_of_events_past_the_bound_is_settled_from_its_usage() {
+        let stream = responses_stream();
+        assert!(stream.len() > 4 * MAX_HELD_BYTES, "{}", stream.len());
+        let usage = Usage {
+            prompt_tokens: 41000,
+            completion_tokens: 7,
+            cached_prompt_tokens: 40960,
+        };
+        let completed = stream.find("event: response.completed").unwrap();
+        let mut cut_at = cuts(&stream, r#""usage":{"input_tokens":41000"#, completed);
+        // Inside strings with escaped quotes and braces, in both events.
+        for event in [0, completed] {
+            let quote = event + stream[event..].find(r#"\"the {gateway}\""#).unwrap();
+            cut_at.extend(quote..quote + 20);
+        }
+        let pieces = [997, 4096, 16 * 1024, MAX_HELD_BYTES + 1, 100_000];
+        let runs = (cut_at.iter().map(|&cut| (16 * 1024, cut)))
+            .chain(pieces.iter().map(|&piece| (piece, 0)));
+        for (piece, cut) in runs {
+            for hide in [false, true] {
+                let (meter, out) =
+                    fed_in_pieces(Endpoint::Responses, hide, stream.as_bytes(), piece, cut);
+                let at = format!("pieces of {piece}, cut at {cut}");
+                assert!(out == stream.as_bytes(), "forwarded as it came: {at}");
+                assert_eq!(meter.usage(), Some(usage), "{at}");
+                assert!(meter.saw_done(), "{at}");
+                assert_eq!(meter.error_events(), 0, "{at}");
+                assert_eq!(meter.generated_tokens(), generated_tokens([" the model"]));
+            }
+        }
+    }
+
+    #[test]
+    fn a_stream_cut_inside_an_event_past_the_bound_is_not_done() {
+        let stream = responses_stream();
+        let completed = stream.find("event: response.completed").unwrap();
+        let usage = completed + stream[completed..].find(r#""usage":{"#).unwrap();
+        for end in [completed + 2 * MAX_HELD_BYTES, usage + 20, stream.len() - 3] {
+            let (meter, out) = fed_in_pieces(
+                Endpoint::Responses,
+                false,
+                &stream.as_bytes()[..end],
+                8192,
+                0,
+            );
+            assert_eq!(out.len(), end);
+            assert!(!meter.saw_done() && meter.usage().is_none(), "cut at {end}");
+        }
+        // Cut after its JSON but before its blank line, it is read at the end of the stream
+        // (as an event held whole is).
+        let end = stream.len() - 2;
+        let (meter, _) = fed_in_pieces(
+            Endpoint::Responses,
+            false,
+            &stream.as_bytes()[..end],
+            8192,
+            0,
+        );
+        assert!(meter.saw_done() && meter.usage().is_some());
+    }
+
+    #[test]
+    fn chat_completions_and_messages_events_past_the_bound_are_read() {
+        let padding = instructions(150_000);
+        // Chat: a first chunk carrying the prompt's token ids, the usage chunk (hidden), and
+        // a usage chunk past the bound itself when the client asked for it.
+        let ids = (0..40_000)
+            .map(|i| i.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let first = format!(
+            "data: {{\"id\":\"c\",\"prompt_token_ids\":[{ids}],\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}}}}]}}\n\n"
+        );
+        let stream = format!("{first}{CHUNK}{CHUNK}{USAGE}{DONE}");
+        let padded_usage = USAGE.replacen(
+            "\"choices\"",
+            &format!("\"system_fingerprint\":{padding},\"choices\""),
+            1,
+        );
+        let asked = format!("{first}{CHUNK}{padded_usage}{DONE}");
+        // Completions echoing a prompt past the bound.
+        let echo =
+            format!("data: {{\"id\":\"c\",\"choices\":[{{\"index\":0,\"text\":{padding}}}]}}\n\n");
+        let completions = format!("{echo}{CHUNK}{USAGE}{DONE}");
+        // Messages: a message_start past the bound (padded: Anthropic's repeats no request).
+        let messages = sse(&[
+            (
+                "message_start",
+                &format!(
+                    r#"{{"type":"message_start","message":{{"id":"m","type":"message","role":"assistant","content":[{{"type":"text","text":{padding}}}],"usage":{{"input_tokens":3,"cache_read_input_tokens":40000,"output_tokens":1}}}}}}"#
+                ),
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":" hello there"}}"#,
+            ),
+            (
+                "message_delta",
+                &format!(
+                    r#"{{"type":"message_delta","delta":{{"stop_reason":"end_turn","padding":{padding}}},"usage":{{"output_tokens":5}}}}"#
+                ),
+            ),
+            ("message_stop", r#"{"type":"message_stop"}"#),
+        ]);
+        let chat_usage = Usage {
+            prompt_tokens: 16,
+            completion_tokens: 16,
+            cached_prompt_tokens: 0,
+        };
+        let messages_usage = Usage {
+            prompt_tokens: 40003,
+            completion_tokens: 5,
+            cached_prompt_tokens: 40000,
+        };
+        let cases = [
+            (
+                Endpoint::ChatCompletions,
+                true,
+                &stream,
+                r#""usage":{"#,
+                chat_usage,
+            ),
+            (
+                Endpoint::ChatCompletions,
+                false,
+                &asked,
+                r#""usage":{"#,
+                chat_usage,
+            ),
+            (
+                Endpoint::Completions,
+                true,
+                &completions,
+                r#""text":"#,
+                chat_usage,
+            ),
+            (
+                Endpoint::Messages,
+                false,
+                &messages,
+                r#""usage":{"#,
+                messages_usage,
+            ),
+        ];
+        for (endpoint, hide, stream, around, usage) in cases {
+            let expected = if hide {
+                stream.replace(USAGE, "")
+            } else {
+                stream.clone()
+            };
+            let runs = (cuts(stream, around, 0)
+                .into_iter()
+                .map(|cut| (16 * 1024, cut)))
+            .chain([997, 100_000].map(|piece| (piece, 0)));
+            for (piece, cut) in runs {
+                let (meter, out) = fed_in_pieces(endpoint, hide, stream.as_bytes(), piece, cut);
+                let at = format!("{endpoint:?}, pieces of {piece}, cut at {cut}");
+                assert!(out == expected.as_bytes(), "forwarded: {at}");
+                assert_eq!(meter.usage(), Some(usage), "{at}");
+                assert!(meter.saw_done(), "{at}");
+            }
+        }
+        // A Messages stream cut after its message_start past the bound: the engine's prompt
+        // count and the output that streamed.
+        let cut = messages.find("event: message_delta").unwrap();
+        let (meter, _) = fed_in_pieces(
+            Endpoint::Messages,
+            false,
+            &messages.as_bytes()[..cut],
+            4096,
+            0,
+        );
+        assert_eq!(
+            meter.usage(),
+            Some(Usage {
+                completion_tokens: generated_tokens([" hello there"]),
+                ..messages_usage
+            })
+        );
+    }
+
+    #[test]
+    fn a_non_streamed_body_past_the_bound_still_reports_its_usage() {
+        let body = format!(
+            r#"{{"id":"resp_1","object":"response","instructions":{},"tools":{},"output":[{{"type":"message","content":[{{"type":"output_text","text":"hi"}}]}}],"status":"completed","usage":{{"input_tokens":41000,"input_tokens_details":{{"cached_tokens":40960}},"output_tokens":1}}}}"#,
+            instructions(150_000),
+            tools(50_000)
+        );
+        let usage = BodyUsage::Reported(Usage {
+            prompt_tokens: 41000,
+            completion_tokens: 1,
+            cached_prompt_tokens: 40960,
+        });
+        let at = body.find(r#""usage":{"#).unwrap();
+        for cut in (at - 2..at + 40).chain([0, 1, MAX_HELD_BYTES + 1]) {
+            let mut m = BodyMeter::new(Endpoint::Responses, MAX_HELD_BYTES);
+            for piece in [&body[..cut], &body[cut..]] {
+                for piece in piece.as_bytes().chunks(16 * 1024) {
+                    m.feed(piece);
+                }
+            }
+            assert_eq!(m.finish(), usage, "cut at {cut}");
+        }
+        // Within the bound, the same body is read whole, as before.
+        let mut m = BodyMeter::new(Endpoint::Responses, body.len());
+        m.feed(body.as_bytes());
+        assert_eq!(m.finish(), usage);
+        // Past the bound without usage, nothing is estimated from a body not read whole.
+        let mut m = BodyMeter::new(Endpoint::Responses, MAX_HELD_BYTES);
+        m.feed(body.replace(r#","usage":"#, r#","usage_":"#).as_bytes());
+        assert_eq!(m.finish(), BodyUsage::Unknown);
     }
 
     #[test]

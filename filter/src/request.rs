@@ -61,7 +61,8 @@ const REPLAYED_HEADER: &str = "idempotent-replayed";
 /// rate-limit headers on any path.
 const ANTHROPIC_VERSION_HEADER: &str = "anthropic-version";
 
-/// Non-streamed response bodies larger than this are not parsed for usage.
+/// Non-streamed response bodies larger than this are not copied: only their usage is read, as
+/// they pass (no estimate from their text when they report none).
 const MAX_METERED_BODY: usize = 4 * 1024 * 1024;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

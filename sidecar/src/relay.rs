@@ -1176,8 +1176,12 @@ mod tests {
     }
 
     fn flight(rig: &Rig, hide_usage: bool) -> Flight {
+        flight_of(rig, Endpoint::ChatCompletions, hide_usage)
+    }
+
+    fn flight_of(rig: &Rig, endpoint: Endpoint, hide_usage: bool) -> Flight {
         let attempt = Attempt {
-            endpoint: Endpoint::ChatCompletions,
+            endpoint,
             who: Trusted {
                 tenant: "t".into(),
                 request_id: "r1".into(),
@@ -1309,6 +1313,74 @@ mod tests {
                 None => return (out, "closed"),
             }
         }
+    }
+
+    /// A Responses stream whose `response.created` and `response.completed` each repeat 200 KB
+    /// of instructions, arriving in 16 KiB pieces: the client gets it as it came, and it is
+    /// settled from the engine's usage (its cached tokens too) as completed work. The meter
+    /// lost events past its 64 KiB bound: `counted`, `failed`, and the key's retry billed again.
+    #[tokio::test]
+    async fn a_responses_stream_of_events_past_the_meters_bound_is_settled_from_its_usage() {
+        let mut rig = rig(5_000);
+        let flight = flight_of(&rig, Endpoint::Responses, false);
+        let Running {
+            feed,
+            mut client,
+            pump,
+        } = run(flight, LONG);
+        let instructions =
+            serde_json::to_string(&"Answer as \"the {gateway}\" would.\n\n".repeat(6_000)).unwrap();
+        let response = |status: &str, usage: &str| {
+            format!(
+                r#"{{"id":"r","object":"response","instructions":{instructions},"status":"{status}","tools":[],"usage":{usage}}}"#
+            )
+        };
+        let usage = r#"{"input_tokens":51000,"input_tokens_details":{"cached_tokens":50000},"output_tokens":2,"total_tokens":51002}"#;
+        let stream = format!(
+            "event: response.created\ndata: {{\"type\":\"response.created\",\"response\":{}}}\n\n\
+             event: response.output_text.delta\ndata: {{\"type\":\"response.output_text.delta\",\"delta\":\" hi\"}}\n\n\
+             event: response.completed\ndata: {{\"type\":\"response.completed\",\"response\":{}}}\n\n",
+            response("in_progress", "null"),
+            response("completed", usage),
+        );
+        assert!(stream.len() > 400_000);
+        for piece in stream.as_bytes().chunks(16 * 1024) {
+            feed.unbounded_send(Ok(Bytes::copy_from_slice(piece)))
+                .unwrap();
+        }
+        drop(feed);
+        let (got, how) = read_all(&mut client).await;
+        assert_eq!(how, "end");
+        assert!(
+            got == stream.as_bytes(),
+            "{} bytes of {}",
+            got.len(),
+            stream.len()
+        );
+        pump.await.unwrap();
+        assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+        assert!(rig.app.ledger.flush(Duration::from_secs(5)));
+        let conn = rusqlite::Connection::open(&rig.ledger).unwrap();
+        let row = conn
+            .query_row(
+                "SELECT source, outcome, prompt_tokens, completion_tokens, cached_prompt_tokens \
+                 FROM usage",
+                [],
+                |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get(2)?,
+                        r.get(3)?,
+                        r.get(4)?,
+                    ))
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            row,
+            ("engine".into(), "ok".into(), 51000_i64, 2_i64, 50000_i64)
+        );
     }
 
     /// A client that stops reading is cut at its stall limit, not when the timer set for the
