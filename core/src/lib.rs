@@ -34,5 +34,6 @@ pub mod reservation;
 pub mod responses;
 pub mod scheduler;
 pub mod signature;
+pub mod sse;
 pub mod tokens;
 pub mod trusted;

@@ -2,12 +2,13 @@
 //! per API's events and bodies): the engine's usage when it reports one, a count of the tokens
 //! seen when it does not.
 //!
-//! Streams are scanned event by event across chunk boundaries. Only the bytes of an incomplete
-//! trailing event are held back (never more than [`MAX_HELD_BYTES`]); everything else is
-//! forwarded at once. An event larger than that (a Responses event repeating the request's
-//! instructions and tools) is forwarded as it comes and read as it passes ([`scan`]), so its
-//! usage and its end are still seen. The usage-only event that weir asks the engine for is
-//! removed again when the client did not ask for it.
+//! Streams are scanned event by event across chunk boundaries, framed as a client's parser
+//! frames them ([`crate::sse`]). Only the bytes of an incomplete trailing event are held back
+//! (never more than [`MAX_HELD_BYTES`]); everything else is forwarded at once. An event larger
+//! than that (a Responses event repeating the request's instructions and tools) is forwarded as
+//! it comes and read as it passes ([`scan`]), so its usage and its end are still seen. The
+//! usage-only event that weir asks the engine for is removed again when the client did not ask
+//! for it.
 
 mod chat;
 mod delta;
@@ -20,6 +21,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 
 use crate::endpoint::Endpoint;
+use crate::sse::{event_data, event_end};
 use scan::{EventScan, Skeleton};
 
 pub use scan::MAX_KEPT_BYTES;
@@ -359,47 +361,6 @@ impl StreamMeter {
     }
 }
 
-/// End (exclusive) of the first event in `buf`: just past its blank line (`\n\n` or
-/// `\r\n\r\n`, whichever ends first), in one pass over it.
-fn event_end(buf: &[u8]) -> Option<usize> {
-    let mut from = 0;
-    while let Some(i) = buf.get(from..)?.iter().position(|&b| b == b'\n') {
-        let i = from + i;
-        if i >= 3 && buf.get(i - 3..i) == Some(b"\r\n\r") {
-            return Some(i + 1);
-        }
-        if buf.get(i + 1) == Some(&b'\n') {
-            return Some(i + 2);
-        }
-        from = i + 1;
-    }
-    None
-}
-
-/// The concatenated `data:` lines of an event, if any (borrowed when there is one).
-fn event_data(event: &[u8]) -> Option<Cow<'_, [u8]>> {
-    let mut data: Option<Cow<'_, [u8]>> = None;
-    for line in event.split(|&b| b == b'\n') {
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        if let Some(value) = line.strip_prefix(b"data:") {
-            let value = value.strip_prefix(b" ").unwrap_or(value);
-            match &mut data {
-                None => data = Some(Cow::Borrowed(value)),
-                // Lines join with `\n`, none before the first non-empty one (as before the
-                // data was borrowed).
-                Some(d) => {
-                    let d = d.to_mut();
-                    if !d.is_empty() {
-                        d.push(b'\n');
-                    }
-                    d.extend_from_slice(value);
-                }
-            }
-        }
-    }
-    data
-}
-
 /// Meters a non-streamed JSON response: the body is copied (up to a bound) as it passes and
 /// read once it is complete. Past the bound (a Responses answer repeating large instructions
 /// and tools) it is read as it passes instead, for its usage only.
@@ -474,38 +435,6 @@ impl BodyMeter {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The first blank line's end as the two searches found it before the single pass: the
-    /// first `\n\n`, or a `\r\n\r\n` ending before it.
-    fn two_search_event_end(buf: &[u8]) -> Option<usize> {
-        let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-        let before_lf = &buf[..lf.unwrap_or(buf.len())];
-        let crlf = before_lf.windows(4).position(|w| w == b"\r\n\r\n");
-        crlf.map(|i| i + 4).or(lf)
-    }
-
-    #[test]
-    fn an_events_data_lines_join_with_no_break_before_the_first_non_empty_one() {
-        let data = |event: &str| event_data(event.as_bytes()).map(|d| d.into_owned());
-        assert_eq!(data("data: {}\n\n").as_deref(), Some(&b"{}"[..]));
-        assert_eq!(data("data:\ndata: {}\n\n").as_deref(), Some(&b"{}"[..]));
-        assert_eq!(
-            data("data: a\ndata:\ndata: b\n\n").as_deref(),
-            Some(&b"a\n\nb"[..])
-        );
-        assert_eq!(data("event: ping\n\n"), None);
-    }
-
-    #[test]
-    fn an_event_ends_where_the_two_searches_said_for_every_run_of_line_breaks() {
-        let alphabet = [b'\r', b'\n', b'a'];
-        for len in 0..=9u32 {
-            for n in 0..3usize.pow(len) {
-                let buf: Vec<u8> = (0..len).map(|i| alphabet[n / 3usize.pow(i) % 3]).collect();
-                assert_eq!(event_end(&buf), two_search_event_end(&buf), "{buf:?}");
-            }
-        }
-    }
 
     const CHUNK: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\n";
     const USAGE: &str = "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":16,\"total_tokens\":32,\"completion_tokens\":16}}\n\n";

@@ -198,7 +198,9 @@ impl Assignment {
 }
 
 /// An assignment for the relay's tests: a hold on replica 0 of pool 0, `kv` tokens, reported on
-/// `events`, preemptible through `preempt` if given.
+/// `events`, preemptible through `preempt` if given. Those of one test share a client: building
+/// one takes milliseconds (its TLS roots), and a test may dispatch thousands of streams (one
+/// per thread, as a client's connections belong to the runtime of the test that made them).
 #[cfg(test)]
 impl Assignment {
     pub(crate) fn for_tests(
@@ -206,11 +208,14 @@ impl Assignment {
         kv: u64,
         preempt: Option<oneshot::Receiver<Requeued>>,
     ) -> Assignment {
+        thread_local! {
+            static UPSTREAM: Arc<crate::upstream::Upstream> = crate::upstream::Upstream::plain();
+        }
         Assignment {
             pool: 0,
             replica: 0,
             url: "http://127.0.0.1:9".into(),
-            upstream: crate::upstream::Upstream::plain(),
+            upstream: UPSTREAM.with(Arc::clone),
             isolation: Isolation::default(),
             dialect: Some(Dialect::Vllm),
             queued_ms: 0,

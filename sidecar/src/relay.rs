@@ -220,7 +220,8 @@ impl Flight {
         out
     }
 
-    /// What the client gets of a chunk of the current segment ([`Splice::feed`]).
+    /// What the client gets of a chunk of the current segment: the events it completes
+    /// ([`Splice::feed`]).
     fn splice(&mut self, chunk: &Bytes) -> Bytes {
         match &mut self.continuation {
             Some(c) => c.splice.feed(chunk),
@@ -228,7 +229,7 @@ impl Flight {
         }
     }
 
-    /// What the splice still holds once a stream has ended.
+    /// What the splice still holds once a stream has ended: its last event, made whole.
     fn splice_rest(&mut self) -> Bytes {
         self.continuation
             .as_mut()
@@ -1116,6 +1117,8 @@ fn continuation(flight: &mut Flight) -> impl Future<Output = Option<Upstream>> +
 
 #[cfg(test)]
 mod tests {
+    use serde_json::{Value, json};
+
     use super::*;
 
     /// What a pump runs against: an App with a ledger in a file of its own, the dispatcher's
@@ -1269,13 +1272,25 @@ mod tests {
 
     /// The outcomes the ledger recorded (waits for the writer).
     fn outcomes(rig: &Rig) -> Vec<String> {
+        records(rig)
+            .into_iter()
+            .map(|(_, outcome, _)| outcome)
+            .collect()
+    }
+
+    /// The request id, outcome and completion tokens of each record in the ledger (waits for
+    /// the writer).
+    fn records(rig: &Rig) -> Vec<(String, String, u64)> {
         assert!(rig.app.ledger.flush(Duration::from_secs(5)));
         let conn = rusqlite::Connection::open(&rig.ledger).unwrap();
-        let mut stmt = conn.prepare("SELECT outcome FROM usage").unwrap();
-        stmt.query_map([], |r| r.get::<_, String>(0))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect()
+        let columns = "SELECT request_id, outcome, completion_tokens FROM usage";
+        let mut stmt = conn.prepare(columns).unwrap();
+        stmt.query_map([], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64))
+        })
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
     }
 
     /// Waits (up to `within`) for the replica's hold to be given back; how many times it was.
@@ -1669,5 +1684,242 @@ mod tests {
             deliver(&tx, chunk(), stall).await,
             Delivery::ClientGone
         ));
+    }
+
+    /// Answer pieces of one token by every count (the engine's, the meters' estimate), each
+    /// distinct, so a token lost or repeated shows in the text.
+    const ANSWER: [&str; 6] = [" The", " cache", " is", " warm", ",", " so"];
+    /// The completions prompt (a continuation's carries the generated text after it).
+    const PROMPT: &str = "Once";
+
+    /// Segment `segment`'s stream of the answer from its token `from` on, event by event, with
+    /// vLLM's fields (its own chunk id and creation time; a chat's opens with the role): the
+    /// tokens, the finish reason, the usage, `[DONE]`. Event `i` ends with `endings[i % len]`
+    /// (its data line's line ending, then the empty line's).
+    fn answer(endpoint: Endpoint, segment: u32, from: usize, endings: &[&str]) -> Vec<String> {
+        let chat = endpoint == Endpoint::ChatCompletions;
+        let object = if chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
+        let chunk = |choices: Value| {
+            json!({"id": format!("cmpl-{segment}"), "object": object, "created": 7 + segment,
+                   "model": "m", "choices": choices})
+        };
+        let piece = |text: &str, finish: Value| {
+            let generated = if chat {
+                json!({"index": 0, "delta": {"content": text}})
+            } else {
+                json!({"index": 0, "text": text})
+            };
+            let mut choice = generated;
+            choice["logprobs"] = Value::Null;
+            choice["finish_reason"] = finish;
+            chunk(json!([choice]))
+        };
+        let mut events = Vec::new();
+        if chat {
+            let role = json!({"role": "assistant", "content": ""});
+            let choice =
+                json!({"index": 0, "delta": role, "logprobs": null, "finish_reason": null});
+            events.push(chunk(json!([choice])));
+        }
+        events.extend(ANSWER[from..].iter().map(|t| piece(t, Value::Null)));
+        events.push(piece("", json!("stop")));
+        let mut usage = chunk(json!([]));
+        let prompt = 9 + from;
+        usage["usage"] = json!({"prompt_tokens": prompt, "completion_tokens": ANSWER.len() - from,
+                                "total_tokens": prompt + ANSWER.len() - from});
+        events.push(usage);
+        let data = events.iter().map(Value::to_string).chain(["[DONE]".into()]);
+        data.enumerate()
+            .map(|(i, d)| format!("data: {d}{}", endings[i % endings.len()]))
+            .collect()
+    }
+
+    /// An engine that continues the answer: after the text a continuation carries (the chat's
+    /// final message, or what follows the prompt) it streams the rest, as segment 1; a text
+    /// that is not the answer's first tokens gets a 400. Its URL.
+    async fn continuing_engine(endpoint: Endpoint, endings: &'static [&'static str]) -> String {
+        let continues = move |axum::Json(body): axum::Json<Value>| async move {
+            let text = match endpoint {
+                Endpoint::Completions => {
+                    body["prompt"].as_str().and_then(|p| p.strip_prefix(PROMPT))
+                }
+                _ => body["messages"]
+                    .as_array()
+                    .and_then(|m| m.last()?["content"].as_str()),
+            };
+            match (0..=ANSWER.len()).find(|&k| text == Some(ANSWER[..k].concat().as_str())) {
+                Some(from) => {
+                    let stream = answer(endpoint, 1, from, endings).concat();
+                    ([(header::CONTENT_TYPE, EVENT_STREAM)], stream).into_response()
+                }
+                None => StatusCode::BAD_REQUEST.into_response(),
+            }
+        };
+        let app = axum::Router::new().route(endpoint.path(), axum::routing::post(continues));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    /// What the client reads of `stream` (its events one chunk each) preempted once its first
+    /// `cut` bytes were read, and resumed on `engine`; the pump is done when it returns. A
+    /// stream that cannot be resumed runs on to its end. `at` names the request (its ledger
+    /// record's request id).
+    async fn preempted_at(
+        rig: &Rig,
+        (endpoint, at): (Endpoint, &str),
+        stream: &[String],
+        cut: usize,
+        engine: &str,
+    ) -> Vec<u8> {
+        let mut flight = flight(rig, false);
+        flight.who.request_id = at.to_owned();
+        (flight.endpoint, flight.meter) = (endpoint, StreamMeter::new(endpoint, false));
+        let (preempt, preempted) = oneshot::channel();
+        flight.assignment = Assignment::for_tests(rig.app.events.clone(), 110, Some(preempted));
+        let body = match endpoint {
+            Endpoint::Completions => json!({"model": "m", "prompt": PROMPT, "stream": true}),
+            _ => json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                        "stream": true}),
+        };
+        flight.continuation = Some(Continuation {
+            body,
+            trace_id: None,
+            splice: Splice::new(Default::default()),
+        });
+        let mut next = Assignment::for_tests(rig.app.events.clone(), 110, None);
+        next.url = engine.to_owned();
+        let (requeue, requeued) = oneshot::channel();
+        assert!(requeue.send(Ok(next)).is_ok());
+        let mut chunks = Vec::new();
+        let mut start = 0;
+        for event in stream.iter().map(String::as_bytes) {
+            let read = event.get(..cut.saturating_sub(start)).unwrap_or(event);
+            if !read.is_empty() {
+                chunks.push(Ok(Bytes::copy_from_slice(read)));
+            }
+            start += event.len();
+        }
+        let rest = Bytes::from(stream.concat()).slice(cut..);
+        let preempting = futures::stream::once(async move {
+            let _ = preempt.send(requeued);
+            // The pump takes the word before it reads on: the rest is for a stream that runs on.
+            tokio::task::yield_now().await;
+            Ok(rest)
+        });
+        let upstream: Upstream = Box::pin(futures::stream::iter(chunks).chain(preempting));
+        let (tx, mut client) = mpsc::channel(1);
+        let pump = tokio::spawn(pump(flight, upstream, tx, TokioInstant::now() + LONG));
+        let (got, how) = read_all(&mut client).await;
+        pump.await.unwrap();
+        assert_eq!(how, "end", "{at}: {}", String::from_utf8_lossy(&got));
+        got
+    }
+
+    /// The data of each event a client's parser dispatches from `stream` (the HTML standard's
+    /// reading: a line ends at CRLF, LF or CR, an empty line dispatches the data lines before
+    /// it), and whether the stream ends between events, not inside one.
+    fn dispatched(stream: &[u8]) -> (Vec<String>, bool) {
+        let text = String::from_utf8_lossy(stream)
+            .replace("\r\n", "\n")
+            .replace('\r', "\n");
+        let mut lines: Vec<&str> = text.split('\n').collect();
+        let unended = lines.pop().unwrap_or_default();
+        let (mut events, mut data) = (Vec::new(), String::new());
+        for line in lines {
+            if line.is_empty() {
+                events.extend(data.strip_suffix('\n').map(str::to_owned));
+                data.clear();
+            } else if let Some(value) = line.strip_prefix("data:") {
+                data.push_str(value.strip_prefix(' ').unwrap_or(value));
+                data.push('\n');
+            }
+        }
+        (events, unended.is_empty() && data.is_empty())
+    }
+
+    /// A batch stream preempted at every byte of a realistic stream, each API's, in each
+    /// framing an engine may use: the client gets whole events only (a read ending between
+    /// `data: …\n` and its empty line, when the stream was preempted, joined the next segment's
+    /// first line into a half event), every token once, and the client's usage chunk, the
+    /// ledger and the filter's meter (reading what the client got) all bill the tokens the
+    /// client received.
+    #[tokio::test]
+    async fn a_stream_preempted_at_any_byte_reaches_the_client_as_whole_events_billed_as_received()
+    {
+        const FRAMINGS: [&[&str]; 3] = [
+            &["\n\n"],
+            &["\r\n\r\n"],
+            &["\r\n\n", "\n\r\n", "\r\r", "\r\n\r\n", "\n\n"],
+        ];
+        let rig = rig(5_000);
+        let n = ANSWER.len() as u64;
+        let mut cuts = 0;
+        for endpoint in [Endpoint::ChatCompletions, Endpoint::Completions] {
+            for endings in FRAMINGS {
+                let engine = continuing_engine(endpoint, endings).await;
+                let stream = answer(endpoint, 0, 0, endings);
+                for cut in 0..=stream.concat().len() {
+                    let at = format!("{} {endings:?} cut at {cut}", endpoint.name());
+                    let got = preempted_at(&rig, (endpoint, &at), &stream, cut, &engine).await;
+                    let (events, whole) = dispatched(&got);
+                    let got = String::from_utf8_lossy(&got);
+                    assert!(whole, "{at}: the stream ends inside an event: {got:?}");
+                    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{at}");
+                    let (mut text, mut ids, mut roles, mut usage) =
+                        (String::new(), Vec::new(), 0, Vec::new());
+                    for data in &events[..events.len() - 1] {
+                        let chunk: Value = serde_json::from_str(data).unwrap_or_else(|e| {
+                            panic!("{at}: a half event ({e}): {data:?} in {got:?}")
+                        });
+                        ids.push((chunk["id"].clone(), chunk["created"].clone()));
+                        for choice in chunk["choices"].as_array().unwrap() {
+                            let delta = &choice["delta"];
+                            roles += usize::from(!delta["role"].is_null());
+                            text.push_str(
+                                delta["content"]
+                                    .as_str()
+                                    .or(choice["text"].as_str())
+                                    .unwrap_or_default(),
+                            );
+                        }
+                        usage.extend(chunk["usage"]["completion_tokens"].as_u64());
+                    }
+                    assert_eq!(
+                        text,
+                        ANSWER.concat(),
+                        "{at}: tokens lost or repeated: {got:?}"
+                    );
+                    ids.dedup();
+                    assert_eq!(ids.len(), 1, "{at}: one stream's chunks: {ids:?}");
+                    let role = usize::from(endpoint == Endpoint::ChatCompletions);
+                    assert_eq!(roles, role, "{at}: {got:?}");
+                    assert_eq!(usage, [n], "{at}: the usage the client gets");
+                    let mut filter = StreamMeter::new(endpoint, false);
+                    filter.meter(got.as_bytes(), true);
+                    assert_eq!(filter.usage().map(|u| u.completion_tokens), Some(n), "{at}");
+                    assert_eq!(
+                        filter.generated_tokens(),
+                        n,
+                        "{at}: the tokens the client got"
+                    );
+                    cuts += 1;
+                }
+            }
+        }
+        let billed = records(&rig);
+        assert_eq!(billed.len(), cuts, "one record each");
+        for (at, outcome, completion) in billed {
+            assert_eq!(
+                (outcome.as_str(), completion),
+                ("ok", n),
+                "{at}: the ledger"
+            );
+        }
     }
 }

@@ -8,17 +8,21 @@
 //! - Completions: the prompt (a string) with the generated text after it.
 //!
 //! Either way the output limits are lowered by what was generated. The continued stream is
-//! rewritten as the client first saw it ([`Splice`]): the first segment's chunk `id` and
-//! `created`, no second `role` delta, and a usage chunk with the original prompt and every
-//! token generated. Requests that cannot be continued this way (not streamed, other APIs,
-//! several answers, tools, structured output, log-probabilities, token-id prompts, chats without
-//! a generation prompt that continue no final message) are never preempted; one that turns
-//! out to stream reasoning or tool calls, or whose answer has ended, is left running.
+//! rewritten as the client first saw it ([`Splice`]): the first chunk's `id` and `created`, no
+//! second `role` delta, and a usage chunk with the original prompt and every token generated.
+//! Segments are spliced on event boundaries: the client never gets half an event, so an event
+//! cut by the preemption is not the client's, and the continuation generates it again.
+//! Requests that cannot be continued this way (not streamed, other APIs, several answers, tools,
+//! structured output, log-probabilities, token-id prompts, chats without a generation prompt
+//! that continue no final message) are never preempted; one that turns out to stream reasoning
+//! or tool calls, or whose answer has ended, is left running.
 
 use axum::body::Bytes;
 use axum::http::HeaderValue;
 use serde_json::{Map, Value, json};
 use weir_core::endpoint::Endpoint;
+use weir_core::meter::MAX_HELD_BYTES;
+use weir_core::sse;
 use weir_core::tokens::Encoding;
 
 /// Fields whose answer a continuation would not reproduce: tool calls and structured output
@@ -123,13 +127,18 @@ pub fn segment_id(id: &HeaderValue, segment: u32) -> Option<HeaderValue> {
     HeaderValue::from_str(&format!("{id}.resume-{segment}")).ok()
 }
 
-/// Follows a stream across its segments: collects the generated text (for the continuation),
-/// and rewrites every segment after the first as the continuation of the first.
+/// Follows a stream across its segments, event by event ([`sse`]): collects the generated text
+/// (for the continuation), and rewrites every segment after the first as the continuation of
+/// the first. The client gets whole events only: an event still arriving is held back until its
+/// empty line comes, so a stream preempted mid-event leaves the client no half event for the
+/// next segment's first line to join (such a join broke the client's SDK, and both meters lost
+/// its tokens). The held-back half is dropped; the continuation, which never carried its text,
+/// generates it again.
 pub struct Splice {
     encoding: Encoding,
-    /// Bytes of an event line not complete yet.
+    /// The start of an event not complete yet, held back from the client.
     partial: Vec<u8>,
-    /// The first segment's chunk id and creation time.
+    /// The chunk id and creation time of the first chunk the client got.
     id: Option<Value>,
     created: Option<Value>,
     text: String,
@@ -163,10 +172,10 @@ impl Splice {
         }
     }
 
-    /// Whether the stream can be continued now: nothing unresumable streamed, and the client
-    /// has no half event (a continuation starts with a new one).
+    /// Whether the stream can be continued now: nothing unresumable streamed (an event held
+    /// back is not the client's: the continuation generates it again).
     pub fn resumable(&self) -> bool {
-        !self.unresumable && self.partial.is_empty()
+        !self.unresumable
     }
 
     /// Which segment is streaming (0: the first).
@@ -183,6 +192,7 @@ impl Splice {
     pub fn next_segment(&mut self, before: u64) {
         self.segment += 1;
         self.before = before;
+        // Neither the client's nor in the text: the continuation generates it again.
         self.partial.clear();
         self.prompt_extra = self
             .encoding
@@ -191,54 +201,74 @@ impl Splice {
             .min(before);
     }
 
-    /// Reads a chunk of the current segment; returns what the client gets: the chunk itself
-    /// in the first segment, its complete lines rewritten in later ones.
-    pub fn feed(&mut self, chunk: &Bytes) -> Bytes {
-        self.partial.extend_from_slice(chunk);
-        let Some(end) = self.partial.iter().rposition(|&b| b == b'\n') else {
-            return if self.segment == 0 {
-                chunk.clone()
-            } else {
-                Bytes::new()
-            };
-        };
-        let lines: Vec<u8> = self.partial.drain(..=end).collect();
-        let mut out = Vec::with_capacity(lines.len());
-        for line in lines.split_inclusive(|&b| b == b'\n') {
-            let rewritten = self.line(line);
-            out.extend_from_slice(rewritten.as_deref().unwrap_or(line));
+    /// Reads a chunk of the current segment; returns the events it completes, as the client
+    /// gets them: as they came in the first segment, rewritten in later ones.
+    pub fn feed(&mut self, chunk: &[u8]) -> Bytes {
+        let mut buf = std::mem::take(&mut self.partial);
+        buf.extend_from_slice(chunk);
+        let mut out = Vec::with_capacity(buf.len());
+        let mut at = 0;
+        while let Some(len) = buf.get(at..).and_then(sse::event_end) {
+            self.event(buf.get(at..at + len).unwrap_or_default(), &mut out);
+            at += len;
         }
-        if self.segment == 0 {
-            chunk.clone()
-        } else {
-            Bytes::from(out)
+        self.partial = buf.get(at..).unwrap_or_default().to_vec();
+        if self.partial.len() > MAX_HELD_BYTES {
+            // No end in sight: passed on unread, as the meters do; the client then has a half
+            // event no continuation could complete.
+            self.unresumable = true;
+            out.append(&mut self.partial);
         }
+        Bytes::from(out)
     }
 
-    /// What the client still lacks when a later segment ends (a last line without a newline).
+    /// What the client still lacks when a segment's stream ends: its last event, if the engine
+    /// left it unended.
     pub fn flush(&mut self) -> Bytes {
         let rest = std::mem::take(&mut self.partial);
-        if self.segment == 0 {
-            return Bytes::new();
+        let mut out = Vec::with_capacity(rest.len() + 2);
+        if !rest.is_empty() {
+            self.event(&rest, &mut out);
         }
-        let rewritten = self.line(&rest);
-        Bytes::from(rewritten.unwrap_or(rest))
+        Bytes::from(out)
     }
 
-    /// Reads one event line; in a later segment returns it rewritten.
-    fn line(&mut self, line: &[u8]) -> Option<Vec<u8>> {
-        let text = std::str::from_utf8(line).ok()?;
-        let data = text.trim_end().strip_prefix("data:")?.trim_start();
+    /// Reads one event and adds it to `out` as the client gets it (rewritten in a later
+    /// segment), ended so that it reads as whole by itself: an LF goes after one that ends at a
+    /// lone CR (read as ended only once the next byte shows it is no CRLF), and line endings
+    /// after one the engine left unended (its stream's last). The client's parser and the
+    /// meters then see it end where the splice did.
+    fn event(&mut self, event: &[u8], out: &mut Vec<u8>) {
+        let start = out.len();
+        match self.read(event) {
+            Some(rewritten) => out.extend(rewritten),
+            None => out.extend_from_slice(event),
+        }
+        // Two at most: the first may complete a CRLF.
+        for _ in 0..2 {
+            if out.get(start..).and_then(sse::event_end).is_some() {
+                break;
+            }
+            out.push(b'\n');
+        }
+    }
+
+    /// Reads an event: the text it generated, whether the stream could go on after it, and
+    /// the name the client's first chunk gives the stream; in a later segment returns it
+    /// rewritten.
+    fn read(&mut self, event: &[u8]) -> Option<Vec<u8>> {
+        let data = sse::event_data(event)?;
+        let data = std::str::from_utf8(&data).ok()?.trim();
         if data == "[DONE]" {
             self.unresumable = true;
             return None;
         }
-        let mut event: Value = serde_json::from_str(data).ok()?;
+        let mut chunk: Value = serde_json::from_str(data).ok()?;
         // The last usage chunk (continuous usage stats ride on chunks with choices).
-        if !event["usage"].is_null() && event["choices"].as_array().is_none_or(Vec::is_empty) {
+        if !chunk["usage"].is_null() && chunk["choices"].as_array().is_none_or(Vec::is_empty) {
             self.unresumable = true;
         }
-        for choice in event["choices"].as_array().into_iter().flatten() {
+        for choice in chunk["choices"].as_array().into_iter().flatten() {
             let delta = &choice["delta"];
             if !delta["tool_calls"].is_null()
                 || !delta["reasoning_content"].is_null()
@@ -250,38 +280,35 @@ impl Splice {
             let piece = delta["content"].as_str().or(choice["text"].as_str());
             self.text.push_str(piece.unwrap_or_default());
         }
+        // The first chunk the client gets, in whichever segment, names the stream: every later
+        // one carries its id and creation time, and its role delta is the only one.
+        let named = self.id.is_some();
+        if !named {
+            self.id = Some(chunk["id"].clone());
+            self.created = Some(chunk["created"].clone());
+        }
         if self.segment == 0 {
-            self.id = self.id.take().or_else(|| Some(event["id"].clone()));
-            self.created = self
-                .created
-                .take()
-                .or_else(|| Some(event["created"].clone()));
             return None;
         }
-        let fields = event.as_object_mut()?;
+        let fields = chunk.as_object_mut()?;
         if let Some(id) = &self.id {
             fields.insert("id".into(), id.clone());
         }
         if let Some(created) = &self.created {
             fields.insert("created".into(), created.clone());
         }
-        for choice in fields
-            .get_mut("choices")
-            .and_then(Value::as_array_mut)
-            .into_iter()
-            .flatten()
-        {
-            if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
-                delta.remove("role");
+        if named {
+            let choices = fields.get_mut("choices").and_then(Value::as_array_mut);
+            for choice in choices.into_iter().flatten() {
+                if let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) {
+                    delta.remove("role");
+                }
             }
         }
         if let Some(usage) = fields.get_mut("usage").and_then(Value::as_object_mut) {
             self.restate(usage);
         }
-        let mut out = b"data: ".to_vec();
-        out.extend(serde_json::to_vec(&event).ok()?);
-        out.extend_from_slice(&line[line.trim_ascii_end().len()..]);
-        Some(out)
+        Some(rewritten(event, &serde_json::to_vec(&chunk).ok()?))
     }
 
     /// A later segment's usage as the whole request's: the original prompt, every token
@@ -309,6 +336,25 @@ impl Splice {
         usage.insert("completion_tokens".into(), json!(completion));
         usage.insert("total_tokens".into(), json!(prompt + completion));
     }
+}
+
+/// An event with its data lines replaced by one carrying `data`; its other lines (a name, an
+/// id, comments) and its line endings stay as they were.
+fn rewritten(event: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(event.len() + data.len());
+    let mut written = false;
+    for (line, end) in sse::lines(event) {
+        if !line.starts_with(b"data:") {
+            out.extend_from_slice(line);
+        } else if std::mem::replace(&mut written, true) {
+            continue;
+        } else {
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(data);
+        }
+        out.extend_from_slice(end);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -404,7 +450,7 @@ mod tests {
     }
 
     #[test]
-    fn a_stream_that_has_finished_or_stopped_mid_event_is_not_resumed() {
+    fn a_finished_stream_is_not_resumed_and_one_cut_mid_event_is_without_its_half() {
         let content =
             "data: {\"choices\":[{\"delta\":{\"content\":\" a\"},\"finish_reason\":null}]}\n\n";
         let ends = [
@@ -412,8 +458,6 @@ mod tests {
             "data: {\"choices\":[{\"text\":\"\",\"finish_reason\":\"length\"}]}\n\n",
             "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\n",
             "data: [DONE]\n\n",
-            // Half an event: the client has a partial line a continuation cannot complete.
-            "data: {\"choices\":[{\"delta\":{\"content\":\" b",
         ];
         let continuous_usage = "data: {\"choices\":[{\"delta\":{\"content\":\" c\"}}],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":2}}\n\n";
         for end in ends {
@@ -424,6 +468,40 @@ mod tests {
             s.feed(&chunk(end));
             assert!(!s.resumable(), "{end}");
         }
+        // Half an event, even one whose data line is whole: held back from the client, so the
+        // continuation generates it again.
+        let mut s = Splice::new(Encoding::Cl100kBase);
+        s.feed(&chunk(content));
+        for half in [
+            "data: {\"choices\":[{\"delta\":{\"content\":\" b",
+            "\"}}]}\n",
+        ] {
+            assert!(s.feed(&chunk(half)).is_empty(), "{half}");
+        }
+        assert!(s.resumable());
+        assert_eq!(s.text(), " a");
+    }
+
+    #[test]
+    fn an_event_too_large_to_hold_passes_unread_and_the_stream_runs_on() {
+        let mut s = Splice::new(Encoding::Cl100kBase);
+        let huge = format!("data: {}", "x".repeat(MAX_HELD_BYTES));
+        assert_eq!(s.feed(&chunk(&huge)), huge, "not hoarded");
+        assert!(!s.resumable(), "the client has half an event");
+    }
+
+    #[test]
+    fn every_event_reaches_the_client_ended_by_itself() {
+        let mut s = Splice::new(Encoding::Cl100kBase);
+        // A lone CR ends an event only once the next byte shows it is no CRLF's.
+        assert!(s.feed(&chunk("data: {\"choices\":[]}\r\r")).is_empty());
+        assert_eq!(
+            s.feed(&chunk("data: [DONE]")),
+            "data: {\"choices\":[]}\r\r\n",
+            "an LF after it: it reads as ended by itself"
+        );
+        assert_eq!(s.flush(), "data: [DONE]\n\n", "the engine left it unended");
+        assert!(!s.resumable());
     }
 
     #[test]
@@ -464,14 +542,11 @@ mod tests {
             "data: {\"id\":\"chatcmpl-1\",\"created\":7,\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\" the\"}}]}\n\n",
         );
         assert_eq!(s.feed(&first), first, "the first segment passes as it came");
-        // Split across chunks.
-        assert!(
-            !s.feed(&chunk("data: {\"id\":\"chatcmpl-1\",\"cre"))
-                .is_empty()
-        );
-        s.feed(&chunk(
-            "ated\":7,\"choices\":[{\"delta\":{\"content\":\" cache\"}}]}\n\n",
-        ));
+        // Split across chunks: held back until it is whole.
+        let head = "data: {\"id\":\"chatcmpl-1\",\"cre";
+        assert!(s.feed(&chunk(head)).is_empty());
+        let tail = "ated\":7,\"choices\":[{\"delta\":{\"content\":\" cache\"}}]}\n\n";
+        assert_eq!(s.feed(&chunk(tail)), format!("{head}{tail}"));
         assert_eq!(s.text(), " the cache");
         s.next_segment(2);
         let out = s.feed(&chunk(

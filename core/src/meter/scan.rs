@@ -435,14 +435,19 @@ impl Key {
 }
 
 /// An event too large to hold, read as it passes: its `data:` lines through a [`Skeleton`]
-/// (joined by line breaks, as [`super::event_data`] joins them), its end where
-/// [`super::event_end`] finds it.
+/// (joined by line breaks, as [`crate::sse::event_data`] joins them), its end where
+/// [`crate::sse::event_end`] finds it: lines end at CRLF, LF or a lone CR, the event at an
+/// empty line.
 #[derive(Debug, Default)]
 pub(super) struct EventScan {
     data: Skeleton,
     line: Line,
-    /// The event's last three bytes so far (zeros before its start): a blank line ends it.
-    last: [u8; 3],
+    /// Bytes of the line under way: an empty line ends the event.
+    line_len: usize,
+    /// The last byte read was a CR ending a line: an LF next belongs to that line ending.
+    after_cr: bool,
+    /// And that line was empty: the event ends after the CR, or after the LF if one follows.
+    ending: bool,
 }
 
 /// Where the scan is in one of the event's lines.
@@ -461,23 +466,44 @@ impl Default for Line {
 }
 
 impl EventScan {
-    /// Reads the next bytes of the event; returns its end in them (just past its blank line)
+    /// Reads the next bytes of the event; returns its end in them (just past its empty line)
     /// once it has come.
     pub(super) fn feed(&mut self, bytes: &[u8]) -> Option<usize> {
         let mut at = 0;
-        loop {
-            let rest = bytes.get(at..)?;
-            let newline = rest.iter().position(|&b| b == b'\n');
-            self.line_part(rest.get(..newline.unwrap_or(rest.len()))?);
-            at += newline? + 1;
-            if self.last[2] == b'\n' || self.last == *b"\r\n\r" {
+        if self.after_cr {
+            let first = *bytes.first()?;
+            self.after_cr = false;
+            at = usize::from(first == b'\n');
+            if self.ending {
                 return Some(at);
             }
+        }
+        loop {
+            let rest = bytes.get(at..)?;
+            let Some(i) = rest.iter().position(|&b| b == b'\n' || b == b'\r') else {
+                self.line_part(rest);
+                return None;
+            };
+            self.line_part(rest.get(..i)?);
+            let empty = self.line_len == 0;
             if self.line == Line::Data {
                 self.data.feed(b"\n");
             }
-            self.line = Line::Start(0);
-            self.remember(b"\n");
+            (self.line, self.line_len) = (Line::Start(0), 0);
+            at += i + 1;
+            if rest.get(i) == Some(&b'\r') {
+                match bytes.get(at) {
+                    Some(b'\n') => at += 1,
+                    Some(_) => {}
+                    None => {
+                        (self.after_cr, self.ending) = (true, empty);
+                        return None;
+                    }
+                }
+            }
+            if empty {
+                return Some(at);
+            }
         }
     }
 
@@ -510,20 +536,15 @@ impl EventScan {
                 }
             }
         }
-        self.remember(part);
-    }
-
-    fn remember(&mut self, bytes: &[u8]) {
-        for &b in bytes.iter().skip(bytes.len().saturating_sub(3)) {
-            self.last = [self.last[1], self.last[2], b];
-        }
+        self.line_len += part.len();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::meter::{Reported, event_end};
+    use crate::meter::Reported;
+    use crate::sse::event_end;
 
     /// What the scan must read as a whole event's reader does.
     fn read(seen: Option<Observed>) -> Option<(Option<Reported>, bool, bool, bool)> {
