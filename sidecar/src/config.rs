@@ -226,6 +226,11 @@ pub struct RelayConfig {
     /// the replica's concurrency limit drops. A stream's first bytes come once the engine has
     /// prefilled the prompt, so this bounds the longest prefill too.
     pub first_byte_ms: u64,
+    /// Most bytes of a non-streamed answer (an error's too) the sidecar reads: it holds one
+    /// whole to parse its usage and answer the caller, so a misbehaving engine, or a batch of
+    /// embeddings too large, must not grow the sidecar until it is killed. Past it the caller
+    /// gets 502 `response_too_large`.
+    pub max_response_bytes: usize,
 }
 
 impl Default for RelayConfig {
@@ -235,6 +240,7 @@ impl Default for RelayConfig {
             max_stream_ms: 30 * 60_000,
             max_response_ms: 30 * 60_000,
             first_byte_ms: 30_000,
+            max_response_bytes: 64 << 20,
         }
     }
 }

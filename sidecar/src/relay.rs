@@ -534,8 +534,9 @@ pub async fn relay(
     }
     let stream = streamed(upstream.headers(), stream);
     if !status.is_success() || !stream {
+        let max = limits.max_response_bytes;
         let bytes = tokio::select! {
-            bytes = upstream.bytes() => bytes,
+            bytes = read_bounded(upstream, max) => bytes,
             () = cut(&app) => return cut_short(flight),
             () = tokio::time::sleep_until(deadline) => return timed_out(flight),
         };
@@ -545,11 +546,12 @@ pub async fn relay(
             "upstream_error"
         };
         return match bytes {
-            Ok(bytes) => {
+            Ok(None) => too_large(flight, max),
+            Ok(Some(bytes)) => {
                 if status.is_success() {
                     flight.assignment.answered();
                 }
-                let mut meter = BodyMeter::new(flight.endpoint, usize::MAX);
+                let mut meter = BodyMeter::new(flight.endpoint, METERED_BODY_BYTES);
                 meter.feed(&bytes);
                 flight.capture(&bytes);
                 let response = (status.as_u16(), JSON);
@@ -599,6 +601,58 @@ pub async fn relay(
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
     resp
+}
+
+/// Most of a non-streamed answer the meter copies to parse whole (for a count where the engine
+/// reports no usage, as the filter does); past it the rest is scanned for the usage as it
+/// passes, not copied.
+const METERED_BODY_BYTES: usize = 4 << 20;
+
+/// A non-streamed answer read whole, or `None` once it is past `max` bytes (its
+/// `content-length` says so, or what came did): the rest is left unread, and the connection
+/// dropped with it.
+async fn read_bounded(upstream: reqwest::Response, max: usize) -> reqwest::Result<Option<Bytes>> {
+    if upstream
+        .content_length()
+        .is_some_and(|len| len > max as u64)
+    {
+        return Ok(None);
+    }
+    let mut body = Vec::new();
+    let mut chunks = upstream.bytes_stream();
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk?;
+        if body.len().saturating_add(chunk.len()) > max {
+            return Ok(None);
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(Some(Bytes::from(body)))
+}
+
+/// A non-streamed answer past `relay.max_response_bytes`: the engine did the work, so the
+/// attempt is billed its prompt and the output held for it (its answer's own count is in the
+/// part not read), and the caller told to ask for less.
+fn too_large(mut flight: Flight, max: usize) -> Response {
+    (flight.app.metrics).reject("response_too_large", &flight.who.tenant, 502);
+    let held = flight.output_held;
+    flight.finish(
+        "response_too_large",
+        Some(BodyUsage::Estimated {
+            completion_tokens: held,
+        }),
+    );
+    flight.refusal(
+        ApiError::new(
+            502,
+            "APIError",
+            format!(
+                "the engine's answer is larger than this gateway relays ({max} bytes, \
+                 relay.max_response_bytes); ask for less (fewer inputs, a lower max_tokens)"
+            ),
+        )
+        .with_code("response_too_large"),
+    )
 }
 
 /// Sends a request body to the assigned replica.
@@ -1396,6 +1450,67 @@ mod tests {
             row,
             ("engine".into(), "ok".into(), 51000_i64, 2_i64, 50000_i64)
         );
+    }
+
+    /// An engine whose non-streamed answer outgrows `relay.max_response_bytes` (a batch of
+    /// embeddings too large, or an engine gone wrong) is not read whole: the caller gets 502
+    /// `response_too_large`, and the attempt is billed its prompt and the output held for it.
+    /// Before, the sidecar read any answer whole into memory.
+    #[tokio::test]
+    async fn a_non_streamed_answer_past_the_bound_is_refused_and_billed_not_held() {
+        let rig = rig(5_000);
+        let huge = |declared: bool| async move {
+            let answer = format!(
+                r#"{{"object":"list","data":[{{"embedding":[{}]}}]}}"#,
+                "0.123456789,".repeat(20_000) + "0"
+            );
+            if declared {
+                answer.into_response()
+            } else {
+                // Chunked, without a length: the bound is found reading.
+                let chunks = answer
+                    .into_bytes()
+                    .chunks(4096)
+                    .map(|c| Ok::<_, std::io::Error>(Bytes::copy_from_slice(c)))
+                    .collect::<Vec<_>>();
+                Body::from_stream(futures::stream::iter(chunks)).into_response()
+            }
+        };
+        let engine = axum::Router::new()
+            .route("/declared", axum::routing::post(move || huge(true)))
+            .route("/chunked", axum::routing::post(move || huge(false)));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, engine).await });
+        rig.app.relay.store(crate::config::RelayConfig {
+            max_response_bytes: 64 * 1024,
+            ..Default::default()
+        });
+        for (i, path) in ["/declared", "/chunked"].into_iter().enumerate() {
+            let mut flight = flight_of(&rig, Endpoint::Embeddings, false);
+            flight.who.request_id = format!("big-{i}");
+            flight.assignment.url = url.clone();
+            let resp = relay(flight, path, b"{}".to_vec(), false, None).await;
+            assert_eq!(resp.status(), StatusCode::BAD_GATEWAY, "{path}");
+            let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(v["error"]["code"], "response_too_large", "{path}: {v}");
+        }
+        assert!(rig.app.ledger.flush(Duration::from_secs(5)));
+        let conn = rusqlite::Connection::open(&rig.ledger).unwrap();
+        let mut rows = conn
+            .prepare(
+                "SELECT outcome, prompt_tokens, completion_tokens FROM usage ORDER BY request_id",
+            )
+            .unwrap();
+        let rows: Vec<(String, i64, i64)> = rows
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(rows, vec![("response_too_large".into(), 10, 100); 2]);
     }
 
     /// A client that stops reading is cut at its stall limit, not when the timer set for the
