@@ -244,7 +244,10 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
         post(
             "stalled",
             chat("stall", "are you there?", json!({"max_tokens": 5})),
-            &[("idempotency-key", "stall-1")],
+            &[
+                ("idempotency-key", "stall-1"),
+                ("x-request-id", "stall-1-log"),
+            ],
         ),
     )
     .await;
@@ -268,6 +271,24 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
     let rows = records_of("stalled", "stall-1").await;
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0].outcome, "response_deadline");
+    // The engine took the prompt: the ledger bills it, the answer says so, and the filter
+    // charges the tenant's quota the same (before, an error without usage was charged nothing).
+    let billed = (rows[0].prompt_tokens, rows[0].completion_tokens);
+    assert!(billed.0 > 0, "{rows:?}");
+    assert_eq!(
+        (
+            error["usage"]["prompt_tokens"].as_u64(),
+            error["usage"]["completion_tokens"].as_u64()
+        ),
+        (Some(billed.0), Some(billed.1)),
+        "{text}"
+    );
+    let log = stack().envoy.access_log_fields("stall-1-log");
+    assert_eq!(
+        (log["tokens_in"].as_str(), log["tokens_out"].as_str()),
+        (billed.0.to_string().as_str(), billed.1.to_string().as_str()),
+        "{log:?}"
+    );
     // The key was not completed: a retry runs (and meets the same silence) instead of a 409.
     let retry = tokio::time::timeout(
         Duration::from_millis(MAX_STREAM_MS * 5),

@@ -890,6 +890,42 @@ mod tests {
     }
 
     #[test]
+    fn an_error_body_that_says_what_was_billed_reports_it() {
+        // The sidecar's answer to an attempt that used the engine and then failed (a response
+        // deadline, an answer too large) carries the usage it billed, in the API's own shape.
+        let error = r#""error":{"message":"m","type":"TimeoutError","code":"response_deadline"}"#;
+        for (endpoint, usage) in [
+            (
+                Endpoint::ChatCompletions,
+                r#"{"prompt_tokens":10,"completion_tokens":100,"total_tokens":110}"#,
+            ),
+            (
+                Endpoint::Completions,
+                r#"{"prompt_tokens":10,"completion_tokens":100,"total_tokens":110}"#,
+            ),
+            (
+                Endpoint::Responses,
+                r#"{"input_tokens":10,"output_tokens":100,"total_tokens":110}"#,
+            ),
+            (
+                Endpoint::Messages,
+                r#"{"input_tokens":10,"output_tokens":100}"#,
+            ),
+        ] {
+            let mut m = BodyMeter::new(endpoint, 1 << 20);
+            m.feed(format!(r#"{{{error},"usage":{usage}}}"#).as_bytes());
+            match m.finish() {
+                BodyUsage::Reported(u) => assert_eq!(
+                    (u.prompt_tokens, u.completion_tokens),
+                    (10, 100),
+                    "{endpoint:?}"
+                ),
+                other => panic!("{endpoint:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn non_streamed_bodies_report_or_estimate() {
         let mut m = BodyMeter::new(Endpoint::ChatCompletions, 1024);
         m.feed(br#"{"choices":[{"message":{"content":"hello"}}],"#);

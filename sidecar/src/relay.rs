@@ -115,6 +115,8 @@ pub struct Flight {
     /// The request never reached the engine, or the engine answered with an error status: it
     /// ran nothing, so nothing is billed.
     nothing_ran: bool,
+    /// What the ledger billed the attempt (prompt, output), once it ran and is settled.
+    billed: Option<(u64, u64)>,
     continuation: Option<Continuation>,
 }
 
@@ -151,13 +153,29 @@ impl Flight {
             captured: claim.as_ref().map(|_| Vec::new()),
             claim,
             nothing_ran: false,
+            billed: None,
             continuation: attempt.continuation,
         }
     }
 
-    /// An error reply to the caller, in its API's shape.
+    /// An error reply to the caller, in its API's shape. An attempt that used the engine (a
+    /// response deadline, an answer too large, an engine failing mid-answer) carries what it
+    /// was billed as the API's `usage`, so the filter settles the tenant's quota on the same
+    /// figures as the ledger (it charges an error without usage nothing).
     fn refusal(&self, error: ApiError) -> Response {
-        error_response(&error, self.endpoint.error_shape(), self.retry_after_s())
+        let shape = self.endpoint.error_shape();
+        let Some((prompt, output)) = self.billed else {
+            return error_response(&error, shape, self.retry_after_s());
+        };
+        let mut body = error.to_json_in(shape);
+        body["usage"] = usage_json(self.endpoint, prompt, output);
+        let status = StatusCode::from_u16(error.status).unwrap_or(StatusCode::BAD_GATEWAY);
+        let mut resp = (status, axum::Json(body)).into_response();
+        if matches!(error.status, 429 | 502 | 503) {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, self.retry_after_s().into());
+        }
+        resp
     }
 
     /// `Retry-After` for a retryable answer: drawn around the pool's projected wait.
@@ -342,6 +360,9 @@ impl Flight {
         };
         if source == "engine" {
             self.reconcile(prompt);
+        }
+        if !self.nothing_ran {
+            self.billed = Some((prompt, completion));
         }
         self.charge(completion);
         self.assignment.release();
@@ -601,6 +622,21 @@ pub async fn relay(
     resp.headers_mut()
         .insert(header::CONTENT_TYPE, HeaderValue::from_static(EVENT_STREAM));
     resp
+}
+
+/// An API's `usage` object for `prompt` and `output` tokens, as its answers spell it.
+fn usage_json(endpoint: Endpoint, prompt: u64, output: u64) -> serde_json::Value {
+    let total = prompt.saturating_add(output);
+    match endpoint {
+        Endpoint::ChatCompletions | Endpoint::Completions => serde_json::json!({
+            "prompt_tokens": prompt, "completion_tokens": output, "total_tokens": total}),
+        Endpoint::Embeddings => {
+            serde_json::json!({"prompt_tokens": prompt, "total_tokens": prompt})
+        }
+        Endpoint::Responses => serde_json::json!({
+            "input_tokens": prompt, "output_tokens": output, "total_tokens": total}),
+        Endpoint::Messages => serde_json::json!({"input_tokens": prompt, "output_tokens": output}),
+    }
 }
 
 /// Most of a non-streamed answer the meter copies to parse whole (for a count where the engine
