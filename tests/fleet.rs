@@ -393,7 +393,12 @@ async fn a_tenant_s_first_request_and_its_first_after_idle_are_served() {
     let quota = fleet().sidecar.port;
     let config = json!({
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": [
-            fleet_key("first", "fail_closed"),
+            // Fleet-wide requests and tokens: the count is owed at the headers, the tokens
+            // asked for with the body.
+            api_key_limited("first", json!({
+                "requests_per_minute": 100, "input_tokens_per_minute": LIMIT,
+                "fleet_wide": {"requests_per_minute": "fail_closed",
+                               "input_tokens_per_minute": "fail_closed"}})),
         ]}]}]}],
         "models": {"tiny": {"max_context_tokens": 4096}},
         "fleet": {"cluster": "upstream", "renew_ms": 1_000, "timeout_ms": 2_000,

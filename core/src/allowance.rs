@@ -258,13 +258,45 @@ impl Allowance {
         })
     }
 
+    /// Takes a request count from a lease there is none of yet ([`Shortage::Unleased`]), as a
+    /// debt the grant its request asks for repays: the count is charged before the request's
+    /// headers go on, with its concurrency slot, and the ask goes with its body.
+    pub fn owe(mut self, amount: u64) -> Allowance {
+        self.tokens -= amount as f64;
+        self.spent += amount as f64;
+        self
+    }
+
+    /// What a request that found no lease asks for at once (`crate::renewal::plan_for`): what
+    /// requests found missing and what is owed, no more (the period's renewal sizes leases to
+    /// the rate), and the tokens of a lapsed lease given back.
+    pub fn ask_now(mut self, ctx: &Context, now_ms: u64) -> (Allowance, Ask) {
+        let mut ask = self.lapsed_returned(ctx, now_ms);
+        let missing = self.wanted - self.usable(ctx.window, now_ms);
+        ask.want = missing.clamp(0.0, 2.0 * ctx.limit as f64).ceil() as u64;
+        (self, ask)
+    }
+
+    /// An ask giving back what a lapsed lease left unspent (taken out of the lease).
+    fn lapsed_returned(&mut self, ctx: &Context, now_ms: u64) -> Ask {
+        let mut ask = Ask::default();
+        if self.lapsed(ctx.window, now_ms) && self.tokens > 0.0 {
+            ask.returned = self.tokens.floor() as u64;
+            if ctx.window != Window::Minute {
+                ask.returned_window_start_ms = Some(self.window_start_ms);
+            }
+            self.tokens = 0.0;
+        }
+        ask
+    }
+
     /// Marks that a request of `amount` found too little, so the next renewal asks for it.
     pub fn want(mut self, amount: u64, limit: u64) -> Allowance {
         self.wanted = self.wanted.max(amount.min(limit) as f64);
         self
     }
 
-    fn lease_source(&self) -> Source {
+    pub(crate) fn lease_source(&self) -> Source {
         Source::Lease {
             window_start_ms: self.window_start_ms,
         }
@@ -302,14 +334,7 @@ impl Allowance {
             self.spent = 0.0;
             self.measured_ms = now_ms;
         }
-        let mut ask = Ask::default();
-        if self.lapsed(ctx.window, now_ms) && self.tokens > 0.0 {
-            ask.returned = self.tokens.floor() as u64;
-            if ctx.window != Window::Minute {
-                ask.returned_window_start_ms = Some(self.window_start_ms);
-            }
-            self.tokens = 0.0;
-        }
+        let mut ask = self.lapsed_returned(ctx, now_ms);
         let limit = ctx.limit as f64;
         let horizon = ASK_PERIODS * ctx.terms.renew_ms as f64;
         let in_use = self.rate * horizon >= 1.0 || self.wanted > 0.0;

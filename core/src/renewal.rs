@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use crate::allowance::{self, Allowance};
+use crate::allowance::{self, Allowance, Ask};
 use crate::config::Tenant;
 use crate::fleet::{CounterAsk, LeaseRequest, LeaseResponse, MAX_COUNTERS};
 use crate::reservation::{self, Fleet, SharedStore, Update, update};
@@ -207,9 +207,9 @@ pub fn plan(store: &impl SharedStore, specs: &HashMap<String, Spec>, now_ms: u64
 }
 
 /// The renewal to send at once for a request that found no lease ([`Denial::Unleased`]):
-/// asks for those of `specs` (its tenant's fleet-wide counters) that a request found short,
-/// as the period's renewal would. Concurrent first requests on one Envoy each ask: at most
-/// their number of asks, whose tokens lapse back to the store if unspent.
+/// for each of `specs` (its tenant's fleet-wide counters) that requests found short or that
+/// owe, what they found missing and what is owed — no more, so concurrent first requests on one Envoy ask for what they spend
+/// between them, not a lease each — and the tokens of a lapsed lease given back.
 ///
 /// [`Denial::Unleased`]: crate::reservation::Denial::Unleased
 pub fn plan_for(
@@ -217,22 +217,39 @@ pub fn plan_for(
     specs: &HashMap<String, Spec>,
     now_ms: u64,
 ) -> LeaseRequest {
-    let wanted = |key: &String| {
-        store
-            .load(key)
-            .and_then(|(v, _)| Allowance::decode(&v))
-            .is_some_and(|a| a.wanted > 0.0)
-    };
-    let counters = specs
-        .iter()
-        .filter(|(key, _)| wanted(key))
-        .filter_map(|(key, spec)| match ask(store, key, spec, now_ms) {
-            Asked::Ask(ask) => Some(ask),
-            Asked::Idle | Asked::Nothing => None,
-        })
-        .take(MAX_COUNTERS)
-        .collect();
+    let mut counters = Vec::new();
+    for (key, spec) in specs {
+        let ctx = spec.context(false);
+        let mut asked = Ask::default();
+        let updated = update::<()>(store, key, |current| {
+            let a = current.and_then(Allowance::decode).ok_or(())?;
+            if a.wanted <= 0.0 && a.tokens >= 0.0 {
+                return Err(());
+            }
+            let (next, ask) = a.ask_now(&ctx, now_ms);
+            asked = ask;
+            Ok(next.encode())
+        });
+        if matches!(updated, Update::Done(())) && (asked.want > 0 || asked.returned > 0) {
+            counters.push(counter_ask(key, spec, asked));
+        }
+        if counters.len() >= MAX_COUNTERS {
+            break;
+        }
+    }
     LeaseRequest { counters }
+}
+
+/// A counter's ask as the quota service takes it.
+fn counter_ask(key: &str, spec: &Spec, ask: Ask) -> CounterAsk {
+    CounterAsk {
+        key: key.to_owned(),
+        window: spec.fleet.window,
+        limit: spec.limit,
+        want: ask.want,
+        returned: ask.returned,
+        returned_window_start_ms: ask.returned_window_start_ms,
+    }
 }
 
 /// What one counter's lease asks of the store now ([`Allowance::ask`]).
@@ -260,14 +277,7 @@ fn ask(store: &impl SharedStore, key: &str, spec: &Spec, now_ms: u64) -> Asked {
     }
     match asked {
         None => Asked::Idle,
-        Some(ask) if ask.want > 0 || ask.returned > 0 => Asked::Ask(CounterAsk {
-            key: key.to_owned(),
-            window: spec.fleet.window,
-            limit: spec.limit,
-            want: ask.want,
-            returned: ask.returned,
-            returned_window_start_ms: ask.returned_window_start_ms,
-        }),
+        Some(ask) if ask.want > 0 || ask.returned > 0 => Asked::Ask(counter_ask(key, spec, ask)),
         Some(_) => Asked::Nothing,
     }
 }
@@ -427,12 +437,12 @@ mod tests {
             ),
             "{refused:?}"
         );
-        // The request asks at once for the counters of its tenant that it found short.
+        // The request asks at once for what it found missing at its tenant's counters.
         let ask = plan_for(&store, &specs, 10);
         assert_eq!(ask.counters.len(), 1, "one counter, one call");
         assert_eq!(
             (ask.counters[0].key.as_str(), ask.counters[0].want),
-            (KEY, 600)
+            (KEY, 500)
         );
         apply(&store, &specs, &grant_all(&ask), 20);
         let r = reservation::reserve(&store, &tenant, demand(500), Ledger::Enforce, SLOT, 30);
@@ -440,7 +450,52 @@ mod tests {
         // Settling a smaller use refunds the lease.
         reservation::settle(&store, &r, demand(300), 40);
         let a = Allowance::decode(&store.load(KEY).unwrap().0).unwrap();
-        assert_eq!(a.tokens, 300.0);
+        assert_eq!(a.tokens, 200.0);
+    }
+
+    #[test]
+    fn a_first_request_asks_at_once_for_every_counter_it_lacks_and_its_count_is_owed() {
+        // Fleet-wide requests and input tokens at the org, input tokens at the key: a cold
+        // Envoy. The headers' charge takes the request count as a debt (its slot held); the
+        // body's tokens find no lease at two counters, and one ask covers both.
+        let json = format!(
+            r#"{{"signing":{{"secret_env":"S"}},"fleet":{{"cluster":"quota"}},
+            "orgs":[{{"id":"acme","limits":{{"requests_per_minute":100,
+            "input_tokens_per_minute":60000,"fleet_wide":{{"requests_per_minute":"fail_closed",
+            "input_tokens_per_minute":"fail_closed"}}}},
+            "workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[
+            {{"id":"k","sha256":"{h}","limits":{{"input_tokens_per_minute":6000,
+            "fleet_wide":{{"input_tokens_per_minute":"fail_open"}}}}}}]}}]}}]}}]}}"#,
+            h = "a".repeat(64)
+        );
+        let config = Config::parse(json.as_bytes()).unwrap();
+        let specs = specs_of(&config);
+        let tenant = config.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        reservation::initialize(&store, [&tenant], 0);
+        let mut r = at_headers(&store, &tenant, 0);
+        let owed = Allowance::decode(&store.load("weir:e:acme:rpm").unwrap().0).unwrap();
+        assert_eq!(owed.tokens, -1.0, "the request's count is owed");
+        let refused = reservation::extend(&store, &mut r, demand(500), 1);
+        assert!(
+            matches!(refused, Err(Denial::Unleased { .. })),
+            "{refused:?}"
+        );
+        let ask = plan_for(&store, &specs, 2);
+        let mut wants: Vec<(&str, u64)> = (ask.counters.iter())
+            .map(|c| (c.key.as_str(), c.want))
+            .collect();
+        wants.sort();
+        assert_eq!(
+            wants,
+            [
+                ("weir:e:acme/w/p/k:itpm", 500),
+                ("weir:e:acme:itpm", 500),
+                ("weir:e:acme:rpm", 1),
+            ]
+        );
+        apply(&store, &specs, &grant_all(&ask), 3);
+        reservation::extend(&store, &mut r, demand(500), 4).unwrap();
     }
 
     #[test]

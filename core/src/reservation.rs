@@ -515,9 +515,15 @@ impl Counter {
         let mut taken = None;
         let mut enlist = false;
         let outcome = update(store, &self.key, |current| {
-            let (mut next, source) = self
-                .allowance(current, fleet, now_ms)
-                .take(amount, &ctx, now_ms)?;
+            let lease = self.allowance(current, fleet, now_ms);
+            let (mut next, source) = match lease.take(amount, &ctx, now_ms) {
+                // A request's count before any lease: owed, so its headers go on holding its
+                // slot, and the ask its body sends repays it.
+                Err(Shortage::Unleased { .. }) if self.kind == LimitKind::Requests => {
+                    (lease.owe(amount), lease.lease_source())
+                }
+                taken => taken?,
+            };
             enlist = !next.listed;
             next.listed = true;
             let encoded = next.encode();
@@ -546,6 +552,33 @@ impl Counter {
             (Update::Done(()), Some(standing)) => Update::Done(standing),
             (Update::Done(()), None) | (Update::Contended, _) => Update::Contended,
             (Update::Refused(d), _) => Update::Refused(d),
+        }
+    }
+
+    /// Marks this fleet-wide counter wanted for `demand` when its lease cannot cover it for want
+    /// of a lease: a request refused [`Denial::Unleased`] at one counter asks at once for every
+    /// counter it lacks, not the first only ([`crate::renewal::plan_for`]).
+    fn note_unleased(&self, store: &impl SharedStore, demand: Demand, now_ms: u64) {
+        let Some(fleet) = self.fleet else {
+            return;
+        };
+        let (amount, ctx) = (self.amount(demand), self.lease_context(fleet, false));
+        let mut enlist = false;
+        let _ = update::<()>(store, &self.key, |current| {
+            let lease = self.allowance(current, fleet, now_ms);
+            if !matches!(
+                lease.take(amount, &ctx, now_ms),
+                Err(Shortage::Unleased { .. })
+            ) {
+                return Err(());
+            }
+            let mut next = lease.want(amount, self.limit);
+            enlist = !next.listed;
+            next.listed = true;
+            Ok(next.encode())
+        });
+        if enlist {
+            renewal::enlist(store, &self.key);
         }
     }
 
@@ -671,7 +704,8 @@ pub fn reserve(
         slot,
         standing: Vec::new(),
     };
-    for counter in counters(tenant, ledger) {
+    let mut all = counters(tenant, ledger);
+    while let Some(counter) = all.next() {
         let denial = match counter.take(store, demand, slot, now_ms) {
             Update::Done((standing, source)) => {
                 taken.held.push(Counter { source, ..counter });
@@ -681,6 +715,9 @@ pub fn reserve(
             Update::Refused(denial) => denial,
             Update::Contended => Denial::Contended,
         };
+        if matches!(denial, Denial::Unleased { .. }) {
+            all.for_each(|rest| rest.note_unleased(store, demand, now_ms));
+        }
         release(store, &taken, Demand::default(), now_ms, true);
         return Err(denial);
     }
@@ -713,6 +750,12 @@ pub fn extend(
             Update::Refused(denial) => denial,
             Update::Contended => Denial::Contended,
         };
+        if matches!(denial, Denial::Unleased { .. }) {
+            let tokens = |c: &&Counter| c.kind != LimitKind::Requests;
+            for rest in reservation.held.iter().skip(i + 1).filter(tokens) {
+                rest.note_unleased(store, more, now_ms);
+            }
+        }
         for &(j, (_, source)) in &taken {
             // Back where this take came from, which may differ from the reservation's.
             let c = Counter {

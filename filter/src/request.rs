@@ -83,12 +83,13 @@ enum Stage {
     Done,
 }
 
-/// A lease the request asked the quota service for at once: a fleet-wide limit had none on
-/// this Envoy ([`Denial::Unleased`]: the first request after a start, or after the tenant was
-/// idle), though the store may hold the tokens. Rather than refused, the request waits for the
-/// answer (at most the fleet's `timeout_ms`; a failed call marks the store down, and its
-/// `fail_open`/`fail_closed` rule decides), then is charged again — once: a second shortage is
-/// the limit's refusal.
+/// A lease the request asked the quota service for at once: a fleet-wide token limit had none
+/// on this Envoy for its body ([`Denial::Unleased`]: the first request after a start, or after
+/// the tenant was idle), though the store may hold the tokens. Rather than refused, the body
+/// waits for the answer (at most the fleet's `timeout_ms`; a failed call marks the store down,
+/// and its `fail_open`/`fail_closed` rule decides), then is charged again — once: a second
+/// shortage is the limit's refusal. (A request count found no lease at the headers is owed
+/// instead, its slot held: see `Allowance::owe`.)
 enum Lease {
     NotAsked,
     /// The call's token, and the body waiting for the answer once it is whole.
@@ -117,8 +118,6 @@ pub struct Request {
     admitted: Option<Admitted>,
     reservation: Option<Reservation>,
     lease: Lease,
-    /// Its headers found no lease ([`Lease`]): the request itself is charged with its body.
-    owes_request_charge: bool,
     meter: Meter,
     upstream_status: u16,
     /// In shadow mode, the first rejection enforcement would have made.
@@ -156,7 +155,6 @@ impl Request {
             admitted: None,
             reservation: None,
             lease: Lease::NotAsked,
-            owes_request_charge: false,
             meter: Meter::None,
             upstream_status: 0,
             would_reject: None,
@@ -271,11 +269,6 @@ impl Request {
                     in_flight.insert(slot.id, r.clone());
                 }
                 self.reservation = Some(r);
-                Action::Continue
-            }
-            Err(Denial::Unleased { .. }) if self.ask_lease() => {
-                // Its headers go on; the body waits for the lease and is charged with it.
-                self.owes_request_charge = true;
                 Action::Continue
             }
             Err(denial) => {
@@ -665,17 +658,6 @@ impl Request {
                 return self.refuse(reply, rejection.reason, Stage::Passthrough);
             }
         };
-        if self.owes_request_charge {
-            if let Lease::Asked { waiting, .. } = &mut self.lease {
-                *waiting = Some(body);
-                return Action::Pause;
-            }
-            self.owes_request_charge = false;
-            let action = self.reserve_request();
-            if self.stage == Stage::Replied {
-                return action;
-            }
-        }
         // Shadow mode may have let the request on without a reservation (its headers' charge
         // was refused): it goes on holding none.
         if self.reservation.is_some() {
