@@ -14,8 +14,15 @@
 //! or a response is written to disk or logs (the ledger holds the key, the attempt and counts).
 //! A claim released without completing (client gone while queued, engine failure) frees the key
 //! for a retry: it is a guard, so a dropped request future cannot leave a key held forever.
+//!
+//! A claim or a settle costs O(log n) in the keys remembered (amortised: a kept response expires
+//! once, a key is forgotten once). Each tenant's keys sit beside indexes ordered by when they
+//! settled, and tenants are ranked by what they hold, so expiring the oldest responses and
+//! forgetting the heaviest tenant's oldest key take the front of an ordered map. A pass over
+//! every key under the one lock made each claim of every tenant slower as one tenant minted keys.
 
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
@@ -73,6 +80,36 @@ struct Entry {
     attempts: u32,
     state: State,
     settled_ms: u64,
+    /// Drawn once per entry, so two entries settled in the same millisecond have distinct
+    /// [`Slot`]s (the older entry first).
+    seq: u64,
+}
+
+/// An entry's place in the ordered indexes: when it settled, then its `seq`.
+type Slot = (u64, u64);
+
+/// Which indexes hold an entry, and where.
+#[derive(Clone, Copy, PartialEq)]
+struct Placement {
+    slot: Slot,
+    /// In its tenant's settled keys (a key in flight is never forgotten).
+    settled: bool,
+    /// The bytes of the response it keeps: in the replays, and in its tenant's kept responses
+    /// unless empty.
+    kept: Option<usize>,
+}
+
+impl Entry {
+    fn placement(&self) -> Placement {
+        Placement {
+            slot: (self.settled_ms, self.seq),
+            settled: !matches!(self.state, State::InFlight),
+            kept: match &self.state {
+                State::Completed(Some(response)) => Some(response.body.len()),
+                _ => None,
+            },
+        }
+    }
 }
 
 /// The outcome of a claim.
@@ -88,10 +125,220 @@ pub struct Idempotency {
     keys: Mutex<Keys>,
 }
 
+/// Every remembered key, each under its tenant, and the indexes that expiry and fair eviction
+/// read from their front.
 #[derive(Default)]
 struct Keys {
-    entries: HashMap<(String, String), Entry>,
+    tenants: HashMap<Arc<str>, Tenant>,
+    index: Index,
+    last_seq: u64,
+}
+
+/// One tenant's keys, and its settled ones oldest first: what eviction forgets from it.
+struct Tenant {
+    name: Arc<str>,
+    entries: HashMap<Arc<str>, Entry>,
+    /// Settled keys (past `max_keys`).
+    settled: BTreeMap<Slot, Arc<str>>,
+    /// Keys keeping a non-empty response (past `max_cache_bytes`).
+    kept: BTreeMap<Slot, Arc<str>>,
+    kept_bytes: usize,
+}
+
+/// Tenants ranked by what they hold: the last one is the heaviest (of equals, the first name).
+type Ranking = BTreeSet<(usize, Reverse<Arc<str>>)>;
+
+/// What spans tenants.
+#[derive(Default)]
+struct Index {
+    /// Every kept response of every tenant, oldest settled first (the lifetime is the same for
+    /// all, so this is also the order they expire in).
+    replays: BTreeMap<Slot, (Arc<str>, Arc<str>)>,
+    /// Tenants by settled keys held.
+    by_keys: Ranking,
+    /// Tenants by bytes of responses kept.
+    by_bytes: Ranking,
+    /// Entries of every tenant.
+    len: usize,
+    /// Bytes of every kept response.
     cached_bytes: usize,
+}
+
+impl Keys {
+    fn get(&self, tenant: &str, key: &str) -> Option<&Entry> {
+        self.tenants.get(tenant)?.entries.get(key)
+    }
+
+    fn next_seq(&mut self) -> u64 {
+        self.last_seq += 1;
+        self.last_seq
+    }
+
+    fn insert(&mut self, tenant: &str, key: &str, entry: Entry) {
+        if !self.tenants.contains_key(tenant) {
+            let name: Arc<str> = tenant.into();
+            self.tenants.insert(name.clone(), Tenant::new(name));
+        }
+        let Some(t) = self.tenants.get_mut(tenant) else {
+            return;
+        };
+        let key: Arc<str> = key.into();
+        let after = entry.placement();
+        let before = t.entries.insert(key.clone(), entry).map(|e| e.placement());
+        self.index.place(t, &key, before, Some(after));
+    }
+
+    /// Changes an entry in place; only the indexes its placement left or entered are touched.
+    fn update<R>(
+        &mut self,
+        tenant: &str,
+        key: &str,
+        change: impl FnOnce(&mut Entry) -> R,
+    ) -> Option<R> {
+        let t = self.tenants.get_mut(tenant)?;
+        let (key, _) = t.entries.get_key_value(key)?;
+        let key = key.clone();
+        let entry = t.entries.get_mut(&key)?;
+        let before = entry.placement();
+        let out = change(entry);
+        let after = entry.placement();
+        self.index.place(t, &key, Some(before), Some(after));
+        Some(out)
+    }
+
+    fn remove(&mut self, tenant: &str, key: &str) -> Option<Entry> {
+        let t = self.tenants.get_mut(tenant)?;
+        let (key, entry) = t.entries.remove_entry(key)?;
+        self.index.place(t, &key, Some(entry.placement()), None);
+        if t.entries.is_empty() {
+            self.tenants.remove(tenant);
+        }
+        Some(entry)
+    }
+
+    /// Drops replayable responses past their lifetime, oldest first (the key stays known as
+    /// completed).
+    fn expire(&mut self, now_ms: u64, ttl_ms: u64) {
+        while let Some((&(settled_ms, _), (tenant, key))) = self.index.replays.first_key_value()
+            && now_ms.saturating_sub(settled_ms) > ttl_ms
+        {
+            let (tenant, key) = (tenant.clone(), key.clone());
+            let dropped = self.update(&tenant, &key, |entry| {
+                if let State::Completed(stored) = &mut entry.state {
+                    *stored = None;
+                }
+            });
+            if dropped.is_none() {
+                return;
+            }
+        }
+    }
+
+    /// Keeps the keys and the kept responses within bounds: the tenant holding the most goes
+    /// first, oldest settled first, so one tenant minting keys pushes out its own, never another
+    /// tenant's kept responses. Past `max_keys` it is the most settled keys that count; past
+    /// only `max_cache_bytes`, the most kept response bytes.
+    fn evict(&mut self, max_keys: usize, max_cache_bytes: usize) {
+        loop {
+            let by_bytes = if self.index.len > max_keys {
+                false
+            } else if self.index.cached_bytes > max_cache_bytes {
+                true
+            } else {
+                return;
+            };
+            let ranking = if by_bytes {
+                &self.index.by_bytes
+            } else {
+                &self.index.by_keys
+            };
+            let Some(t) = ranking
+                .last()
+                .and_then(|(_, Reverse(heaviest))| self.tenants.get(heaviest))
+            else {
+                return;
+            };
+            let oldest = if by_bytes { &t.kept } else { &t.settled };
+            let Some((_, key)) = oldest.first_key_value() else {
+                return;
+            };
+            let (tenant, key) = (t.name.clone(), key.clone());
+            if self.remove(&tenant, &key).is_none() {
+                return;
+            }
+        }
+    }
+}
+
+impl Tenant {
+    fn new(name: Arc<str>) -> Tenant {
+        Tenant {
+            name,
+            entries: HashMap::new(),
+            settled: BTreeMap::new(),
+            kept: BTreeMap::new(),
+            kept_bytes: 0,
+        }
+    }
+}
+
+impl Index {
+    /// Moves `t`'s `key` from where it sat (`None`: it was not remembered) to where it sits
+    /// now (`None`: it is forgotten). The one place the indexes change, so they cannot drift
+    /// from the entries.
+    fn place(
+        &mut self,
+        t: &mut Tenant,
+        key: &Arc<str>,
+        before: Option<Placement>,
+        after: Option<Placement>,
+    ) {
+        let (held_keys, held_bytes) = (t.settled.len(), t.kept_bytes);
+        let settled = |p: Option<Placement>| p.filter(|p| p.settled).map(|p| p.slot);
+        if settled(before) != settled(after) {
+            if let Some(slot) = settled(before) {
+                t.settled.remove(&slot);
+            }
+            if let Some(slot) = settled(after) {
+                t.settled.insert(slot, key.clone());
+            }
+        }
+        let kept = |p: Option<Placement>| p.and_then(|p| Some((p.slot, p.kept?)));
+        if kept(before) != kept(after) {
+            if let Some((slot, bytes)) = kept(before) {
+                self.replays.remove(&slot);
+                if bytes > 0 {
+                    t.kept.remove(&slot);
+                }
+                t.kept_bytes -= bytes;
+                self.cached_bytes -= bytes;
+            }
+            if let Some((slot, bytes)) = kept(after) {
+                self.replays.insert(slot, (t.name.clone(), key.clone()));
+                if bytes > 0 {
+                    t.kept.insert(slot, key.clone());
+                }
+                t.kept_bytes += bytes;
+                self.cached_bytes += bytes;
+            }
+        }
+        self.len = self.len + usize::from(after.is_some()) - usize::from(before.is_some());
+        rerank(&mut self.by_keys, &t.name, held_keys, t.settled.len());
+        rerank(&mut self.by_bytes, &t.name, held_bytes, t.kept_bytes);
+    }
+}
+
+/// Moves a tenant from `before` to `after` in a ranking (out of it at zero).
+fn rerank(ranking: &mut Ranking, tenant: &Arc<str>, before: usize, after: usize) {
+    if before == after {
+        return;
+    }
+    if before > 0 {
+        ranking.remove(&(before, Reverse(tenant.clone())));
+    }
+    if after > 0 {
+        ranking.insert((after, Reverse(tenant.clone())));
+    }
 }
 
 /// What identifies "the same request" under a key: the endpoint and the exact body.
@@ -123,8 +370,7 @@ impl Idempotency {
         now_ms: u64,
         history: impl FnOnce() -> Option<KeyHistory>,
     ) -> Claimed {
-        let id = (tenant.to_owned(), key.to_owned());
-        let remembered = self.lock().entries.contains_key(&id);
+        let remembered = self.lock().get(tenant, key).is_some();
         let past = if remembered {
             KeyHistory::default()
         } else {
@@ -143,61 +389,38 @@ impl Idempotency {
             }
         };
         let mut keys = self.lock();
-        self.expire(&mut keys, now_ms);
-        let entry = keys.entries.entry(id).or_insert_with(|| Entry {
-            fingerprint,
-            attempts: past.attempts,
-            state: if past.completed {
-                State::Completed(None)
-            } else {
-                State::Open
-            },
-            settled_ms: now_ms,
-        });
-        if entry.fingerprint != fingerprint {
-            return Claimed::Refused(
-                ApiError::new(
-                    422,
-                    "UnprocessableEntityError",
-                    "this Idempotency-Key was used with a different request; use a new key",
-                )
-                .with_param("Idempotency-Key")
-                .with_code("idempotency_key_reused"),
-            );
-        }
-        let refusal = match &entry.state {
-            State::Open => None,
-            State::Completed(Some(response)) => return Claimed::Replay(response.clone()),
-            State::InFlight => Some(
-                ApiError::new(
-                    409,
-                    "ConflictError",
-                    "a request with this Idempotency-Key is in progress; retry after it ends",
-                )
-                .with_code("idempotency_key_in_use"),
-            ),
-            State::Completed(None) => Some(
-                ApiError::new(
-                    409,
-                    "ConflictError",
-                    "a request with this Idempotency-Key already completed and was billed; \
-                     its response is no longer kept. Use a new key for new work.",
-                )
-                .with_code("idempotency_key_completed"),
-            ),
+        keys.expire(now_ms, self.config.replay_ttl_ms);
+        let verdict = match keys.update(tenant, key, |entry| hold(entry, fingerprint)) {
+            Some(verdict) => verdict,
+            None => {
+                let mut entry = Entry {
+                    fingerprint,
+                    attempts: past.attempts,
+                    state: if past.completed {
+                        State::Completed(None)
+                    } else {
+                        State::Open
+                    },
+                    settled_ms: now_ms,
+                    seq: keys.next_seq(),
+                };
+                let verdict = hold(&mut entry, fingerprint);
+                keys.insert(tenant, key, entry);
+                verdict
+            }
         };
-        if let Some(error) = refusal {
-            return Claimed::Refused(error);
-        }
-        entry.state = State::InFlight;
-        let attempt = entry.attempts + 1;
+        // Also when refused: a key the ledger knows completed is remembered from now on.
         self.evict(&mut keys);
-        Claimed::Run(Claim {
-            registry: self.clone(),
-            key: (tenant.to_owned(), key.to_owned()),
-            attempt,
-            settled: false,
-        })
+        match verdict {
+            Ok(attempt) => Claimed::Run(Claim {
+                registry: self.clone(),
+                tenant: tenant.to_owned(),
+                key: key.to_owned(),
+                attempt,
+                settled: false,
+            }),
+            Err(answer) => answer,
+        }
     }
 
     /// The largest response kept for replay.
@@ -211,57 +434,23 @@ impl Idempotency {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Drops replayable responses past their lifetime (the key stays known as completed).
-    fn expire(&self, keys: &mut Keys, now_ms: u64) {
-        let ttl = self.config.replay_ttl_ms;
-        let mut freed = 0;
-        for entry in keys.entries.values_mut() {
-            if let State::Completed(stored @ Some(_)) = &mut entry.state
-                && now_ms.saturating_sub(entry.settled_ms) > ttl
-            {
-                freed += stored.take().map_or(0, |r| r.body.len());
-            }
-        }
-        keys.cached_bytes -= freed;
-    }
-
-    /// Keeps the map and the kept responses within bounds: the tenant holding the most goes
-    /// first, oldest settled first, so one tenant minting keys pushes out its own, never another
-    /// tenant's kept responses.
     fn evict(&self, keys: &mut Keys) {
-        loop {
-            let over_keys = keys.entries.len() > self.config.max_keys;
-            let over_bytes = keys.cached_bytes > self.config.max_cache_bytes;
-            if !over_keys && !over_bytes {
-                return;
-            }
-            let Some(oldest) = next_to_forget(&keys.entries, !over_keys) else {
-                return;
-            };
-            if let Some(Entry {
-                state: State::Completed(Some(r)),
-                ..
-            }) = keys.entries.remove(&oldest)
-            {
-                keys.cached_bytes -= r.body.len();
-            }
-        }
+        keys.evict(self.config.max_keys, self.config.max_cache_bytes);
     }
 
-    fn settle(&self, key: &(String, String), outcome: Settled, now_ms: u64) {
+    fn settle(&self, tenant: &str, key: &str, outcome: Settled, now_ms: u64) {
         let mut keys = self.lock();
-        let mut added = 0;
         let never_ran = keys
-            .entries
-            .get(key)
+            .get(tenant, key)
             .is_some_and(|e| e.attempts == 0 && matches!(outcome, Settled::Unused));
         if never_ran {
             // Nothing to remember that the ledger does not know: a key refused or abandoned
             // before any attempt takes no room (a flood of refused requests evicts nothing).
-            keys.entries.remove(key);
+            keys.remove(tenant, key);
             return;
         }
-        if let Some(entry) = keys.entries.get_mut(key) {
+        let max_response_bytes = self.config.max_response_bytes;
+        keys.update(tenant, key, |entry| {
             entry.settled_ms = now_ms;
             match outcome {
                 Settled::Unused => entry.state = State::Open,
@@ -269,53 +458,51 @@ impl Idempotency {
                     entry.attempts = entry.attempts.max(attempt);
                     entry.state = match completed {
                         None => State::Open,
-                        Some(response) => {
-                            let keep =
-                                response.filter(|r| r.body.len() <= self.config.max_response_bytes);
-                            added = keep.as_ref().map_or(0, |r| r.body.len());
-                            State::Completed(keep)
-                        }
+                        Some(response) => State::Completed(
+                            response.filter(|r| r.body.len() <= max_response_bytes),
+                        ),
                     };
                 }
             }
-        }
-        keys.cached_bytes += added;
+        });
         self.evict(&mut keys);
     }
 }
 
-/// Bytes of the response an entry keeps for replay.
-fn kept_bytes(entry: &Entry) -> usize {
-    match &entry.state {
-        State::Completed(Some(r)) => r.body.len(),
-        _ => 0,
+/// Holds a key for its next attempt, or says why the request does not run.
+fn hold(entry: &mut Entry, fingerprint: [u8; 32]) -> Result<u32, Claimed> {
+    if entry.fingerprint != fingerprint {
+        return Err(Claimed::Refused(
+            ApiError::new(
+                422,
+                "UnprocessableEntityError",
+                "this Idempotency-Key was used with a different request; use a new key",
+            )
+            .with_param("Idempotency-Key")
+            .with_code("idempotency_key_reused"),
+        ));
     }
-}
-
-/// The settled entry to forget next: the oldest of the tenant that holds the most settled keys
-/// (or, when only the bytes are over, the most kept response bytes).
-fn next_to_forget(
-    entries: &HashMap<(String, String), Entry>,
-    by_bytes: bool,
-) -> Option<(String, String)> {
-    let settled = || {
-        entries
-            .iter()
-            .filter(|(_, e)| !matches!(e.state, State::InFlight))
-            .filter(move |(_, e)| !by_bytes || kept_bytes(e) > 0)
+    let refusal = match &entry.state {
+        State::Open => {
+            entry.state = State::InFlight;
+            return Ok(entry.attempts + 1);
+        }
+        State::Completed(Some(response)) => return Err(Claimed::Replay(response.clone())),
+        State::InFlight => ApiError::new(
+            409,
+            "ConflictError",
+            "a request with this Idempotency-Key is in progress; retry after it ends",
+        )
+        .with_code("idempotency_key_in_use"),
+        State::Completed(None) => ApiError::new(
+            409,
+            "ConflictError",
+            "a request with this Idempotency-Key already completed and was billed; \
+             its response is no longer kept. Use a new key for new work.",
+        )
+        .with_code("idempotency_key_completed"),
     };
-    let mut held: HashMap<&str, usize> = HashMap::new();
-    for ((tenant, _), entry) in settled() {
-        *held.entry(tenant.as_str()).or_default() += if by_bytes { kept_bytes(entry) } else { 1 };
-    }
-    let heaviest = held
-        .into_iter()
-        .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(a.0)))?
-        .0;
-    settled()
-        .filter(|((tenant, _), _)| tenant == heaviest)
-        .min_by_key(|(_, e)| e.settled_ms)
-        .map(|(k, _)| k.clone())
+    Err(Claimed::Refused(refusal))
 }
 
 enum Settled {
@@ -332,7 +519,8 @@ enum Settled {
 /// released for a retry.
 pub struct Claim {
     registry: Arc<Idempotency>,
-    key: (String, String),
+    tenant: String,
+    key: String,
     attempt: u32,
     settled: bool,
 }
@@ -353,7 +541,8 @@ impl Claim {
             attempt: self.attempt,
             completed,
         };
-        self.registry.settle(&self.key, outcome, now_ms);
+        self.registry
+            .settle(&self.tenant, &self.key, outcome, now_ms);
     }
 }
 
@@ -362,7 +551,8 @@ impl Drop for Claim {
         if !self.settled {
             self.settled = true;
             let now = crate::dispatcher::now_ms();
-            self.registry.settle(&self.key, Settled::Unused, now);
+            self.registry
+                .settle(&self.tenant, &self.key, Settled::Unused, now);
         }
     }
 }
@@ -371,13 +561,17 @@ impl Drop for Claim {
 mod tests {
     use super::*;
 
-    fn registry() -> Arc<Idempotency> {
-        Idempotency::new(IdempotencyConfig {
+    fn config() -> IdempotencyConfig {
+        IdempotencyConfig {
             replay_ttl_ms: 1_000,
             max_response_bytes: 10,
             max_cache_bytes: 15,
             max_keys: 3,
-        })
+        }
+    }
+
+    fn registry() -> Arc<Idempotency> {
+        Idempotency::new(config())
     }
 
     fn response(body: &'static str) -> StoredResponse {
@@ -495,11 +689,7 @@ mod tests {
             panic!()
         };
         drop(refused);
-        assert!(
-            !r.lock()
-                .entries
-                .contains_key(&("flood".into(), "never".into()))
-        );
+        assert!(r.lock().get("flood", "never").is_none());
         assert!(matches!(
             claim(&r, "victim", "v", "body", 21),
             Claimed::Replay(_)
@@ -516,8 +706,8 @@ mod tests {
             c.finish(Some(Some(response("0123456789"))), i as u64);
         }
         let keys = r.lock();
-        assert!(keys.entries.len() <= 3);
-        assert!(keys.cached_bytes <= 15, "{}", keys.cached_bytes);
+        assert!(keys.index.len <= 3);
+        assert!(keys.index.cached_bytes <= 15, "{}", keys.index.cached_bytes);
         drop(keys);
         let Claimed::Run(mut big) = claim(&r, "a", "big", "body", 9) else {
             panic!()
@@ -527,5 +717,453 @@ mod tests {
             code(claim(&r, "a", "big", "body", 10)),
             "idempotency_key_completed"
         );
+    }
+
+    fn run(r: &Arc<Idempotency>, tenant: &str, key: &str, now: u64) -> Claim {
+        match claim(r, tenant, key, "body", now) {
+            Claimed::Run(c) => c,
+            other => panic!("{tenant}/{key} should run, got {}", code(other)),
+        }
+    }
+
+    fn remembered(r: &Arc<Idempotency>, tenant: &str, key: &str) -> bool {
+        r.lock().get(tenant, key).is_some()
+    }
+
+    #[test]
+    fn kept_responses_expire_oldest_first_once_past_their_lifetime() {
+        let r = registry();
+        for (tenant, at) in [("c", 0), ("a", 5), ("b", 10)] {
+            run(&r, tenant, "k", at).finish(Some(Some(response("{}"))), at);
+        }
+        assert_eq!(r.lock().index.cached_bytes, 6);
+        assert_eq!(
+            code(claim(&r, "c", "k", "body", 1_005)),
+            "idempotency_key_completed"
+        );
+        assert_eq!(r.lock().index.cached_bytes, 4);
+        assert_eq!(
+            code(claim(&r, "a", "k", "body", 1_005)),
+            "replay",
+            "exactly replay_ttl_ms old: still kept"
+        );
+        assert_eq!(code(claim(&r, "b", "k", "body", 1_010)), "replay");
+        assert_eq!(
+            code(claim(&r, "a", "k", "body", 1_010)),
+            "idempotency_key_completed"
+        );
+        let keys = r.lock();
+        assert_eq!(keys.index.cached_bytes, 2);
+        assert_eq!(
+            keys.index.len, 3,
+            "an expired key is still known as completed"
+        );
+    }
+
+    #[test]
+    fn past_max_keys_the_tenant_holding_the_most_settled_keys_loses_its_oldest() {
+        let r = Idempotency::new(IdempotencyConfig {
+            max_keys: 4,
+            ..config()
+        });
+        run(&r, "a", "a0", 0).finish(None, 0);
+        let in_flight = run(&r, "b", "b1", 1);
+        run(&r, "b", "b2", 2).finish(None, 2);
+        run(&r, "b", "b3", 3).finish(None, 3);
+        run(&r, "c", "c4", 4).finish(None, 4);
+        assert!(!remembered(&r, "b", "b2"), "b held the most settled keys");
+        assert!(
+            remembered(&r, "b", "b1"),
+            "a key in flight is never forgotten"
+        );
+        assert!(
+            remembered(&r, "a", "a0"),
+            "the oldest key, but not the heaviest tenant's"
+        );
+        drop(in_flight);
+
+        // Of tenants holding equally many, the first name gives way.
+        let r = Idempotency::new(IdempotencyConfig {
+            max_keys: 4,
+            ..config()
+        });
+        for (tenant, key, at) in [
+            ("b", "b0", 0),
+            ("a", "a1", 1),
+            ("b", "b2", 2),
+            ("a", "a3", 3),
+        ] {
+            run(&r, tenant, key, at).finish(None, at);
+        }
+        run(&r, "c", "c4", 4).finish(None, 4);
+        assert!(!remembered(&r, "a", "a1"));
+        assert!(remembered(&r, "b", "b0"));
+    }
+
+    #[test]
+    fn past_max_cache_bytes_the_tenant_keeping_the_most_bytes_loses_its_oldest_response() {
+        let r = Idempotency::new(IdempotencyConfig {
+            max_keys: 100,
+            ..config()
+        });
+        run(&r, "big", "k", 0).finish(Some(Some(response("012345678"))), 0);
+        for i in 1..5u64 {
+            run(&r, "many", &format!("k{i}"), i).finish(Some(Some(response("ab"))), i);
+        }
+        // 17 bytes: "big" keeps 9 in one key, "many" 8 in four.
+        assert!(!remembered(&r, "big", "k"));
+        assert!((1..5).all(|i| remembered(&r, "many", &format!("k{i}"))));
+        assert_eq!(r.lock().index.cached_bytes, 8);
+    }
+
+    #[test]
+    fn keys_the_ledger_knows_completed_are_remembered_within_max_keys() {
+        let r = registry();
+        let done = || {
+            Some(KeyHistory {
+                attempts: 1,
+                completed: true,
+            })
+        };
+        for i in 0..10 {
+            let refused = r.claim("a", &format!("k{i}"), fingerprint("/p", b"x"), i, done);
+            assert_eq!(code(refused), "idempotency_key_completed");
+        }
+        assert_eq!(r.lock().index.len, 3);
+    }
+
+    /// The seed of a randomised test: `WEIR_SEED` to replay one, else drawn (and printed).
+    fn seed() -> u64 {
+        let seed = std::env::var("WEIR_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| fastrand::u64(..));
+        println!("seed {seed} (WEIR_SEED={seed} replays it)");
+        seed
+    }
+
+    /// What a key holds, as the model and the registry must agree on it.
+    #[derive(Clone, Debug, PartialEq)]
+    struct Seen {
+        fingerprint: [u8; 32],
+        attempts: u32,
+        state: Kind,
+        settled_ms: u64,
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Kind {
+        InFlight,
+        Open,
+        Completed,
+        /// Completed, keeping a response of so many bytes.
+        Kept(usize),
+    }
+
+    impl Seen {
+        fn of(entry: &Entry) -> Seen {
+            Seen {
+                fingerprint: entry.fingerprint,
+                attempts: entry.attempts,
+                state: match &entry.state {
+                    State::InFlight => Kind::InFlight,
+                    State::Open => Kind::Open,
+                    State::Completed(None) => Kind::Completed,
+                    State::Completed(Some(r)) => Kind::Kept(r.body.len()),
+                },
+                settled_ms: entry.settled_ms,
+            }
+        }
+    }
+
+    /// The rules written as plainly as they can be, by passes over every key (as the registry
+    /// did before its indexes), to check the indexed registry against.
+    struct Model {
+        config: IdempotencyConfig,
+        keys: BTreeMap<(String, String), (Seen, u64)>,
+        created: u64,
+    }
+
+    impl Model {
+        fn claim(
+            &mut self,
+            tenant: &str,
+            key: &str,
+            fingerprint: [u8; 32],
+            now: u64,
+            history: Option<KeyHistory>,
+        ) -> (&'static str, Option<u32>) {
+            let id = (tenant.to_owned(), key.to_owned());
+            let past = if self.keys.contains_key(&id) {
+                KeyHistory::default()
+            } else {
+                match history {
+                    Some(past) => past,
+                    None => return ("ledger_unavailable", None),
+                }
+            };
+            self.expire(now);
+            self.created += 1;
+            let (seen, _) = self.keys.entry(id).or_insert_with(|| {
+                let state = if past.completed {
+                    Kind::Completed
+                } else {
+                    Kind::Open
+                };
+                let seen = Seen {
+                    fingerprint,
+                    attempts: past.attempts,
+                    state,
+                    settled_ms: now,
+                };
+                (seen, self.created)
+            });
+            let answer = if seen.fingerprint != fingerprint {
+                ("idempotency_key_reused", None)
+            } else {
+                match seen.state {
+                    Kind::Open => {
+                        seen.state = Kind::InFlight;
+                        ("run", Some(seen.attempts + 1))
+                    }
+                    Kind::Kept(_) => ("replay", None),
+                    Kind::InFlight => ("idempotency_key_in_use", None),
+                    Kind::Completed => ("idempotency_key_completed", None),
+                }
+            };
+            self.evict();
+            answer
+        }
+
+        /// `attempted`: `None` when no engine was used, else the attempt and how it ended
+        /// (`Some(Some(bytes))`: completed with a response of so many bytes).
+        fn settle(
+            &mut self,
+            tenant: &str,
+            key: &str,
+            attempted: Option<(u32, Option<Option<usize>>)>,
+            now: u64,
+        ) {
+            let id = (tenant.to_owned(), key.to_owned());
+            let max_response_bytes = self.config.max_response_bytes;
+            if let Some((seen, _)) = self.keys.get_mut(&id) {
+                if seen.attempts == 0 && attempted.is_none() {
+                    self.keys.remove(&id);
+                } else {
+                    seen.settled_ms = now;
+                    seen.state = match attempted {
+                        None | Some((_, None)) => Kind::Open,
+                        Some((_, Some(Some(bytes)))) if bytes <= max_response_bytes => {
+                            Kind::Kept(bytes)
+                        }
+                        Some((_, Some(_))) => Kind::Completed,
+                    };
+                    if let Some((attempt, _)) = attempted {
+                        seen.attempts = seen.attempts.max(attempt);
+                    }
+                }
+            }
+            self.evict();
+        }
+
+        fn expire(&mut self, now: u64) {
+            for (seen, _) in self.keys.values_mut() {
+                if matches!(seen.state, Kind::Kept(_))
+                    && now.saturating_sub(seen.settled_ms) > self.config.replay_ttl_ms
+                {
+                    seen.state = Kind::Completed;
+                }
+            }
+        }
+
+        fn cached_bytes(&self) -> usize {
+            self.keys
+                .values()
+                .map(|(seen, _)| match seen.state {
+                    Kind::Kept(bytes) => bytes,
+                    _ => 0,
+                })
+                .sum()
+        }
+
+        fn evict(&mut self) {
+            loop {
+                let by_bytes = if self.keys.len() > self.config.max_keys {
+                    false
+                } else if self.cached_bytes() > self.config.max_cache_bytes {
+                    true
+                } else {
+                    return;
+                };
+                let weight = |seen: &Seen| match seen.state {
+                    Kind::InFlight => 0,
+                    Kind::Kept(bytes) if by_bytes => bytes,
+                    _ if by_bytes => 0,
+                    _ => 1,
+                };
+                let mut held: BTreeMap<&str, usize> = BTreeMap::new();
+                for ((tenant, _), (seen, _)) in &self.keys {
+                    if weight(seen) > 0 {
+                        *held.entry(tenant).or_default() += weight(seen);
+                    }
+                }
+                let Some(heaviest) = held
+                    .into_iter()
+                    .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(a.0)))
+                    .map(|(tenant, _)| tenant.to_owned())
+                else {
+                    return;
+                };
+                let oldest = self
+                    .keys
+                    .iter()
+                    .filter(|((tenant, _), (seen, _))| *tenant == heaviest && weight(seen) > 0)
+                    .min_by_key(|(_, (seen, created))| (seen.settled_ms, *created))
+                    .map(|(id, _)| id.clone());
+                if let Some(oldest) = oldest {
+                    self.keys.remove(&oldest);
+                }
+            }
+        }
+    }
+
+    /// Every index recomputed from the entries, and the entries against the model's.
+    fn check(keys: &Keys, model: &Model, at: &str) {
+        let (mut len, mut cached_bytes) = (0, 0);
+        let mut replays = BTreeMap::new();
+        let (mut by_keys, mut by_bytes) = (Ranking::new(), Ranking::new());
+        let mut seen = BTreeMap::new();
+        for (name, tenant) in &keys.tenants {
+            assert_eq!(&tenant.name, name, "{at}");
+            assert!(!tenant.entries.is_empty(), "{at}: no tenant is kept empty");
+            let (mut settled, mut kept, mut kept_bytes) = (BTreeMap::new(), BTreeMap::new(), 0);
+            for (key, entry) in &tenant.entries {
+                let slot = (entry.settled_ms, entry.seq);
+                if !matches!(entry.state, State::InFlight) {
+                    settled.insert(slot, key.clone());
+                }
+                if let State::Completed(Some(response)) = &entry.state {
+                    replays.insert(slot, (name.clone(), key.clone()));
+                    if !response.body.is_empty() {
+                        kept.insert(slot, key.clone());
+                        kept_bytes += response.body.len();
+                    }
+                }
+                seen.insert((name.to_string(), key.to_string()), Seen::of(entry));
+            }
+            assert_eq!(tenant.settled, settled, "{at}: {name}'s settled keys");
+            assert_eq!(tenant.kept, kept, "{at}: {name}'s kept responses");
+            assert_eq!(tenant.kept_bytes, kept_bytes, "{at}: {name}'s kept bytes");
+            if !settled.is_empty() {
+                by_keys.insert((settled.len(), Reverse(name.clone())));
+            }
+            if kept_bytes > 0 {
+                by_bytes.insert((kept_bytes, Reverse(name.clone())));
+            }
+            len += tenant.entries.len();
+            cached_bytes += kept_bytes;
+        }
+        assert_eq!(keys.index.len, len, "{at}");
+        assert_eq!(keys.index.cached_bytes, cached_bytes, "{at}");
+        assert_eq!(
+            keys.index.replays, replays,
+            "{at}: every kept response, in order"
+        );
+        assert_eq!(keys.index.by_keys, by_keys, "{at}: tenants by settled keys");
+        assert_eq!(keys.index.by_bytes, by_bytes, "{at}: tenants by kept bytes");
+        let modelled: BTreeMap<_, _> = model
+            .keys
+            .iter()
+            .map(|(id, (seen, _))| (id.clone(), seen.clone()))
+            .collect();
+        assert_eq!(seen, modelled, "{at}: the registry and the model disagree");
+    }
+
+    /// Releases a claim as dropping it does, at `now` rather than the clock's time.
+    fn release(mut claim: Claim, now: u64) {
+        claim.settled = true;
+        claim
+            .registry
+            .settle(&claim.tenant, &claim.key, Settled::Unused, now);
+    }
+
+    #[test]
+    fn the_indexes_follow_random_claims_settles_expiries_and_evictions_as_the_plain_rules_do() {
+        // Bounds drawn small so that every step may expire or evict; three tenants over six
+        // keys each, sometimes another body, a ledger that knows the key or cannot be read;
+        // claims finished (failed, completed, with a response of 0-13 bytes) or released.
+        let seed = seed();
+        let mut rng = fastrand::Rng::with_seed(seed);
+        for round in 0..300 {
+            let config = IdempotencyConfig {
+                replay_ttl_ms: rng.u64(0..40),
+                max_response_bytes: rng.usize(0..12),
+                max_cache_bytes: rng.usize(0..40),
+                max_keys: rng.usize(0..10),
+            };
+            let r = Idempotency::new(config.clone());
+            let mut model = Model {
+                config,
+                keys: BTreeMap::new(),
+                created: 0,
+            };
+            let mut held = Vec::new();
+            let mut now = 0;
+            for step in 0..200 {
+                let at = format!("seed {seed}, round {round}, step {step}");
+                now += rng.u64(0..5);
+                match rng.u32(0..10) {
+                    0..5 => {
+                        let tenant = ["a", "b", "c"][rng.usize(0..3)];
+                        let key = format!("k{}", rng.u32(0..6));
+                        let body: &[u8] = if rng.u32(0..8) == 0 {
+                            b"other"
+                        } else {
+                            b"body"
+                        };
+                        let fp = fingerprint("/p", body);
+                        let history = match rng.u32(0..10) {
+                            0 => None,
+                            1 | 2 => Some(KeyHistory {
+                                attempts: rng.u32(0..3),
+                                completed: rng.bool(),
+                            }),
+                            _ => Some(KeyHistory::default()),
+                        };
+                        let want = model.claim(tenant, &key, fp, now, history);
+                        let got = match r.claim(tenant, &key, fp, now, || history) {
+                            Claimed::Run(c) => {
+                                let attempt = c.attempt();
+                                held.push(c);
+                                ("run".to_owned(), Some(attempt))
+                            }
+                            other => (code(other), None),
+                        };
+                        assert_eq!((got.0.as_str(), got.1), want, "{at}: {tenant}/{key}");
+                    }
+                    5..8 if !held.is_empty() => {
+                        let mut c = held.swap_remove(rng.usize(..held.len()));
+                        let completed = match rng.u32(0..3) {
+                            0 => None,
+                            1 => Some(None),
+                            _ => Some(Some(rng.usize(0..14))),
+                        };
+                        model.settle(&c.tenant, &c.key, Some((c.attempt, completed)), now);
+                        let kept = |bytes| StoredResponse {
+                            body: Bytes::from(vec![b'x'; bytes]),
+                            ..response("")
+                        };
+                        c.finish(completed.map(|c| c.map(kept)), now);
+                    }
+                    _ if !held.is_empty() => {
+                        let c = held.swap_remove(rng.usize(..held.len()));
+                        model.settle(&c.tenant, &c.key, None, now);
+                        release(c, now);
+                    }
+                    _ => {}
+                }
+                check(&r.lock(), &model, &at);
+            }
+        }
     }
 }

@@ -5,6 +5,7 @@ mod affinity;
 mod fairness;
 mod filter;
 mod fleet;
+mod idempotency;
 mod long_prompt;
 
 use std::time::{Duration, Instant};
@@ -18,6 +19,7 @@ pub use affinity::prefix_affinity;
 pub use fairness::fairness_cost;
 pub use filter::filter_overhead;
 pub use fleet::fleet_overhead;
+pub use idempotency::idempotency_claims;
 pub use long_prompt::long_prompts;
 
 const BENCH_KEY: &str = "wk-bench";
@@ -189,16 +191,19 @@ targets (each figure against its baseline in this run)"
     }
 }
 
-/// The scheduler's decision at 100,000 backlogged tenants, from criterion's estimate of the
-/// run just made (`target/criterion/<bench>/new/estimates.json`), with FIFO's beside it.
+/// Criterion's estimate of a bench's mean in the run just made
+/// (`target/criterion/<bench>/new/estimates.json`), in ns.
+fn criterion_mean_ns(criterion: &Path, bench: &str) -> anyhow::Result<f64> {
+    let path = criterion.join(bench).join("new/estimates.json");
+    let estimates: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
+    estimates["mean"]["point_estimate"]
+        .as_f64()
+        .ok_or_else(|| anyhow::anyhow!("no mean in {}", path.display()))
+}
+
+/// The scheduler's decision at 100,000 backlogged tenants, with FIFO's beside it.
 pub fn scheduler_row(criterion: &Path) -> anyhow::Result<Row> {
-    let mean_ns = |bench: &str| -> anyhow::Result<f64> {
-        let path = criterion.join(bench).join("new/estimates.json");
-        let estimates: Value = serde_json::from_slice(&std::fs::read(&path)?)?;
-        estimates["mean"]["point_estimate"]
-            .as_f64()
-            .ok_or_else(|| anyhow::anyhow!("no mean in {}", path.display()))
-    };
+    let mean_ns = |bench| criterion_mean_ns(criterion, bench);
     let fair = mean_ns("scheduler_decision_fair_100k_tenants")?;
     let fifo = mean_ns("scheduler_decision_fifo_100k_tenants")?;
     Ok(Row::new(

@@ -60,8 +60,8 @@ enum Task {
     /// and in wasm, exact vs fast), scheduler decisions, Envoy with vs without the weir filter
     /// (and a no-op one) with where the filter's time goes, long prompts, the filter's latency
     /// with fleet mode on vs off, fair vs FIFO on a saturated pool, prefix affinity on vs off,
-    /// and sidecar relay throughput and memory at 1,000, 5,000 and 10,000 streams; then the targets
-    /// table.
+    /// sidecar relay throughput and memory at 1,000, 5,000 and 10,000 streams, and idempotency
+    /// claims at 1,000 to 1,000,000 keys remembered; then the targets table.
     Bench {
         /// Run one of them only.
         #[arg(long, value_enum)]
@@ -379,10 +379,45 @@ enum BenchPart {
     Affinity,
     Fleet,
     Relay,
+    Idempotency,
+}
+
+impl BenchPart {
+    /// Whether it runs the release stack; the others measure code in-process.
+    fn needs_stack(self) -> bool {
+        !matches!(
+            self,
+            BenchPart::TokenCounting | BenchPart::Scheduler | BenchPart::Idempotency
+        )
+    }
+}
+
+/// The executable of `package`'s bench `name`, built as `cargo bench` builds it.
+fn bench_executable(package: &str, name: &str) -> anyhow::Result<PathBuf> {
+    let out = cargo()
+        .args([
+            "bench",
+            "-q",
+            "--no-run",
+            "--message-format=json",
+            "-p",
+            package,
+        ])
+        .args(["--bench", name])
+        .output()?;
+    anyhow::ensure!(out.status.success(), "building the bench {name} failed");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|message| message["target"]["name"] == name)
+        .find_map(|message| Some(PathBuf::from(message["executable"].as_str()?)))
+        .with_context(|| format!("no executable built for the bench {name}"))
 }
 
 fn bench(only: Option<BenchPart>) -> anyhow::Result<()> {
-    build_release_stack(&["weir-bench"])?;
+    if only.is_none_or(BenchPart::needs_stack) {
+        build_release_stack(&["weir-bench"])?;
+    }
     let runs = |part| only.is_none_or(|only| only == part);
     let token_counting = [
         "bench",
@@ -409,6 +444,24 @@ fn bench(only: Option<BenchPart>) -> anyhow::Result<()> {
             cargo().args(["bench", "-q", "-p", "weir-sidecar", "--bench", "scheduler"]),
         )?;
         rows.push(bench::scheduler_row(&root().join("target/criterion"))?);
+    }
+    if runs(BenchPart::Idempotency) {
+        run(
+            "idempotency claims at 1,000, 100,000 and 1,000,000 keys remembered (criterion)",
+            cargo().args([
+                "bench",
+                "-q",
+                "-p",
+                "weir-sidecar",
+                "--bench",
+                "idempotency",
+            ]),
+        )?;
+        debian_tools(&[("valgrind", "valgrind")])?;
+        rows.push(bench::idempotency_claims(
+            &bench_executable("weir-sidecar", "idempotency")?,
+            &root().join("target/criterion"),
+        )?);
     }
     let release = root().join("target/release");
     if runs(BenchPart::Filter) {
