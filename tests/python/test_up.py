@@ -238,7 +238,8 @@ def test_each_sdk_raises_its_own_typed_errors(stack):
             free[api](2_000)
         assert "1024" in str(over_cap.value), api
     # Over quota: one prompt larger than the free tier's 60,000 input tokens a minute is let
-    # through from the full bucket and leaves a debt; every API after it gets a 429.
+    # through from the full bucket (the example's free tier sets `oversize: debt`; the default
+    # refuses it as request_too_large) and leaves a debt; every API after it gets a 429.
     huge = "the quick brown fox jumps over the lazy dog " * 7_000
     OpenAI(base_url=endpoint, api_key="wk-demo-free", max_retries=0).chat.completions.create(
         model=MODEL, max_tokens=4, messages=[{"role": "user", "content": huge}],
