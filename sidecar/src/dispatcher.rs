@@ -2730,16 +2730,6 @@ mod tests {
         );
     }
 
-    /// The seed of a randomised test: `WEIR_SEED` to replay one, else drawn (and printed).
-    fn seed() -> u64 {
-        let seed = std::env::var("WEIR_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| fastrand::u64(..));
-        println!("seed {seed} (WEIR_SEED={seed} replays it)");
-        seed
-    }
-
     /// A pool held full by one running request (so a queue means waiting), at `per_s`
     /// dispatches a second.
     fn saturated(max_total: usize, per_s: f64) -> (Dispatcher, Events, Assignment) {
@@ -2759,7 +2749,7 @@ mod tests {
         // newcomer with nothing queued — in an org of its own or in a flooding one, free tier
         // or not, a deadline a millisecond away — is queued, never refused; every refusal
         // falls on a tenant with work queued.
-        let mut rng = fastrand::Rng::with_seed(seed());
+        let mut rng = fastrand::Rng::with_seed(crate::test_seed());
         for _ in 0..300 {
             let (mut d, _events, _hog) = saturated(rng.usize(4..120), rng.f64() * 10.0 + 0.001);
             d.queue.max_per_tenant = rng.usize(1..40);
@@ -3025,7 +3015,7 @@ mod tests {
 
     #[test]
     fn every_hold_comes_back_whatever_the_path() {
-        let mut rng = fastrand::Rng::with_seed(seed());
+        let mut rng = fastrand::Rng::with_seed(crate::test_seed());
         for _round in 0..200 {
             let two = |n: usize| PoolConfig {
                 replicas: (0..n).map(|i| format!("http://r{i}")).collect(),

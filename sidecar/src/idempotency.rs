@@ -832,16 +832,6 @@ mod tests {
         assert_eq!(r.lock().index.len, 3);
     }
 
-    /// The seed of a randomised test: `WEIR_SEED` to replay one, else drawn (and printed).
-    fn seed() -> u64 {
-        let seed = std::env::var("WEIR_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| fastrand::u64(..));
-        println!("seed {seed} (WEIR_SEED={seed} replays it)");
-        seed
-    }
-
     /// What a key holds, as the model and the registry must agree on it.
     #[derive(Clone, Debug, PartialEq)]
     struct Seen {
@@ -1092,7 +1082,7 @@ mod tests {
         // Bounds drawn small so that every step may expire or evict; three tenants over six
         // keys each, sometimes another body, a ledger that knows the key or cannot be read;
         // claims finished (failed, completed, with a response of 0-13 bytes) or released.
-        let seed = seed();
+        let seed = crate::test_seed();
         let mut rng = fastrand::Rng::with_seed(seed);
         for round in 0..300 {
             let config = IdempotencyConfig {

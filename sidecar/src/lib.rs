@@ -35,3 +35,14 @@ pub mod share;
 pub mod stream_end;
 pub mod trust;
 pub mod upstream;
+
+/// The seed of a randomised test: `WEIR_SEED` to replay one, else drawn (and printed).
+#[cfg(test)]
+fn test_seed() -> u64 {
+    let seed = std::env::var("WEIR_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| fastrand::u64(..));
+    println!("seed {seed} (WEIR_SEED={seed} replays it)");
+    seed
+}
