@@ -36,7 +36,7 @@ use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
 use crate::metrics::{HistogramSeries, Labels, gen_ai};
 use crate::resume::{Splice, continued, segment_id};
-use crate::server::{App, Trusted, error_response};
+use crate::server::{App, Trusted, error_response, error_response_with};
 use crate::stream_end::Ending;
 
 /// Longest silence from a replica before the stream is declared lost.
@@ -169,13 +169,7 @@ impl Flight {
         };
         let mut body = error.to_json_in(shape);
         body["usage"] = usage_json(self.endpoint, prompt, output);
-        let status = StatusCode::from_u16(error.status).unwrap_or(StatusCode::BAD_GATEWAY);
-        let mut resp = (status, axum::Json(body)).into_response();
-        if matches!(error.status, 429 | 502 | 503) {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, self.retry_after_s().into());
-        }
-        resp
+        error_response_with(&error, body, self.retry_after_s())
     }
 
     /// `Retry-After` for a retryable answer: drawn around the pool's projected wait.

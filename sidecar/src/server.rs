@@ -173,8 +173,13 @@ async fn ready(State(app): State<Arc<App>>) -> Response {
 
 /// An error in the called API's shape; a retryable one (429, 502, 503) says when to retry.
 pub fn error_response(e: &ApiError, shape: ErrorShape, retry_after_s: u64) -> Response {
+    error_response_with(e, e.to_json_in(shape), retry_after_s)
+}
+
+/// [`error_response`] with the body given (the error in its shape, and anything beside it).
+pub fn error_response_with(e: &ApiError, body: Value, retry_after_s: u64) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut resp = (status, axum::Json(e.to_json_in(shape))).into_response();
+    let mut resp = (status, axum::Json(body)).into_response();
     if matches!(e.status, 429 | 502 | 503) {
         resp.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
