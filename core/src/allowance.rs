@@ -357,16 +357,21 @@ impl Allowance {
     }
 
     /// Adds a grant to the lease. A grant for a new calendar window replaces what was left of
-    /// the old one (debt included: the budget reset).
+    /// the old one (debt included: the budget reset). A grant of nothing while the store holds
+    /// tokens (a quiet counter asked for none) is no lease: it leaves a lapsed one lapsed, so
+    /// the next request asks at once instead of finding a live lease of nothing.
     pub fn add_grant(mut self, grant: &Grant, ctx: &Context, now_ms: u64) -> Allowance {
         let granted = grant.granted as f64;
+        let leases = grant.granted > 0 || grant.remaining == 0;
         match (ctx.window, grant.window_start_ms) {
             (Window::Minute, _) | (_, None) => {
                 if self.lapsed(ctx.window, now_ms) {
                     self.tokens = self.tokens.min(0.0);
                 }
                 self.tokens += granted;
-                self.expires_ms = now_ms.saturating_add(ctx.terms.lease_ttl_ms);
+                if leases {
+                    self.expires_ms = now_ms.saturating_add(ctx.terms.lease_ttl_ms);
+                }
             }
             (_, Some(start)) => {
                 if start != self.window_start_ms {
@@ -376,9 +381,11 @@ impl Allowance {
                     self.tokens = self.tokens.min(0.0);
                 }
                 self.tokens += granted;
-                self.expires_ms = now_ms
-                    .saturating_add(ctx.terms.lease_ttl_ms)
-                    .min(grant.resets_ms);
+                if leases {
+                    self.expires_ms = now_ms
+                        .saturating_add(ctx.terms.lease_ttl_ms)
+                        .min(grant.resets_ms);
+                }
             }
         }
         self.remaining = grant.remaining;
@@ -504,6 +511,30 @@ mod tests {
         assert!(matches!(
             spent.take(20, &c, 20),
             Err(Shortage::Spent { remaining: 10, .. })
+        ));
+    }
+
+    #[test]
+    fn a_lapsed_lease_given_back_stays_unleased_through_a_grant_of_nothing() {
+        // The renewal gives a lapsed lease back and, the counter going quiet, asks for nothing;
+        // the store answers with a grant of 0 and plenty left. That answer is not a lease: the
+        // next request asks at once. Before, it revived an empty lease for its TTL, and the
+        // tenant's first request after idle was a 429 saying "remaining 0".
+        let c = ctx(Window::Minute, FailMode::FailClosed, UP);
+        let a = Allowance::cold(&c, 0).add_grant(&grant(1, 59_999, None, 0), &c, 0);
+        let (a, ask) = a.ask(&c, 5_000);
+        assert_eq!(ask.map(|a| (a.want, a.returned)), Some((0, 1)));
+        let a = a.add_grant(&grant(0, 60_000, None, 0), &c, 5_010);
+        assert!(
+            matches!(a.take(1, &c, 5_020), Err(Shortage::Unleased { .. })),
+            "{:?}",
+            a.take(1, &c, 5_020)
+        );
+        // A grant of nothing because the store has nothing left is the store's word: spent.
+        let a = a.add_grant(&grant(0, 0, None, 0), &c, 5_030);
+        assert!(matches!(
+            a.take(1, &c, 5_040),
+            Err(Shortage::Spent { remaining: 0, .. })
         ));
     }
 
