@@ -291,6 +291,9 @@ async fn a_replica_lost_mid_stream_ends_cleanly_and_later_requests_go_elsewhere(
     let rows = ledger_rows(&id);
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].outcome, "failed");
+    // Billed its prompt and what was relayed before the replica died.
+    assert!(rows[0].prompt_tokens > 0, "{rows:?}");
+    assert_eq!(rows[0].source, "counted", "{rows:?}");
     for i in 0..6 {
         let body = json!({"model": "crashy", "max_tokens": 5,
             "messages": [{"role": "user", "content": format!("after {i}")}]})

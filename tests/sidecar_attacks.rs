@@ -271,10 +271,16 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
     let rows = records_of("stalled", "stall-1").await;
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0].outcome, "response_deadline");
-    // The engine took the prompt: the ledger bills it, the answer says so, and the filter
+    // The engine took the prompt and worked on the answer nobody read: the ledger bills the
+    // prompt and the answer's bound (its max_tokens), the answer says so, and the filter
     // charges the tenant's quota the same (before, an error without usage was charged nothing).
     let billed = (rows[0].prompt_tokens, rows[0].completion_tokens);
     assert!(billed.0 > 0, "{rows:?}");
+    assert_eq!(
+        (billed.1, rows[0].source.as_str()),
+        (5, "bound"),
+        "{rows:?}"
+    );
     assert_eq!(
         (
             error["usage"]["prompt_tokens"].as_u64(),
@@ -424,6 +430,12 @@ async fn a_request_still_queued_when_the_grace_period_ends_is_not_billed() {
     let ran = record("term-running");
     assert_eq!(ran.len(), 1, "{records:?}");
     assert!(ran[0].prompt_tokens > 0, "{ran:?}");
+    // weir's restart cut the answer nobody had read yet: billed its prompt, not the bound.
+    assert_eq!(
+        (ran[0].completion_tokens, ran[0].source.as_str()),
+        (0, "counted"),
+        "{ran:?}"
+    );
     // Never sent to an engine: whatever it is recorded as, it is billed nothing.
     for r in record("term-queued") {
         assert_eq!(
@@ -440,7 +452,14 @@ async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_an
     let body = || chat("stall", "anyone?", json!({"max_tokens": 5}));
     let left = tokio::time::timeout(
         Duration::from_millis(300),
-        post("stalled", body(), &[("idempotency-key", "leave-1")]),
+        post(
+            "stalled",
+            body(),
+            &[
+                ("idempotency-key", "leave-1"),
+                ("x-request-id", "leave-1-log"),
+            ],
+        ),
     )
     .await;
     assert!(left.is_err(), "the silent engine answered");
@@ -455,6 +474,21 @@ async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_an
     let rows = records_of("stalled", "leave-1").await;
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0].outcome, "cancelled");
+    // Nobody read the answer the engine was working on: the ledger bills the prompt and the
+    // answer's bound (its max_tokens), and so does the filter, with no word from the sidecar
+    // (the client is gone). Before, the ledger billed no output and the filter the bound.
+    assert!(rows[0].prompt_tokens > 0, "{rows:?}");
+    assert_eq!(
+        (rows[0].completion_tokens, rows[0].source.as_str()),
+        (5, "bound"),
+        "{rows:?}"
+    );
+    let log = stack().envoy.access_log_fields("leave-1-log");
+    println!(
+        "ledger {} + {}, filter {:?} + {:?}",
+        rows[0].prompt_tokens, rows[0].completion_tokens, log["tokens_in"], log["tokens_out"]
+    );
+    assert_eq!(log["tokens_out"], "5", "{log:?}");
     // The key is free: the retry runs (to the deadline) as attempt 2, not 409.
     let retry = post("stalled", body(), &[("idempotency-key", "leave-1")]).await;
     let text = retry.text().await.unwrap();
@@ -462,6 +496,58 @@ async fn a_client_that_leaves_a_silent_non_streamed_request_frees_the_replica_an
     let rows = records_of("stalled", "leave-1").await;
     let attempts: Vec<u32> = rows.iter().map(|r| r.attempt).collect();
     assert_eq!(attempts, [1, 2], "{rows:?}");
+}
+
+#[tokio::test]
+async fn a_stream_the_engine_took_in_and_never_started_is_billed_its_prompt() {
+    let _turn = turn().await;
+    // The engine sends the stream's headers and then nothing: its first-byte deadline (here
+    // the stream's whole life) ends it with a retryable 503 that bills the prompt it took in,
+    // so a prefill longer than the deadline is not free to retry without end.
+    let resp = tokio::time::timeout(
+        Duration::from_millis(MAX_STREAM_MS * 5),
+        post(
+            "stalled",
+            chat(
+                "stall",
+                "start, please",
+                json!({"max_tokens": 5, "stream": true}),
+            ),
+            &[
+                ("idempotency-key", "unstarted-1"),
+                ("x-request-id", "unstarted-1-log"),
+            ],
+        ),
+    )
+    .await
+    .expect("answered by the first-byte deadline");
+    let status = resp.status();
+    let text = resp.text().await.unwrap();
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(error["error"]["code"], "first_byte_deadline", "{text}");
+    let rows = records_of("stalled", "unstarted-1").await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let r = &rows[0];
+    assert!(r.prompt_tokens > 0, "{r:?}");
+    assert_eq!(
+        (r.outcome.as_str(), r.completion_tokens, r.source.as_str()),
+        ("first_byte_deadline", 0, "counted"),
+        "{r:?}"
+    );
+    assert_eq!(
+        error["usage"]["prompt_tokens"].as_u64(),
+        Some(r.prompt_tokens)
+    );
+    let log = stack().envoy.access_log_fields("unstarted-1-log");
+    assert_eq!(
+        (log["tokens_in"].as_str(), log["tokens_out"].as_str()),
+        (r.prompt_tokens.to_string().as_str(), "0"),
+        "the filter charges what the ledger bills: {log:?}"
+    );
+    if let Some(held) = holds_released(Duration::from_secs(3)).await {
+        panic!("still held (in flight, reserved KV, active KV): {held:?}");
+    }
 }
 
 #[tokio::test]

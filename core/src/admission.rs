@@ -22,6 +22,17 @@ use crate::trusted;
 /// Only the reservation uses it; settlement charges what the engine reports.
 pub const UNBOUNDED_OUTPUT_RESERVATION: u64 = 1024;
 
+/// The output an answer nobody read is billed — a non-streamed answer the client left before
+/// it came, or one with no usage weir could count: its limit (`per_answer`, the request's or
+/// the one weir filled in) for each of its `answers`, else [`UNBOUNDED_OUTPUT_RESERVATION`]
+/// each. The sidecar bills the same figure from the body it is sent, so the quota charge and
+/// the ledger agree with no word between them (the client is gone).
+pub fn unread_output(per_answer: Option<u64>, answers: u64) -> u64 {
+    per_answer
+        .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION)
+        .saturating_mul(answers)
+}
+
 /// A request that may proceed.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Admitted {
@@ -38,11 +49,9 @@ pub struct Admitted {
     /// `reserved_output` is a prediction ([`crate::prediction`]): the answer's real length is
     /// learned when it settles.
     pub predicted: bool,
-    /// Output tokens an answer weir could not read (no usage, too large to buffer) is charged:
-    /// the reservation it would have had without a prediction. Charging the prediction instead
-    /// would let a key train its prediction low and then get long unreadable answers (a body
-    /// past the filter's buffer, e.g. with logprobs) for the price of short ones, without ever
-    /// going into debt.
+    /// Output tokens an answer nobody read is charged ([`unread_output`]): its limit, never
+    /// the prediction. Charging the prediction would let a key train it low and then get long
+    /// unreadable answers for the price of short ones, without ever going into debt.
     pub unread_output: u64,
     /// Answers the request asks for (each prompt of a completions batch).
     pub answers: u64,
@@ -167,6 +176,7 @@ pub fn admit(
         && requested.is_none()
         && tenant.default_max_tokens.is_none()
         && config.prediction.enabled;
+    let per_answer_limit = per_answer;
     // What is reserved without a prediction: the most weir can bound the answer to.
     let bounded = per_answer
         .or(rest_of_context)
@@ -201,7 +211,7 @@ pub fn admit(
         recountable: estimate.recountable,
         reserved_output,
         predicted,
-        unread_output: bounded.saturating_mul(req.answers()),
+        unread_output: unread_output(per_answer_limit, req.answers()),
         answers: req.answers(),
         stream,
         hide_usage_event: ask_usage,
@@ -564,11 +574,12 @@ mod tests {
             "the key's cap bounds what it may produce"
         );
         assert_eq!(sent(&a)["max_tokens"], 200);
-        // The rest of the context bounds it too.
+        // The rest of the context bounds the reservation too. An unread answer is billed by a
+        // rule the sidecar can apply to the body alone (it knows no context sizes).
         let small = r#"{"model":"small","messages":[{"role":"user","content":"hello"}]}"#;
         let (a, _) = admit_with("{}", "{}", true, small);
         assert_eq!(a.reserved_output, 100 - a.prompt_tokens);
-        assert_eq!(a.unread_output, 100 - a.prompt_tokens);
+        assert_eq!(a.unread_output, UNBOUNDED_OUTPUT_RESERVATION);
 
         // A limit of the caller's or of its policy is reserved as before, and so is the context
         // with prediction off.

@@ -244,8 +244,18 @@ impl Allowance {
                 resets_ms: self.resets_ms,
             });
         }
+        // A lease too small for the request while the store's last word holds what it lacks
+        // (a first ask granted only what its request needed; a burst outran the renewal):
+        // worth asking at once, not a refusal saying "remaining 0" of a budget nobody spent.
+        let lacking = want - self.usable(ctx.window, now_ms).max(0.0);
+        if self.remaining as f64 >= lacking {
+            return Err(Shortage::Unleased {
+                remaining: self.remaining,
+                retry_after_ms,
+            });
+        }
         // Per-minute: the store refills at the limit's rate; wait for what it lacks.
-        let missing = want - (self.remaining as f64) - self.usable(ctx.window, now_ms).max(0.0);
+        let missing = lacking - self.remaining as f64;
         let per_ms = ctx.limit as f64 / 60_000.0;
         let refill_ms = if missing > 0.0 && per_ms > 0.0 {
             (missing / per_ms).ceil() as u64
@@ -473,11 +483,12 @@ mod tests {
         let a = a.add_grant(&grant(600, 59_400, None, 600), &c, 100);
         let a = a.take(500, &c, 150).unwrap().0;
         assert_eq!(a.tokens, 100.0);
+        // Short by 100 of what the store still holds: asked for at once.
         assert!(matches!(
             a.take(200, &c, 150),
-            Err(Shortage::Spent {
+            Err(Shortage::Unleased {
+                remaining: 59_400,
                 retry_after_ms: 250,
-                ..
             })
         ));
         // 500 tokens in the 150 ms since the last measure: 0.3 × 3.33 = 1 token/ms. The ask
@@ -506,10 +517,19 @@ mod tests {
                 retry_after_ms: 250
             })
         );
-        // A lease spent under load (not lapsed) waits for the period's renewal, as before.
+        // A lease spent under load (not lapsed) asks at once too while the store holds what
+        // it lacks; once the store says it has too little, it waits for the refill.
         let (spent, _) = a.take(590, &c, 10).unwrap();
         assert!(matches!(
             spent.take(20, &c, 20),
+            Err(Shortage::Unleased {
+                remaining: 59_400,
+                ..
+            })
+        ));
+        let dry = spent.add_grant(&grant(0, 5, None, 600), &c, 30);
+        assert!(matches!(
+            dry.take(20, &c, 40),
             Err(Shortage::Spent { remaining: 10, .. })
         ));
     }

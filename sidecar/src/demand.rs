@@ -5,6 +5,7 @@
 //! do), so it can vouch only for who sent it; the sidecar has the body anyway. The engine's own
 //! count replaces the prompt estimate once it reports usage (see [`crate::relay`]).
 
+use weir_core::admission;
 use weir_core::endpoint::Endpoint;
 use weir_core::estimate::{self, Counting};
 use weir_core::request::InferenceRequest;
@@ -24,6 +25,9 @@ pub struct Demand {
     /// The most output the engine may generate for it, every answer together: `None` when the
     /// body sets no limit.
     pub output_tokens: Option<u64>,
+    /// The output its answer is billed if nobody reads it (a non-streamed answer the client
+    /// left): the filter charges the same ([`admission::unread_output`]).
+    pub unread_output: u64,
 }
 
 /// The demand of `body` sent to `endpoint`, counted with `encoding` (exactly up to
@@ -33,16 +37,19 @@ pub fn of(endpoint: Endpoint, body: &[u8], encoding: Encoding, exact_below_bytes
         return Demand {
             input_tokens: body.len() as u64 / BYTES_PER_TOKEN,
             output_tokens: None,
+            unread_output: admission::unread_output(None, 1),
         };
     };
-    let output_tokens = match req.largest_output_limit() {
+    let limit = req.largest_output_limit().map(u64::from);
+    let output_tokens = match limit {
         _ if req.answers() == 0 => Some(0),
-        limit => limit.map(|n| u64::from(n).saturating_mul(req.answers())),
+        limit => limit.map(|n| n.saturating_mul(req.answers())),
     };
     Demand {
         input_tokens: estimate::prompt_tokens(&req, encoding, exact_below_bytes, Counting::Exact)
             .tokens,
         output_tokens,
+        unread_output: admission::unread_output(limit, req.answers()),
     }
 }
 
@@ -64,7 +71,8 @@ mod tests {
             chat,
             Demand {
                 input_tokens: 8,
-                output_tokens: Some(40)
+                output_tokens: Some(40),
+                unread_output: 40,
             }
         );
         let batch = demand(
@@ -72,16 +80,23 @@ mod tests {
             r#"{"model":"m","max_tokens":5,"prompt":["a","b","c"]}"#,
         );
         assert_eq!(batch.output_tokens, Some(15), "each prompt is answered");
+        assert_eq!(batch.unread_output, 15);
         let embeddings = demand(Endpoint::Embeddings, r#"{"model":"m","input":["a b","c"]}"#);
         assert_eq!(
             embeddings,
             Demand {
                 input_tokens: 3,
-                output_tokens: Some(0)
+                output_tokens: Some(0),
+                unread_output: 0,
             }
         );
         let unbounded = demand(Endpoint::Responses, r#"{"model":"m","input":"hi"}"#);
         assert_eq!(unbounded.output_tokens, None);
+        assert_eq!(
+            unbounded.unread_output,
+            admission::UNBOUNDED_OUTPUT_RESERVATION,
+            "an unread answer without a limit is billed as the filter charges it"
+        );
         let unreadable = demand(
             Endpoint::ChatCompletions,
             r#"{"model":"m","messages":7,"x":"......"}"#,

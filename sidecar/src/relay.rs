@@ -57,6 +57,8 @@ pub struct Attempt {
     pub input_tokens: u64,
     /// Output tokens its KV hold was sized for (the prediction, see [`crate::prediction`]).
     pub output_held: u64,
+    /// Output billed for its answer if nobody reads it ([`crate::demand::Demand::unread_output`]).
+    pub unread_output: u64,
     /// The request set no output limit: its answer's length teaches the prediction (one cut
     /// short by a small `max_tokens` would teach it low, as the filter also holds).
     pub uncapped: bool,
@@ -93,6 +95,10 @@ pub struct Flight {
     /// The prompt part of the KV hold: the estimate, then the engine's count.
     prompt_held: u64,
     output_held: u64,
+    unread_output: u64,
+    /// The answer comes as a stream (asked for, then as its content type says): what was
+    /// relayed of it is counted; a non-streamed answer is read whole or not at all.
+    streamed: bool,
     uncapped: bool,
     sequences: u64,
     assignment: Assignment,
@@ -112,8 +118,9 @@ pub struct Flight {
     /// The response so far, kept for replays while the claim wants it and it fits.
     captured: Option<Vec<u8>>,
     hide_usage: bool,
-    /// The request never reached the engine, or the engine answered with an error status: it
-    /// ran nothing, so nothing is billed.
+    /// The request never reached the engine, the engine answered with an error status, or it
+    /// never took a stream in (no headers by its first-byte deadline): it ran nothing, so
+    /// nothing is billed.
     nothing_ran: bool,
     /// What the ledger billed the attempt (prompt, output), once it ran and is settled.
     billed: Option<(u64, u64)>,
@@ -138,6 +145,8 @@ impl Flight {
             input_tokens: attempt.input_tokens,
             prompt_held: attempt.input_tokens,
             output_held: attempt.output_held,
+            unread_output: attempt.unread_output,
+            streamed: false,
             uncapped: attempt.uncapped,
             sequences: attempt.sequences,
             assignment,
@@ -346,10 +355,14 @@ impl Flight {
             _ => self.meter.generated_tokens(),
         };
         let cached = reported.map_or(0, |u| u.cached_prompt_tokens);
+        // A non-streamed answer the engine was working on that nobody read (the client left,
+        // a deadline or shutdown cut it, it was too large): its bound, as the filter charges it.
+        let unread = !self.streamed && body_usage.is_none();
         let (prompt, completion, source) = match reported {
             Some(u) => (u.prompt_tokens, u.completion_tokens, "engine"),
             // Nothing ran: the attempt is recorded, billed nothing (as the filter charges it).
             None if self.nothing_ran => (0, 0, "counted"),
+            None if unread => (self.input_tokens, self.unread_output, "bound"),
             None => (self.input_tokens, counted, "counted"),
         };
         if source == "engine" {
@@ -496,14 +509,17 @@ pub async fn relay(
     let limits = app.relay.load();
     let deadline = dispatched + Duration::from_millis(limits.max_response_ms);
     let stream_deadline = dispatched + Duration::from_millis(limits.max_stream_ms);
-    let first_byte = dispatched + Duration::from_millis(limits.first_byte_ms);
+    // A stream's first bytes come within its whole life too.
+    let first_byte =
+        dispatched + Duration::from_millis(limits.first_byte_ms.min(limits.max_stream_ms));
     // A stream's headers come by its first byte at the latest (llama.cpp sends those of a
     // request it has not started only once it starts it).
     let (headers_deadline, late): (_, fn(Flight) -> Response) = if stream && first_byte < deadline {
-        (first_byte, not_started)
+        (first_byte, |flight| not_started(flight, false))
     } else {
         (deadline, timed_out)
     };
+    flight.streamed = stream;
     if *app.cut.borrow() {
         // Dispatched after the grace period ended (it was queued): never sent.
         flight.nothing_ran = true;
@@ -548,6 +564,7 @@ pub async fn relay(
         _ => {}
     }
     let stream = streamed(upstream.headers(), stream);
+    flight.streamed = stream;
     if !status.is_success() || !stream {
         let max = limits.max_response_bytes;
         let bytes = tokio::select! {
@@ -605,7 +622,7 @@ pub async fn relay(
     let first = tokio::select! {
         first = upstream.next() => first,
         () = cut(&app) => return cut_short(flight),
-        () = tokio::time::sleep_until(first_byte) => return not_started(flight),
+        () = tokio::time::sleep_until(first_byte) => return not_started(flight, true),
     };
     if matches!(first, Some(Ok(_))) {
         flight.assignment.started(flight.input_tokens);
@@ -661,17 +678,11 @@ async fn read_bounded(upstream: reqwest::Response, max: usize) -> reqwest::Resul
 }
 
 /// A non-streamed answer past `relay.max_response_bytes`: the engine did the work, so the
-/// attempt is billed its prompt and the output held for it (its answer's own count is in the
-/// part not read), and the caller told to ask for less.
+/// attempt is billed its prompt and its answer's bound (its own count is in the part not read),
+/// and the caller told to ask for less.
 fn too_large(mut flight: Flight, max: usize) -> Response {
     (flight.app.metrics).reject("response_too_large", &flight.who.tenant, 502);
-    let held = flight.output_held;
-    flight.finish(
-        "response_too_large",
-        Some(BodyUsage::Estimated {
-            completion_tokens: held,
-        }),
-    );
+    flight.finish("response_too_large", None);
     flight.refusal(
         ApiError::new(
             502,
@@ -727,9 +738,11 @@ async fn cut(app: &App) {
     }
 }
 
-/// A request still running when the shutdown grace period ends: recorded, then refused.
+/// A request still running when the shutdown grace period ends: recorded, then refused. Before
+/// its first bytes came nothing was relayed: it is billed its prompt, not an unread answer's
+/// bound (weir's restart cut it, not the caller).
 fn cut_short(mut flight: Flight) -> Response {
-    flight.finish("shutdown", None);
+    flight.finish("shutdown", Some(BodyUsage::Unknown));
     flight.refusal(
         ApiError::new(
             503,
@@ -792,12 +805,15 @@ fn timed_out(mut flight: Flight) -> Response {
 }
 
 /// A stream the engine had not started (no body bytes) by the end of `relay.first_byte_ms`: the
-/// upstream request is dropped (the engine aborts it), the attempt recorded with nothing billed,
-/// the replica's concurrency limit lowered, and the caller told to retry.
-fn not_started(mut flight: Flight) -> Response {
+/// upstream request is dropped (the engine aborts it), the replica's concurrency limit lowered,
+/// and the caller told to retry. An engine that had `accepted` it (its headers came: vLLM sends
+/// them as it takes a request in, llama.cpp once a slot starts it) ran its prompt, or held it
+/// in a queue of its own, and is billed the prompt: a prefill longer than the deadline is not
+/// free to retry without end. One that had not ran nothing and is billed nothing.
+fn not_started(mut flight: Flight, accepted: bool) -> Response {
     flight.assignment.not_started();
     (flight.app.metrics).reject("first_byte_deadline", &flight.who.tenant, 503);
-    flight.nothing_ran = true;
+    flight.nothing_ran = !accepted;
     flight.finish("first_byte_deadline", None);
     flight.refusal(
         ApiError::new(
@@ -1283,6 +1299,7 @@ mod tests {
             model: "m".into(),
             input_tokens: 10,
             output_held: 100,
+            unread_output: 100,
             uncapped: false,
             sequences: 1,
             arrived: Instant::now(),
@@ -1484,7 +1501,7 @@ mod tests {
 
     /// An engine whose non-streamed answer outgrows `relay.max_response_bytes` (a batch of
     /// embeddings too large, or an engine gone wrong) is not read whole: the caller gets 502
-    /// `response_too_large`, and the attempt is billed its prompt and the output held for it.
+    /// `response_too_large`, and the attempt is billed its prompt and its answer's bound.
     /// Before, the sidecar read any answer whole into memory.
     #[tokio::test]
     async fn a_non_streamed_answer_past_the_bound_is_refused_and_billed_not_held() {
@@ -1509,9 +1526,7 @@ mod tests {
         let engine = axum::Router::new()
             .route("/declared", axum::routing::post(move || huge(true)))
             .route("/chunked", axum::routing::post(move || huge(false)));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, engine).await });
+        let url = serve(engine).await;
         rig.app.relay.store(crate::config::RelayConfig {
             max_response_bytes: 64 * 1024,
             ..Default::default()
@@ -1521,26 +1536,180 @@ mod tests {
             flight.who.request_id = format!("big-{i}");
             flight.assignment.url = url.clone();
             let resp = relay(flight, path, b"{}".to_vec(), false, None).await;
-            assert_eq!(resp.status(), StatusCode::BAD_GATEWAY, "{path}");
-            let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
-                .await
-                .unwrap();
-            let v: Value = serde_json::from_slice(&body).unwrap();
+            let (status, v) = answer_of(resp).await;
+            assert_eq!(status, StatusCode::BAD_GATEWAY, "{path}: {v}");
             assert_eq!(v["error"]["code"], "response_too_large", "{path}: {v}");
         }
+        assert_eq!(
+            billed(&rig),
+            vec![("response_too_large".into(), 10, 100, "bound".into()); 2],
+            "its prompt, and its answer's bound"
+        );
+    }
+
+    /// Each record's outcome, prompt and output tokens and their source, by request id (waits
+    /// for the writer).
+    fn billed(rig: &Rig) -> Vec<(String, u64, u64, String)> {
         assert!(rig.app.ledger.flush(Duration::from_secs(5)));
         let conn = rusqlite::Connection::open(&rig.ledger).unwrap();
-        let mut rows = conn
-            .prepare(
-                "SELECT outcome, prompt_tokens, completion_tokens FROM usage ORDER BY request_id",
-            )
+        let columns = "SELECT outcome, prompt_tokens, completion_tokens, source FROM usage \
+                       ORDER BY request_id";
+        let mut stmt = conn.prepare(columns).unwrap();
+        stmt.query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get::<_, i64>(1)? as u64,
+                r.get::<_, i64>(2)? as u64,
+                r.get(3)?,
+            ))
+        })
+        .unwrap()
+        .map(Result::unwrap)
+        .collect()
+    }
+
+    /// Serves `engine` on loopback; its URL.
+    async fn serve(engine: axum::Router) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, engine).await });
+        url
+    }
+
+    /// An engine that takes the request in and never answers.
+    async fn silent() -> &'static str {
+        std::future::pending().await
+    }
+
+    /// An engine that sends a stream's headers and never its first byte (a long prefill).
+    async fn unstarted() -> Response {
+        let body = Body::from_stream(futures::stream::pending::<std::io::Result<Bytes>>());
+        ([(header::CONTENT_TYPE, EVENT_STREAM)], body).into_response()
+    }
+
+    /// The status and JSON body of the caller's answer.
+    async fn answer_of(resp: Response) -> (StatusCode, Value) {
+        let status = resp.status();
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
             .unwrap();
-        let rows: Vec<(String, i64, i64)> = rows
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-            .unwrap()
-            .map(Result::unwrap)
-            .collect();
-        assert_eq!(rows, vec![("response_too_large".into(), 10, 100); 2]);
+        (status, serde_json::from_slice(&body).unwrap())
+    }
+
+    /// A client that leaves a request the engine is working on before any of its answer came.
+    /// Non-streamed, nobody reads the answer: the attempt is billed its prompt and the answer's
+    /// bound (its `max_tokens`), as the filter charges it. Before, the ledger billed no output.
+    /// Streamed, what was relayed is counted: nothing yet.
+    #[tokio::test]
+    async fn a_non_streamed_answer_the_client_left_is_billed_its_bound() {
+        let rig = rig(5_000);
+        let engine = axum::Router::new()
+            .route("/answer", axum::routing::post(silent))
+            .route("/stream", axum::routing::post(unstarted));
+        let url = serve(engine).await;
+        for (i, (path, stream)) in [("/answer", false), ("/stream", true)]
+            .into_iter()
+            .enumerate()
+        {
+            let mut flight = flight(&rig, false);
+            flight.who.request_id = format!("r{i}");
+            flight.assignment.url = url.clone();
+            let left = tokio::time::timeout(
+                Duration::from_millis(200),
+                relay(flight, path, b"{}".to_vec(), stream, None),
+            )
+            .await;
+            assert!(left.is_err(), "{path}: the engine answered");
+        }
+        assert_eq!(
+            billed(&rig),
+            [
+                ("cancelled".into(), 10, 100, "bound".into()),
+                ("cancelled".into(), 10, 0, "counted".into()),
+            ]
+        );
+    }
+
+    /// An engine that cannot be reached ran nothing and is billed nothing; one that fails
+    /// partway through a non-streamed answer took the prompt and is billed it (its output is
+    /// in the part that never came), and the 502 says so for the filter.
+    #[tokio::test]
+    async fn an_engine_that_fails_is_billed_for_what_it_took_in() {
+        let rig = rig(5_000);
+        let failing = || async {
+            let start = Bytes::from_static(b"{\"id\":\"chatcmpl-1\",\"choices\":[");
+            let dies = async {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                Err(std::io::Error::other("engine died"))
+            };
+            let pieces =
+                futures::stream::once(async { Ok(start) }).chain(futures::stream::once(dies));
+            Body::from_stream(pieces).into_response()
+        };
+        let url = serve(axum::Router::new().route("/", axum::routing::post(failing))).await;
+        let closed = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}", listener.local_addr().unwrap())
+        };
+        let mut usages = Vec::new();
+        for (i, url) in [url, closed].into_iter().enumerate() {
+            let mut flight = flight(&rig, false);
+            flight.who.request_id = format!("r{i}");
+            flight.assignment.url = url;
+            let resp = relay(flight, "/", b"{}".to_vec(), false, None).await;
+            let (status, v) = answer_of(resp).await;
+            assert_eq!(status, StatusCode::BAD_GATEWAY, "{v}");
+            usages.push(v["usage"].clone());
+        }
+        assert_eq!(
+            (&usages[0]["prompt_tokens"], &usages[0]["completion_tokens"]),
+            (&json!(10), &json!(0))
+        );
+        assert_eq!(usages[1], Value::Null, "nothing billed, nothing said");
+        assert_eq!(
+            billed(&rig),
+            [
+                ("failed".into(), 10, 0, "counted".into()),
+                ("failed".into(), 0, 0, "counted".into()),
+            ]
+        );
+    }
+
+    /// A stream the engine has not started by `relay.first_byte_ms`: one it took in (its
+    /// headers came) ran or queued its prompt and is billed it, and the 503 says so for the
+    /// filter; one it never answered is billed nothing. Before, both were free to retry.
+    #[tokio::test]
+    async fn a_stream_not_started_by_its_first_byte_is_billed_its_prompt_once_taken_in() {
+        let rig = rig(5_000);
+        let engine = axum::Router::new()
+            .route("/taken", axum::routing::post(unstarted))
+            .route("/silent", axum::routing::post(silent));
+        let url = serve(engine).await;
+        rig.app.relay.store(crate::config::RelayConfig {
+            first_byte_ms: 200,
+            ..Default::default()
+        });
+        let mut usages = Vec::new();
+        for (i, path) in ["/taken", "/silent"].into_iter().enumerate() {
+            let mut flight = flight(&rig, false);
+            flight.who.request_id = format!("r{i}");
+            flight.assignment.url = url.clone();
+            let resp = relay(flight, path, b"{}".to_vec(), true, None).await;
+            let (status, v) = answer_of(resp).await;
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{path}: {v}");
+            assert_eq!(v["error"]["code"], "first_byte_deadline", "{path}: {v}");
+            usages.push(v["usage"].clone());
+        }
+        assert_eq!(usages[0]["prompt_tokens"], 10, "{usages:?}");
+        assert_eq!(usages[0]["completion_tokens"], 0, "{usages:?}");
+        assert_eq!(usages[1], Value::Null, "nothing billed, nothing said");
+        assert_eq!(
+            billed(&rig),
+            [
+                ("first_byte_deadline".into(), 10, 0, "counted".into()),
+                ("first_byte_deadline".into(), 0, 0, "counted".into()),
+            ]
+        );
     }
 
     /// A client that stops reading is cut at its stall limit, not when the timer set for the
@@ -1904,11 +2073,7 @@ mod tests {
                 None => StatusCode::BAD_REQUEST.into_response(),
             }
         };
-        let app = axum::Router::new().route(endpoint.path(), axum::routing::post(continues));
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await });
-        url
+        serve(axum::Router::new().route(endpoint.path(), axum::routing::post(continues))).await
     }
 
     /// What the client reads of `stream` (its events one chunk each) preempted once its first

@@ -427,6 +427,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         model,
         input_tokens: demand.input_tokens,
         output_held,
+        unread_output: demand.unread_output,
         uncapped: demand.output_tokens.is_none(),
         sequences,
         arrived,
