@@ -434,6 +434,87 @@ async fn a_tenant_s_first_request_and_its_first_after_idle_are_served() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_envoy_s_unspent_lease_goes_back_to_the_window_s_budget() {
+    // An hourly budget is a calendar window: what a stopped Envoy's lease held unspent was
+    // lost to the fleet until the hour ended, so every rollout shrank it. Now each Envoy tells
+    // the store what it holds every period, and the store takes back the holding of one it has
+    // not heard from within its hold at the next call of another.
+    let _turn = turn().await;
+    let f = fleet();
+    let quota = f.sidecar.port;
+    let config = json!({
+        "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": [
+            api_key_limited("returner", json!({
+                "budgets": [{"window": "hour", "input_tokens": 1_000_000}]})),
+        ]}]}]}],
+        "models": {"tiny": {"max_context_tokens": 4096}},
+        "fleet": {"cluster": "upstream", "renew_ms": RENEW_MS, "timeout_ms": 1_000},
+    });
+    // Served input tokens of `n` requests through `envoy`.
+    async fn spend(envoy: &Envoy, n: usize) -> u64 {
+        let content = "fleet ".repeat(100);
+        let mut spent = 0;
+        for _ in 0..n {
+            let (status, v, input) = served(envoy, "returner", &content).await;
+            assert_eq!(status, StatusCode::OK, "{v}");
+            spent += input;
+        }
+        spent
+    }
+    // What the store counts as used this hour, and what each Envoy last said it holds.
+    let store = || -> (u64, Vec<(String, u64)>) {
+        let redis = f.redis.lock().unwrap();
+        let mut keys: Vec<String> = redis.command(&["KEYS", "*acme/lab/e2e/returner*hour*"]);
+        keys.sort();
+        let [count, held] = &keys[..] else {
+            panic!("a count and its holdings: {keys:?}")
+        };
+        let used: String = redis.command(&["GET", count]);
+        let holders: Vec<(String, String)> = redis.command(&["HGETALL", held]);
+        let holders = holders
+            .into_iter()
+            .map(|(id, v)| (id, v.split(':').next().unwrap().parse().unwrap()))
+            .collect();
+        (used.parse().unwrap(), holders)
+    };
+    let mut first = Envoy::start(&config, quota, quota);
+    let spent_first = spend(&first, 5).await;
+    let held = wait_for(Duration::from_secs(5), || {
+        let (used, holders) = store();
+        (used > spent_first && holders.len() == 1).then(|| used - spent_first)
+    })
+    .expect("a lease beyond what was spent, held by one Envoy");
+    let stopped = tokio::task::block_in_place(|| first.terminate(Duration::from_secs(10)));
+    assert!(stopped.is_some(), "Envoy exits on SIGTERM");
+    let hold =
+        Duration::from_millis(10 * RENEW_MS).max(Duration::from_secs(5)) + Duration::from_secs(1);
+    tokio::time::sleep(hold).await;
+    // Another Envoy's calls for the tenant take the stopped one's holding back.
+    let second = Envoy::start(&config, quota, quota);
+    let spent_second = spend(&second, 3).await;
+    // Counted as used: every grant, so what was spent and what the running Envoy holds, to
+    // within the requests' estimate errors (an answer's prompt a token over its reservation
+    // is a debt on the lease until the next grant repays it).
+    let spent = spent_first + spent_second;
+    let settled = wait_for(Duration::from_secs(5), || {
+        let (used, holders) = store();
+        let [(_, unspent)] = holders[..] else {
+            return None;
+        };
+        (used.abs_diff(spent + unspent) <= 8).then_some(())
+    });
+    let (used, holders) = store();
+    println!(
+        "spent {spent_first} then {spent_second}; the first Envoy held {held} more; \
+         the store counts {used}, holders {holders:?}"
+    );
+    assert!(
+        settled.is_some(),
+        "the store counts what was spent and what the running Envoy holds, not the stopped one's {held}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn an_unreachable_store_fails_closed_or_serves_only_the_local_share() {
     let sim = Sim::start(&[
         "--preset",

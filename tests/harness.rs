@@ -459,11 +459,7 @@ impl Sidecar {
 
     /// Sends SIGTERM, as Kubernetes does, and waits up to `within` for the sidecar to exit.
     pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        wait_for(within, || self.child.try_wait().ok().flatten())
+        terminate(&mut self.child, within)
     }
 
     /// Blocks until the sidecar's probes have read at least `replicas` replicas and found the
@@ -533,6 +529,22 @@ pub struct Envoy {
     pub access_log: PathBuf,
     child: Child,
     dir: tempfile::TempDir,
+}
+
+/// Sends SIGTERM to `child` and waits up to `within` for it to exit: its status, if it did.
+fn terminate(child: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    wait_for(within, || child.try_wait().ok().flatten())
+}
+
+impl Envoy {
+    /// Stops Envoy as a platform does (SIGTERM) and waits up to `within` for it to exit.
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        terminate(&mut self.child, within)
+    }
 }
 
 impl Drop for Envoy {

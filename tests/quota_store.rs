@@ -8,7 +8,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use weir_core::fleet::{CounterAsk, Grant, Window};
+use weir_core::fleet::{CounterAsk, Grant, Holder, Window};
 use weir_e2e::redis_server::Redis;
 use weir_sidecar::quota::Store;
 
@@ -37,13 +37,68 @@ fn ask(key: &str, window: Window, limit: u64, want: u64) -> CounterAsk {
         want,
         returned: 0,
         returned_window_start_ms: None,
+        held: None,
     }
 }
 
 async fn one(store: &Store, ask: CounterAsk, now_ms: Option<u64>) -> Grant {
-    let mut grants = store.renew_at(&[ask], now_ms).await.unwrap();
+    held_by(store, None, ask, now_ms).await
+}
+
+/// One ask from the Envoy `holder` (none: a filter that names none).
+async fn held_by(
+    store: &Store,
+    holder: Option<&Holder>,
+    ask: CounterAsk,
+    now_ms: Option<u64>,
+) -> Grant {
+    let mut grants = store.renew_at(&[ask], holder, now_ms).await.unwrap();
     assert_eq!(grants.len(), 1);
     grants.remove(0)
+}
+
+/// A day window's holdings: an Envoy that stops calling has what it held unspent taken back
+/// into the budget once its hold has passed without a word from it, by the next call of any
+/// other Envoy; one still calling keeps its holding, and a filter that names no holder never
+/// touches them. Before, a stopped Envoy's lease was lost until the window reset.
+#[tokio::test]
+async fn a_quiet_holder_s_unspent_window_lease_goes_back_to_the_budget() {
+    let store = store("holders:");
+    let key = "weir:e:acme:tpd";
+    let (a, b) = (
+        Holder {
+            id: "a1".into(),
+            hold_ms: 5_000,
+        },
+        Holder {
+            id: "b2".into(),
+            hold_ms: 5_000,
+        },
+    );
+    let noon = 1_798_718_400_000; // 2026-12-31T12:00Z
+    let day = |want: u64, held: u64| CounterAsk {
+        held: Some(held),
+        ..ask(key, Window::Day, 10_000, want)
+    };
+    let g = held_by(&store, Some(&a), day(1_000, 0), Some(noon)).await;
+    assert_eq!((g.granted, g.remaining), (1_000, 9_000));
+    // A spent 400 and says it holds 600; B, one second later, finds A's holding standing.
+    held_by(&store, Some(&a), day(0, 600), Some(noon + 1_000)).await;
+    let g = held_by(&store, Some(&b), day(100, 0), Some(noon + 2_000)).await;
+    assert_eq!((g.granted, g.remaining), (100, 8_900));
+    // A filter naming no holder neither reclaims nor records.
+    let g = one(&store, day(0, 0), Some(noon + 9_000)).await;
+    assert_eq!(g.remaining, 8_900);
+    // A has been quiet past its hold: B's next call puts A's 600 back in the budget, once.
+    let g = held_by(&store, Some(&b), day(0, 100), Some(noon + 9_000)).await;
+    assert_eq!(g.remaining, 9_500, "A's unspent 600 back");
+    let g = held_by(&store, Some(&b), day(0, 100), Some(noon + 9_500)).await;
+    assert_eq!(g.remaining, 9_500, "taken back once");
+    // B, still calling, keeps its holding however long after its first call.
+    let g = held_by(&store, Some(&a), day(0, 0), Some(noon + 14_000)).await;
+    assert_eq!(g.remaining, 9_500, "B's 100 stands: it called at +9.5 s");
+    let g = held_by(&store, Some(&a), day(0, 0), Some(noon + 15_000)).await;
+    assert_eq!(g.remaining, 9_600, "B quiet past its hold since +9.5 s");
 }
 
 /// 2026-12-31T23:59:59.990Z: ten ms before an hour, a day, a month and a year end.

@@ -97,12 +97,14 @@ pub enum Source {
     Share,
 }
 
-/// One counter's part of a renewal: how much to ask for, and unspent tokens given back.
+/// One counter's part of a renewal: how much to ask for, unspent tokens given back, and (for
+/// a calendar window) what the lease still holds of the current window.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Ask {
     pub want: u64,
     pub returned: u64,
     pub returned_window_start_ms: Option<u64>,
+    pub held: u64,
 }
 
 impl Allowance {
@@ -284,7 +286,17 @@ impl Allowance {
         let mut ask = self.lapsed_returned(ctx, now_ms);
         let missing = self.wanted - self.usable(ctx.window, now_ms);
         ask.want = missing.clamp(0.0, 2.0 * ctx.limit as f64).ceil() as u64;
+        ask.held = self.held(ctx, now_ms);
         (self, ask)
+    }
+
+    /// Whole unspent tokens of the current calendar window (0 for a per-minute counter, whose
+    /// bucket refills whatever a stopped Envoy held).
+    fn held(&self, ctx: &Context, now_ms: u64) -> u64 {
+        if ctx.window == Window::Minute {
+            return 0;
+        }
+        self.usable(ctx.window, now_ms).max(0.0).floor() as u64
     }
 
     /// An ask giving back what a lapsed lease left unspent (taken out of the lease).
@@ -362,6 +374,7 @@ impl Allowance {
         if usable < target / 2.0 || usable < self.wanted || usable < 0.0 {
             ask.want = (target - usable).clamp(0.0, 2.0 * limit).ceil() as u64;
         }
+        ask.held = self.held(ctx, now_ms);
         let idle = ask == Ask::default() && !in_use;
         (self, (!idle || self.tokens != 0.0).then_some(ask))
     }

@@ -109,12 +109,34 @@ pub(crate) fn civil_from_days(days: u64) -> (u64, u64, u64) {
     (year, month, day)
 }
 
-/// A renewal: every counter this Envoy needs tokens for, or gives back.
+/// A renewal: every counter this Envoy needs tokens for, gives back, or holds.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LeaseRequest {
     pub counters: Vec<CounterAsk>,
+    /// Who sends it. With it the store keeps what each Envoy holds unspent of a calendar
+    /// window's budget ([`CounterAsk::held`]) and takes back the holding of one that has not
+    /// renewed within its `hold_ms` (stopped, killed, or cut off from the store): an Envoy's
+    /// lease is not lost to the fleet until the window resets.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub holder: Option<Holder>,
 }
+
+/// The Envoy behind a renewal.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Holder {
+    /// Random per Envoy start ([`MAX_HOLDER_ID_LEN`] hex digits at most).
+    pub id: String,
+    /// How long its holdings stand without another renewal from it.
+    pub hold_ms: u64,
+}
+
+/// Longest [`Holder::id`] the quota service takes.
+pub const MAX_HOLDER_ID_LEN: usize = 32;
+
+/// Longest [`Holder::hold_ms`] the quota service takes: a day.
+pub const MAX_HOLD_MS: u64 = 86_400_000;
 
 /// One counter's ask. `limit` and `window` come from the filter's configuration (the service
 /// keeps no tenant configuration of its own); the store's state is clamped to them, so a
@@ -136,6 +158,11 @@ pub struct CounterAsk {
     /// earlier window are not added back.
     #[serde(default)]
     pub returned_window_start_ms: Option<u64>,
+    /// For a calendar window: what this Envoy's lease holds unspent of the current window once
+    /// `returned` is given back, before this ask's grant. Sent every period while it holds
+    /// any, so the store can tell a holder that stopped from one that is still spending.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<u64>,
 }
 
 /// The service's answer: one grant per ask, in the same order.

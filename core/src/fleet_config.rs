@@ -104,6 +104,18 @@ impl FleetConfig {
         }
     }
 
+    /// How long the store keeps what this Envoy holds of a calendar window without hearing
+    /// from it ([`crate::fleet::Holder`]): ten renewal periods (at least 5 s) and a call's
+    /// timeout. A holder renews every period while it holds any, so only one that stopped, or
+    /// has been cut off from the store that long, has its holding taken back.
+    pub fn hold_ms(&self) -> u64 {
+        self.renew_ms
+            .saturating_mul(10)
+            .max(5_000)
+            .saturating_add(self.timeout_ms)
+            .min(crate::fleet::MAX_HOLD_MS)
+    }
+
     /// The field at fault and why, for a section that cannot work.
     pub fn check(&self) -> Result<(), (&'static str, String)> {
         if self.cluster.is_empty() {

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 
 use crate::allowance::{self, Allowance, Ask};
 use crate::config::Tenant;
-use crate::fleet::{CounterAsk, LeaseRequest, LeaseResponse, MAX_COUNTERS};
+use crate::fleet::{CounterAsk, Holder, LeaseRequest, LeaseResponse, MAX_COUNTERS, Window};
 use crate::reservation::{self, Fleet, SharedStore, Update, update};
 
 /// Shared-data key of the renewal claim.
@@ -203,7 +203,10 @@ pub fn plan(store: &impl SharedStore, specs: &HashMap<String, Spec>, now_ms: u64
             break;
         }
     }
-    LeaseRequest { counters }
+    LeaseRequest {
+        counters,
+        holder: None,
+    }
 }
 
 /// The renewal to send at once for a request that found no lease ([`Denial::Unleased`]):
@@ -237,18 +240,23 @@ pub fn plan_for(
             break;
         }
     }
-    LeaseRequest { counters }
+    LeaseRequest {
+        counters,
+        holder: None,
+    }
 }
 
 /// A counter's ask as the quota service takes it.
 fn counter_ask(key: &str, spec: &Spec, ask: Ask) -> CounterAsk {
+    let window = spec.fleet.window;
     CounterAsk {
         key: key.to_owned(),
-        window: spec.fleet.window,
+        window,
         limit: spec.limit,
         want: ask.want,
         returned: ask.returned,
         returned_window_start_ms: ask.returned_window_start_ms,
+        held: (window != Window::Minute).then_some(ask.held),
     }
 }
 
@@ -277,9 +285,33 @@ fn ask(store: &impl SharedStore, key: &str, spec: &Spec, now_ms: u64) -> Asked {
     }
     match asked {
         None => Asked::Idle,
-        Some(ask) if ask.want > 0 || ask.returned > 0 => Asked::Ask(counter_ask(key, spec, ask)),
+        // A window's lease is reported every period while it holds any: the store takes back
+        // the holding of an Envoy that stops reporting.
+        Some(ask) if ask.want > 0 || ask.returned > 0 || ask.held > 0 => {
+            Asked::Ask(counter_ask(key, spec, ask))
+        }
         Some(_) => Asked::Nothing,
     }
+}
+
+/// Shared-data key of this Envoy's holder id ([`Holder`]): every VM of one Envoy sends it.
+pub const HOLDER_KEY: &str = "weir:fleet:holder";
+
+/// Names this Envoy as a holder of leases, once: the first of its VMs to start writes `id`
+/// (fresh random hex), later ones and reloads keep it, so all its calls carry one id. It is
+/// named before any request, so no call goes out under an id another VM then replaces.
+pub fn name_holder(store: &impl SharedStore, id: &str) {
+    let _ = update::<()>(store, HOLDER_KEY, |current| match current {
+        Some(named) if !named.is_empty() => Err(()),
+        _ => Ok(id.as_bytes().to_vec()),
+    });
+}
+
+/// This Envoy as a renewal names it: its id, and how long its holdings stand without a call.
+pub fn holder(store: &impl SharedStore, hold_ms: u64) -> Option<Holder> {
+    let (id, _) = store.load(HOLDER_KEY)?;
+    let id = String::from_utf8(id).ok().filter(|id| !id.is_empty())?;
+    Some(Holder { id, hold_ms })
 }
 
 /// Adds the answer's grants to their leases and marks the store up.
@@ -702,6 +734,54 @@ mod tests {
         reservation::settle(&store, &r, demand(3_000), now);
         let lease = Allowance::decode(&store.load(key).unwrap().0).unwrap();
         assert_eq!(lease.tokens, 2_000.0, "the overrun is charged to the lease");
+    }
+
+    #[test]
+    fn a_window_s_lease_is_reported_every_period_while_it_holds_any() {
+        // The store takes back what an Envoy holds of a window once it stops hearing from it,
+        // so a holding Envoy says so each period even when it needs nothing.
+        let monthly = budget_config("", r#"{"window":"month","tokens":100000}"#);
+        let specs = specs_of(&monthly);
+        let key = "weir:e:acme:month:tokens";
+        let tenant = monthly.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        let now = 1_796_183_000_000;
+        let (start, end) = crate::fleet::Window::Month.bounds(now).unwrap();
+        let mut r = at_headers(&store, &tenant, now);
+        let _ = plan(&store, &specs, now);
+        let grant = Grant {
+            key: key.into(),
+            granted: 5_000,
+            remaining: 95_000,
+            resets_ms: end,
+            window_start_ms: Some(start),
+        };
+        let granted = LeaseResponse {
+            grants: vec![grant],
+        };
+        apply(&store, &specs, &granted, now);
+        reservation::extend(&store, &mut r, demand(1_000), now).unwrap();
+        for period in 1..=3 {
+            let ask = plan(&store, &specs, now + period * 250);
+            let held: Vec<_> = ask.counters.iter().map(|c| (c.want, c.held)).collect();
+            assert_eq!(held, [(0, Some(4_000))], "period {period}");
+        }
+        // A per-minute counter's bucket refills whatever a stopped Envoy held: never reported.
+        let per_minute = config("fail_closed");
+        let specs = specs_of(&per_minute);
+        let tenant = per_minute.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        reservation::initialize(&store, [&tenant], 0);
+        let _ = reservation::reserve(&store, &tenant, demand(500), Ledger::Enforce, SLOT, 0);
+        let ask = plan_for(&store, &specs, 10);
+        apply(&store, &specs, &grant_all(&ask), 20);
+        let later = plan(&store, &specs, 300);
+        let held = ask
+            .counters
+            .iter()
+            .chain(&later.counters)
+            .find_map(|c| c.held);
+        assert_eq!(held, None);
     }
 
     #[test]

@@ -27,10 +27,14 @@ pub struct Renewal {
 }
 
 impl Renewal {
-    /// `None` when the config has no fleet-wide limit to renew.
+    /// `None` when the config has no fleet-wide limit to renew. Names this Envoy as a holder
+    /// of leases, if no VM of it has yet.
     pub fn new(config: &Config, directory: &Directory) -> Option<Renewal> {
         let fleet = config.fleet.clone()?;
         let specs = renewal::specs(directory.tenants());
+        if !specs.is_empty() {
+            renewal::name_holder(&SharedData, &format!("{:016x}", host::random_u64()));
+        }
         (!specs.is_empty()).then(|| Renewal {
             config: fleet,
             specs,
@@ -55,7 +59,7 @@ impl Renewal {
             renewal::release(&SharedData, self.holder);
             return;
         }
-        match send(&self.config, signer, &ask, now) {
+        match send(&self.config, signer, ask, now) {
             Some(token) => self.pending = Some(token),
             None => self.failed(metrics),
         }
@@ -83,15 +87,16 @@ impl Renewal {
     }
 }
 
-/// Sends `ask` to the quota service, signed; the call's token, or `None` (logged, and the
-/// store marked down) when it cannot be sent.
+/// Sends `ask` to the quota service as this Envoy's, signed; the call's token, or `None`
+/// (logged, and the store marked down) when it cannot be sent.
 pub fn send(
     config: &FleetConfig,
     signer: Option<&Signer>,
-    ask: &LeaseRequest,
+    mut ask: LeaseRequest,
     now: u64,
 ) -> Option<u32> {
-    let body = serde_json::to_vec(ask).unwrap_or_default();
+    ask.holder = renewal::holder(&SharedData, config.hold_ms());
+    let body = serde_json::to_vec(&ask).unwrap_or_default();
     let digest = hash_key(&String::from_utf8_lossy(&body));
     // A fresh id per call: two Envoys may send the same body in the same millisecond, and
     // the service takes each signed call once.

@@ -298,7 +298,7 @@ impl Request {
             return false;
         }
         self.lease = Lease::Answered;
-        let Some(token) = crate::renewal::send(fleet, self.gw.signer.as_ref(), &ask, now) else {
+        let Some(token) = crate::renewal::send(fleet, self.gw.signer.as_ref(), ask, now) else {
             return false;
         };
         self.gw

@@ -3,7 +3,9 @@
 //! or amounts the script's arithmetic cannot hold exactly.
 
 use weir_core::error::ApiError;
-use weir_core::fleet::{CounterAsk, LeaseRequest, MAX_AMOUNT, MAX_COUNTERS};
+use weir_core::fleet::{
+    CounterAsk, Holder, LeaseRequest, MAX_AMOUNT, MAX_COUNTERS, MAX_HOLD_MS, MAX_HOLDER_ID_LEN,
+};
 use weir_core::trusted;
 
 /// A renewal's body: [`MAX_COUNTERS`] asks of the longest key fit well within it.
@@ -37,8 +39,25 @@ pub fn check(request: &LeaseRequest) -> Result<(), ApiError> {
             "counters",
         ));
     }
+    if let Some(holder) = &request.holder {
+        check_holder(holder).map_err(|problem| invalid(problem, "holder"))?;
+    }
     for (i, ask) in request.counters.iter().enumerate() {
         check_ask(ask).map_err(|problem| invalid(problem, &format!("counters[{i}]")))?;
+    }
+    Ok(())
+}
+
+/// A holder id is a store hash field: short hex, nothing else.
+fn check_holder(holder: &Holder) -> Result<(), String> {
+    let id = &holder.id;
+    if id.is_empty() || id.len() > MAX_HOLDER_ID_LEN || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "the id must be 1 to {MAX_HOLDER_ID_LEN} hex digits"
+        ));
+    }
+    if holder.hold_ms == 0 || holder.hold_ms > MAX_HOLD_MS {
+        return Err(format!("hold_ms must be 1 to {MAX_HOLD_MS}"));
     }
     Ok(())
 }
@@ -51,6 +70,7 @@ fn check_ask(ask: &CounterAsk) -> Result<(), String> {
         ("limit", ask.limit),
         ("want", ask.want),
         ("returned", ask.returned),
+        ("held", ask.held.unwrap_or(0)),
     ] {
         if value > MAX_AMOUNT {
             return Err(format!("{field} is above {MAX_AMOUNT}"));
@@ -79,7 +99,9 @@ mod tests {
                 want: 1,
                 returned: 0,
                 returned_window_start_ms: None,
+                held: None,
             }],
+            holder: None,
         }
     }
 
@@ -118,7 +140,31 @@ mod tests {
         assert!(check(&ask("tenant-chosen-key", 1)).is_err());
         let many = LeaseRequest {
             counters: vec![ask("weir:e:a:b", 1).counters[0].clone(); MAX_COUNTERS + 1],
+            holder: None,
         };
         assert!(check(&many).is_err());
+    }
+
+    #[test]
+    fn a_holder_is_short_hex_with_a_bounded_hold() {
+        let with = |id: &str, hold_ms: u64| LeaseRequest {
+            holder: Some(Holder {
+                id: id.into(),
+                hold_ms,
+            }),
+            ..ask("weir:e:acme:itpm", 1)
+        };
+        assert!(check(&with("0123456789abcdef", 6_000)).is_ok());
+        for (id, hold_ms) in [
+            ("", 6_000),
+            ("not-hex", 6_000),
+            ("a:b", 6_000),
+            (&"f".repeat(MAX_HOLDER_ID_LEN + 1), 6_000),
+            ("abc", 0),
+            ("abc", MAX_HOLD_MS + 1),
+        ] {
+            let e = check(&with(id, hold_ms)).err().map(|e| e.param);
+            assert_eq!(e, Some(Some("holder".into())), "{id:?} {hold_ms}");
+        }
     }
 }

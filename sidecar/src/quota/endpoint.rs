@@ -59,7 +59,7 @@ pub async fn serve(
         return refuse(&refusal);
     }
     let started = Instant::now();
-    let grants = store.renew(&request.counters).await;
+    let grants = store.renew(&request).await;
     metrics
         .quota
         .store_latency

@@ -2,9 +2,16 @@
 --
 -- KEYS[i]: the i-th counter's stored name (prefix, counter name, window kind).
 -- ARGV[1]: "" to read the store's clock (TIME), or a Unix ms time (tests of window boundaries).
--- ARGV[1 + 5(i-1) + 1..5]: the i-th ask's window, limit, want, returned, returned window start
--- ("" when none).
+-- ARGV[2], ARGV[3]: the calling Envoy's holder id ("" when it sends none) and how long its
+-- holdings stand without another call from it.
+-- ARGV[3 + 6(i-1) + 1..6]: the i-th ask's window, limit, want, returned, returned window start
+-- ("" when none), and what the caller holds unspent of the window ("" when it does not say).
 -- Returns four integers per ask: granted, remaining, resets_ms, window start (-1: a bucket).
+--
+-- A window's holdings live beside its count (key ':held', a hash of holder id to
+-- "held:seen_ms:hold_ms"): the holding of an Envoy not heard from within its hold goes back to
+-- the budget. (One cut off from the store that long and still spending it overshoots by as much:
+-- the bound of a store outage.)
 --
 -- Every value read is clamped to [0, limit]; a value that is not a number, or a key of another
 -- type, counts as missing: a store restarted empty, or holding junk, never yields a negative or
@@ -23,6 +30,8 @@ local DAY = 86400000
 local MARGIN = 60000
 
 local now = tonumber(ARGV[1])
+local holder = ARGV[2]
+local hold = tonumber(ARGV[3]) or 0
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + floor(tonumber(t[2]) / 1000)
@@ -114,22 +123,46 @@ local function bucket(key, limit, want, returned)
   return granted, floor(level), now + full_in, -1
 end
 
+-- The window's count `used` once the holdings of other Envoys gone quiet are back in it.
+local function reclaim(hk, used)
+  local all = read('HGETALL', hk) or {}
+  for j = 1, #all, 2 do
+    local id = all[j]
+    local h, seen, ttl = string.match(all[j + 1], '^([^:]+):([^:]+):([^:]+)$')
+    h, seen, ttl = tonumber(h), tonumber(seen), tonumber(ttl)
+    if h == nil or seen == nil or ttl == nil then
+      redis.call('HDEL', hk, id)
+    elseif id ~= holder and seen + ttl < now then
+      used = math.max(0, used - h)
+      redis.call('HDEL', hk, id)
+    end
+  end
+  return used
+end
+
 -- What was granted in the current calendar window, under a key of that window; missing: 0.
-local function window(key, kind, limit, want, returned, returned_start)
+local function window(key, kind, limit, want, returned, returned_start, held)
   local start, stop = bounds(kind)
   local k = key .. ':' .. num(start)
+  local hk = k .. ':held'
   local used = clamp(tonumber(read('GET', k)), limit) or 0
+  local holds = holder ~= '' and held ~= nil
+  if holds then used = reclaim(hk, used) end
   if returned > 0 and returned_start == start then used = math.max(0, used - returned) end
-  local granted = math.min(want, limit - used)
+  local granted = math.max(0, math.min(want, limit - used))
   used = used + granted
   redis.call('SET', k, num(used))
   redis.call('PEXPIREAT', k, stop + MARGIN)
+  if holds then
+    redis.call('HSET', hk, holder, num(held + granted) .. ':' .. num(now) .. ':' .. num(hold))
+    redis.call('PEXPIREAT', hk, stop + MARGIN)
+  end
   return granted, limit - used, stop, start
 end
 
 local out = {}
 for i, key in ipairs(KEYS) do
-  local a = 1 + (i - 1) * 5
+  local a = 3 + (i - 1) * 6
   local kind = ARGV[a + 1]
   local limit = tonumber(ARGV[a + 2])
   local want = tonumber(ARGV[a + 3])
@@ -138,7 +171,8 @@ for i, key in ipairs(KEYS) do
   if kind == 'minute' then
     g, r, resets, start = bucket(key, limit, want, returned)
   else
-    g, r, resets, start = window(key, kind, limit, want, returned, tonumber(ARGV[a + 5]))
+    g, r, resets, start = window(key, kind, limit, want, returned, tonumber(ARGV[a + 5]),
+      tonumber(ARGV[a + 6]))
   end
   out[#out + 1] = g
   out[#out + 1] = r

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Client, Script, TlsCertificates};
-use weir_core::fleet::{CounterAsk, Grant};
+use weir_core::fleet::{CounterAsk, Grant, Holder, LeaseRequest};
 
 const SCRIPT: &str = include_str!("leases.lua");
 
@@ -82,8 +82,9 @@ impl Store {
     }
 
     /// Grants for `asks`, in order, at the store's clock.
-    pub async fn renew(&self, asks: &[CounterAsk]) -> Result<Vec<Grant>, StoreError> {
-        self.renew_at(asks, None).await
+    pub async fn renew(&self, request: &LeaseRequest) -> Result<Vec<Grant>, StoreError> {
+        self.renew_at(&request.counters, request.holder.as_ref(), None)
+            .await
     }
 
     /// [`Store::renew`] at `now_ms` instead of the store's clock: for tests of window
@@ -91,6 +92,7 @@ impl Store {
     pub async fn renew_at(
         &self,
         asks: &[CounterAsk],
+        holder: Option<&Holder>,
         now_ms: Option<u64>,
     ) -> Result<Vec<Grant>, StoreError> {
         if asks.is_empty() {
@@ -98,16 +100,16 @@ impl Store {
         }
         let mut call = self.script.prepare_invoke();
         call.arg(now_ms.map(|n| n.to_string()).unwrap_or_default());
+        call.arg(holder.map_or("", |h| h.id.as_str()))
+            .arg(holder.map_or(0, |h| h.hold_ms));
+        let text = |n: Option<u64>| n.map(|n| n.to_string()).unwrap_or_default();
         for ask in asks {
             call.key(self.stored_key(ask))
                 .arg(ask.window.name())
                 .arg(ask.limit);
             call.arg(ask.want).arg(ask.returned);
-            call.arg(
-                ask.returned_window_start_ms
-                    .map(|s| s.to_string())
-                    .unwrap_or_default(),
-            );
+            call.arg(text(ask.returned_window_start_ms))
+                .arg(text(ask.held));
         }
         let mut conn = self.conn.clone();
         let values: Vec<i64> = tokio::time::timeout(self.timeout, call.invoke_async(&mut conn))
