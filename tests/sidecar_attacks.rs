@@ -271,14 +271,14 @@ async fn a_non_streamed_request_to_an_engine_that_never_answers_is_ended_and_rel
     let rows = records_of("stalled", "stall-1").await;
     assert_eq!(rows.len(), 1, "{rows:?}");
     assert_eq!(rows[0].outcome, "response_deadline");
-    // The engine took the prompt and worked on the answer nobody read: the ledger bills the
-    // prompt and the answer's bound (its max_tokens), the answer says so, and the filter
-    // charges the tenant's quota the same (before, an error without usage was charged nothing).
+    // The engine took the prompt: the ledger bills it (no output: weir's deadline cut an answer
+    // a hung engine may never have produced), the answer says so, and the filter charges the
+    // tenant's quota the same (before, an error without usage was charged nothing).
     let billed = (rows[0].prompt_tokens, rows[0].completion_tokens);
     assert!(billed.0 > 0, "{rows:?}");
     assert_eq!(
         (billed.1, rows[0].source.as_str()),
-        (5, "bound"),
+        (0, "counted"),
         "{rows:?}"
     );
     assert_eq!(

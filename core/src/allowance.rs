@@ -270,21 +270,33 @@ impl Allowance {
         })
     }
 
-    /// Takes a request count from a lease there is none of yet ([`Shortage::Unleased`]), as a
-    /// debt the grant its request asks for repays: the count is charged before the request's
-    /// headers go on, with its concurrency slot, and the ask goes with its body.
-    pub fn owe(mut self, amount: u64) -> Allowance {
+    /// Takes a request count from a lease that lacks it ([`Shortage::Unleased`]), as a debt
+    /// the grant its request asks for repays: the count is charged before the request's headers
+    /// go on, with its concurrency slot, and the ask goes with its body. `None` past the most
+    /// one Envoy may owe (what it may hold: `max_lease_fraction` of the limit, at least one),
+    /// so a burst cannot run up a debt the renewals repay only later.
+    pub fn owe(mut self, amount: u64, ctx: &Context) -> Option<Allowance> {
+        let most = (ctx.terms.max_lease_fraction * ctx.limit as f64).max(1.0);
         self.tokens -= amount as f64;
         self.spent += amount as f64;
-        self
+        (self.tokens >= -most).then_some(self)
     }
 
     /// What a request that found no lease asks for at once (`crate::renewal::plan_for`): what
-    /// requests found missing and what is owed, no more (the period's renewal sizes leases to
-    /// the rate), and the tokens of a lapsed lease given back.
+    /// requests found missing and what is owed — no more for a cold or lapsed lease, so
+    /// concurrent first requests ask for what they spend (the period's renewal sizes leases to
+    /// the rate); at least the smallest lease for one in use — and the tokens of a lapsed lease
+    /// given back.
     pub fn ask_now(mut self, ctx: &Context, now_ms: u64) -> (Allowance, Ask) {
+        let live = self.granted && !self.lapsed(ctx.window, now_ms);
         let mut ask = self.lapsed_returned(ctx, now_ms);
-        let missing = self.wanted - self.usable(ctx.window, now_ms);
+        let usable = self.usable(ctx.window, now_ms);
+        let mut missing = self.wanted - usable;
+        if live {
+            // A lease in use that ran short: topped up to the smallest lease as well, so the
+            // requests after it find one rather than each asking again.
+            missing = missing.max(ctx.terms.min_lease_fraction * ctx.limit as f64 - usable);
+        }
         ask.want = missing.clamp(0.0, 2.0 * ctx.limit as f64).ceil() as u64;
         ask.held = self.held(ctx, now_ms);
         (self, ask)

@@ -362,10 +362,16 @@ mod tests {
     use crate::reservation::{self, Demand, Denial, Ledger, SlotLease};
 
     fn config(fail: &str) -> Config {
+        org_config(&format!(
+            r#""input_tokens_per_minute":60000,"fleet_wide":{{"input_tokens_per_minute":"{fail}"}}"#
+        ))
+    }
+
+    /// Org `acme` with the `limits` fields given, one key under it.
+    fn org_config(limits: &str) -> Config {
         let json = format!(
             r#"{{"signing":{{"secret_env":"S"}},"fleet":{{"cluster":"quota"}},
-            "orgs":[{{"id":"acme","limits":{{"input_tokens_per_minute":60000,
-            "fleet_wide":{{"input_tokens_per_minute":"{fail}"}}}},
+            "orgs":[{{"id":"acme","limits":{{{limits}}},
             "workspaces":[{{"id":"w","projects":[{{"id":"p","keys":[
             {{"id":"k","sha256":"{h}"}}]}}]}}]}}]}}"#,
             h = "a".repeat(64)
@@ -734,6 +740,35 @@ mod tests {
         reservation::settle(&store, &r, demand(3_000), now);
         let lease = Allowance::decode(&store.load(key).unwrap().0).unwrap();
         assert_eq!(lease.tokens, 2_000.0, "the overrun is charged to the lease");
+    }
+
+    #[test]
+    fn a_burst_owes_a_fleet_request_count_only_within_a_lease_s_worth() {
+        // Found by the attacker pass: a live lease short of a request count (the store holding
+        // plenty) let every request owe its count until the next renewal, unbounded: 1,000
+        // requests in one millisecond of a 100-per-minute limit.
+        let config = org_config(
+            r#""requests_per_minute":100,"fleet_wide":{"requests_per_minute":"fail_closed"}"#,
+        );
+        let specs = specs_of(&config);
+        let tenant = config.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        reservation::initialize(&store, [&tenant], 0);
+        let _first = at_headers(&store, &tenant, 0);
+        let ask = plan_for(&store, &specs, 1);
+        apply(&store, &specs, &grant_all(&ask), 2);
+        let served = (0..1_000)
+            .filter(|_| {
+                reservation::reserve(&store, &tenant, Demand::default(), Ledger::Enforce, SLOT, 3)
+                    .is_ok()
+            })
+            .count();
+        // The lease's one request and at most a tenth of the limit owed (max_lease_fraction).
+        assert!(
+            served <= 11,
+            "served {served} of a 100-per-minute limit at once"
+        );
+        assert!(served >= 1, "the lease's request is served");
     }
 
     #[test]

@@ -517,10 +517,11 @@ impl Counter {
         let outcome = update(store, &self.key, |current| {
             let lease = self.allowance(current, fleet, now_ms);
             let (mut next, source) = match lease.take(amount, &ctx, now_ms) {
-                // A request's count before any lease: owed, so its headers go on holding its
-                // slot, and the ask its body sends repays it.
-                Err(Shortage::Unleased { .. }) if self.kind == LimitKind::Requests => {
-                    (lease.owe(amount), lease.lease_source())
+                // A request's count the lease lacks while the store may hold it: owed (within
+                // a bound), so its headers go on holding its slot, and the ask its body sends
+                // repays it.
+                Err(short @ Shortage::Unleased { .. }) if self.kind == LimitKind::Requests => {
+                    (lease.owe(amount, &ctx).ok_or(short)?, lease.lease_source())
                 }
                 taken => taken?,
             };

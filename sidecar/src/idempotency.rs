@@ -85,6 +85,23 @@ struct Entry {
     seq: u64,
 }
 
+impl Entry {
+    /// A key this process does not remember, as the ledger knows it.
+    fn from_history(past: KeyHistory, fingerprint: [u8; 32], now_ms: u64, seq: u64) -> Entry {
+        Entry {
+            fingerprint,
+            attempts: past.attempts,
+            state: if past.completed {
+                State::Completed(None)
+            } else {
+                State::Open
+            },
+            settled_ms: now_ms,
+            seq,
+        }
+    }
+}
+
 /// An entry's place in the ordered indexes: when it settled, then its `seq`.
 type Slot = (u64, u64);
 
@@ -360,8 +377,10 @@ impl Idempotency {
     }
 
     /// Claims (tenant, key) for a request. `history` reads what the ledger knows of the key; it
-    /// is asked only for keys this process does not remember. A ledger that cannot be read
-    /// refuses the claim (503): running the key blind could run completed work again.
+    /// is asked only for keys this process does not remember, without the lock held. A ledger
+    /// that cannot be read refuses the claim (503): running the key blind could run completed
+    /// work again. A key remembered when looked at but evicted by another claim before it is
+    /// held is looked up in the ledger too, never taken for a new one.
     pub fn claim(
         self: &Arc<Self>,
         tenant: &str,
@@ -370,47 +389,40 @@ impl Idempotency {
         now_ms: u64,
         history: impl FnOnce() -> Option<KeyHistory>,
     ) -> Claimed {
-        let remembered = self.lock().get(tenant, key).is_some();
-        let past = if remembered {
-            KeyHistory::default()
-        } else {
-            match history() {
-                Some(past) => past,
-                None => {
-                    return Claimed::Refused(
-                        ApiError::new(
-                            503,
-                            "ServiceUnavailableError",
-                            "the usage ledger cannot be read to check this Idempotency-Key; retry",
-                        )
-                        .with_code("ledger_unavailable"),
-                    );
-                }
+        let mut history = Some(history);
+        let mut past = None;
+        let verdict = loop {
+            let mut keys = self.lock();
+            keys.expire(now_ms, self.config.replay_ttl_ms);
+            if let Some(verdict) = keys.update(tenant, key, |entry| hold(entry, fingerprint)) {
+                break Some((verdict, keys));
             }
-        };
-        let mut keys = self.lock();
-        keys.expire(now_ms, self.config.replay_ttl_ms);
-        let verdict = match keys.update(tenant, key, |entry| hold(entry, fingerprint)) {
-            Some(verdict) => verdict,
-            None => {
-                let mut entry = Entry {
-                    fingerprint,
-                    attempts: past.attempts,
-                    state: if past.completed {
-                        State::Completed(None)
-                    } else {
-                        State::Open
-                    },
-                    settled_ms: now_ms,
-                    seq: keys.next_seq(),
-                };
+            if let Some(past) = past {
+                let mut entry = Entry::from_history(past, fingerprint, now_ms, keys.next_seq());
                 let verdict = hold(&mut entry, fingerprint);
                 keys.insert(tenant, key, entry);
-                verdict
+                break Some((verdict, keys));
             }
+            drop(keys);
+            // Not remembered: what the ledger knows, read once without the lock, and again.
+            past = history.take().and_then(|read| read());
+            if past.is_none() {
+                break None;
+            }
+        };
+        let Some((verdict, mut keys)) = verdict else {
+            return Claimed::Refused(
+                ApiError::new(
+                    503,
+                    "ServiceUnavailableError",
+                    "the usage ledger cannot be read to check this Idempotency-Key; retry",
+                )
+                .with_code("ledger_unavailable"),
+            );
         };
         // Also when refused: a key the ledger knows completed is remembered from now on.
         self.evict(&mut keys);
+        drop(keys);
         match verdict {
             Ok(attempt) => Claimed::Run(Claim {
                 registry: self.clone(),
@@ -672,6 +684,55 @@ mod tests {
     }
 
     #[test]
+    fn a_completed_key_evicted_while_it_is_claimed_is_never_run_again() {
+        // One thread claims a completed key over and over (the ledger knows it completed)
+        // while another mints keys of the same tenant, evicting it. Before, a claim that found
+        // the key remembered, let go of the lock, and found it evicted when it took the lock
+        // again created it as new without asking the ledger: the completed work ran again.
+        let r = registry();
+        let Claimed::Run(mut done) = claim(&r, "a", "done", "body", 0) else {
+            panic!()
+        };
+        done.finish(Some(None), 0);
+        let completed = || {
+            Some(KeyHistory {
+                attempts: 1,
+                completed: true,
+            })
+        };
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let minter = std::thread::spawn({
+            let (r, stop) = (r.clone(), stop.clone());
+            move || {
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    i += 1;
+                    if let Claimed::Run(mut c) = claim(&r, "a", &format!("k{i}"), "body", 0) {
+                        c.finish(Some(None), 0);
+                    }
+                }
+                i
+            }
+        });
+        let print = fingerprint("/p", b"body");
+        let (mut ran, mut claims) = (0, 0);
+        let started = std::time::Instant::now();
+        while started.elapsed() < std::time::Duration::from_millis(400) {
+            claims += 1;
+            if let Claimed::Run(c) = r.claim("a", "done", print, 0, completed) {
+                ran += 1;
+                drop(c);
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let minted = minter.join().unwrap();
+        assert_eq!(
+            ran, 0,
+            "ran {ran} of {claims} claims while {minted} keys were minted"
+        );
+    }
+
+    #[test]
     fn a_tenant_minting_keys_evicts_its_own_first() {
         let r = registry();
         let Claimed::Run(mut kept) = claim(&r, "victim", "v", "body", 0) else {
@@ -884,6 +945,8 @@ mod tests {
             history: Option<KeyHistory>,
         ) -> (&'static str, Option<u32>) {
             let id = (tenant.to_owned(), key.to_owned());
+            // Kept responses past their life go first, whatever the claim's fate.
+            self.expire(now);
             let past = if self.keys.contains_key(&id) {
                 KeyHistory::default()
             } else {
@@ -892,7 +955,6 @@ mod tests {
                     None => return ("ledger_unavailable", None),
                 }
             };
-            self.expire(now);
             self.created += 1;
             let (seen, _) = self.keys.entry(id).or_insert_with(|| {
                 let state = if past.completed {

@@ -96,8 +96,10 @@ pub struct Flight {
     prompt_held: u64,
     output_held: u64,
     unread_output: u64,
-    /// The answer comes as a stream (asked for, then as its content type says): what was
-    /// relayed of it is counted; a non-streamed answer is read whole or not at all.
+    /// The answer counts as a stream, as the filter meters it: as the request asked until its
+    /// first bytes go to the client (the filter meters by the request until it has the
+    /// response's headers), then a stream. What was relayed of a stream is counted; a
+    /// non-streamed answer is read whole or billed its bound.
     streamed: bool,
     uncapped: bool,
     sequences: u64,
@@ -564,7 +566,6 @@ pub async fn relay(
         _ => {}
     }
     let stream = streamed(upstream.headers(), stream);
-    flight.streamed = stream;
     if !status.is_success() || !stream {
         let max = limits.max_response_bytes;
         let bytes = tokio::select! {
@@ -587,7 +588,10 @@ pub async fn relay(
                 meter.feed(&bytes);
                 flight.capture(&bytes);
                 let response = (status.as_u16(), JSON);
-                flight.finish_with(outcome, Some(meter.finish()), Some(response));
+                // An answer with no usage weir could read or count is billed its bound, as the
+                // filter charges it.
+                let usage = Some(meter.finish()).filter(|u| !matches!(u, BodyUsage::Unknown));
+                flight.finish_with(outcome, usage, Some(response));
                 let mut resp = (status, bytes).into_response();
                 let headers = resp.headers_mut();
                 headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
@@ -791,9 +795,11 @@ fn throttled(mut flight: Flight, retry_after: Option<HeaderValue>) -> Response {
 
 /// A request whose engine had not answered (headers, or the whole of a non-streamed body) by
 /// the end of `relay.max_response_ms`: the upstream request is dropped (the engine aborts and
-/// frees the KV), the attempt recorded, and the caller told to retry.
+/// frees the KV), the attempt recorded and billed its prompt — not an unread answer's bound:
+/// weir's deadline cut it, and a hung engine must not bill every tenant its `max_tokens` — and
+/// the caller told to retry.
 fn timed_out(mut flight: Flight) -> Response {
-    flight.finish("response_deadline", None);
+    flight.finish("response_deadline", Some(BodyUsage::Unknown));
     flight.refusal(
         ApiError::new(
             504,
@@ -951,6 +957,8 @@ async fn pump(
     tx: mpsc::Sender<Piece>,
     deadline: TokioInstant,
 ) {
+    // The headers go to the client with the first bytes: from here the filter meters a stream.
+    flight.streamed = true;
     let app = flight.app.clone();
     let stall = Duration::from_millis(app.relay.load().client_stall_ms);
     let mut preemption = flight.assignment.take_preemption();
@@ -1603,14 +1611,22 @@ mod tests {
     #[tokio::test]
     async fn a_non_streamed_answer_the_client_left_is_billed_its_bound() {
         let rig = rig(5_000);
+        // A stream asked for and answered as JSON whose body never ends: the filter meters it
+        // as the stream it asked for (it never got the answer's headers), so the ledger does.
+        let half_json = || async {
+            let start = futures::stream::once(async { Ok(Bytes::from_static(b"{\"choices\":[")) });
+            let body = Body::from_stream(
+                start.chain(futures::stream::pending::<std::io::Result<Bytes>>()),
+            );
+            ([(header::CONTENT_TYPE, JSON)], body).into_response()
+        };
         let engine = axum::Router::new()
             .route("/answer", axum::routing::post(silent))
-            .route("/stream", axum::routing::post(unstarted));
+            .route("/stream", axum::routing::post(unstarted))
+            .route("/json", axum::routing::post(half_json));
         let url = serve(engine).await;
-        for (i, (path, stream)) in [("/answer", false), ("/stream", true)]
-            .into_iter()
-            .enumerate()
-        {
+        let exits = [("/answer", false), ("/stream", true), ("/json", true)];
+        for (i, (path, stream)) in exits.into_iter().enumerate() {
             let mut flight = flight(&rig, false);
             flight.who.request_id = format!("r{i}");
             flight.assignment.url = url.clone();
@@ -1626,8 +1642,28 @@ mod tests {
             [
                 ("cancelled".into(), 10, 100, "bound".into()),
                 ("cancelled".into(), 10, 0, "counted".into()),
+                ("cancelled".into(), 10, 0, "counted".into()),
             ]
         );
+    }
+
+    /// An answer with no usage weir can read or count (not the API's JSON) is billed its bound,
+    /// as the filter charges it; before, the ledger billed no output.
+    #[tokio::test]
+    async fn an_answer_with_no_usage_weir_can_read_is_billed_its_bound() {
+        let rig = rig(5_000);
+        let odd = || async {
+            (
+                [(header::CONTENT_TYPE, JSON)],
+                "{\"object\":\"odd\",\"output\":\"...\"}",
+            )
+        };
+        let url = serve(axum::Router::new().route("/", axum::routing::post(odd))).await;
+        let mut flight = flight(&rig, false);
+        flight.assignment.url = url;
+        let resp = relay(flight, "/", b"{}".to_vec(), false, None).await;
+        assert_eq!(resp.status(), StatusCode::OK);
+        assert_eq!(billed(&rig), [("ok".into(), 10, 100, "bound".into())]);
     }
 
     /// An engine that cannot be reached ran nothing and is billed nothing; one that fails
@@ -1739,7 +1775,11 @@ mod tests {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(outcomes(&rig), ["slow_client"]);
+        // Billed its prompt and the tokens the pump took from the replica (two in each `tN`).
+        assert_eq!(
+            billed(&rig),
+            [("slow_client".into(), 10, 8, "counted".into())]
+        );
     }
 
     /// While the pump is not reading (16 KiB pending), the replica's silence does not count,
@@ -1833,7 +1873,11 @@ mod tests {
         let event = closes_after(client, pump, &want).await;
         assert!(event.contains("shutting_down") && event.ends_with("data: [DONE]\n\n"));
         assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
-        assert_eq!(outcomes(&rig), ["shutdown"]);
+        assert_eq!(
+            billed(&rig),
+            [("shutdown".into(), 10, 100, "counted".into())],
+            "its prompt and what was relayed, no bound"
+        );
         drop(feed);
     }
 
