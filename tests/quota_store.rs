@@ -38,6 +38,7 @@ fn ask(key: &str, window: Window, limit: u64, want: u64) -> CounterAsk {
         returned: 0,
         returned_window_start_ms: None,
         held: None,
+        held_window_start_ms: None,
     }
 }
 
@@ -76,8 +77,10 @@ async fn a_quiet_holder_s_unspent_window_lease_goes_back_to_the_budget() {
         },
     );
     let noon = 1_798_718_400_000; // 2026-12-31T12:00Z
+    let today = noon - 43_200_000;
     let day = |want: u64, held: u64| CounterAsk {
         held: Some(held),
+        held_window_start_ms: Some(today),
         ..ask(key, Window::Day, 10_000, want)
     };
     let g = held_by(&store, Some(&a), day(1_000, 0), Some(noon)).await;
@@ -99,6 +102,22 @@ async fn a_quiet_holder_s_unspent_window_lease_goes_back_to_the_budget() {
     assert_eq!(g.remaining, 9_500, "B's 100 stands: it called at +9.5 s");
     let g = held_by(&store, Some(&a), day(0, 0), Some(noon + 15_000)).await;
     assert_eq!(g.remaining, 9_600, "B quiet past its hold since +9.5 s");
+    // A holding of yesterday's window that reaches the store today (a call late across the
+    // boundary) is not filed as today's: taking it back later would grant today's budget twice.
+    let c = Holder {
+        id: "c3".into(),
+        hold_ms: 5_000,
+    };
+    let late = CounterAsk {
+        held_window_start_ms: Some(today - 86_400_000),
+        ..day(0, 5_000)
+    };
+    held_by(&store, Some(&c), late, Some(noon + 16_000)).await;
+    let g = held_by(&store, Some(&a), day(0, 0), Some(noon + 30_000)).await;
+    assert_eq!(
+        g.remaining, 9_600,
+        "nothing of yesterday's taken back into today"
+    );
 }
 
 /// 2026-12-31T23:59:59.990Z: ten ms before an hour, a day, a month and a year end.

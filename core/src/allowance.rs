@@ -30,6 +30,10 @@ const RATE_ALPHA: f64 = 0.3;
 /// How many renewal periods an ask should last at the recent rate.
 const ASK_PERIODS: f64 = 4.0;
 
+/// Request counts an Envoy may owe at once whatever the limit's size (up to the limit): a few
+/// concurrent first requests of a small limit are served, not refused for want of a lease.
+const MIN_OWED: f64 = 8.0;
+
 /// A counter's lease on this Envoy.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Allowance {
@@ -104,7 +108,12 @@ pub struct Ask {
     pub want: u64,
     pub returned: u64,
     pub returned_window_start_ms: Option<u64>,
+    /// Whole unspent tokens of the window `held_window_start_ms` (0 for a per-minute counter).
     pub held: u64,
+    pub held_window_start_ms: Option<u64>,
+    /// The holding is worth a call of its own: it changed this period (tokens were spent), or
+    /// the store has not heard of it for a while (a tick of `report_ms`).
+    pub report: bool,
 }
 
 impl Allowance {
@@ -273,42 +282,38 @@ impl Allowance {
     /// Takes a request count from a lease that lacks it ([`Shortage::Unleased`]), as a debt
     /// the grant its request asks for repays: the count is charged before the request's headers
     /// go on, with its concurrency slot, and the ask goes with its body. `None` past the most
-    /// one Envoy may owe (what it may hold: `max_lease_fraction` of the limit, at least one),
+    /// one Envoy may owe: what it may hold (`max_lease_fraction` of the limit), or a few
+    /// concurrent first requests of a small limit ([`MIN_OWED`], never more than the limit),
     /// so a burst cannot run up a debt the renewals repay only later.
     pub fn owe(mut self, amount: u64, ctx: &Context) -> Option<Allowance> {
-        let most = (ctx.terms.max_lease_fraction * ctx.limit as f64).max(1.0);
+        let few = MIN_OWED.min(ctx.limit as f64);
+        let most = (ctx.terms.max_lease_fraction * ctx.limit as f64)
+            .max(few)
+            .max(1.0);
         self.tokens -= amount as f64;
         self.spent += amount as f64;
         (self.tokens >= -most).then_some(self)
     }
 
     /// What a request that found no lease asks for at once (`crate::renewal::plan_for`): what
-    /// requests found missing and what is owed — no more for a cold or lapsed lease, so
-    /// concurrent first requests ask for what they spend (the period's renewal sizes leases to
-    /// the rate); at least the smallest lease for one in use — and the tokens of a lapsed lease
-    /// given back.
+    /// requests found missing and what is owed, no more, so concurrent requests ask for what
+    /// they spend, not a lease each (the period's renewal sizes leases to the rate), and the
+    /// tokens of a lapsed lease given back.
     pub fn ask_now(mut self, ctx: &Context, now_ms: u64) -> (Allowance, Ask) {
-        let live = self.granted && !self.lapsed(ctx.window, now_ms);
         let mut ask = self.lapsed_returned(ctx, now_ms);
-        let usable = self.usable(ctx.window, now_ms);
-        let mut missing = self.wanted - usable;
-        if live {
-            // A lease in use that ran short: topped up to the smallest lease as well, so the
-            // requests after it find one rather than each asking again.
-            missing = missing.max(ctx.terms.min_lease_fraction * ctx.limit as f64 - usable);
-        }
+        let missing = self.wanted - self.usable(ctx.window, now_ms);
         ask.want = missing.clamp(0.0, 2.0 * ctx.limit as f64).ceil() as u64;
-        ask.held = self.held(ctx, now_ms);
+        self.holding(ctx, now_ms, &mut ask);
         (self, ask)
     }
 
-    /// Whole unspent tokens of the current calendar window (0 for a per-minute counter, whose
-    /// bucket refills whatever a stopped Envoy held).
-    fn held(&self, ctx: &Context, now_ms: u64) -> u64 {
-        if ctx.window == Window::Minute {
-            return 0;
+    /// What the lease holds of its calendar window, for the store (nothing for a per-minute
+    /// counter, whose bucket refills whatever a stopped Envoy held).
+    fn holding(&self, ctx: &Context, now_ms: u64, ask: &mut Ask) {
+        if ctx.window != Window::Minute {
+            ask.held = self.usable(ctx.window, now_ms).max(0.0).floor() as u64;
+            ask.held_window_start_ms = Some(self.window_start_ms);
         }
-        self.usable(ctx.window, now_ms).max(0.0).floor() as u64
     }
 
     /// An ask giving back what a lapsed lease left unspent (taken out of the lease).
@@ -362,6 +367,7 @@ impl Allowance {
     /// or give back, and the counter is idle.
     pub fn ask(mut self, ctx: &Context, now_ms: u64) -> (Allowance, Option<Ask>) {
         let elapsed = now_ms.saturating_sub(self.measured_ms);
+        let spent = self.spent > 0.0;
         if elapsed > 0 {
             let recent = self.spent / elapsed as f64;
             self.rate = RATE_ALPHA * recent + (1.0 - RATE_ALPHA) * self.rate;
@@ -386,8 +392,10 @@ impl Allowance {
         if usable < target / 2.0 || usable < self.wanted || usable < 0.0 {
             ask.want = (target - usable).clamp(0.0, 2.0 * limit).ceil() as u64;
         }
-        ask.held = self.held(ctx, now_ms);
-        let idle = ask == Ask::default() && !in_use;
+        self.holding(ctx, now_ms, &mut ask);
+        let tick = now_ms % ctx.terms.report_ms.max(1) < ctx.terms.renew_ms;
+        ask.report = ask.held > 0 && (spent || tick);
+        let idle = ask.want == 0 && ask.returned == 0 && ask.held == 0 && !in_use;
         (self, (!idle || self.tokens != 0.0).then_some(ask))
     }
 
@@ -459,6 +467,7 @@ mod tests {
     const TERMS: LeaseTerms = LeaseTerms {
         renew_ms: 250,
         lease_ttl_ms: 1_000,
+        report_ms: 2_000,
         max_lease_fraction: 0.1,
         min_lease_fraction: 0.01,
         fail_open_share: 0.1,

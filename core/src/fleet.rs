@@ -135,7 +135,8 @@ pub struct Holder {
 /// Longest [`Holder::id`] the quota service takes.
 pub const MAX_HOLDER_ID_LEN: usize = 32;
 
-/// Longest [`Holder::hold_ms`] the quota service takes: a day.
+/// Shortest and longest [`Holder::hold_ms`] the quota service takes: a second, a day.
+pub const MIN_HOLD_MS: u64 = 1_000;
 pub const MAX_HOLD_MS: u64 = 86_400_000;
 
 /// One counter's ask. `limit` and `window` come from the filter's configuration (the service
@@ -163,6 +164,10 @@ pub struct CounterAsk {
     /// any, so the store can tell a holder that stopped from one that is still spending.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held: Option<u64>,
+    /// The calendar window `held` belongs to: a report that reaches the store after that
+    /// window ended is not filed under the next one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_window_start_ms: Option<u64>,
 }
 
 /// The service's answer: one grant per ask, in the same order.

@@ -83,6 +83,10 @@ fn default_fail_open_share() -> f64 {
 pub struct LeaseTerms {
     pub renew_ms: u64,
     pub lease_ttl_ms: u64,
+    /// How often a lease that needs nothing still tells the store what it holds of a calendar
+    /// window: a third of [`FleetConfig::hold_ms`], so a holder that lives is never taken for
+    /// one that stopped.
+    pub report_ms: u64,
     pub max_lease_fraction: f64,
     pub min_lease_fraction: f64,
     pub fail_open_share: f64,
@@ -98,6 +102,7 @@ impl FleetConfig {
             lease_ttl_ms: self
                 .lease_ttl_ms
                 .unwrap_or(DEFAULT_LEASE_TTL_MS.max(self.renew_ms)),
+            report_ms: (self.hold_ms() / 3).max(1),
             max_lease_fraction: self.max_lease_fraction,
             min_lease_fraction: self.min_lease_fraction,
             fail_open_share: self.fail_open_share,

@@ -257,6 +257,7 @@ fn counter_ask(key: &str, spec: &Spec, ask: Ask) -> CounterAsk {
         returned: ask.returned,
         returned_window_start_ms: ask.returned_window_start_ms,
         held: (window != Window::Minute).then_some(ask.held),
+        held_window_start_ms: ask.held_window_start_ms,
     }
 }
 
@@ -285,9 +286,9 @@ fn ask(store: &impl SharedStore, key: &str, spec: &Spec, now_ms: u64) -> Asked {
     }
     match asked {
         None => Asked::Idle,
-        // A window's lease is reported every period while it holds any: the store takes back
-        // the holding of an Envoy that stops reporting.
-        Some(ask) if ask.want > 0 || ask.returned > 0 || ask.held > 0 => {
+        // A window's holding is reported when it changed and every `report_ms` while it lasts:
+        // the store takes back the holding of an Envoy that stops reporting.
+        Some(ask) if ask.want > 0 || ask.returned > 0 || ask.report => {
             Asked::Ask(counter_ask(key, spec, ask))
         }
         Some(_) => Asked::Nothing,
@@ -772,9 +773,31 @@ mod tests {
     }
 
     #[test]
-    fn a_window_s_lease_is_reported_every_period_while_it_holds_any() {
+    fn concurrent_first_requests_of_a_small_fleet_request_limit_are_served() {
+        // The bound on owed counts must not refuse a few first requests at once on a cold
+        // Envoy: with 10 a minute, a tenth of the limit was one, and the second got a 429
+        // "remaining 0" (found by the second attacker pass).
+        let config = org_config(
+            r#""requests_per_minute":10,"fleet_wide":{"requests_per_minute":"fail_closed"}"#,
+        );
+        let tenant = config.directory().tenants().next().unwrap().clone();
+        let store = Memory::default();
+        reservation::initialize(&store, [&tenant], 0);
+        let served = (0..10)
+            .filter(|_| {
+                reservation::reserve(&store, &tenant, Demand::default(), Ledger::Enforce, SLOT, 0)
+                    .is_ok()
+            })
+            .count();
+        assert_eq!(served, 8, "a few at once, never the whole burst");
+    }
+
+    #[test]
+    fn a_window_s_holding_is_reported_when_it_changes_and_every_report_ms() {
         // The store takes back what an Envoy holds of a window once it stops hearing from it,
-        // so a holding Envoy says so each period even when it needs nothing.
+        // so a holding Envoy says so when the holding changed and every `report_ms` (2 s with
+        // the default terms) even when it needs nothing; not every period (each report costs
+        // the store a look at every holder).
         let monthly = budget_config("", r#"{"window":"month","tokens":100000}"#);
         let specs = specs_of(&monthly);
         let key = "weir:e:acme:month:tokens";
@@ -796,11 +819,22 @@ mod tests {
         };
         apply(&store, &specs, &granted, now);
         reservation::extend(&store, &mut r, demand(1_000), now).unwrap();
-        for period in 1..=3 {
-            let ask = plan(&store, &specs, now + period * 250);
-            let held: Vec<_> = ask.counters.iter().map(|c| (c.want, c.held)).collect();
-            assert_eq!(held, [(0, Some(4_000))], "period {period}");
-        }
+        let reported: Vec<_> = (1..=8)
+            .map(|period| {
+                let ask = plan(&store, &specs, now + period * 250);
+                let held: Vec<_> = (ask.counters.iter())
+                    .map(|c| (c.want, c.held, c.held_window_start_ms))
+                    .collect();
+                (period, held)
+            })
+            .filter(|(_, held)| !held.is_empty())
+            .collect();
+        let report = vec![(0, Some(4_000), Some(start))];
+        assert_eq!(
+            reported,
+            [(1, report.clone()), (8, report)],
+            "after the spend, then at the tick of report_ms (now is a multiple of 2 s)"
+        );
         // A per-minute counter's bucket refills whatever a stopped Envoy held: never reported.
         let per_minute = config("fail_closed");
         let specs = specs_of(&per_minute);

@@ -588,8 +588,10 @@ pub async fn relay(
                 meter.feed(&bytes);
                 flight.capture(&bytes);
                 let response = (status.as_u16(), JSON);
-                // An answer with no usage weir could read or count is billed its bound, as the
-                // filter charges it.
+                // It goes out whole as JSON, which the filter meters as a body whatever the
+                // request asked; one with no usage weir could read or count is billed its
+                // bound, as the filter charges it.
+                flight.streamed = false;
                 let usage = Some(meter.finish()).filter(|u| !matches!(u, BodyUsage::Unknown));
                 flight.finish_with(outcome, usage, Some(response));
                 let mut resp = (status, bytes).into_response();
@@ -686,6 +688,7 @@ async fn read_bounded(upstream: reqwest::Response, max: usize) -> reqwest::Resul
 /// and the caller told to ask for less.
 fn too_large(mut flight: Flight, max: usize) -> Response {
     (flight.app.metrics).reject("response_too_large", &flight.who.tenant, 502);
+    flight.streamed = false;
     flight.finish("response_too_large", None);
     flight.refusal(
         ApiError::new(
@@ -820,7 +823,7 @@ fn not_started(mut flight: Flight, accepted: bool) -> Response {
     flight.assignment.not_started();
     (flight.app.metrics).reject("first_byte_deadline", &flight.who.tenant, 503);
     flight.nothing_ran = !accepted;
-    flight.finish("first_byte_deadline", None);
+    flight.finish("first_byte_deadline", Some(BodyUsage::Unknown));
     flight.refusal(
         ApiError::new(
             503,
@@ -1659,11 +1662,18 @@ mod tests {
             )
         };
         let url = serve(axum::Router::new().route("/", axum::routing::post(odd))).await;
-        let mut flight = flight(&rig, false);
-        flight.assignment.url = url;
-        let resp = relay(flight, "/", b"{}".to_vec(), false, None).await;
-        assert_eq!(resp.status(), StatusCode::OK);
-        assert_eq!(billed(&rig), [("ok".into(), 10, 100, "bound".into())]);
+        // Asked for as a stream too: answered whole as JSON, the filter meters it as a body.
+        for (i, stream) in [false, true].into_iter().enumerate() {
+            let mut flight = flight(&rig, false);
+            flight.who.request_id = format!("r{i}");
+            flight.assignment.url = url.clone();
+            let resp = relay(flight, "/", b"{}".to_vec(), stream, None).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+        }
+        assert_eq!(
+            billed(&rig),
+            vec![("ok".into(), 10, 100, "bound".into()); 2]
+        );
     }
 
     /// An engine that cannot be reached ran nothing and is billed nothing; one that fails
@@ -1726,11 +1736,13 @@ mod tests {
             ..Default::default()
         });
         let mut usages = Vec::new();
-        for (i, path) in ["/taken", "/silent"].into_iter().enumerate() {
+        // The third: a plain request the engine took in as a stream, billed no bound either.
+        let exits = [("/taken", true), ("/silent", true), ("/taken", false)];
+        for (i, (path, stream)) in exits.into_iter().enumerate() {
             let mut flight = flight(&rig, false);
             flight.who.request_id = format!("r{i}");
             flight.assignment.url = url.clone();
-            let resp = relay(flight, path, b"{}".to_vec(), true, None).await;
+            let resp = relay(flight, path, b"{}".to_vec(), stream, None).await;
             let (status, v) = answer_of(resp).await;
             assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{path}: {v}");
             assert_eq!(v["error"]["code"], "first_byte_deadline", "{path}: {v}");
@@ -1744,6 +1756,7 @@ mod tests {
             [
                 ("first_byte_deadline".into(), 10, 0, "counted".into()),
                 ("first_byte_deadline".into(), 0, 0, "counted".into()),
+                ("first_byte_deadline".into(), 10, 0, "counted".into()),
             ]
         );
     }

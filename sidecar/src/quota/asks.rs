@@ -5,6 +5,7 @@
 use weir_core::error::ApiError;
 use weir_core::fleet::{
     CounterAsk, Holder, LeaseRequest, MAX_AMOUNT, MAX_COUNTERS, MAX_HOLD_MS, MAX_HOLDER_ID_LEN,
+    MIN_HOLD_MS,
 };
 use weir_core::trusted;
 
@@ -42,8 +43,16 @@ pub fn check(request: &LeaseRequest) -> Result<(), ApiError> {
     if let Some(holder) = &request.holder {
         check_holder(holder).map_err(|problem| invalid(problem, "holder"))?;
     }
+    let mut seen = std::collections::HashSet::new();
     for (i, ask) in request.counters.iter().enumerate() {
         check_ask(ask).map_err(|problem| invalid(problem, &format!("counters[{i}]")))?;
+        // One ask per counter: a second would be applied on the first's answer in one call.
+        if !seen.insert((ask.key.as_str(), ask.window)) {
+            return Err(invalid(
+                "a counter is asked for twice",
+                &format!("counters[{i}]"),
+            ));
+        }
     }
     Ok(())
 }
@@ -56,8 +65,8 @@ fn check_holder(holder: &Holder) -> Result<(), String> {
             "the id must be 1 to {MAX_HOLDER_ID_LEN} hex digits"
         ));
     }
-    if holder.hold_ms == 0 || holder.hold_ms > MAX_HOLD_MS {
-        return Err(format!("hold_ms must be 1 to {MAX_HOLD_MS}"));
+    if !(MIN_HOLD_MS..=MAX_HOLD_MS).contains(&holder.hold_ms) {
+        return Err(format!("hold_ms must be {MIN_HOLD_MS} to {MAX_HOLD_MS}"));
     }
     Ok(())
 }
@@ -100,6 +109,7 @@ mod tests {
                 returned: 0,
                 returned_window_start_ms: None,
                 held: None,
+                held_window_start_ms: None,
             }],
             holder: None,
         }
@@ -143,6 +153,16 @@ mod tests {
             holder: None,
         };
         assert!(check(&many).is_err());
+        let twice = LeaseRequest {
+            counters: vec![ask("weir:e:a:b", 1).counters[0].clone(); 2],
+            holder: None,
+        };
+        let e = check(&twice).err().map(|e| e.param);
+        assert_eq!(
+            e,
+            Some(Some("counters[1]".into())),
+            "a counter asked for twice"
+        );
     }
 
     #[test]
@@ -161,6 +181,7 @@ mod tests {
             ("a:b", 6_000),
             (&"f".repeat(MAX_HOLDER_ID_LEN + 1), 6_000),
             ("abc", 0),
+            ("abc", MIN_HOLD_MS - 1),
             ("abc", MAX_HOLD_MS + 1),
         ] {
             let e = check(&with(id, hold_ms)).err().map(|e| e.param);

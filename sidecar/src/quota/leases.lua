@@ -4,8 +4,9 @@
 -- ARGV[1]: "" to read the store's clock (TIME), or a Unix ms time (tests of window boundaries).
 -- ARGV[2], ARGV[3]: the calling Envoy's holder id ("" when it sends none) and how long its
 -- holdings stand without another call from it.
--- ARGV[3 + 6(i-1) + 1..6]: the i-th ask's window, limit, want, returned, returned window start
--- ("" when none), and what the caller holds unspent of the window ("" when it does not say).
+-- ARGV[3 + 7(i-1) + 1..7]: the i-th ask's window, limit, want, returned, returned window start
+-- ("" when none), what the caller holds unspent of a window ("" when it does not say), and the
+-- start of the window that holding is of.
 -- Returns four integers per ask: granted, remaining, resets_ms, window start (-1: a bucket).
 --
 -- A window's holdings live beside its count (key ':held', a hash of holder id to
@@ -141,7 +142,7 @@ local function reclaim(hk, used)
 end
 
 -- What was granted in the current calendar window, under a key of that window; missing: 0.
-local function window(key, kind, limit, want, returned, returned_start, held)
+local function window(key, kind, limit, want, returned, returned_start, held, held_start)
   local start, stop = bounds(kind)
   local k = key .. ':' .. num(start)
   local hk = k .. ':held'
@@ -149,6 +150,8 @@ local function window(key, kind, limit, want, returned, returned_start, held)
   local holds = holder ~= '' and held ~= nil
   if holds then used = reclaim(hk, used) end
   if returned > 0 and returned_start == start then used = math.max(0, used - returned) end
+  -- A holding of a window that has ended is not one of this window's.
+  if holds and held_start ~= start then held = 0 end
   local granted = math.max(0, math.min(want, limit - used))
   used = used + granted
   redis.call('SET', k, num(used))
@@ -162,7 +165,7 @@ end
 
 local out = {}
 for i, key in ipairs(KEYS) do
-  local a = 3 + (i - 1) * 6
+  local a = 3 + (i - 1) * 7
   local kind = ARGV[a + 1]
   local limit = tonumber(ARGV[a + 2])
   local want = tonumber(ARGV[a + 3])
@@ -172,7 +175,7 @@ for i, key in ipairs(KEYS) do
     g, r, resets, start = bucket(key, limit, want, returned)
   else
     g, r, resets, start = window(key, kind, limit, want, returned, tonumber(ARGV[a + 5]),
-      tonumber(ARGV[a + 6]))
+      tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7]))
   end
   out[#out + 1] = g
   out[#out + 1] = r

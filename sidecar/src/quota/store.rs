@@ -109,7 +109,8 @@ impl Store {
                 .arg(ask.limit);
             call.arg(ask.want).arg(ask.returned);
             call.arg(text(ask.returned_window_start_ms))
-                .arg(text(ask.held));
+                .arg(text(ask.held))
+                .arg(text(ask.held_window_start_ms));
         }
         let mut conn = self.conn.clone();
         let values: Vec<i64> = tokio::time::timeout(self.timeout, call.invoke_async(&mut conn))
