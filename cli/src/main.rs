@@ -132,7 +132,9 @@ enum KeysAction {
         /// The key's id within its project.
         #[arg(long, default_value = "default")]
         id: String,
-        /// Where the key goes: `org/workspace/project`.
+        /// The project the key goes in, `org/workspace/project`: the entry then says where it
+        /// goes and the key's tenant path. Without it, the entry is printed to paste under any
+        /// project's `keys`.
         #[arg(long)]
         tenant: Option<String>,
     },
@@ -140,14 +142,14 @@ enum KeysAction {
     Hash,
 }
 
-/// The YAML entry of a new key, and where it goes when the tenant is given.
-fn key_entry(id: &str, sha256: &str, tenant: Option<&str>) -> anyhow::Result<String> {
+/// Where a new key's entry goes, as the comment above it: checked before any key is minted,
+/// so none is ever printed for an entry that cannot be used.
+fn placement(id: &str, tenant: Option<&str>) -> anyhow::Result<String> {
     if !weir_core::trusted::is_level_id(id) {
         anyhow::bail!("--id {id}: letters, digits, '-', '_', '.'");
     }
-    let entry = format!("- id: {id}\n  sha256: {sha256}");
     let Some(tenant) = tenant else {
-        return Ok(format!("# add under a project's keys:\n{entry}"));
+        return Ok("# add under a project's keys:".into());
     };
     let ids: Vec<&str> = tenant.split('/').collect();
     let [org, workspace, project] = ids.as_slice() else {
@@ -158,8 +160,16 @@ fn key_entry(id: &str, sha256: &str, tenant: Option<&str>) -> anyhow::Result<Str
     }
     Ok(format!(
         "# add under orgs[id={org}].workspaces[id={workspace}].projects[id={project}].keys\n\
-         # (its tenant path: {tenant}/{id}):\n{entry}"
+         # (its tenant path: {tenant}/{id}):"
     ))
+}
+
+/// A new key, and its YAML entry under where it goes.
+fn new_key(id: &str, tenant: Option<&str>) -> anyhow::Result<(String, String)> {
+    let place = placement(id, tenant)?;
+    let key = mint()?;
+    let entry = format!("{place}\n- id: {id}\n  sha256: {}", hash_key(&key));
+    Ok((key, entry))
 }
 
 /// 192 random bits, hex-encoded, behind the recognisable prefix.
@@ -175,9 +185,9 @@ fn main() -> anyhow::Result<()> {
         Command::Keys {
             action: KeysAction::New { id, tenant },
         } => {
-            let key = mint()?;
+            let (key, entry) = new_key(&id, tenant.as_deref())?;
             println!("key: {key}");
-            println!("{}", key_entry(&id, &hash_key(&key), tenant.as_deref())?);
+            println!("{entry}");
             eprintln!("Store the key now: weir keeps only its hash.");
         }
         Command::Config {
@@ -230,9 +240,9 @@ mod tests {
 
     #[test]
     fn a_new_key_s_entry_says_where_it_goes() {
-        let entry = key_entry("ci", &"a".repeat(64), Some("acme/prod/assistant")).unwrap();
+        let (key, entry) = new_key("ci", Some("acme/prod/assistant")).unwrap();
         assert!(entry.contains("orgs[id=acme].workspaces[id=prod].projects[id=assistant].keys"));
-        assert!(entry.ends_with(&format!("- id: ci\n  sha256: {}", "a".repeat(64))));
+        assert!(entry.ends_with(&format!("- id: ci\n  sha256: {}", hash_key(&key))));
         let yaml = format!(
             "orgs:\n- id: acme\n  workspaces:\n  - id: prod\n    projects:\n    - id: assistant\n      keys:\n{}",
             entry
@@ -245,8 +255,10 @@ mod tests {
             weir_core::config::Config::parse(yaml.as_bytes()).is_ok(),
             "{yaml}"
         );
-        assert!(key_entry("ci", "x", Some("acme/prod")).is_err());
-        assert!(key_entry("a b", "x", None).is_err());
+        // Refused before a key is minted: `weir keys new` printed the key, then failed.
+        assert!(placement("ci", Some("acme/prod")).is_err());
+        assert!(new_key("ci", Some("acme/ml")).is_err());
+        assert!(placement("a b", None).is_err());
     }
 
     #[test]

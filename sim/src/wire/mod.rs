@@ -38,7 +38,7 @@ impl ResponseHead {
             Endpoint::Messages => "msg_",
             Endpoint::Embeddings => "embd-",
         };
-        let key = format!("{:016x}", seq.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let key = format!("{:016x}", (seq ^ process_salt()).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let created = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -50,6 +50,18 @@ impl ResponseHead {
             model: model.to_owned(),
         }
     }
+}
+
+/// Drawn once per process, so that two simulators (two replicas of a pool, or one restarted)
+/// never give two requests the same id, as a real engine's random ids never do.
+fn process_salt() -> u64 {
+    static SALT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *SALT.get_or_init(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        now ^ u64::from(std::process::id()).rotate_left(32)
+    })
 }
 
 /// How a choice's generation ends.
