@@ -30,5 +30,8 @@ fn a_new_key_for_a_malformed_tenant_is_refused_before_any_key_is_printed() {
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.starts_with("key: "), "{stdout}");
-    assert!(stdout.contains("(its tenant path: acme/ml/chat/ci)"), "{stdout}");
+    assert!(
+        stdout.contains("(its tenant path: acme/ml/chat/ci)"),
+        "{stdout}"
+    );
 }

@@ -38,7 +38,10 @@ impl ResponseHead {
             Endpoint::Messages => "msg_",
             Endpoint::Embeddings => "embd-",
         };
-        let key = format!("{:016x}", (seq ^ process_salt()).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let key = format!(
+            "{:016x}",
+            (seq ^ process_salt()).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        );
         let created = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
