@@ -95,8 +95,7 @@ fn export_usage(
     let since = since_ms(since, now)?;
     let rows = match source {
         Source::Sqlite(ledger) => {
-            let conn = weir_sidecar::ledger::open(ledger)
-                .with_context(|| format!("opening ledger {}", ledger.display()))?;
+            let conn = weir_sidecar::ledger::open_read_only(ledger)?;
             weir_sidecar::ledger::query(&conn, tenant, since)?
         }
         Source::Postgres(url) => {
@@ -105,11 +104,22 @@ fn export_usage(
             weir_sidecar::ledger::postgres::query(&mut client, tenant, since)?
         }
     };
-    match format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
-        Format::Csv => print!("{}", usage_csv::table(&rows)),
+    let text = match format {
+        Format::Json => serde_json::to_string_pretty(&rows)? + "\n",
+        Format::Csv => usage_csv::table(&rows),
+    };
+    write_out(&text)
+}
+
+/// Writes to stdout; a reader that closed the pipe early (`weir usage | head`) has what it
+/// wanted, so that ends the command quietly rather than in a panic.
+fn write_out(text: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        written => Ok(written?),
     }
-    Ok(())
 }
 
 #[derive(Subcommand)]

@@ -26,7 +26,7 @@ use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
 
 pub use reader::Reader;
-pub use sqlite::{append, history, open, query};
+pub use sqlite::{append, history, open, open_read_only, query};
 
 /// What one attempt used, as billed. Engine counts when the engine reported them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

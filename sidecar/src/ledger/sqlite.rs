@@ -56,6 +56,38 @@ const ADDED: [(&str, &str); 7] = [
     ("cost_micros", "INTEGER"),
 ];
 
+/// A ledger opened to read only, as `weir usage` does: never created, written or migrated. A
+/// missing file, or a ledger from an earlier version (which the sidecar migrates in place when
+/// it next opens it), is an error that says so, not an empty export.
+pub fn open_read_only(path: &Path) -> anyhow::Result<Connection> {
+    if !path.is_file() {
+        anyhow::bail!(
+            "{}: no ledger there (the sidecar's `ledger` setting names its file)",
+            path.display()
+        );
+    }
+    let conn = Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
+    let columns: Vec<String> = conn
+        .prepare("SELECT name FROM pragma_table_info('usage')")?
+        .query_map([], |row| row.get(0))?
+        .collect::<rusqlite::Result<_>>()?;
+    if columns.is_empty() {
+        anyhow::bail!("{}: not a weir ledger (no usage table)", path.display());
+    }
+    let current = ["attempt"]
+        .into_iter()
+        .chain(ADDED.iter().map(|(name, _)| *name))
+        .all(|name| columns.iter().any(|c| c == name));
+    if !current {
+        anyhow::bail!(
+            "{}: a ledger from an earlier weir version; the sidecar migrates it in place when it \
+             next opens it (weir usage only reads)",
+            path.display()
+        );
+    }
+    Ok(conn)
+}
+
 pub fn open(path: &Path) -> rusqlite::Result<Connection> {
     let mut conn = Connection::open(path)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
