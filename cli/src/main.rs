@@ -3,7 +3,7 @@
 //! from the sidecar's ledger.
 
 mod config_check;
-mod usage_csv;
+mod usage_export;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -99,14 +99,14 @@ fn export_usage(
             weir_sidecar::ledger::query(&conn, tenant, since)?
         }
         Source::Postgres(url) => {
-            let mut client = weir_sidecar::ledger::postgres::connect(&url)
+            let mut client = weir_sidecar::ledger::postgres::connect_read_only(&url)
                 .context("connecting to the PostgreSQL ledger")?;
             weir_sidecar::ledger::postgres::query(&mut client, tenant, since)?
         }
     };
     let text = match format {
-        Format::Json => serde_json::to_string_pretty(&rows)? + "\n",
-        Format::Csv => usage_csv::table(&rows),
+        Format::Json => usage_export::json(&rows)?,
+        Format::Csv => usage_export::table(&rows),
     };
     write_out(&text)
 }

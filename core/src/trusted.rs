@@ -36,6 +36,15 @@ pub const PRICE: &str = "x-weir-price";
 pub const BODY_SHA256: &str = "x-weir-body-sha256";
 /// On responses of shadow routes: what enforcement would have done.
 pub const SHADOW_DECISION: &str = "x-weir-shadow";
+/// The route the filter served the request on, as its metrics label it: the ledger records
+/// it, so a rollout step's requests can be told from another route's.
+pub const ROUTE: &str = "x-weir-route";
+/// The mode the filter applied to this request: `off`, `shadow` or `enforce` (`off` too for a
+/// request outside a route's `rollout_percent`). The ledger records it, so shadow rows are
+/// told from enforced ones.
+pub const MODE: &str = "x-weir-mode";
+/// The modes [`MODE`] may carry.
+pub const MODES: [&str; 3] = ["off", "shadow", "enforce"];
 
 /// Scheduling weights outside this range are refused (in config and on the wire): a weight of
 /// `1e300` or `NaN` would let one tenant starve every other.

@@ -452,6 +452,8 @@ impl Request {
             self.stage = Stage::Ignored;
             return Action::Continue;
         }
+        self.vouch(trusted::ROUTE, label.clone());
+        self.vouch(trusted::MODE, mode.as_str());
         self.counted_as = Some((label, route.mode));
         self.vouch(trusted::REQUEST_ID, attempt_id);
         let idempotency_key = Self::idempotency_key(&headers);

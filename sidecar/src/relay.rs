@@ -407,6 +407,8 @@ impl Flight {
             cached_prompt_tokens: cached,
             queued_ms: self.assignment.queued_ms,
             finished_at_ms: now_ms(),
+            route: self.who.route.clone(),
+            mode: self.who.mode.clone(),
             ..UsageRecord::default()
         };
         let prices = self.who.prices.as_ref();
@@ -1306,6 +1308,8 @@ mod tests {
                 kv_cap: None,
                 models: None,
                 prices: None,
+                route: Some("llm-api".into()),
+                mode: Some("shadow".into()),
             },
             model: "m".into(),
             input_tokens: 10,
@@ -1490,8 +1494,8 @@ mod tests {
         let conn = rusqlite::Connection::open(&rig.ledger).unwrap();
         let row = conn
             .query_row(
-                "SELECT source, outcome, prompt_tokens, completion_tokens, cached_prompt_tokens \
-                 FROM usage",
+                "SELECT source, outcome, prompt_tokens, completion_tokens, cached_prompt_tokens, \
+                 route || '/' || mode FROM usage",
                 [],
                 |r| {
                     Ok((
@@ -1500,13 +1504,21 @@ mod tests {
                         r.get(2)?,
                         r.get(3)?,
                         r.get(4)?,
+                        r.get::<_, String>(5)?,
                     ))
                 },
             )
             .unwrap();
         assert_eq!(
             row,
-            ("engine".into(), "ok".into(), 51000_i64, 2_i64, 50000_i64)
+            (
+                "engine".into(),
+                "ok".into(),
+                51000_i64,
+                2_i64,
+                50000_i64,
+                "llm-api/shadow".into()
+            )
         );
     }
 

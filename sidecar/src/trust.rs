@@ -35,6 +35,10 @@ pub struct Trusted {
     /// The price table the filter charges at (`x-weir-price`): the ledger records the
     /// request's cost at its model's entry.
     pub prices: Option<weir_core::price::Prices>,
+    /// The route and the mode the filter served the request in (absent from filters older
+    /// than these headers): the ledger records them.
+    pub route: Option<String>,
+    pub mode: Option<String>,
 }
 
 /// `x-weir-*` headers as (name, value).
@@ -224,6 +228,11 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
             Err(invalid(name, problem))
         }
     };
+    let optional = |name: &'static str, ok: fn(&str) -> bool, problem: &str| match get(name) {
+        Some(value) if ok(value) => Ok(Some(value.to_owned())),
+        Some(_) => Err(invalid(name, problem)),
+        None => Ok(None),
+    };
     let tokens = |name: &'static str| -> Result<Option<u64>, ApiError> {
         get(name)
             .map(|v| {
@@ -236,11 +245,11 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
         "batch" => Priority::Batch,
         _ => return Err(invalid(trusted::PRIORITY, "is not a known priority")),
     };
-    let idempotency_key = match get(trusted::IDEMPOTENCY_KEY) {
-        Some(key) if trusted::is_id(key) => Some(key.to_owned()),
-        Some(_) => return Err(invalid(trusted::IDEMPOTENCY_KEY, "is not a valid key")),
-        None => None,
-    };
+    let idempotency_key = optional(
+        trusted::IDEMPOTENCY_KEY,
+        trusted::is_id,
+        "is not a valid key",
+    )?;
     let tenant = checked(
         trusted::TENANT,
         trusted::is_tenant_path,
@@ -273,6 +282,12 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
                     .ok_or_else(|| invalid(trusted::PRICE, "is not a price table"))
             })
             .transpose()?,
+        route: optional(trusted::ROUTE, trusted::is_id, "is not a route name")?,
+        mode: optional(
+            trusted::MODE,
+            |m| trusted::MODES.contains(&m),
+            "is not a mode",
+        )?,
     })
 }
 
@@ -341,6 +356,18 @@ mod tests {
             )
         );
         assert_eq!(who.prices, None, "no prices: the record is not priced");
+        assert_eq!((who.route, who.mode), (None, None), "an older filter's");
+        let mut routed = base();
+        routed[4].1 = "weir-routed".into();
+        routed.push((trusted::ROUTE, "llm-api".into()));
+        routed.push((trusted::MODE, "shadow".into()));
+        let who = trust()
+            .check(&signed(SECRET, &routed, 2_000), 1_000)
+            .unwrap();
+        assert_eq!(
+            (who.route.as_deref(), who.mode.as_deref()),
+            (Some("llm-api"), Some("shadow"))
+        );
         let mut priced = base();
         priced[4].1 = "weir-priced".into();
         priced.push((trusted::PRICE, "USD:*=1,1,2;m=0.15,0.075,0.6".into()));
@@ -402,6 +429,8 @@ mod tests {
             (trusted::PRICE, "USD:m=-1,1,1"),
             (trusted::PRICE, "USD:m=0.15,0.6"),
             (trusted::PRICE, "USD:0.15,0.075,0.6"),
+            (trusted::MODE, "ignore"),
+            (trusted::ROUTE, "llm api"),
         ] {
             let mut fields = base();
             fields.retain(|(n, _)| *n != name);

@@ -69,6 +69,13 @@ pub struct UsageRecord {
     /// In micro-units of `currency` ([`weir_core::price::Price::cost_micros`]).
     #[serde(default)]
     pub cost_micros: Option<u64>,
+    /// The gateway route the request came in on, as the filter's metrics label it (`None`
+    /// from filters older than the route header, and in rows written before it was recorded).
+    #[serde(default)]
+    pub route: Option<String>,
+    /// The mode the filter applied: `off`, `shadow` or `enforce` (`None` as for `route`).
+    #[serde(default)]
+    pub mode: Option<String>,
 }
 
 impl UsageRecord {

@@ -47,17 +47,60 @@ const SCHEMA: &str = "
         price_cached_input   DOUBLE PRECISION,
         price_output         DOUBLE PRECISION,
         cost_micros          BIGINT,
+        route                TEXT,
+        mode                 TEXT,
         PRIMARY KEY (tenant, idempotency_key, attempt)
     );
+    ALTER TABLE weir_usage ADD COLUMN IF NOT EXISTS route TEXT;
+    ALTER TABLE weir_usage ADD COLUMN IF NOT EXISTS mode TEXT;
     CREATE UNIQUE INDEX IF NOT EXISTS weir_usage_request ON weir_usage (tenant, request_id);
     CREATE INDEX IF NOT EXISTS weir_usage_by_tenant ON weir_usage (tenant, finished_at_ms);";
 
 const COLUMNS: &str = "tenant, idempotency_key, attempt, request_id, model, api, replica,
     prompt_tokens, completion_tokens, cached_prompt_tokens, source, outcome, queued_ms,
-    finished_at_ms, currency, price_input, price_cached_input, price_output, cost_micros";
+    finished_at_ms, currency, price_input, price_cached_input, price_output, cost_micros, route,
+    mode";
 
-/// Connects to `url` and creates the schema if it is missing.
+/// Connects to `url` and creates the schema if it is missing (or adds what it lacks).
 pub fn connect(url: &str) -> anyhow::Result<Client> {
+    let mut client = open(url)?;
+    migrate(&mut client)?;
+    Ok(client)
+}
+
+/// Connects to `url` to read only, as `weir usage` does: a ledger missing or from an earlier
+/// version (which a sidecar migrates when it next connects) is an error, never created or
+/// changed from here.
+pub fn connect_read_only(url: &str) -> anyhow::Result<Client> {
+    let mut client = open(url)?;
+    let columns: Vec<String> = client
+        .query(
+            "SELECT column_name::TEXT FROM information_schema.columns
+             WHERE table_name = 'weir_usage' AND table_schema = current_schema()",
+            &[],
+        )?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    if columns.is_empty() {
+        anyhow::bail!("no weir ledger there (no weir_usage table)");
+    }
+    let missing: Vec<&str> = COLUMNS
+        .split(',')
+        .map(str::trim)
+        .filter(|c| !columns.iter().any(|have| have == c))
+        .collect();
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "a ledger from an earlier weir version (no {}); a sidecar migrates it when it next \
+             connects (weir usage only reads)",
+            missing.join(", ")
+        );
+    }
+    Ok(client)
+}
+
+fn open(url: &str) -> anyhow::Result<Client> {
     let mut config: postgres::Config = url.parse()?;
     config.connect_timeout(CONNECT_TIMEOUT);
     // A write that hangs (a lock wait, a server gone quiet, a dropped network path) fails
@@ -68,9 +111,7 @@ pub fn connect(url: &str) -> anyhow::Result<Client> {
     ));
     config.tcp_user_timeout(WRITE_TIMEOUT);
     config.keepalives_idle(WRITE_TIMEOUT);
-    let mut client = config.connect(NoTls)?;
-    migrate(&mut client)?;
-    Ok(client)
+    Ok(config.connect(NoTls)?)
 }
 
 fn migrate(client: &mut Client) -> anyhow::Result<()> {
@@ -96,7 +137,7 @@ impl Store for Client {
 pub fn append(tx: &mut Transaction, r: &UsageRecord) -> anyhow::Result<bool> {
     let insert = format!(
         "INSERT INTO weir_usage ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-             $11, $12, $13, $14, $15, $16, $17, $18, $19)
+             $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)
          ON CONFLICT DO NOTHING"
     );
     let mut attempt = i32::try_from(r.attempt)?;
@@ -124,6 +165,8 @@ pub fn append(tx: &mut Transaction, r: &UsageRecord) -> anyhow::Result<bool> {
                 &r.price_cached_input,
                 &r.price_output,
                 &r.cost_micros.map(|c| c as i64),
+                &r.route,
+                &r.mode,
             ],
         )?;
         if inserted == 1 {
@@ -206,5 +249,7 @@ fn read(row: &Row) -> anyhow::Result<UsageRecord> {
             .try_get::<_, Option<i64>>(18)?
             .map(u64::try_from)
             .transpose()?,
+        route: row.try_get(19)?,
+        mode: row.try_get(20)?,
     })
 }

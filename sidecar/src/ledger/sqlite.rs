@@ -1,7 +1,7 @@
 //! The embedded store: SQLite (WAL), the default. A ledger written before attempts were
 //! recorded (primary key `request_id`) is migrated in place when opened: each old row becomes
 //! attempt 1 of a key equal to its request id. Columns added since (the API, cached prompt
-//! tokens, the price and cost) are added to an older ledger when it is opened, its old rows
+//! tokens, the price and cost, the route and mode) are added to an older ledger when it is opened, its old rows
 //! `unknown`, 0 and NULL.
 
 use std::path::Path;
@@ -31,6 +31,8 @@ const SCHEMA: &str = "
         price_cached_input REAL,
         price_output      REAL,
         cost_micros       INTEGER,
+        route             TEXT,
+        mode              TEXT,
         PRIMARY KEY (tenant, idempotency_key, attempt)
     );
     CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage (tenant, finished_at_ms);";
@@ -42,11 +44,11 @@ const MIGRATE_FROM_REQUEST_IDS: &str = "
 const COPY_FROM_REQUEST_IDS: &str = "
     INSERT INTO usage SELECT tenant, request_id, 1, request_id, model, replica, prompt_tokens,
         completion_tokens, source, outcome, queued_ms, finished_at_ms, 'unknown', 0, NULL, NULL,
-        NULL, NULL, NULL
+        NULL, NULL, NULL, NULL, NULL
         FROM usage_by_request_id;
     DROP TABLE usage_by_request_id;";
 /// Columns added since the attempt schema, each added to a ledger written before it.
-const ADDED: [(&str, &str); 7] = [
+const ADDED: [(&str, &str); 9] = [
     ("api", "TEXT NOT NULL DEFAULT 'unknown'"),
     ("cached_prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("currency", "TEXT"),
@@ -54,6 +56,8 @@ const ADDED: [(&str, &str); 7] = [
     ("price_cached_input", "REAL"),
     ("price_output", "REAL"),
     ("cost_micros", "INTEGER"),
+    ("route", "TEXT"),
+    ("mode", "TEXT"),
 ];
 
 /// A ledger opened to read only, as `weir usage` does: never created, written or migrated. A
@@ -145,9 +149,9 @@ fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<
         "INSERT OR IGNORE INTO usage (tenant, idempotency_key, attempt, request_id, model, replica,
              prompt_tokens, completion_tokens, source, outcome, queued_ms, finished_at_ms, api,
              cached_prompt_tokens, currency, price_input, price_cached_input, price_output,
-             cost_micros)
+             cost_micros, route, mode)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-             ?18, ?19)",
+             ?18, ?19, ?20, ?21)",
     )?
     .execute(params![
             r.tenant,
@@ -169,6 +173,8 @@ fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<
             r.price_cached_input,
             r.price_output,
             r.cost_micros.map(|c| c as i64),
+            r.route,
+            r.mode,
         ])?;
     Ok(inserted == 1)
 }
@@ -197,7 +203,7 @@ pub fn query(
         "SELECT tenant, idempotency_key, attempt, request_id, model, replica, prompt_tokens,
                 completion_tokens, source, outcome, queued_ms, finished_at_ms, api,
                 cached_prompt_tokens, currency, price_input, price_cached_input, price_output,
-                cost_micros
+                cost_micros, route, mode
          FROM usage WHERE (?1 IS NULL OR tenant = ?1) AND finished_at_ms >= ?2
          ORDER BY finished_at_ms",
     )?;
@@ -227,6 +233,8 @@ fn read(row: &Row) -> rusqlite::Result<UsageRecord> {
         price_cached_input: row.get(16)?,
         price_output: row.get(17)?,
         cost_micros: row.get::<_, Option<i64>>(18)?.map(|c| c as u64),
+        route: row.get(19)?,
+        mode: row.get(20)?,
     })
 }
 

@@ -1,11 +1,43 @@
-//! `weir usage --format csv`: the ledger's records as CSV (RFC 4180), for billing pipelines
-//! and spreadsheets. Fields a tenant chooses (its `Idempotency-Key`: any visible ASCII, commas
-//! and quotes included) are quoted like every other field, so no record can add or shift the
-//! columns a billing pipeline reads its token counts from.
+//! `weir usage`'s exports: CSV (RFC 4180), for billing pipelines and spreadsheets, and JSON.
+//! Fields a tenant chooses (its `Idempotency-Key`: any visible ASCII, commas and quotes
+//! included) are quoted like every other field, so no record can add or shift the columns a
+//! billing pipeline reads its token counts from. Both give the finish time twice: as the
+//! ledger holds it (epoch milliseconds) and in RFC 3339 (UTC), for people.
 
+use serde::Serialize;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
 use weir_sidecar::ledger::UsageRecord;
 
-const HEADER: &str = "tenant,idempotency_key,attempt,request_id,model,api,replica,prompt_tokens,completion_tokens,cached_prompt_tokens,source,outcome,queued_ms,finished_at_ms,currency,price_input,price_cached_input,price_output,cost_micros";
+const HEADER: &str = "tenant,idempotency_key,attempt,request_id,model,api,route,mode,replica,prompt_tokens,completion_tokens,cached_prompt_tokens,source,outcome,queued_ms,finished_at_ms,finished_at,currency,price_input,price_cached_input,price_output,cost_micros";
+
+/// A record as the JSON export writes it.
+#[derive(Serialize)]
+struct Exported<'r> {
+    #[serde(flatten)]
+    record: &'r UsageRecord,
+    finished_at: String,
+}
+
+/// The records as a JSON array.
+pub fn json(rows: &[UsageRecord]) -> serde_json::Result<String> {
+    let rows: Vec<Exported> = rows
+        .iter()
+        .map(|record| Exported {
+            record,
+            finished_at: rfc3339(record.finished_at_ms),
+        })
+        .collect();
+    Ok(serde_json::to_string_pretty(&rows)? + "\n")
+}
+
+/// Epoch milliseconds in RFC 3339, UTC, to the millisecond (empty past year 9999).
+fn rfc3339(ms: u64) -> String {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&Rfc3339).ok())
+        .unwrap_or_default()
+}
 
 /// The header line and one line per record.
 pub fn table(rows: &[UsageRecord]) -> String {
@@ -18,6 +50,8 @@ pub fn table(rows: &[UsageRecord]) -> String {
             r.request_id.clone(),
             r.model.clone(),
             r.api.clone(),
+            r.route.clone().unwrap_or_default(),
+            r.mode.clone().unwrap_or_default(),
             r.replica.clone(),
             r.prompt_tokens.to_string(),
             r.completion_tokens.to_string(),
@@ -26,6 +60,7 @@ pub fn table(rows: &[UsageRecord]) -> String {
             r.outcome.clone(),
             r.queued_ms.to_string(),
             r.finished_at_ms.to_string(),
+            rfc3339(r.finished_at_ms),
             r.currency.clone().unwrap_or_default(),
             optional(r.price_input),
             optional(r.price_cached_input),
@@ -39,7 +74,7 @@ pub fn table(rows: &[UsageRecord]) -> String {
     out
 }
 
-/// A figure, or an empty field for a record without a price.
+/// A figure, or an empty field for a record without one.
 fn optional(value: Option<impl ToString>) -> String {
     value.map(|v| v.to_string()).unwrap_or_default()
 }
@@ -95,7 +130,9 @@ mod tests {
             source: "engine".into(),
             outcome: "ok".into(),
             queued_ms: 4,
-            finished_at_ms: 5,
+            finished_at_ms: 1_796_601_600_123,
+            route: Some("llm-api".into()),
+            mode: Some("shadow".into()),
             cached_prompt_tokens: 200,
             currency: Some("USD".into()),
             price_input: Some(0.15),
@@ -120,6 +157,11 @@ mod tests {
             ("USD", "0.075")
         );
         assert_eq!(column("cost_micros"), "345", "the cost with the price used");
+        assert_eq!(
+            (column("route").as_str(), column("mode").as_str()),
+            ("llm-api", "shadow")
+        );
+        assert_eq!(column("finished_at"), "2026-12-07T00:00:00.123Z");
         assert_eq!(
             field("plain-id_1.2"),
             "plain-id_1.2",
