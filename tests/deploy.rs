@@ -21,7 +21,7 @@
 //!   VirtualService's route that `routes.by_name` names (`llm-api`), and its `/alt/` route after
 //!   the one it does not (`status-page`), both read from `deploy/istio/virtualservice.yaml` — as
 //!   Istio names Envoy routes after VirtualService routes. The shipped files keep the names a
-//!   platform's VirtualService would use; the template's (`enforced`, `alt`) are the demo's.
+//!   platform's VirtualService would use; the template's (`llm-api`, `alt`) are the demo's.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
@@ -567,7 +567,7 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
         with_filter: true,
     };
     let rename = |mut t: String| {
-        for (route, name) in [("enforced", &weir_route), ("alt", &ignored_route)] {
+        for (route, name) in [("llm-api", &weir_route), ("alt", &ignored_route)] {
             // The route's entry (its match follows), not the cluster of the same name.
             let entry = format!("- name: {route}\n                match:");
             assert_eq!(t.matches(&entry).count(), 1, "the template's route {route}");

@@ -42,8 +42,9 @@ impl Default for Plugin {
     }
 }
 
-/// Where the filter's config is discovered from, and the versions written there.
-struct Source {
+/// Where the filter's config is discovered from, and the versions written there: what a
+/// control plane writes to.
+pub struct Source {
     plugin: Plugin,
     wasm: PathBuf,
     dir: PathBuf,
@@ -58,7 +59,7 @@ impl Source {
     }
 
     /// [`write`](Self::write) with the plugin config as text (YAML, say), as it is.
-    fn write_text(&self, weir_config: &str) {
+    pub fn write_text(&self, weir_config: &str) {
         let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
         let p = &self.plugin;
         let resource = json!({
@@ -91,7 +92,8 @@ impl Source {
         std::fs::rename(&tmp, self.file()).unwrap();
     }
 
-    fn file(&self) -> PathBuf {
+    /// The resource file Envoy watches.
+    pub fn file(&self) -> PathBuf {
         self.dir.join("weir.json")
     }
 }
@@ -159,6 +161,12 @@ impl EcdsEnvoy {
         ];
         let envoy = Envoy::run(&config, dir, access_log, &node, Stdio::null(), env);
         EcdsEnvoy { envoy, source }
+    }
+
+    /// The Envoy, and the source its filter's config is discovered from (for a control plane
+    /// of the caller's).
+    pub fn into_parts(self) -> (Envoy, Source) {
+        (self.envoy, self.source)
     }
 
     /// Pushes a new version of the filter's config; returns once Envoy has taken it (its

@@ -579,14 +579,8 @@ async fn shadow_and_enforce_routes_in_one_envoy_behave_as_configured() {
         );
         metric_sum(&text, &series).unwrap_or(0.0)
     };
-    assert!(
-        decisions("enforced", "enforce", "admitted") >= 1.0,
-        "{text}"
-    );
-    assert!(
-        decisions("enforced", "enforce", "rejected") >= 1.0,
-        "{text}"
-    );
+    assert!(decisions("llm-api", "enforce", "admitted") >= 1.0, "{text}");
+    assert!(decisions("llm-api", "enforce", "rejected") >= 1.0, "{text}");
     assert!(decisions("shadowed", "shadow", "admitted") >= 1.0, "{text}");
     assert!(
         decisions("shadowed", "shadow", "would_reject") >= 3.0,
@@ -597,8 +591,11 @@ async fn shadow_and_enforce_routes_in_one_envoy_behave_as_configured() {
         0.0,
         "shadow never rejects"
     );
-    // The filter's other stats keep their names.
+    // The filter's other stats keep their names; what shadow mode would refuse is counted
+    // apart from what enforcement refuses.
     assert!(metric_sum(&text, "weir_shadow_would_reject").unwrap() >= 3.0);
+    assert!(metric_sum(&text, "weir_shadow_rejections_requests_per_minute").unwrap() >= 2.0);
+    assert!(metric_sum(&text, "weir_shadow_rejections_invalid_api_key").unwrap() >= 1.0);
     assert!(metric_sum(&text, "weir_rejections_requests_per_minute").unwrap() >= 1.0);
 }
 

@@ -48,7 +48,7 @@ fn weir_config(with_revoked: bool, tightened_rpm: u64, extra_key: Option<&str>) 
         "models": {"tiny": {"max_context_tokens": 4096}},
         "slot_lease_ms": SLOT_LEASE.as_millis() as u64,
         // weir acts on the catch-all route only; `/alt/` (and any other) is not its route.
-        "routes": {"by_name": {"enforced": {"mode": "enforce"}}},
+        "routes": {"by_name": {"llm-api": {"mode": "enforce"}}},
     })
 }
 
@@ -365,7 +365,7 @@ async fn a_yaml_config_is_read_as_its_json_is() {
                - {{id: steady, sha256: {steady}}}\n      \
                - {{id: yaml-only, sha256: {yaml_only}, limits: {{requests_per_minute: 1}}}}\n\
          models:\n  tiny: {{max_context_tokens: 4096}}\n\
-         routes:\n  by_name:\n    enforced: {{mode: enforce}}\n\
+         routes:\n  by_name:\n    llm-api: {{mode: enforce}}\n\
          signing: {{secret_env: {env}}}\n",
         steady = hash("steady"),
         yaml_only = hash("yaml-only"),

@@ -298,7 +298,7 @@ fn weir_config() -> Value {
         "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": [api_key("remote")]}]}]}],
         "models": {"tiny": {"max_context_tokens": 4096}},
         // The shipped config's one route, by its name.
-        "routes": {"by_name": {"enforced": {"mode": "enforce"}}},
+        "routes": {"by_name": {"llm-api": {"mode": "enforce"}}},
         "signing": {"secret_env": "WEIR_SIGNING_SECRET"},
     })
 }

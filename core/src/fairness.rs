@@ -11,8 +11,9 @@
 //! slot (the small tenants of the noisy-neighbour scenario have work queued 30–55% of the time).
 //!
 //! Jain's index `(Σx)² / (n · Σx²)` is 1 when every backlogged share got the same and `1/n`
-//! when one got everything. With fewer than two backlogged shares nobody was treated worse
-//! than another: the index is 1. The service gap is the largest difference between the
+//! when one got everything. With fewer than two backlogged shares there is nobody to compare:
+//! the index is undefined (`None`, and the sidecar publishes no series for the pool), never a
+//! perfect 1 that would read as fairness on an idle pool. The service gap is the largest difference between the
 //! virtual counters of two shares backlogged at the same moment, sampled through the window:
 //! VTC keeps it within `2 · max(w_in · L_in, w_out · M)` (Sheng et al., OSDI 2024, Theorem
 //! 4.3), with `L_in` the longest prompt and `M` the most tokens a batch holds.
@@ -25,8 +26,8 @@ const BACKLOGGED: f64 = 0.9;
 /// A pool's fairness over the last complete window.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Report {
-    /// Jain's index over the backlogged shares (1 with fewer than two).
-    pub index: f64,
+    /// Jain's index over the backlogged shares; `None` with fewer than two.
+    pub index: Option<f64>,
     /// Shares backlogged for nearly all the window.
     pub backlogged: usize,
     /// Largest virtual-counter difference between two shares backlogged at once.
@@ -114,7 +115,7 @@ impl Window {
             })
             .collect();
         let report = Report {
-            index: jain(&rates),
+            index: (rates.len() >= 2).then(|| jain(&rates)),
             backlogged: rates.len(),
             gap: self.gap,
             backlogged_ratio: ratio,
@@ -126,7 +127,8 @@ impl Window {
     }
 }
 
-/// Jain's fairness index of `x`: 1 for fewer than two values or when nobody got anything.
+/// Jain's fairness index of `x`: 1 for fewer than two values or when nobody got anything
+/// (everyone alike).
 pub fn jain(x: &[f64]) -> f64 {
     let sum: f64 = x.iter().sum();
     let squares: f64 = x.iter().map(|v| v * v).sum();
@@ -170,12 +172,12 @@ mod tests {
         w.served("a", 1.0, 500.0);
         w.served("b", 1.0, 500.0);
         let r = run(&mut w, 0, &[("a", 1.0, 10.0), ("b", 1.0, 40.0)]).expect("closed");
-        assert_eq!((r.index, r.backlogged, r.gap), (1.0, 2, 30.0));
+        assert_eq!((r.index, r.backlogged, r.gap), (Some(1.0), 2, 30.0));
 
         w.served("a", 1.0, 950.0);
         w.served("b", 1.0, 50.0);
         let r = run(&mut w, 1_000, &[("a", 1.0, 0.0), ("b", 1.0, 0.0)]).expect("closed");
-        assert!(r.index < 0.6, "{r:?}");
+        assert!(r.index.is_some_and(|i| i < 0.6), "{r:?}");
         assert_eq!(r.gap, 0.0, "a new window starts from nothing");
     }
 
@@ -188,7 +190,7 @@ mod tests {
         // A share that asked for little was never backlogged: not owed, not measured.
         w.served("quiet", 1.0, 10.0);
         let r = run(&mut w, 0, &[("heavy", 2.0, 0.0), ("light", 1.0, 0.0)]).expect("closed");
-        assert_eq!((r.index, r.backlogged), (1.0, 2));
+        assert_eq!((r.index, r.backlogged), (Some(1.0), 2));
         assert!(r.backlogged_ratio.contains(&("quiet".to_owned(), 0.0)));
         assert!(r.backlogged_ratio.contains(&("heavy".to_owned(), 1.0)));
 
@@ -207,7 +209,7 @@ mod tests {
             ];
             let now = queued.iter().copied().filter(|q| t <= 6 || q.0 != "small");
             if let Some(r) = w.sample(t * 100, now) {
-                assert_eq!((r.index, r.backlogged), (1.0, 2), "{r:?}");
+                assert_eq!((r.index, r.backlogged), (Some(1.0), 2), "{r:?}");
             }
         }
 
@@ -219,10 +221,20 @@ mod tests {
             let queued = [("always", 1.0, 0.0), ("most", 1.0, 0.0)];
             let now = queued.iter().copied().filter(|q| t > 1 || q.0 == "always");
             if let Some(r) = w.sample(t * 100, now) {
-                assert!((r.index - 1.0).abs() < 1e-9, "{r:?}");
+                assert!(r.index.is_some_and(|i| (i - 1.0).abs() < 1e-9), "{r:?}");
                 assert_eq!(r.backlogged, 2);
             }
         }
+    }
+
+    #[test]
+    fn an_idle_pool_or_one_tenant_alone_has_no_index_not_a_perfect_one() {
+        let mut w = Window::new(1_000, 0);
+        let r = run(&mut w, 0, &[]).expect("closed");
+        assert_eq!((r.index, r.backlogged), (None, 0));
+        w.served("alone", 1.0, 500.0);
+        let r = run(&mut w, 1_000, &[("alone", 1.0, 0.0)]).expect("closed");
+        assert_eq!((r.index, r.backlogged), (None, 1));
     }
 
     #[test]

@@ -220,7 +220,8 @@ impl Request {
     /// is given back.
     fn refuse(&mut self, reply: Reply, reason: &'static str, shadow_stage: Stage) -> Action {
         self.cancel_reservation();
-        self.gw.metrics.add(&telemetry::rejection_metric(reason), 1);
+        let counter = telemetry::rejection_metric(reason, self.shadow);
+        self.gw.metrics.add(&counter, 1);
         if self.shadow {
             self.gw.metrics.add(telemetry::SHADOW_WOULD_REJECT, 1);
             self.would_reject.get_or_insert(reason);

@@ -68,8 +68,15 @@ pub fn request_metric(outcome: &str) -> String {
     format!("weir.requests.{outcome}")
 }
 
-pub fn rejection_metric(reason: &str) -> String {
-    format!("weir.rejections.{reason}")
+/// Refusals by reason: `weir.rejections.<reason>` for those answered, and
+/// `weir.shadow.rejections.<reason>` for those a shadow route would have answered, kept apart so
+/// a rollout can set what shadow mode would refuse beside what enforcement does refuse.
+pub fn rejection_metric(reason: &str, shadow: bool) -> String {
+    if shadow {
+        format!("weir.shadow.rejections.{reason}")
+    } else {
+        format!("weir.rejections.{reason}")
+    }
 }
 
 /// What the filter made of one request it acted on, counted per route and mode as
@@ -131,7 +138,9 @@ pub fn define() -> Metrics {
         m.define(MetricType::Counter, &request_metric(outcome));
     }
     for reason in REJECTIONS {
-        m.define(MetricType::Counter, &rejection_metric(reason));
+        for shadow in [false, true] {
+            m.define(MetricType::Counter, &rejection_metric(reason, shadow));
+        }
     }
     for counter in [
         TOKENS_IN,

@@ -1008,7 +1008,12 @@ impl Dispatcher {
             };
             let p = &self.pools[pool];
             let (m, labels): (_, Labels) = (&self.metrics, &[("pool", &p.model)]);
-            m.fairness_index.set(labels, report.index);
+            // Undefined with fewer than two tenants backlogged: no series, rather than a
+            // 1.0 that would read as a fair pool.
+            match report.index {
+                Some(index) => m.fairness_index.set(labels, index),
+                None => m.fairness_index.remove(labels),
+            }
             m.fairness_backlogged.set(labels, report.backlogged as i64);
             m.fairness_gap.set(labels, report.gap);
             // L_in and M: a prompt and a batch are both bounded by the largest replica's KV.
@@ -2914,6 +2919,12 @@ mod tests {
         }
         assert_eq!(ratio(&d, "a"), Some(1.0));
         assert_eq!(ratio(&d, "b"), Some(1.0));
+        let index = |d: &Dispatcher| d.metrics.fairness_index.get(&[("pool", "m")]);
+        assert_eq!(
+            index(&d),
+            Some(1.0),
+            "two backlogged, both served nothing alike"
+        );
 
         // b's caller leaves: b is idle through the next window, a still waits.
         drop(b_rx);
@@ -2926,6 +2937,11 @@ mod tests {
             ratio(&d, "b"),
             None,
             "b waited for nothing in the last window"
+        );
+        assert_eq!(
+            index(&d),
+            None,
+            "one tenant backlogged: nobody to compare it with"
         );
     }
     #[test]

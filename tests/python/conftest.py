@@ -2,7 +2,10 @@
 
 import os
 import re
+import signal
+import sqlite3
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -41,3 +44,60 @@ def sim():
 @pytest.fixture
 def client(sim):
     return OpenAI(base_url=f"{sim}/v1", api_key="unused", max_retries=0)
+
+
+def session_processes(sid: int) -> list[str]:
+    out = subprocess.run(["ps", "-eo", "sid=,pid=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[0] == str(sid)]
+
+
+def up(*extra: str):
+    """Runs `cargo xtask up` (`extra` its further flags) until the banner is printed; yields
+    (process, OpenAI endpoint, banner) and kills what is left at the end."""
+    # A new session, like a terminal's foreground job, so Ctrl-C can be sent to all of it.
+    proc = subprocess.Popen(
+        ["cargo", "xtask", "up", "--port", "0", "--time-scale", "20", *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        start_new_session=True,
+    )
+    banner, endpoint = [], None
+    deadline = time.time() + 900  # a fresh clone builds the release simulator first
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        banner.append(line)
+        match = re.search(r"OpenAI endpoint\s+(http://\S+/v1)", line)
+        endpoint = endpoint or (match and match.group(1))
+        if "Ctrl-C stops everything" in line:
+            break
+    if not endpoint:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("cargo xtask up printed no endpoint:\n" + "".join(banner))
+    yield proc, endpoint, "".join(banner)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def banner_value(banner: str, label: str) -> str:
+    match = re.search(rf"{label}\s+(\S+)", banner)
+    assert match, f"{label} not in the banner"
+    return match.group(1)
+
+
+def ledger_row(banner: str, idempotency_key: str) -> dict:
+    """The sidecar's ledger record of an idempotency key, once written."""
+    path = banner_value(banner, "Usage ledger")
+    for _ in range(100):
+        with sqlite3.connect(path) as conn:
+            conn.row_factory = sqlite3.Row
+            rows = conn.execute(
+                "SELECT * FROM usage WHERE idempotency_key = ?", (idempotency_key,)
+            ).fetchall()
+        if rows:
+            assert len(rows) == 1, rows
+            return dict(rows[0])
+        time.sleep(0.05)
+    pytest.fail(f"no ledger record for {idempotency_key}")
+
+

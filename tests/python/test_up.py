@@ -6,8 +6,6 @@ import json
 import os
 import re
 import signal
-import sqlite3
-import subprocess
 import time
 import urllib.request
 import uuid
@@ -17,39 +15,12 @@ import openai
 import pytest
 from openai import OpenAI
 
-from conftest import ROOT
-
-
-def session_processes(sid: int) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "sid=,pid=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if line.split()[0] == str(sid)]
+from conftest import banner_value, ledger_row, session_processes, up
 
 
 @pytest.fixture(scope="module")
 def stack():
-    # A new session, like a terminal's foreground job, so Ctrl-C can be sent to all of it.
-    proc = subprocess.Popen(
-        ["cargo", "xtask", "up", "--port", "0", "--time-scale", "20", "--observe"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        start_new_session=True,
-    )
-    banner, endpoint = [], None
-    deadline = time.time() + 900  # a fresh clone builds the release simulator first
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        banner.append(line)
-        match = re.search(r"OpenAI endpoint\s+(http://\S+/v1)", line)
-        endpoint = endpoint or (match and match.group(1))
-        if "Ctrl-C stops everything" in line:
-            break
-    if not endpoint:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("cargo xtask up printed no endpoint:\n" + "".join(banner))
-    yield proc, endpoint, "".join(banner)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
+    yield from up("--observe")
 
 
 def test_readme_example_streams_through_the_stack(stack):
@@ -74,28 +45,6 @@ def test_readme_example_streams_through_the_stack(stack):
 MODEL = "llama-3.1-8b"
 
 
-def banner_value(banner: str, label: str) -> str:
-    match = re.search(rf"{label}\s+(\S+)", banner)
-    assert match, f"{label} not in the banner"
-    return match.group(1)
-
-
-def ledger_row(banner: str, idempotency_key: str) -> dict:
-    """The sidecar's ledger record of an idempotency key, once written."""
-    path = banner_value(banner, "Usage ledger")
-    for _ in range(100):
-        with sqlite3.connect(path) as conn:
-            conn.row_factory = sqlite3.Row
-            rows = conn.execute(
-                "SELECT * FROM usage WHERE idempotency_key = ?", (idempotency_key,)
-            ).fetchall()
-        if rows:
-            assert len(rows) == 1, rows
-            return dict(rows[0])
-        time.sleep(0.05)
-    pytest.fail(f"no ledger record for {idempotency_key}")
-
-
 def access_log(banner: str, trace: str) -> dict:
     """The `name=value` fields of the access-log line of a trace id, once written."""
     path = banner_value(banner, "Access log")
@@ -110,7 +59,8 @@ def access_log(banner: str, trace: str) -> dict:
 
 def gateway_tokens(banner: str) -> tuple[int, int]:
     """What the filter has settled so far, input and output tokens (Envoy's stats)."""
-    url = banner_value(banner, "Gateway metrics").replace("filter=weir", "filter=weir.tokens&format=json")
+    admin = banner_value(banner, "Gateway metrics").removesuffix("/stats/prometheus")
+    url = admin + "/stats?filter=weir.tokens&format=json"
     stats = json.load(urllib.request.urlopen(url))["stats"]
     value = {s["name"].rsplit(".", 1)[-1]: s["value"] for s in stats if "value" in s}
     return value.get("input", 0), value.get("output", 0)

@@ -95,14 +95,14 @@ impl Stack {
             None => {
                 for sidecar in &self.sidecars {
                     println!(
-                        "  Usage ledger      {}  (weir usage --ledger <path>)",
+                        "  Usage ledger      {}  (weir usage --ledger <path>; deleted at Ctrl-C)",
                         sidecar.ledger.display()
                     );
                 }
             }
             Some(stores) => {
                 println!(
-                    "  Usage ledger      {}  (weir usage --postgres-url-file {})",
+                    "  Usage ledger      {}  (weir usage --postgres-url-file {}; a database deleted at Ctrl-C)",
                     stores.postgres.url(),
                     stores.postgres.url_file().display()
                 );

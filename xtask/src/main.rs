@@ -6,9 +6,11 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use weir_e2e::{Envoy, EnvoyOptions, Sidecar, Sim};
+use weir_e2e::ecds::EcdsEnvoy;
+use weir_e2e::{EnvoyOptions, Sidecar, Sim};
 
 mod bench;
+mod control_plane;
 mod engines;
 mod fleet;
 mod observe;
@@ -261,6 +263,7 @@ fn up(
     let pools = engines::pools(&engines);
     // The filter signs with, and the sidecar checks, a secret the harness draws at random for
     // this run and passes to both through `WEIR_SIGNING_SECRET` (never a committed value).
+    let mut control = None;
     let stack = if extras.fleet {
         fleet::Stack::start(&sidecar_bin, config, pools, port)?
     } else {
@@ -275,7 +278,11 @@ fn up(
             listen_port: port,
             with_filter: true,
         };
-        let envoy = Envoy::launch_edited(opts, weir_e2e::ring::http2_upstream);
+        // The filter's config comes over ECDS, as a mesh delivers it.
+        let plugin = weir_e2e::ecds::Plugin::default();
+        let (envoy, source) =
+            EcdsEnvoy::start_with(opts, plugin, &[], weir_e2e::ring::http2_upstream).into_parts();
+        control = Some(control_plane::ControlPlane::start(&config, source)?);
         fleet::Stack::single(envoy, sidecar)
     };
     let prometheus = if extras.observe {
@@ -333,7 +340,16 @@ fn up(
         println!("    {key:<20} {who}");
     }
     for envoy in &stack.envoys {
-        println!("  Gateway metrics   {}/stats?filter=weir", envoy.admin);
+        println!(
+            "  Gateway metrics   {}/stats/prometheus   (weir's: weir_*)",
+            envoy.admin
+        );
+    }
+    if let Some(control) = &control {
+        println!(
+            "  Filter config     {}   (edit and save: pushed to Envoy over ECDS, no restart)",
+            control.file.display()
+        );
     }
     for sidecar in &stack.sidecars {
         println!("  Sidecar metrics   {}/metrics", sidecar.admin);
