@@ -3,8 +3,10 @@
 //! ConfigMap's config with the rendered Secret's signing secret, and real Envoy runs the filter
 //! with the exact `pluginConfig` of `deploy/istio/wasmplugin.yaml`, delivered over ECDS in the
 //! shape istiod gives it (the resource `<namespace>.<name>`, `root_id` = `pluginName`, an empty
-//! `vm_id`, the failure policy of `failStrategy`, the host variables of `vmConfig.env`). Then the
-//! README's SDK example — a streamed chat completion — goes through gateway, sidecar and engine.
+//! `vm_id`, the failure policy of `failStrategy`, the host variables of `vmConfig.env`). As
+//! shipped, at the rollout runbook's first step (`off`), every caller is served; then the
+//! runbook's `enforce` is pushed over ECDS and the README's SDK example — a streamed chat
+//! completion — goes through gateway, sidecar and engine.
 //!
 //! What is not the shipped files', and why:
 //! - the pool's engines are two local simulators on one port, its headless Service's name
@@ -359,10 +361,7 @@ fn the_envoyfilter_and_envoy_gateway_variants_carry_the_wasmplugins_configuratio
     );
     assert_eq!(policy["spec"]["targetRefs"][0]["kind"], "HTTPRoute");
     let mut config = policy["spec"]["wasm"][0]["config"].clone();
-    assert_eq!(
-        config["routes"],
-        json!({"default": {"mode": "enforce", "rollout_percent": 100}})
-    );
+    assert_eq!(config["routes"], json!({"default": {"mode": "off"}}));
     config["routes"] = plugin_config["routes"].clone();
     assert_eq!(&config, plugin_config);
 }
@@ -583,6 +582,37 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
     );
     let url = &gateway.envoy.url;
 
+    // As shipped, the route is at the runbook's first step, `off`: every caller is served and
+    // signed, the keyless one as the default tenant, nobody metered or refused.
+    let chat = |key: Option<&str>| {
+        let mut request = reqwest::Client::new()
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&json!({"model": model, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "hello"}]}));
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        request.send()
+    };
+    for key in [Some("key-ci"), None] {
+        let resp = chat(key).await.unwrap();
+        assert_eq!(
+            resp.status(),
+            StatusCode::OK,
+            "{key:?}: {}",
+            gateway.envoy.log()
+        );
+        assert!(
+            resp.headers().get("x-ratelimit-limit-requests").is_none(),
+            "off meters nothing"
+        );
+    }
+
+    // The runbook's last step, pushed over ECDS as an edit of the WasmPlugin's line.
+    let mut enforced = weir_config.clone();
+    enforced["routes"]["by_name"][&weir_route] = json!({"mode": "enforce"});
+    gateway.push(&enforced).await;
+
     // The README's SDK example: a streamed chat completion, as the `openai` client sends it.
     let mut resp = reqwest::Client::new()
         .post(format!("{url}/v1/chat/completions"))
@@ -631,12 +661,7 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
     );
 
     // Enforced: no key, no answer.
-    let refused = reqwest::Client::new()
-        .post(format!("{url}/v1/chat/completions"))
-        .json(&json!({"model": model, "messages": [{"role": "user", "content": "hello"}]}))
-        .send()
-        .await
-        .unwrap();
+    let refused = chat(None).await.unwrap();
     assert_eq!(refused.status(), StatusCode::UNAUTHORIZED);
     // The route pluginConfig does not name is left as it came.
     let passed = reqwest::Client::new()
@@ -658,14 +683,26 @@ async fn the_shipped_configs_run_and_stream_the_sdk_example() {
         "{seen:?}"
     );
 
-    // Billed once, to the key's tenant, by the sidecar's ledger.
+    // Each request billed once, to the key's tenant, by the sidecar's ledger, with the route
+    // and the mode it was served in.
     let rows = wait_for(Duration::from_secs(5), || {
-        Some(sidecar.ledger_rows(Some("acme/prod/assistant/ci"))).filter(|r| !r.is_empty())
+        Some(sidecar.ledger_rows(Some("acme/prod/assistant/ci"))).filter(|r| r.len() >= 2)
     })
-    .expect("a ledger record");
-    assert_eq!(rows.len(), 1, "{rows:?}");
+    .expect("the ledger's records");
+    assert_eq!(rows.len(), 2, "{rows:?}");
     assert!(
-        rows[0].completion_tokens > 0 && rows[0].outcome == "ok",
+        rows.iter()
+            .all(|r| r.completion_tokens > 0 && r.outcome == "ok"),
+        "{rows:?}"
+    );
+    let steps: Vec<(Option<&str>, Option<&str>)> = rows
+        .iter()
+        .map(|r| (r.route.as_deref(), r.mode.as_deref()))
+        .collect();
+    let route = Some(weir_route.as_str());
+    assert_eq!(
+        steps,
+        [(route, Some("off")), (route, Some("enforce"))],
         "{rows:?}"
     );
 
