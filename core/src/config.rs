@@ -17,6 +17,7 @@ use serde::Deserialize;
 
 use crate::fleet;
 use crate::fleet_config::{BudgetConfig, FailMode, FleetConfig, LeaseTerms};
+use crate::parse_error;
 use crate::path::AllowedPaths;
 use crate::prediction::PredictionConfig;
 use crate::price::Prices;
@@ -298,7 +299,7 @@ pub struct Key {
 
 /// One key hash, or several for one key being rotated.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "must be a key hash or a list of key hashes")]
 pub enum KeyHashes {
     One(String),
     Several(Vec<String>),
@@ -413,12 +414,13 @@ pub struct ConfigError {
 
 fn field_error(path: &serde_path_to_error::Path, error: &impl std::fmt::Display) -> ConfigError {
     let path = path.to_string();
+    let message = parse_error::plain(&path, &error.to_string());
     let field = if path == "." || path == "?" {
         "config".into()
     } else {
         path
     };
-    invalid(field, error.to_string())
+    invalid(field, message)
 }
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
@@ -1412,6 +1414,29 @@ mod tests {
         let unknown = yaml.replace("limits:", "limitz:");
         let err = Config::parse(unknown.as_bytes()).unwrap_err();
         assert!(err.message.contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn type_errors_say_what_the_field_must_be_once() {
+        // Before: "orgs[0].limits.requests_per_minute: invalid type: integer `-5`, expected u64
+        // at line 3 column 33", the path again in the message.
+        let yaml = "orgs:\n- id: acme\n  limits: {requests_per_minute: -5}\n";
+        let json = r#"{"orgs": [{"id": "acme", "limits": {"requests_per_minute": -5}}]}"#;
+        for text in [yaml, json] {
+            let error = Config::parse(text.as_bytes()).unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                "orgs[0].limits.requests_per_minute: must be a non-negative integer, not -5"
+            );
+        }
+        let error = error_of(r#"{"forward_api_key": "yes"}"#);
+        assert_eq!(error.message, "must be true or false, not \"yes\"");
+        let hashes = one_key(r#"{"id":"k","sha256":5}"#).unwrap_err();
+        assert_eq!(
+            hashes.to_string(),
+            "orgs[0].workspaces[0].projects[0].keys[0].sha256: must be a key hash or a list of \
+             key hashes"
+        );
     }
 
     fn one_key(key: &str) -> Result<Config, ConfigError> {
