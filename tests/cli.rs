@@ -103,3 +103,189 @@ fn usage_piped_into_a_reader_that_stops_early_ends_quietly() {
     assert!(out.status.success(), "{:?}: {stderr}", out.status);
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// `weir config check` run in `dir` on `file` (a path relative to it) with `flags`: whether it
+/// passed, and what it printed on stderr.
+fn config_check(dir: &std::path::Path, file: &str, text: &str, flags: &[&str]) -> (bool, String) {
+    std::fs::write(dir.join(file), text).unwrap();
+    let out = Command::new(workspace_root().join("target/debug/weir"))
+        .current_dir(dir)
+        .args(["config", "check", file])
+        .args(flags)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    (out.status.success(), stderr)
+}
+
+/// A filter config of one key whose hash is `hash`, its org on `tier`.
+fn filter_config(tier: &str, hash: &str) -> String {
+    format!(
+        "orgs:\n- id: acme\n  policy: {{tier: {tier}}}\n  workspaces:\n  - id: ml\n    projects:\n    \
+         - id: chat\n      keys:\n      - {{id: ci, sha256: '{hash}'}}\nroutes: {{default: {{mode: enforce}}}}\n"
+    )
+}
+
+const A_HASH: &str = "5f1c6a1e0e4b5d9b0c43d5e1f3f8c2a7b6d4e9f0a1b2c3d4e5f60718293a4b5c";
+const ZEROS: &str = "0000000000000000000000000000000000000000000000000000000000000000";
+
+#[test]
+fn a_typo_d_tier_is_refused_with_its_field() {
+    // Before, `tier: enterprize` passed: the key was then neither shed as `free` nor labelled
+    // `enterprise`, silently.
+    let dir = tempfile::tempdir().unwrap();
+    let (passed, _) = config_check(
+        dir.path(),
+        "weir.yaml",
+        &filter_config("enterprise", A_HASH),
+        &[],
+    );
+    assert!(passed);
+    let typo = filter_config("enterprize", A_HASH);
+    let (passed, stderr) = config_check(dir.path(), "weir.yaml", &typo, &[]);
+    assert!(!passed, "{stderr}");
+    assert_eq!(
+        stderr,
+        "error weir.yaml: orgs[0].policy.tier: 'enterprize' is not a known tier (free, standard, \
+         enterprise); declare another under `tiers`\n"
+    );
+    // A tier of the platform's own, declared.
+    let declared = format!("tiers: [enterprize]\n{typo}");
+    let (passed, stderr) = config_check(dir.path(), "weir.yaml", &declared, &[]);
+    assert!(passed, "{stderr}");
+}
+
+/// What `weir config check` says of `text` (in `file`) without `--strict` and with it: each
+/// placeholder named by `place`, a warning, that fails only a strict check.
+fn warned_of(file: &str, text: &str, place: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (passed, stderr) = config_check(dir.path(), file, text, &[]);
+    assert!(passed, "{file}: {stderr}");
+    let warning = format!("warn  {file}: {place}: ");
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.starts_with(&warning) && l.contains("placeholder")),
+        "{file}: expected {warning:?} in {stderr}"
+    );
+    assert!(!stderr.contains("error"), "{stderr}");
+    let (passed, strict) = config_check(dir.path(), file, text, &["--strict"]);
+    assert!(!passed, "--strict passed {file}");
+    assert_eq!(strict, stderr, "the same report, only the exit differs");
+}
+
+/// A sidecar config in a ConfigMap, for the manifests around it to be checked with.
+const SIDECAR_CONFIG_MAP: &str = "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: weir-sidecar}\n\
+    data:\n  sidecar.yaml: |\n    pools:\n    - model: m\n      replicas: [http://127.0.0.1:8000]\n    \
+    signing: {secret_file: /run/secrets/weir/signing-secret}\n";
+
+#[test]
+fn a_secret_still_holding_replace_me_is_warned_of_and_fails_a_strict_check() {
+    // Before, the shipped Secret's placeholder values passed without a word.
+    let string_data = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata: {{name: weir-sidecar}}\nstringData:\n  \
+         signing-secret: REPLACE-ME-with-32-or-more-random-bytes-0123456789abcdef\n---\n{SIDECAR_CONFIG_MAP}"
+    );
+    warned_of(
+        "kustomized.yaml",
+        &string_data,
+        "document 1 (Secret weir-sidecar): stringData.signing-secret",
+    );
+    // As `kubectl kustomize` renders a secretGenerator's: base64 under `data`.
+    let data = format!(
+        "apiVersion: v1\nkind: Secret\nmetadata: {{name: weir-sidecar}}\ndata:\n  \
+         ledger-dsn: cG9zdGdyZXNxbDovL3dlaXI6UkVQTEFDRS1NRUBwb3N0Z3JlczoxMjM0L3dlaXI=\n---\n{SIDECAR_CONFIG_MAP}"
+    );
+    warned_of(
+        "kustomized.yaml",
+        &data,
+        "document 1 (Secret weir-sidecar): data.ledger-dsn",
+    );
+}
+
+#[test]
+fn a_key_hash_of_zeros_is_warned_of_and_fails_a_strict_check() {
+    warned_of(
+        "weir.yaml",
+        &filter_config("standard", ZEROS),
+        "orgs[0].workspaces[0].projects[0].keys[0].sha256",
+    );
+}
+
+#[test]
+fn an_image_digest_of_zeros_is_warned_of_and_fails_a_strict_check() {
+    let plugin = format!(
+        "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  \
+         url: oci://registry.example.com/weir/filter:0.1.0\n  sha256: \"{ZEROS}\"\n  pluginConfig:\n    \
+         orgs: [{{id: acme, workspaces: [{{id: ml, projects: [{{id: chat, keys: [{{id: ci, sha256: {A_HASH}}}]}}]}}]}}]\n    \
+         routes: {{default: {{mode: enforce}}}}\n"
+    );
+    warned_of(
+        "wasmplugin.yaml",
+        &plugin,
+        "document 1 (WasmPlugin weir): spec.sha256",
+    );
+    let deployment = format!(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: weir-sidecar}}\nspec:\n  template:\n    \
+         spec:\n      containers:\n      - name: sidecar\n        \
+         image: registry.example.com/weir/sidecar@sha256:{ZEROS}\n---\n{SIDECAR_CONFIG_MAP}"
+    );
+    warned_of(
+        "kustomized.yaml",
+        &deployment,
+        "document 1 (Deployment weir-sidecar): spec.template.spec.containers[0].image",
+    );
+}
+
+#[test]
+fn a_wrong_type_says_what_the_field_must_be_naming_the_file_and_the_field_once() {
+    // Before: "error file: orgs[0].limits.requests_per_minute: orgs[0].limits.requests_per_minute:
+    // invalid type: integer `-5`, expected u64 at line 3 column 33".
+    let dir = tempfile::tempdir().unwrap();
+    let negative = filter_config("standard", A_HASH).replace(
+        "  policy:",
+        "  limits: {requests_per_minute: -5}\n  policy:",
+    );
+    let (passed, stderr) = config_check(dir.path(), "weir.yaml", &negative, &[]);
+    assert!(!passed);
+    assert_eq!(
+        stderr,
+        "error weir.yaml: orgs[0].limits.requests_per_minute: must be a non-negative integer, \
+         not -5\n"
+    );
+    let sidecar = "pools:\n- model: m\n  replicas: http://127.0.0.1:8000\n";
+    let (passed, stderr) = config_check(dir.path(), "sidecar.yaml", sidecar, &[]);
+    assert!(!passed);
+    assert_eq!(
+        stderr,
+        "error sidecar.yaml: pools[0].replicas: must be a list, not \"http://127.0.0.1:8000\"\n"
+    );
+}
+
+#[test]
+fn a_file_that_is_not_yaml_says_where() {
+    // Before, the message was "document 1", nothing more.
+    let dir = tempfile::tempdir().unwrap();
+    let (passed, stderr) = config_check(dir.path(), "weir.yaml", "orgs: [\n", &[]);
+    assert!(!passed);
+    assert!(
+        stderr.starts_with("error weir.yaml: document 1: did not find expected node content")
+            && stderr.contains("(line 2, column 1)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn each_document_of_a_stream_is_checked_on_its_own() {
+    // Before, the first of several documents was parsed as the whole stream: "deserializing
+    // from YAML containing more than one document is not supported".
+    let dir = tempfile::tempdir().unwrap();
+    let two = format!(
+        "{}---\n{}",
+        filter_config("standard", A_HASH),
+        filter_config("free", A_HASH).replace("id: ci", "id: cd")
+    );
+    let (passed, stderr) = config_check(dir.path(), "two.yaml", &two, &[]);
+    assert!(passed, "{stderr}");
+}

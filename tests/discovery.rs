@@ -460,7 +460,9 @@ async fn a_config_rewritten_under_load_applies_without_losing_state() {
     invalid["queue"]["max_total"] = "many".into();
     sidecar.rewrite_config(invalid);
     let logged = eventually(Duration::from_secs(5), async || {
-        sidecar.log().contains("queue.max_total: invalid type")
+        sidecar
+            .log()
+            .contains("queue.max_total: must be a non-negative integer")
     })
     .await;
     assert!(logged, "{}", sidecar.log());
@@ -469,7 +471,7 @@ async fn a_config_rewritten_under_load_applies_without_losing_state() {
     let again = eventually(Duration::from_secs(5), async || {
         sidecar
             .log()
-            .matches("queue.max_total: invalid type")
+            .matches("queue.max_total: must be a non-negative integer")
             .count()
             >= 2
     })

@@ -1,6 +1,7 @@
 //! `weir config check FILE`: validates a config exactly as the filter and the sidecar will read
 //! it — the same parsers, so a file that passes here loads there — for CI pipelines (exit code
-//! 1 on any error, each error naming its field).
+//! 1 on any error, each error naming its field), and warns of what loads but cannot be meant:
+//! placeholders left from the examples ([`crate::placeholders`]), a config acting on no route.
 //!
 //! A file may be a filter config, a sidecar config, or the Kubernetes manifests that carry them:
 //! an Istio `WasmPlugin` (its `pluginConfig`), an Istio `EnvoyFilter` (the `configuration` of
@@ -8,12 +9,16 @@
 //! `config`), a `ConfigMap` (each value that is a sidecar config), in one document or many
 //! (`kubectl kustomize` output).
 
-use anyhow::{Context, bail};
+use std::fmt;
+
+use anyhow::bail;
 use serde::Deserialize;
 use serde_json::Value;
 use weir_core::config::Config;
 use weir_core::prediction::PredictionConfig;
 use weir_sidecar::config::SidecarConfig;
+
+use crate::placeholders::{self, Placeholder};
 
 /// Which config a file (or a part of a manifest) holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -24,7 +29,7 @@ pub enum Kind {
     Sidecar,
 }
 
-/// One config found in a file, and where.
+/// One config found in a file, and where (empty: the file is the config).
 struct Found {
     place: String,
     kind: Kind,
@@ -34,35 +39,93 @@ struct Found {
     vm_env: Option<Vec<String>>,
 }
 
-/// Checks every config in `text`; returns a line per config checked, or the errors.
-pub fn check(text: &str, kind: Kind) -> anyhow::Result<Vec<String>> {
-    let found = find(text, kind)?;
-    if found.is_empty() {
-        bail!("no weir config found (a filter config has `orgs`, a sidecar config `pools`)");
+/// How a line of the report weighs: errors fail the check, warnings only under `--strict`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Verdict {
+    Ok,
+    Warn,
+    Error,
+}
+
+/// One line of the report, naming the file as the user gave it.
+pub struct Line {
+    pub verdict: Verdict,
+    text: String,
+}
+
+impl Line {
+    /// About `place` in `file` (an empty place: the file as a whole).
+    fn new(verdict: Verdict, file: &str, place: &str, message: impl fmt::Display) -> Line {
+        let text = if place.is_empty() {
+            format!("{file}: {message}")
+        } else {
+            format!("{file}: {place}: {message}")
+        };
+        Line { verdict, text }
     }
-    let mut report = Vec::new();
-    let mut errors = Vec::new();
+
+    /// A file that could not be read.
+    pub fn unreadable(file: &str, error: &std::io::Error) -> Line {
+        Line::new(Verdict::Error, file, "", format!("cannot be read: {error}"))
+    }
+
+    fn placeholder(file: &str, place: &str, p: Placeholder) -> Line {
+        let message = format!("{}: {}", p.field, p.message);
+        Line::new(Verdict::Warn, file, place, message)
+    }
+}
+
+impl fmt::Display for Line {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let label = match self.verdict {
+            Verdict::Ok => "ok",
+            Verdict::Warn => "warn",
+            Verdict::Error => "error",
+        };
+        write!(f, "{label:<5} {}", self.text)
+    }
+}
+
+/// Checks every config in `text`, read from `file`: a line per config checked, per mistake and
+/// per warning, the errors last.
+pub fn check(file: &str, text: &str, kind: Kind) -> Vec<Line> {
+    let (found, in_manifests) = match find(text, kind) {
+        Ok(found) => found,
+        Err(e) => return vec![Line::new(Verdict::Error, file, "", format!("{e:#}"))],
+    };
+    let mut lines: Vec<Line> = in_manifests
+        .into_iter()
+        .map(|(place, p)| Line::placeholder(file, &place, p))
+        .collect();
+    if found.is_empty() {
+        let message = "no weir config found (a filter config has `orgs`, a sidecar config `pools`)";
+        lines.push(Line::new(Verdict::Error, file, "", message));
+    }
     for f in found {
+        let place = f.place.as_str();
         let checked = match f.kind {
             Kind::Sidecar => SidecarConfig::from_text(&f.text).map(|c| describe_sidecar(&c)),
             _ => Config::parse(f.text.as_bytes())
                 .map_err(anyhow::Error::from)
                 .and_then(|c| {
                     secret_reaches_the_vm(&c, f.vm_env.as_deref())?;
+                    let keys = placeholders::in_keys(&c).into_iter();
+                    lines.extend(keys.map(|p| Line::placeholder(file, place, p)));
+                    if c.acts_on_no_named_route() {
+                        let message = "routes: weir acts on no route (only one whose metadata \
+                                       sets a mode)";
+                        lines.push(Line::new(Verdict::Warn, file, place, message));
+                    }
                     Ok(describe_filter(&c))
                 }),
         };
-        match checked {
-            Ok(line) => report.push(format!("ok    {}: {line}", f.place)),
-            Err(e) => errors.push(format!("error {}: {e:#}", f.place)),
-        }
+        lines.push(match checked {
+            Ok(line) => Line::new(Verdict::Ok, file, place, line),
+            Err(e) => Line::new(Verdict::Error, file, place, format!("{e:#}")),
+        });
     }
-    if errors.is_empty() {
-        Ok(report)
-    } else {
-        report.extend(errors);
-        bail!(report.join("\n"))
-    }
+    lines.sort_by_key(|l| l.verdict);
+    lines
 }
 
 /// The filter reads its signing secret from the VM's environment, which holds only the
@@ -86,26 +149,50 @@ fn secret_reaches_the_vm(config: &Config, vm_env: Option<&[String]>) -> anyhow::
     Ok(())
 }
 
-/// The configs in a file: the file itself, or what its manifests carry.
-fn find(text: &str, kind: Kind) -> anyhow::Result<Vec<Found>> {
+/// Placeholders found in a file's manifests, each with the document it is in.
+type InManifests = Vec<(String, Placeholder)>;
+
+/// The configs in a file (the file itself, or what its manifests carry), and the placeholders
+/// its manifests hold outside them.
+fn find(text: &str, kind: Kind) -> anyhow::Result<(Vec<Found>, InManifests)> {
     let whole = |kind| Found {
-        place: "file".into(),
+        place: String::new(),
         kind,
         text: text.to_owned(),
         vm_env: None,
     };
     if kind != Kind::Auto {
-        return Ok(vec![whole(kind)]);
+        return Ok((vec![whole(kind)], Vec::new()));
     }
-    let mut found = Vec::new();
+    let mut docs = Vec::new();
     for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
-        let doc = Value::deserialize(doc).with_context(|| format!("document {}", i + 1))?;
-        found.extend(in_document(&doc, i + 1, text));
+        let doc = Value::deserialize(doc).map_err(|e| {
+            let message = weir_core::parse_error::plain("", &e.to_string());
+            anyhow::anyhow!("document {}: {message}", i + 1)
+        })?;
+        docs.push(doc);
     }
-    Ok(found)
+    if let [doc] = docs.as_slice()
+        && doc.get("kind").is_none()
+    {
+        // One config, read as written (YAML stays YAML).
+        return Ok((kind_of(doc).map(whole).into_iter().collect(), Vec::new()));
+    }
+    let (mut found, mut in_manifests) = (Vec::new(), Vec::new());
+    for (i, doc) in docs.iter().enumerate() {
+        let n = i + 1;
+        found.extend(in_document(doc, n));
+        if let Some(kind) = doc["kind"].as_str() {
+            let name = doc["metadata"]["name"].as_str().unwrap_or("?");
+            let place = format!("document {n} ({kind} {name})");
+            let held = placeholders::in_manifest(doc).into_iter();
+            in_manifests.extend(held.map(|p| (place.clone(), p)));
+        }
+    }
+    Ok((found, in_manifests))
 }
 
-fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
+fn in_document(doc: &Value, n: usize) -> Vec<Found> {
     let name = doc["metadata"]["name"].as_str().unwrap_or("?");
     let at = |what: String| format!("document {n} ({what})");
     let json = |v: &Value| v.to_string();
@@ -161,13 +248,9 @@ fn in_document(doc: &Value, n: usize, whole: &str) -> Vec<Found> {
         Some(_) => Vec::new(),
         None => kind_of(doc)
             .map(|kind| Found {
-                place: if n == 1 {
-                    "file".into()
-                } else {
-                    at("config".into())
-                },
+                place: at("config".into()),
                 kind,
-                text: if n == 1 { whole.to_owned() } else { json(doc) },
+                text: json(doc),
                 vm_env: None,
             })
             .into_iter()
@@ -238,13 +321,8 @@ fn describe_filter(config: &Config) -> String {
         .map(|(name, r)| format!("{name}: {:?} {}%", r.mode, r.rollout_percent))
         .collect();
     routes.push(format!("others: {:?}", config.routes.default.mode));
-    let warning = if config.acts_on_no_named_route() {
-        "; warning: weir acts on no route (only one whose metadata sets a mode)"
-    } else {
-        ""
-    };
     format!(
-        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}], {}{warning}",
+        "filter config, {} orgs, {keys} keys ({} key hashes), routes [{}], {}",
         config.orgs.len(),
         directory.len(),
         routes.join(", ").to_lowercase(),
@@ -289,21 +367,37 @@ mod tests {
         )
     }
 
+    /// The report's lines of `verdict`.
+    fn lines(text: &str, verdict: Verdict) -> Vec<String> {
+        let report = check("weir.yaml", text, Kind::Auto);
+        let of = report.iter().filter(|l| l.verdict == verdict);
+        of.map(ToString::to_string).collect()
+    }
+
+    /// The ok lines, there being no error.
+    fn passed(text: &str) -> Vec<String> {
+        let errors = lines(text, Verdict::Error);
+        assert!(errors.is_empty(), "{errors:?}");
+        lines(text, Verdict::Ok)
+    }
+
     fn error_of(text: &str) -> String {
-        check(text, Kind::Auto).unwrap_err().to_string()
+        let errors = lines(text, Verdict::Error);
+        assert!(!errors.is_empty(), "no error in {text}");
+        errors.join("\n")
     }
 
     #[test]
     fn each_class_of_mistake_is_caught_with_its_field() {
         let key = format!("      - {{id: k, sha256: {KEY}}}\n");
-        let report = check(&filter(&key), Kind::Auto).unwrap();
+        let report = passed(&filter(&key));
         assert!(
             report[0]
                 .contains("output prediction p90 (half-life 200 samples, floor 16, initial 1024"),
             "{report:?}"
         );
         let off = format!("{}prediction: {{enabled: false}}\n", filter(&key));
-        assert!(check(&off, Kind::Auto).unwrap()[0].contains("output prediction off"));
+        assert!(passed(&off)[0].contains("output prediction off"));
         let cases = [
             (
                 filter(&format!("      - {{id: k, sha256: {KEY}, limitz: {{}}}}\n")),
@@ -325,7 +419,7 @@ mod tests {
             ),
             (
                 filter(&format!("      - {{id: k, sha256: {KEY}, limits: {{requests_per_minute: many}}}}\n")),
-                "keys[0].limits.requests_per_minute: invalid type",
+                "keys[0].limits.requests_per_minute: must be a non-negative integer, not \"many\"",
             ),
             (
                 "pools:\n- model: m\n  replicas: [http://e:8000]\n  replicaz: 2\nsigning: {secret_env: S}\n".into(),
@@ -352,7 +446,7 @@ mod tests {
         let plugin = format!(
             "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  pluginConfig:\n    orgs:\n    - id: acme\n      workspaces: [{{id: w, projects: [{{id: p, keys: [{{id: k, sha256: {KEY}}}]}}]}}]\n---\napiVersion: v1\nkind: ConfigMap\nmetadata: {{name: sidecar}}\ndata:\n  sidecar.yaml: |\n    pools:\n    - model: m\n      replicas: [http://e:8000]\n    signing: {{secret_file: /run/secrets/s}}\n  other: not a config\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: x}}\n"
         );
-        let report = check(&plugin, Kind::Auto).unwrap();
+        let report = passed(&plugin);
         assert_eq!(report.len(), 2, "{report:?}");
         assert!(
             report[0].contains("WasmPlugin weir pluginConfig): filter config, 1 orgs, 1 keys"),
@@ -362,7 +456,7 @@ mod tests {
         let broken = plugin.replace("replicas: [http://e:8000]", "replicas: []");
         assert!(error_of(&broken).contains("pools[0].replicas: at least one replica"));
         assert!(
-            check("kind: Service\n", Kind::Auto).is_err(),
+            error_of("kind: Service\n").contains("no weir config found"),
             "nothing to check is an error"
         );
     }
@@ -386,12 +480,17 @@ mod tests {
                 "EnvoyExtensionPolicy weir",
             ),
         ] {
-            let report = check(text, Kind::Auto).unwrap_or_else(|e| panic!("{file}: {e}"));
+            let report = passed(text);
             assert_eq!(report.len(), 1, "{file}: {report:?}");
             assert!(
                 report[0].contains(carrier) && report[0].contains("filter config, 1 orgs"),
                 "{file}: {report:?}"
             );
+            // Its placeholders, left for whoever deploys it to fill in: warned of.
+            let warnings = lines(text, Verdict::Warn).join("\n");
+            for placeholder in ["a placeholder digest", "keys[0].sha256: 64 zeros"] {
+                assert!(warnings.contains(placeholder), "{file}: {warnings}");
+            }
             // The same manifest passing another variable into the VM than the one the config
             // names: the filter would not start ("$WEIR_SIGNING_SECRET is not set in the VM").
             let unpassed = text
@@ -404,10 +503,7 @@ mod tests {
                     "\"secret_env\": \"SOME_OTHER_VARIABLE\"",
                     "\"secret_env\": \"WEIR_SIGNING_SECRET\"",
                 );
-            let error = check(&unpassed, Kind::Auto)
-                .err()
-                .unwrap_or_else(|| panic!("{file}: accepted with the secret not passed"))
-                .to_string();
+            let error = error_of(&unpassed);
             assert!(
                 error.contains("$WEIR_SIGNING_SECRET is not passed into the filter's VM"),
                 "{file}: {error}"

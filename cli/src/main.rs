@@ -3,6 +3,7 @@
 //! from the sidecar's ledger.
 
 mod config_check;
+mod placeholders;
 mod usage_export;
 
 use anyhow::Context;
@@ -125,13 +126,18 @@ fn write_out(text: &str) -> anyhow::Result<()> {
 #[derive(Subcommand)]
 enum ConfigAction {
     /// Validate a config exactly as the filter and sidecar will (field-path errors, unknown
-    /// fields, duplicate key hashes, limits that can never admit anything): a filter or sidecar
-    /// config, or the manifests carrying them (WasmPlugin, EnvoyFilter, EnvoyExtensionPolicy,
-    /// ConfigMap, `kubectl kustomize` output). Exits 1 on any error.
+    /// fields and tiers, duplicate key hashes, limits that can never admit anything): a filter
+    /// or sidecar config, or the manifests carrying them (WasmPlugin, EnvoyFilter,
+    /// EnvoyExtensionPolicy, ConfigMap, `kubectl kustomize` output). Warns of placeholders left
+    /// from the examples (a Secret's REPLACE-ME, a key hash or image digest of zeros). Exits 1
+    /// on any error.
     Check {
         file: std::path::PathBuf,
         #[arg(long, value_enum, default_value = "auto")]
         kind: config_check::Kind,
+        /// Exit 1 on warnings too: for CI, so a placeholder never reaches a cluster.
+        #[arg(long)]
+        strict: bool,
     },
 }
 
@@ -201,16 +207,26 @@ fn main() -> anyhow::Result<()> {
             eprintln!("Store the key now: weir keeps only its hash.");
         }
         Command::Config {
-            action: ConfigAction::Check { file, kind },
+            action: ConfigAction::Check { file, kind, strict },
         } => {
-            let text = std::fs::read_to_string(&file)
-                .with_context(|| format!("reading {}", file.display()))?;
-            match config_check::check(&text, kind) {
-                Ok(report) => println!("{}", report.join("\n")),
-                Err(e) => {
-                    eprintln!("{e}");
-                    std::process::exit(1);
+            let name = file.display().to_string();
+            let lines = match std::fs::read_to_string(&file) {
+                Ok(text) => config_check::check(&name, &text, kind),
+                Err(e) => vec![config_check::Line::unreadable(&name, &e)],
+            };
+            let failing = if strict {
+                config_check::Verdict::Warn
+            } else {
+                config_check::Verdict::Error
+            };
+            for line in &lines {
+                match line.verdict {
+                    config_check::Verdict::Ok => println!("{line}"),
+                    _ => eprintln!("{line}"),
                 }
+            }
+            if lines.iter().any(|l| l.verdict >= failing) {
+                std::process::exit(1);
             }
         }
         Command::Keys {

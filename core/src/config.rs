@@ -17,6 +17,7 @@ use serde::Deserialize;
 
 use crate::fleet;
 use crate::fleet_config::{BudgetConfig, FailMode, FleetConfig, LeaseTerms};
+use crate::parse_error;
 use crate::path::AllowedPaths;
 use crate::prediction::PredictionConfig;
 use crate::price::Prices;
@@ -67,7 +68,16 @@ pub struct Config {
     /// Prices per model per million tokens: what spend budgets count and the ledger records.
     #[serde(default)]
     pub prices: Option<Prices>,
+    /// Tier names a `policy.tier` may use besides [`TIERS`].
+    #[serde(default)]
+    pub tiers: Vec<String>,
 }
+
+/// The tiers every config knows: `free` is shed first when the sidecar's queue fills,
+/// `standard` is a key's tier when no level sets one, `enterprise` is the examples'. A tier
+/// is otherwise a label (on the sidecar's metrics), so a name not known is a typo that would
+/// silently change who is shed: refused, unless the config declares it under `tiers`.
+pub const TIERS: [&str; 3] = ["free", "standard", "enterprise"];
 
 /// Where the signing secret comes from (never inline) and how long a signature stays valid.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
@@ -298,7 +308,7 @@ pub struct Key {
 
 /// One key hash, or several for one key being rotated.
 #[derive(Clone, Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "must be a key hash or a list of key hashes")]
 pub enum KeyHashes {
     One(String),
     Several(Vec<String>),
@@ -413,12 +423,13 @@ pub struct ConfigError {
 
 fn field_error(path: &serde_path_to_error::Path, error: &impl std::fmt::Display) -> ConfigError {
     let path = path.to_string();
+    let message = parse_error::plain(&path, &error.to_string());
     let field = if path == "." || path == "?" {
         "config".into()
     } else {
         path
     };
-    invalid(field, error.to_string())
+    invalid(field, message)
 }
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> ConfigError {
@@ -563,24 +574,27 @@ impl Config {
             .validate()
             .map_err(|(field, message)| invalid(field, message))?;
         self.validate_fleet()?;
+        let tiers = self.known_tiers()?;
         let mut seen_hashes = HashSet::new();
         let mut seen_ids = HashSet::new();
         for (o, org) in self.orgs.iter().enumerate() {
             let at = format!("orgs[{o}]");
-            check_level(&at, &org.id, &org.limits, &org.policy, &mut seen_ids, "")?;
+            let level = (&org.id, &org.limits, &org.policy);
+            check_level(&at, level, &mut seen_ids, "", &tiers)?;
             for (w, ws) in org.workspaces.iter().enumerate() {
                 let at = format!("{at}.workspaces[{w}]");
-                check_level(&at, &ws.id, &ws.limits, &ws.policy, &mut seen_ids, &org.id)?;
+                let level = (&ws.id, &ws.limits, &ws.policy);
+                check_level(&at, level, &mut seen_ids, &org.id, &tiers)?;
                 let ws_path = format!("{}/{}", org.id, ws.id);
                 for (p, project) in ws.projects.iter().enumerate() {
                     let at = format!("{at}.projects[{p}]");
-                    let (limits, policy) = (&project.limits, &project.policy);
-                    check_level(&at, &project.id, limits, policy, &mut seen_ids, &ws_path)?;
+                    let level = (&project.id, &project.limits, &project.policy);
+                    check_level(&at, level, &mut seen_ids, &ws_path, &tiers)?;
                     let project_path = format!("{ws_path}/{}", project.id);
                     for (k, key) in project.keys.iter().enumerate() {
                         let at = format!("{at}.keys[{k}]");
-                        let (limits, policy) = (&key.limits, &key.policy);
-                        check_level(&at, &key.id, limits, policy, &mut seen_ids, &project_path)?;
+                        let level = (&key.id, &key.limits, &key.policy);
+                        check_level(&at, level, &mut seen_ids, &project_path, &tiers)?;
                         check_key(&at, key, &mut seen_hashes)?;
                         let chain = [
                             (&org.id, &org.limits, &org.policy),
@@ -681,16 +695,27 @@ impl Config {
                 format!("'{first}' is a configured org: anonymous traffic would bill it"),
             ));
         }
-        if !trusted::is_level_id(&d.tier) {
-            return Err(invalid(
-                "default_tenant.tier",
-                "letters, digits, '-', '_', '.'",
-            ));
-        }
+        check_tier("default_tenant.tier", &d.tier, &self.known_tiers()?)?;
         if !trusted::WEIGHT_RANGE.contains(&d.weight) {
             return Err(invalid("default_tenant.weight", weight_message()));
         }
         Ok(())
+    }
+
+    /// [`TIERS`] and the tiers the config declares, each declared one well-formed.
+    fn known_tiers(&self) -> Result<Vec<&str>, ConfigError> {
+        for (i, tier) in self.tiers.iter().enumerate() {
+            if !trusted::is_level_id(tier) {
+                return Err(invalid(
+                    format!("tiers[{i}]"),
+                    format!("'{tier}': letters, digits, '-', '_', '.'"),
+                ));
+            }
+        }
+        Ok(TIERS
+            .into_iter()
+            .chain(self.tiers.iter().map(String::as_str))
+            .collect())
     }
 
     /// The default tenant as a [`Tenant`] of one level.
@@ -780,13 +805,15 @@ impl Config {
     }
 }
 
+/// One level of the hierarchy: its id, limits and policy.
+type LevelConfig<'a> = (&'a String, &'a Limits, &'a Policy);
+
 fn check_level(
     at: &str,
-    id: &str,
-    limits: &Limits,
-    policy: &Policy,
+    (id, limits, policy): LevelConfig<'_>,
     seen: &mut HashSet<String>,
     parent: &str,
+    tiers: &[&str],
 ) -> Result<(), ConfigError> {
     if !trusted::is_level_id(id) {
         return Err(invalid(
@@ -811,11 +838,8 @@ fn check_level(
     {
         return Err(invalid(format!("{at}.policy.weight"), weight_message()));
     }
-    if let Some(tier) = policy.tier.as_deref().filter(|t| !trusted::is_level_id(t)) {
-        return Err(invalid(
-            format!("{at}.policy.tier"),
-            format!("'{tier}': letters, digits, '-', '_', '.'"),
-        ));
+    if let Some(tier) = &policy.tier {
+        check_tier(&format!("{at}.policy.tier"), tier, tiers)?;
     }
     if let Some(model) = policy
         .models
@@ -866,6 +890,20 @@ fn check_level(
         ));
     }
     Ok(())
+}
+
+/// That `tier` is one of the `known` tiers.
+fn check_tier(field: &str, tier: &str, known: &[&str]) -> Result<(), ConfigError> {
+    if known.contains(&tier) {
+        return Ok(());
+    }
+    Err(invalid(
+        field,
+        format!(
+            "'{tier}' is not a known tier ({}); declare another under `tiers`",
+            known.join(", ")
+        ),
+    ))
 }
 
 /// That `limits.fleet_wide` names per-minute limits this level sets.
@@ -1044,7 +1082,7 @@ fn weight_message() -> String {
     format!("must be a number between {lo} and {hi}")
 }
 
-type Chain<'a> = [(&'a String, &'a Limits, &'a Policy); 4];
+type Chain<'a> = [LevelConfig<'a>; 4];
 
 /// The value set by the most specific level on the chain.
 fn most_specific<T>(chain: &Chain<'_>, get: impl Fn(&Policy) -> Option<T>) -> Option<T> {
@@ -1412,6 +1450,77 @@ mod tests {
         let unknown = yaml.replace("limits:", "limitz:");
         let err = Config::parse(unknown.as_bytes()).unwrap_err();
         assert!(err.message.contains("unknown field"), "{err}");
+    }
+
+    #[test]
+    fn a_tier_not_known_is_refused_with_its_field() {
+        // A typo'd tier loaded before, and a key on it was no longer shed as `free` nor
+        // counted as `enterprise`.
+        let typo = sample().replace(r#""tier": "enterprise""#, r#""tier": "enterprize""#);
+        let error = error_of(&typo);
+        assert_eq!(error.field, "orgs[0].policy.tier");
+        assert_eq!(
+            error.message,
+            "'enterprize' is not a known tier (free, standard, enterprise); declare another \
+             under `tiers`"
+        );
+        let on_a_key = sample().replace(
+            r#""policy": {"weight": 2,"#,
+            r#""policy": {"tier": "fre", "weight": 2,"#,
+        );
+        assert_eq!(
+            error_of(&on_a_key).field,
+            "orgs[0].workspaces[0].projects[0].keys[1].policy.tier"
+        );
+        let anonymous = r#"{"default_tenant": {"tier": "fre"}}"#;
+        assert!(
+            error_of(anonymous)
+                .message
+                .contains("'fre' is not a known tier")
+        );
+
+        // Declared, a tier of the platform's own naming is known, the built-in ones still.
+        let gold = sample().replace(r#""tier": "enterprise""#, r#""tier": "gold""#);
+        assert_eq!(error_of(&gold).field, "orgs[0].policy.tier");
+        let declared = gold.replacen('{', r#"{"tiers": ["gold", "silver"],"#, 1);
+        let config = Config::parse(declared.as_bytes()).unwrap();
+        assert_eq!(config.directory().lookup(&hash('a')).unwrap().tier, "gold");
+        let listed = declared.replace(r#""tier": "gold""#, r#""tier": "bronze""#);
+        assert!(
+            error_of(&listed)
+                .message
+                .contains("(free, standard, enterprise, gold, silver)")
+        );
+        let malformed = sample().replacen('{', r#"{"tiers": ["gold", "a b"],"#, 1);
+        assert_eq!(error_of(&malformed).field, "tiers[1]");
+        for tier in TIERS {
+            let built_in =
+                sample().replace(r#""tier": "enterprise""#, &format!(r#""tier": "{tier}""#));
+            assert!(Config::parse(built_in.as_bytes()).is_ok(), "{tier}");
+        }
+    }
+
+    #[test]
+    fn type_errors_say_what_the_field_must_be_once() {
+        // Before: "orgs[0].limits.requests_per_minute: invalid type: integer `-5`, expected u64
+        // at line 3 column 33", the path again in the message.
+        let yaml = "orgs:\n- id: acme\n  limits: {requests_per_minute: -5}\n";
+        let json = r#"{"orgs": [{"id": "acme", "limits": {"requests_per_minute": -5}}]}"#;
+        for text in [yaml, json] {
+            let error = Config::parse(text.as_bytes()).unwrap_err();
+            assert_eq!(
+                error.to_string(),
+                "orgs[0].limits.requests_per_minute: must be a non-negative integer, not -5"
+            );
+        }
+        let error = error_of(r#"{"forward_api_key": "yes"}"#);
+        assert_eq!(error.message, "must be true or false, not \"yes\"");
+        let hashes = one_key(r#"{"id":"k","sha256":5}"#).unwrap_err();
+        assert_eq!(
+            hashes.to_string(),
+            "orgs[0].workspaces[0].projects[0].keys[0].sha256: must be a key hash or a list of \
+             key hashes"
+        );
     }
 
     fn one_key(key: &str) -> Result<Config, ConfigError> {

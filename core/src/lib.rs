@@ -23,6 +23,7 @@ pub mod lease;
 pub mod messages;
 pub mod meter;
 pub mod openai;
+pub mod parse_error;
 pub mod path;
 pub mod prediction;
 pub mod price;

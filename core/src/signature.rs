@@ -29,6 +29,15 @@ const PLACEHOLDER_MARKS: [&str; 4] = ["replace-me", "replace_me", "change-me", "
 /// 32 random bytes, hex or base64, have over 14.
 const MIN_DISTINCT_BYTES: usize = 8;
 
+/// Whether `value` is marked as one to replace (`REPLACE-ME…`, `changeme`): a value shipped in
+/// an example, public, that whoever deploys it was to put their own in place of.
+pub fn is_placeholder(value: &[u8]) -> bool {
+    let lower = value.to_ascii_lowercase();
+    PLACEHOLDER_MARKS
+        .iter()
+        .any(|m| lower.windows(m.len()).any(|w| w == m.as_bytes()))
+}
+
 /// Why a signing secret is refused: too short, a placeholder, or a pattern. Whoever knows the
 /// secret can claim any tenant to a sidecar, so one that is public (written in a shipped file)
 /// or guessable is as bad as none; both sides refuse it when they start.
@@ -36,11 +45,7 @@ pub fn check_secret(secret: &[u8]) -> Result<(), &'static str> {
     if secret.len() < MIN_SECRET_BYTES {
         return Err("is shorter than 32 bytes");
     }
-    let lower = secret.to_ascii_lowercase();
-    if PLACEHOLDER_MARKS
-        .iter()
-        .any(|m| lower.windows(m.len()).any(|w| w == m.as_bytes()))
-    {
+    if is_placeholder(secret) {
         return Err("is a placeholder: draw a secret, e.g. `openssl rand -hex 32`");
     }
     let mut seen = [false; 256];

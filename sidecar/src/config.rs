@@ -428,13 +428,15 @@ impl SidecarConfig {
         Ok(config)
     }
 
-    /// Parses a config (JSON, else YAML); an error names the field it is in
-    /// (`pools[1].queue.max_total: invalid type ...`).
+    /// Parses a config (JSON, else YAML); an error names the field it is in, in plain words
+    /// (`pools[1].queue.max_total: must be a non-negative integer, not -1`).
     pub fn parse(text: &str, json: bool) -> anyhow::Result<Self> {
         fn at(path: &serde_path_to_error::Path, error: impl std::fmt::Display) -> anyhow::Error {
-            match path.to_string().as_str() {
-                "." => anyhow::anyhow!("{error}"),
-                field => anyhow::anyhow!("{field}: {error}"),
+            let field = path.to_string();
+            let message = weir_core::parse_error::plain(&field, &error.to_string());
+            match field.as_str() {
+                "." => anyhow::anyhow!("{message}"),
+                field => anyhow::anyhow!("{field}: {message}"),
             }
         }
         if json {

@@ -542,7 +542,7 @@ mod tests {
         .unwrap()
         .to_string();
         assert!(
-            error.starts_with("queue.max_total: invalid type"),
+            error.starts_with("queue.max_total: must be a non-negative integer, not \"many\""),
             "{error}"
         );
         let yaml = "pools:\n  - model: a\n    replicas: [http://a]\n    credential: sk-inline\n";
