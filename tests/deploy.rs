@@ -1,6 +1,8 @@
-//! `deploy/` is what runs. `kubectl kustomize deploy/k8s` is rendered offline (kubectl 1.37 from
-//! the venv) and read as Kubernetes would apply it; the real sidecar runs on the rendered
-//! ConfigMap's config with the rendered Secret's signing secret, and real Envoy runs the filter
+//! `deploy/` is what runs. `kubectl kustomize deploy/k8s` (the base) and the overlays of
+//! `deploy/k8s-examples/` are rendered offline (kubectl 1.37 from the venv) and read as
+//! Kubernetes would apply them; the real sidecar runs on the rendered ConfigMap's config (the
+//! PostgreSQL example's on a real PostgreSQL at the placeholder Secret's DSN, its server swapped
+//! for a local one), and refuses the placeholder Secret's signing secret; real Envoy runs the filter
 //! with the exact `pluginConfig` of `deploy/istio/wasmplugin.yaml`, delivered over ECDS in the
 //! shape istiod gives it (the resource `<namespace>.<name>`, `root_id` = `pluginName`, an empty
 //! `vm_id`, the failure policy of `failStrategy`, the host variables of `vmConfig.env`). As
@@ -19,6 +21,9 @@
 //! - the signing secret: the Secret's is a public placeholder, which the sidecar and the filter
 //!   both refuse to start with (a test below shows it); the harness's random one stands in for
 //!   the operator's, in the Secret's file and the gateway's environment alike;
+//! - the PostgreSQL example's server: a local one, its user, password and address swapped into
+//!   the Secret's DSN (the database and options as shipped), the pool's engine one simulator
+//!   listed by URL;
 //! - the gateway's routes: the Envoy template's catch-all route is named after the
 //!   VirtualService's route that `routes.by_name` names (`llm-api`), and its `/alt/` route after
 //!   the one it does not (`status-page`), both read from `deploy/istio/virtualservice.yaml` — as
@@ -35,9 +40,10 @@ use reqwest::StatusCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use weir_e2e::ecds::{EcdsEnvoy, Plugin};
+use weir_e2e::postgres::Postgres;
 use weir_e2e::{
-    Envoy, EnvoyOptions, Sidecar, Sim, TINY_FAST, api_key, kubectl_bin, sidecar_bin,
-    signing_secret, sim_bin, wait_for, workspace_root,
+    Envoy, EnvoyOptions, Sidecar, Sim, TINY_FAST, api_key, chat_body, kubectl_bin, sidecar_bin,
+    signing_secret, sim_bin, vouched, wait_for, workspace_root,
 };
 
 /// Every document of a YAML stream, as JSON values.
@@ -53,19 +59,37 @@ fn file_docs(path: &str) -> Vec<Value> {
     yaml_docs(&std::fs::read_to_string(workspace_root().join(path)).unwrap())
 }
 
-/// `kubectl kustomize deploy/k8s`: what `kubectl apply -k deploy/k8s` would apply.
-fn rendered() -> Vec<Value> {
+/// The kustomize base: the sidecar of one pool, without its Secret.
+const BASE: &str = "deploy/k8s";
+/// The base with the Secret's public placeholders.
+const PLACEHOLDER_SECRET: &str = "deploy/k8s-examples/placeholder-secret";
+/// The base with its Secret made by the External Secrets Operator.
+const EXTERNAL_SECRET: &str = "deploy/k8s-examples/external-secret";
+/// Two sidecars of the pool sharing the PostgreSQL ledger.
+const POSTGRES_LEDGER: &str = "deploy/k8s-examples/postgres-ledger";
+
+/// `kubectl kustomize DIR`: what `kubectl apply -k DIR` would apply.
+fn rendered(dir: &str) -> Vec<Value> {
     let out = Command::new(kubectl_bin())
-        .args(["kustomize", "deploy/k8s"])
+        .args(["kustomize", dir])
         .current_dir(workspace_root())
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "kubectl kustomize deploy/k8s: {}",
+        "kubectl kustomize {dir}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     yaml_docs(std::str::from_utf8(&out.stdout).unwrap())
+}
+
+/// The value of `key` in the placeholder Secret (`deploy/k8s-examples/placeholder-secret`).
+fn placeholder(key: &str) -> String {
+    let docs = rendered(PLACEHOLDER_SECRET);
+    the(&docs, "Secret", None)["stringData"][key]
+        .as_str()
+        .unwrap_or_else(|| panic!("no {key} in the placeholder Secret"))
+        .to_owned()
 }
 
 /// The only document of `kind` (and `name`, when given).
@@ -88,30 +112,22 @@ fn port_of(addr: &Value) -> u64 {
         .unwrap()
 }
 
-/// What the rendered base says, and the one container of its Deployment.
-struct Base {
+/// What a rendered kustomization says, and the one container of its Deployment.
+struct Rendered {
     docs: Vec<Value>,
     /// The ConfigMap's `sidecar.yaml`.
     sidecar_config: Value,
-    /// The Secret's `signing-secret`: a placeholder.
-    signing_secret: String,
 }
 
-impl Base {
-    fn render() -> Base {
-        let docs = rendered();
+impl Rendered {
+    fn of(dir: &str) -> Rendered {
+        let docs = rendered(dir);
         let config_map = the(&docs, "ConfigMap", None);
         let sidecar_config =
             serde_yaml_ng::from_str(config_map["data"]["sidecar.yaml"].as_str().unwrap()).unwrap();
-        let secret = the(&docs, "Secret", None);
-        let signing_secret = secret["stringData"]["signing-secret"]
-            .as_str()
-            .unwrap()
-            .to_owned();
-        Base {
+        Rendered {
             docs,
             sidecar_config,
-            signing_secret,
         }
     }
 
@@ -160,6 +176,30 @@ impl Base {
         )
     }
 
+    /// Where the container reads the key `key` of the volume whose source has `field`.
+    fn item_at(&self, field: &str, key: &str) -> String {
+        let (dir, source) = self.mount(field);
+        let item = source["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["key"] == key)
+            .unwrap_or_else(|| panic!("{field}: {key} is not mounted"));
+        format!("{dir}/{}", item["path"].as_str().unwrap())
+    }
+
+    /// The keys of the Secret the Deployment mounts, and its name.
+    fn mounted_secret(&self) -> (&Value, BTreeSet<&str>) {
+        let (_, source) = self.mount("secret");
+        let keys = source["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["key"].as_str().unwrap())
+            .collect();
+        (&source["secretName"], keys)
+    }
+
     fn container_port(&self, name: &str) -> u64 {
         self.container()["ports"]
             .as_array()
@@ -174,7 +214,7 @@ impl Base {
 
 #[test]
 fn the_rendered_base_holds_every_kind_and_its_parts_agree() {
-    let base = Base::render();
+    let base = Rendered::of(BASE);
     let kinds: BTreeSet<&str> = base
         .docs
         .iter()
@@ -184,7 +224,6 @@ fn the_rendered_base_holds_every_kind_and_its_parts_agree() {
         "Deployment",
         "Service",
         "ConfigMap",
-        "Secret",
         "NetworkPolicy",
         "PodDisruptionBudget",
         "ServiceMonitor",
@@ -321,6 +360,274 @@ fn the_rendered_base_holds_every_kind_and_its_parts_agree() {
     assert_eq!(security["capabilities"]["drop"], json!(["ALL"]));
 }
 
+#[test]
+fn the_base_holds_no_secret_and_each_example_supplies_the_one_it_mounts() {
+    // A Secret in the base would be applied again at every `kubectl apply -k`, putting the
+    // placeholder back over the operator's values.
+    let base = Rendered::of(BASE);
+    let kinds: Vec<&Value> = base.docs.iter().map(|d| &d["kind"]).collect();
+    assert!(!kinds.contains(&&json!("Secret")), "{kinds:?}");
+    let namespace = &base.deployment()["metadata"]["namespace"];
+    let (name, mut mounted) = base.mounted_secret();
+    let postgres = Rendered::of(POSTGRES_LEDGER);
+    let (postgres_name, postgres_keys) = postgres.mounted_secret();
+    assert_eq!(postgres_name, name);
+    mounted.extend(postgres_keys);
+    assert!(mounted.contains("ledger-dsn"), "{mounted:?}");
+
+    // The placeholder Secret, and the External Secrets Operator's, hold every key mounted.
+    let example = rendered(PLACEHOLDER_SECRET);
+    let secret = the(&example, "Secret", None);
+    assert_eq!(&secret["metadata"]["name"], name);
+    assert_eq!(&secret["metadata"]["namespace"], namespace);
+    let held: BTreeSet<&str> = secret["stringData"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert!(mounted.is_subset(&held), "{mounted:?} in {held:?}");
+    let external = rendered(EXTERNAL_SECRET);
+    assert!(external.iter().all(|d| d["kind"] != "Secret"));
+    let made = the(&external, "ExternalSecret", None);
+    assert_eq!(&made["spec"]["target"]["name"], name);
+    assert_eq!(&made["metadata"]["namespace"], namespace);
+    let made_keys: BTreeSet<&str> = made["spec"]["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["secretKey"].as_str().unwrap())
+        .collect();
+    assert!(
+        mounted.is_subset(&made_keys),
+        "{mounted:?} in {made_keys:?}"
+    );
+}
+
+#[test]
+fn the_sidecar_image_is_pinned_by_digest() {
+    // A tag can be moved to other bytes; a digest cannot.
+    let base = Rendered::of(BASE);
+    let image = base.container()["image"].as_str().unwrap();
+    let (_, digest) = image
+        .split_once("@sha256:")
+        .unwrap_or_else(|| panic!("not pinned by digest: {image}"));
+    assert!(
+        digest.len() == 64 && digest.chars().all(|c| c.is_ascii_hexdigit()),
+        "{image}"
+    );
+}
+
+/// The egress rules of a NetworkPolicy that let the pod reach `port` over `protocol`.
+fn egress_to<'a>(policy: &'a Value, port: u64, protocol: &str) -> Vec<&'a Value> {
+    policy["spec"]["egress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|rule| {
+            rule["ports"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["port"] == port && p["protocol"] == protocol)
+        })
+        .collect()
+}
+
+/// The namespaces a rule's peers are in, by name (a peer without a namespace selector is in
+/// the policy's own).
+fn peer_namespaces<'a>(rule: &'a Value, policy: &'a Value) -> Vec<&'a Value> {
+    rule["to"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|peer| match peer.get("namespaceSelector") {
+            Some(selector) => &selector["matchLabels"]["kubernetes.io/metadata.name"],
+            None => &policy["metadata"]["namespace"],
+        })
+        .collect()
+}
+
+/// The namespace of a cluster DNS name (`service.namespace.svc.cluster.local`).
+fn namespace_of(host: &str) -> Value {
+    json!(host.split('.').nth(1).unwrap())
+}
+
+#[test]
+fn the_network_policy_lets_the_sidecar_reach_what_its_config_names_and_nothing_else() {
+    let base = Rendered::of(BASE);
+    let policy = the(&base.docs, "NetworkPolicy", None);
+    assert_eq!(policy["spec"]["policyTypes"], json!(["Ingress", "Egress"]));
+    // No rule without peers or ports: that would open every address or every port.
+    for rule in policy["spec"]["egress"].as_array().unwrap() {
+        assert!(
+            !rule["to"].as_array().unwrap().is_empty()
+                && !rule["ports"].as_array().unwrap().is_empty(),
+            "{rule}"
+        );
+    }
+    // DNS (every name the config holds is looked up), over UDP and TCP, to the cluster's DNS.
+    for protocol in ["UDP", "TCP"] {
+        let rules = egress_to(policy, 53, protocol);
+        assert_eq!(rules.len(), 1, "DNS over {protocol}");
+        assert_eq!(
+            rules[0]["to"][0]["podSelector"]["matchLabels"]["k8s-app"],
+            "kube-dns"
+        );
+    }
+    // Each pool's engines: the headless Service's namespace, on discovery's port.
+    for pool in base.sidecar_config["pools"].as_array().unwrap() {
+        let discovery = &pool["discovery"];
+        let namespace = namespace_of(discovery["dns"].as_str().unwrap());
+        let rules = egress_to(policy, discovery["port"].as_u64().unwrap(), "TCP");
+        assert!(
+            rules
+                .iter()
+                .any(|r| peer_namespaces(r, policy).contains(&&namespace)),
+            "no egress to {discovery} in {rules:?}"
+        );
+    }
+    // In the mesh (the namespace is labelled for injection) the pod's proxy asks istiod.
+    let namespace = the(&base.docs, "Namespace", None);
+    assert_eq!(
+        namespace["metadata"]["labels"]["istio-injection"],
+        "enabled"
+    );
+    let istiod = egress_to(policy, 15012, "TCP");
+    assert_eq!(istiod.len(), 1);
+    assert_eq!(peer_namespaces(istiod[0], policy), [&json!("istio-system")]);
+
+    // The PostgreSQL ledger: the example's policy lets its sidecars reach the Secret's DSN.
+    let dsn = placeholder("ledger-dsn");
+    let server = dsn.split('@').nth(1).unwrap().split('/').next().unwrap();
+    let (host, port) = server.split_once(':').unwrap();
+    let postgres = Rendered::of(POSTGRES_LEDGER);
+    let policy = the(&postgres.docs, "NetworkPolicy", None);
+    let rules = egress_to(policy, port.parse().unwrap(), "TCP");
+    assert!(
+        rules
+            .iter()
+            .any(|r| peer_namespaces(r, policy).contains(&&namespace_of(host))),
+        "no egress to {server} in {rules:?}"
+    );
+}
+
+#[test]
+fn the_postgres_ledger_example_mounts_what_its_config_reads_one_sidecar_per_share() {
+    let base = Rendered::of(BASE);
+    let example = Rendered::of(POSTGRES_LEDGER);
+    let config = &example.sidecar_config;
+    let deployment = example.deployment();
+    let replicas = deployment["spec"]["replicas"].as_u64().unwrap();
+    assert!(replicas >= 2, "{replicas}");
+    for pool in config["pools"].as_array().unwrap() {
+        assert_eq!(pool["sidecars"], replicas, "each sidecar admits its share");
+    }
+    // A rollout brings a new sidecar up before an old one drains.
+    let strategy = &deployment["spec"]["strategy"];
+    assert_eq!(strategy["type"], "RollingUpdate");
+    assert_eq!(strategy["rollingUpdate"]["maxUnavailable"], 0);
+    // Nothing on a claimed volume: the replicas could not share a ReadWriteOnce one.
+    let pod = &deployment["spec"]["template"]["spec"];
+    assert!(
+        example
+            .docs
+            .iter()
+            .all(|d| d["kind"] != "PersistentVolumeClaim")
+    );
+    for volume in pod["volumes"].as_array().unwrap() {
+        assert!(volume.get("persistentVolumeClaim").is_none(), "{volume}");
+    }
+    // The DSN and the signing secret are read where the Secret's keys are mounted.
+    let store = &config["ledger_store"];
+    assert_eq!(
+        store["postgres"]["url_file"],
+        example.item_at("secret", "ledger-dsn").as_str()
+    );
+    assert_eq!(
+        config["signing"]["secret_file"],
+        example.item_at("secret", "signing-secret").as_str()
+    );
+    // The spool is on a writable volume: the root file system is read-only.
+    let spool = std::path::Path::new(store["spool"].as_str().unwrap());
+    let mounts = example.container()["volumeMounts"].as_array().unwrap();
+    assert!(
+        mounts.iter().any(
+            |m| spool.parent() == m["mountPath"].as_str().map(std::path::Path::new)
+                && m["readOnly"] != true
+        ),
+        "{spool:?} on {mounts:?}"
+    );
+    // Everything else is the base's config.
+    let rest = |config: &Value| {
+        let mut config = config.clone();
+        let fields = config.as_object_mut().unwrap();
+        fields.remove("ledger");
+        fields.remove("ledger_store");
+        for pool in config["pools"].as_array_mut().unwrap() {
+            pool.as_object_mut().unwrap().remove("sidecars");
+        }
+        config
+    };
+    assert_eq!(rest(config), rest(&base.sidecar_config));
+}
+
+#[test]
+fn the_postgres_ledger_example_bills_into_postgresql_at_the_secrets_dsn() {
+    // The example's config, run by the real sidecar on a real PostgreSQL at the DSN the
+    // placeholder Secret shapes: its user, password and server swapped for the local server's,
+    // its database and options as shipped.
+    let example = Rendered::of(POSTGRES_LEDGER);
+    let dsn = placeholder("ledger-dsn");
+    let (_, database_and_options) = dsn.split_once('@').unwrap().1.split_once('/').unwrap();
+    let database = database_and_options.split('?').next().unwrap();
+    let pg = Postgres::start();
+    postgres::Client::connect(&pg.url(), postgres::NoTls)
+        .unwrap()
+        .batch_execute(&format!("CREATE DATABASE {database}"))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let url_file = dir.path().join("ledger-dsn");
+    let local = format!("postgresql://postgres@127.0.0.1:{}", pg.port);
+    std::fs::write(&url_file, format!("{local}/{database_and_options}")).unwrap();
+
+    let mut config = example.sidecar_config.clone();
+    let store = &mut config["ledger_store"];
+    store["postgres"]["url_file"] = url_file.display().to_string().into();
+    store["spool"] = dir.path().join("spool.sqlite").display().to_string().into();
+    // The harness's signing secret, from the environment; the pool's engine a simulator.
+    config.as_object_mut().unwrap().remove("signing");
+    let pool = &mut config["pools"][0];
+    let model = pool["model"].as_str().unwrap().to_owned();
+    let sim = Sim::start_tiny_fast(&["--served-model-name", &model]);
+    pool.as_object_mut().unwrap().remove("discovery");
+    pool["replicas"] = json!([sim.url]);
+    let sidecar = Sidecar::start(config);
+    sidecar.wait_for_probes(1);
+
+    let tenant = "acme/k8s/ledger/ci";
+    let answered = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let mut request = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", sidecar.url))
+            .json(&chat_body(&model, "hello", json!({"max_tokens": 4})));
+        for (name, value) in vouched(tenant, "weir-k8s-ledger-1", &[]) {
+            request = request.header(name, value);
+        }
+        request.send().await.unwrap().status()
+    });
+    assert_eq!(answered, StatusCode::OK, "{}", sidecar.log());
+    // In PostgreSQL, not waiting in the spool.
+    let mut client =
+        weir_sidecar::ledger::postgres::connect(&format!("{local}/{database}")).unwrap();
+    let rows = wait_for(Duration::from_secs(10), || {
+        let rows = weir_sidecar::ledger::postgres::query(&mut client, Some(tenant), 0).ok()?;
+        Some(rows).filter(|r| !r.is_empty())
+    })
+    .unwrap_or_else(|| panic!("no record in PostgreSQL at {dsn:?}: {}", sidecar.log()));
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].outcome, "ok", "{rows:?}");
+}
+
 /// The only document of `kind` in a file of the repository.
 fn the_shipped(path: &str, kind: &str) -> Value {
     the(&file_docs(path), kind, None).clone()
@@ -433,13 +740,14 @@ fn the_sidecar_image_has_trusted_roots_for_https_to_engines() {
 
 #[test]
 fn the_shipped_placeholder_secret_is_refused_by_the_sidecar_and_the_filter() {
-    // Whoever knows the signing secret can claim any tenant to the sidecar, and the Secret's
-    // value is in this repository: a cluster applied as shipped, with the same placeholder
+    // Whoever knows the signing secret can claim any tenant to the sidecar, and the example
+    // Secret's value is in this repository: a cluster applied with it, and the same placeholder
     // copied into the gateway's environment, would serve whatever any workload signs with it.
-    let base = Base::render();
+    let base = Rendered::of(BASE);
+    let secret = placeholder("signing-secret");
     let dir = tempfile::tempdir().unwrap();
     let secret_file = dir.path().join("signing-secret");
-    std::fs::write(&secret_file, &base.signing_secret).unwrap();
+    std::fs::write(&secret_file, &secret).unwrap();
     let mut config = base.sidecar_config.clone();
     config["signing"]["secret_file"] = secret_file.display().to_string().into();
     let config_file = dir.path().join("sidecar.json");
@@ -468,7 +776,7 @@ fn the_shipped_placeholder_secret_is_refused_by_the_sidecar_and_the_filter() {
 
     let plugin = wasm_plugin();
     let plugin_config = plugin_config_with_test_key(&plugin["spec"]["pluginConfig"]);
-    let log = Envoy::refusal(&plugin_config, &base.signing_secret);
+    let log = Envoy::refusal(&plugin_config, &secret);
     assert!(log.contains("placeholder"), "{log}");
 }
 
@@ -486,7 +794,7 @@ fn events(body: &str) -> Vec<String> {
 
 #[tokio::test]
 async fn the_shipped_configs_run_and_stream_the_sdk_example() {
-    let base = Base::render();
+    let base = Rendered::of(BASE);
     let plugin = wasm_plugin();
     let spec = &plugin["spec"];
     let plugin_config = &spec["pluginConfig"];
