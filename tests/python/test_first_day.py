@@ -107,23 +107,33 @@ def call(endpoint: str, key: str | None, trace: str) -> tuple[int, dict, dict]:
         return e.code, dict(e.headers), json.loads(e.read() or b"{}")
 
 
-def ledger_rows(banner: str, traces: list[str]) -> dict[str, dict]:
-    """The ledger's record of each trace (its Idempotency-Key), once all are written."""
+def ledger_rows(banner: str, where: str, args: tuple, count: int) -> list[dict]:
+    """The ledger's records matching `where`, once `count` of them are written."""
     path = banner_value(banner, "Usage ledger")
-    rows: dict[str, dict] = {}
+    rows: list = []
     deadline = time.time() + 10
     while time.time() < deadline:
         with sqlite3.connect(path) as conn:
             conn.row_factory = sqlite3.Row
-            marks = ",".join("?" * len(traces))
-            found = conn.execute(
-                f"SELECT * FROM usage WHERE idempotency_key IN ({marks})", traces
-            ).fetchall()
-        rows = {r["idempotency_key"]: dict(r) for r in found}
-        if len(rows) == len(traces):
-            return rows
+            rows = conn.execute(f"SELECT * FROM usage WHERE {where}", args).fetchall()
+        if len(rows) >= count:
+            return [dict(r) for r in rows]
         time.sleep(0.1)
-    pytest.fail(f"{len(traces) - len(rows)} of {len(traces)} requests have no ledger record")
+    pytest.fail(f"{count - len(rows)} of {count} requests have no ledger record")
+
+
+def keyed_rows(banner: str, traces: list[str]) -> list[dict]:
+    """The records of requests sent with a key, by their Idempotency-Key."""
+    marks = ",".join("?" * len(traces))
+    return ledger_rows(banner, f"idempotency_key IN ({marks})", tuple(traces), len(traces))
+
+
+def keyless_rows(banner: str, since_ms: int, count: int) -> list[dict]:
+    """The records of requests sent without a key since `since_ms`: the default tenant's
+    (whose callers' Idempotency-Keys weir does not carry, as they all share one tenant)."""
+    return ledger_rows(
+        banner, "tenant = 'anonymous' AND finished_at_ms >= ?", (since_ms,), count,
+    )
 
 
 # (step, the route's config, what a caller without a key gets)
@@ -142,6 +152,7 @@ RUNBOOK = [
 def test_each_runbook_step_pushed_over_ecds(stack, step, route, keyless):
     _, endpoint, banner = stack
     push(banner, route)
+    started_ms = int(time.time() * 1000)
     callers = [*KEYS, None]
     jobs = [(key, f"day1-{uuid.uuid4().hex}") for key in callers for _ in range(PER_CALLER)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -166,16 +177,19 @@ def test_each_runbook_step_pushed_over_ecds(stack, step, route, keyless):
     else:
         assert 0 < refused < PER_CALLER / 2, (step, refused)
 
-    served = [trace for key, trace, status, _, _ in answers if status == 200]
-    rows = ledger_rows(banner, served)
-    assert {r["route"] for r in rows.values()} == {"llm-api"}, step
-    modes = [r["mode"] for r in rows.values()]
+    keyed = keyed_rows(banner, [trace for key, trace, _, _, _ in answers if key])
+    served_keyless = sum(status == 200 for key, _, status, _, _ in answers if key is None)
+    keyless = keyless_rows(banner, started_ms, served_keyless) if served_keyless else []
+    assert len(keyless) == served_keyless, (step, len(keyless))
+    rows = keyed + keyless
+    assert {r["route"] for r in rows} == {"llm-api"}, step
     if "rollout_percent" in route and route["rollout_percent"] < 100:
         # The share drawn into the rollout is enforced, the rest passes as `off`.
+        modes = [r["mode"] for r in keyed]
         assert set(modes) == {"enforce", "off"}, (step, set(modes))
-        keyed = [rows[t]["mode"] for key, t, _, _, _ in answers if key]
-        assert 0 < keyed.count("enforce") < len(keyed) / 2, (step, keyed.count("enforce"))
+        assert 0 < modes.count("enforce") < len(modes) / 2, (step, modes.count("enforce"))
+        # A keyless caller was served only when drawn outside the rollout.
+        assert {r["mode"] for r in keyless} <= {"off"}, step
     else:
-        assert set(modes) == {route["mode"]}, (step, set(modes))
-    tenants = {r["tenant"].split("/")[0] for r in rows.values()}
-    assert {"acme", "globex"} <= tenants, (step, tenants)
+        assert {r["mode"] for r in rows} == {route["mode"]}, step
+    assert {r["tenant"].split("/")[0] for r in keyed} == {"acme", "globex"}, step

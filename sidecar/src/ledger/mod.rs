@@ -157,6 +157,14 @@ pub fn read_url(env: Option<&str>, file: Option<&Path>) -> anyhow::Result<String
     if url.is_empty() {
         bail!("postgres: the URL is empty");
     }
+    // Refused at start rather than retried for ever, its records spooled: a URL the client
+    // cannot parse never connects (the message names the option, never the password).
+    if let Err(e) = url.parse::<::postgres::Config>() {
+        bail!(
+            "postgres: the URL is not one weir can use: {e} (weir connects without TLS: \
+             sslmode=disable or prefer)"
+        );
+    }
     Ok(url)
 }
 
@@ -322,6 +330,22 @@ pub(crate) fn sample(key: &str, attempt: u32, tenant: &str, at: u64) -> UsageRec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_url_the_client_cannot_use_is_refused_at_start_without_its_password() {
+        let file = std::env::temp_dir().join(format!("weir-dsn-{}", std::process::id()));
+        std::fs::write(
+            &file,
+            "postgresql://weir:s3cret@db:5432/weir_ledger?sslmode=verify-full\n",
+        )
+        .unwrap();
+        let e = read_url(None, Some(&file)).unwrap_err().to_string();
+        assert!(e.contains("sslmode"), "{e}");
+        assert!(!e.contains("s3cret"), "{e}");
+        std::fs::write(&file, "postgresql://weir:s3cret@db:5432/weir_ledger?sslmode=disable").unwrap();
+        assert!(read_url(None, Some(&file)).is_ok());
+        let _ = std::fs::remove_file(&file);
+    }
 
     #[test]
     fn a_flush_returns_once_everything_sent_before_it_is_written() {
