@@ -283,7 +283,7 @@ async fn a_replica_lost_mid_stream_ends_cleanly_and_later_requests_go_elsewhere(
         .find(|e| e.contains("\"error\""))
         .unwrap();
     let event: Value = serde_json::from_str(error_event.trim_start_matches("data: ")).unwrap();
-    assert_eq!(event["error"]["type"], "ServiceUnavailableError");
+    assert_eq!(event["error"]["type"], "server_error");
     assert!(
         text.ends_with("data: [DONE]\n\n"),
         "the stream is closed properly"

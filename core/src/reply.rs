@@ -37,6 +37,7 @@ impl Reply {
     /// fit) and the refused limit's rate-limit headers.
     pub fn denied(denial: &Denial, shape: ErrorShape, now_ms: u64) -> Reply {
         let mut code = "rate_limit_exceeded";
+        let mut measure = None;
         let mut budget = None;
         let (message, retry_after_ms, standing) = match denial {
             Denial::Limit {
@@ -59,6 +60,7 @@ impl Reply {
                     kind.name(),
                     duration(*retry_after_ms)
                 );
+                measure = Some(*kind);
                 let standing = Standing {
                     kind: *kind,
                     limit: *limit,
@@ -74,6 +76,7 @@ impl Reply {
                 requested,
             } => {
                 code = "request_too_large";
+                measure = Some(*kind);
                 let message = format!(
                     "Request too large for {} on {level}: limit {limit}, requested {requested}. \
                      Reduce the prompt to run it: no wait makes it fit.",
@@ -87,6 +90,7 @@ impl Reply {
                 retry_after_ms,
             } => {
                 code = "quota_unavailable";
+                measure = Some(*kind);
                 let message = format!(
                     "The fleet-wide {} on {level} cannot be checked: the quota store is \
                      unreachable and this limit fails closed. Retry after {}.",
@@ -126,12 +130,16 @@ impl Reply {
                 None,
             ),
         };
-        let error = match budget {
-            // OpenAI's type for exhausted billing quota, so clients tell it from a rate limit.
-            Some(_) => ApiError::new(429, "insufficient_quota", message),
-            None => ApiError::rate_limited(message),
-        }
-        .with_code(code);
+        // OpenAI's type names what ran out: the limit's measure, or billing quota (so clients
+        // tell a spent budget from a rate limit).
+        let kind = match (&budget, measure) {
+            (Some(_), _) => "insufficient_quota",
+            (None, Some(LimitKind::InputTokens | LimitKind::OutputTokens)) => "tokens",
+            (None, _) => "requests",
+        };
+        let error = ApiError::rate_limited(message)
+            .with_type(kind)
+            .with_code(code);
         let mut reply = Reply::error(&error, shape);
         if let Some(budget) = budget {
             reply.headers.push((BUDGET_HEADER, budget));
