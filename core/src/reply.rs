@@ -37,7 +37,6 @@ impl Reply {
     /// fit) and the refused limit's rate-limit headers.
     pub fn denied(denial: &Denial, shape: ErrorShape, now_ms: u64) -> Reply {
         let mut code = "rate_limit_exceeded";
-        let mut measure = None;
         let mut budget = None;
         let (message, retry_after_ms, standing) = match denial {
             Denial::Limit {
@@ -60,7 +59,6 @@ impl Reply {
                     kind.name(),
                     duration(*retry_after_ms)
                 );
-                measure = Some(*kind);
                 let standing = Standing {
                     kind: *kind,
                     limit: *limit,
@@ -76,7 +74,6 @@ impl Reply {
                 requested,
             } => {
                 code = "request_too_large";
-                measure = Some(*kind);
                 let message = format!(
                     "Request too large for {} on {level}: limit {limit}, requested {requested}. \
                      Reduce the prompt to run it: no wait makes it fit.",
@@ -90,7 +87,6 @@ impl Reply {
                 retry_after_ms,
             } => {
                 code = "quota_unavailable";
-                measure = Some(*kind);
                 let message = format!(
                     "The fleet-wide {} on {level} cannot be checked: the quota store is \
                      unreachable and this limit fails closed. Retry after {}.",
@@ -130,15 +126,8 @@ impl Reply {
                 None,
             ),
         };
-        // OpenAI's type names what ran out: the limit's measure, or billing quota (so clients
-        // tell a spent budget from a rate limit).
-        let kind = match (&budget, measure) {
-            (Some(_), _) => "insufficient_quota",
-            (None, Some(LimitKind::InputTokens | LimitKind::OutputTokens)) => "tokens",
-            (None, _) => "requests",
-        };
         let error = ApiError::rate_limited(message)
-            .with_type(kind)
+            .with_type(openai_type(denial))
             .with_code(code);
         let mut reply = Reply::error(&error, shape);
         if let Some(budget) = budget {
@@ -152,6 +141,23 @@ impl Reply {
             .headers
             .extend(quota_headers(standing.as_slice(), shape, now_ms));
         reply
+    }
+}
+
+/// OpenAI's `type` for a refusal names what ran out: billing quota (so clients tell a spent
+/// budget from a rate limit), else the limit's measure, `tokens` or `requests`.
+fn openai_type(denial: &Denial) -> &'static str {
+    match denial {
+        Denial::BudgetExceeded { .. } => "insufficient_quota",
+        Denial::Limit { kind, .. }
+        | Denial::Unleased { kind, .. }
+        | Denial::QuotaUnavailable { kind, .. }
+        | Denial::TooLarge { kind, .. }
+            if matches!(kind, LimitKind::InputTokens | LimitKind::OutputTokens) =>
+        {
+            "tokens"
+        }
+        _ => "requests",
     }
 }
 
