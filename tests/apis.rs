@@ -142,6 +142,13 @@ async fn post(path: &str, key: &str, body: &Value, idempotency_key: &str) -> Res
         .unwrap()
 }
 
+/// Spends the one request a minute of key `key` on a chat completion.
+async fn spend_the_minute(key: &str) {
+    let body = body_for("chat_completions", "tiny", false, 5);
+    let first = post("/v1/chat/completions", key, &body, &format!("{key}-first")).await;
+    assert_eq!(first.status(), StatusCode::OK);
+}
+
 /// About `words` words of varied prose: long enough that the one-pass estimate and the
 /// engine's exact count of it differ.
 fn prose(words: usize) -> String {
@@ -373,14 +380,7 @@ async fn every_api_is_billed_the_engine_s_usage_and_moves_the_key_s_buckets_by_e
 async fn over_quota_over_context_and_over_the_output_cap_get_each_api_s_own_error() {
     let _turn = turn().await;
     // The one request a minute of key `once` goes to chat; every API after it is over quota.
-    let first = post(
-        "/v1/chat/completions",
-        "once",
-        &body_for("chat_completions", "tiny", false, 5),
-        "once-first",
-    )
-    .await;
-    assert_eq!(first.status(), StatusCode::OK);
+    spend_the_minute("once").await;
     for (api, path) in APIS {
         let cases = [
             ("over quota", "once", 5, StatusCode::TOO_MANY_REQUESTS),
@@ -765,14 +765,7 @@ async fn the_gateway_s_exits_answer_in_each_provider_s_own_error_values() {
         },
     ];
     // Key `spent`'s one request a minute goes here; both APIs are over quota after it.
-    let first = post(
-        "/v1/chat/completions",
-        "spent",
-        &body_for("chat_completions", "tiny", false, 5),
-        "spent-first",
-    )
-    .await;
-    assert_eq!(first.status(), StatusCode::OK);
+    spend_the_minute("spent").await;
     for (api, path) in [
         ("chat_completions", "/v1/chat/completions"),
         ("messages", "/v1/messages"),
@@ -856,21 +849,23 @@ async fn an_unknown_model_is_refused_at_the_front_door_and_takes_no_quota() {
     }
     let refused = stack().envoy.stats().await["weir.rejections.model_not_found"];
     assert_eq!(refused - refused_before, 5);
+    let mut statuses = Vec::new();
     for i in 0..3 {
+        let body = body_for("chat_completions", "tiny", false, 5);
         let resp = post(
             "/v1/chat/completions",
             "unknown-then",
-            &body_for("chat_completions", "tiny", false, 5),
+            &body,
             &format!("known-{i}"),
         )
         .await;
-        assert_eq!(
-            resp.status(),
-            StatusCode::OK,
-            "request {i} of the key's three: {}",
-            resp.text().await.unwrap()
-        );
+        statuses.push(resp.status());
     }
+    assert_eq!(
+        statuses,
+        [StatusCode::OK; 3],
+        "the key's three requests are all left"
+    );
 }
 
 #[tokio::test]
