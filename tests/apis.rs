@@ -47,6 +47,8 @@ fn weir_config() -> Value {
         .collect();
     keys.extend([
         api_key_limited("once", json!({"requests_per_minute": 1})),
+        api_key_limited("spent", json!({"requests_per_minute": 1})),
+        api_key_limited("unknown-then", json!({"requests_per_minute": 3})),
         api_key_limited("capped", json!({"max_output_tokens": 50})),
         api_key_limited("leaver", json!({"concurrent_requests": 8})),
         api_key("plain"),
@@ -62,6 +64,8 @@ fn weir_config() -> Value {
             "slow": {"max_context_tokens": 4096},
             "throttled": {"max_context_tokens": 4096},
         },
+        // A model none of these lists is refused at the front door.
+        "unknown_models": "refuse",
         // Every prompt counted by the one-pass estimate, so the engine's count differs from it
         // and billing the engine's is visible.
         "estimator": {"exact_below_bytes": 0},
@@ -136,6 +140,13 @@ async fn post(path: &str, key: &str, body: &Value, idempotency_key: &str) -> Res
         .send()
         .await
         .unwrap()
+}
+
+/// Spends the one request a minute of key `key` on a chat completion.
+async fn spend_the_minute(key: &str) {
+    let body = body_for("chat_completions", "tiny", false, 5);
+    let first = post("/v1/chat/completions", key, &body, &format!("{key}-first")).await;
+    assert_eq!(first.status(), StatusCode::OK);
 }
 
 /// About `words` words of varied prose: long enough that the one-pass estimate and the
@@ -369,14 +380,7 @@ async fn every_api_is_billed_the_engine_s_usage_and_moves_the_key_s_buckets_by_e
 async fn over_quota_over_context_and_over_the_output_cap_get_each_api_s_own_error() {
     let _turn = turn().await;
     // The one request a minute of key `once` goes to chat; every API after it is over quota.
-    let first = post(
-        "/v1/chat/completions",
-        "once",
-        &body_for("chat_completions", "tiny", false, 5),
-        "once-first",
-    )
-    .await;
-    assert_eq!(first.status(), StatusCode::OK);
+    spend_the_minute("once").await;
     for (api, path) in APIS {
         let cases = [
             ("over quota", "once", 5, StatusCode::TOO_MANY_REQUESTS),
@@ -707,6 +711,8 @@ async fn envoy_s_own_refusals_reach_each_client_in_its_api_s_shape() {
     let error: Value = chat.json().await.unwrap();
     assert!(error["error"]["message"].is_string(), "{error}");
     assert!(error.get("type").is_none(), "OpenAI's shape: {error}");
+    assert_eq!(error["error"]["type"], "server_error", "{error}");
+    assert!(error["error"]["code"].is_null(), "{error}");
     // An Anthropic client is recognised by its version header on any path, a bad key included.
     let denied = reqwest::Client::new()
         .get(format!("{}/v1/models", stack().envoy.url))
@@ -718,6 +724,148 @@ async fn envoy_s_own_refusals_reach_each_client_in_its_api_s_shape() {
     assert_eq!(denied.status(), StatusCode::UNAUTHORIZED);
     let error: Value = denied.json().await.unwrap();
     assert_eq!(error["error"]["type"], "authentication_error", "{error}");
+}
+
+/// The `type` and `code` each provider sends for an exit (see `core/tests/error_shapes.rs` for
+/// the providers' documentation): OpenAI's for Chat Completions, Anthropic's for Messages.
+struct Exit {
+    what: &'static str,
+    status: StatusCode,
+    openai: (&'static str, Option<&'static str>),
+    anthropic: &'static str,
+}
+
+#[tokio::test]
+async fn the_gateway_s_exits_answer_in_each_provider_s_own_error_values() {
+    let _turn = turn().await;
+    let exits = [
+        Exit {
+            what: "no key",
+            status: StatusCode::UNAUTHORIZED,
+            openai: ("invalid_request_error", Some("invalid_api_key")),
+            anthropic: "authentication_error",
+        },
+        Exit {
+            what: "over quota",
+            status: StatusCode::TOO_MANY_REQUESTS,
+            openai: ("requests", Some("rate_limit_exceeded")),
+            anthropic: "rate_limit_error",
+        },
+        Exit {
+            what: "too large",
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            openai: ("invalid_request_error", None),
+            anthropic: "request_too_large",
+        },
+        Exit {
+            what: "unknown model",
+            status: StatusCode::NOT_FOUND,
+            openai: ("invalid_request_error", Some("model_not_found")),
+            anthropic: "not_found_error",
+        },
+    ];
+    // Key `spent`'s one request a minute goes here; both APIs are over quota after it.
+    spend_the_minute("spent").await;
+    for (api, path) in [
+        ("chat_completions", "/v1/chat/completions"),
+        ("messages", "/v1/messages"),
+    ] {
+        for exit in &exits {
+            let idempotency_key = format!("exit-{api}-{}", exit.what.replace(' ', "-"));
+            let mut body = body_for(api, "tiny", false, 5);
+            let key = match exit.what {
+                "over quota" => "spent",
+                _ => "plain",
+            };
+            if exit.what == "too large" {
+                body["metadata"] = json!({"note": "x".repeat(5 << 20)});
+            }
+            if exit.what == "unknown model" {
+                body["model"] = json!("nope");
+            }
+            let resp = match exit.what {
+                "no key" => reqwest::Client::new()
+                    .post(format!("{}{path}", stack().envoy.url))
+                    .header("content-type", "application/json")
+                    .header("idempotency-key", &idempotency_key)
+                    .body(body.to_string())
+                    .send()
+                    .await
+                    .unwrap(),
+                _ => post(path, key, &body, &idempotency_key).await,
+            };
+            let what = format!("{api}, {}", exit.what);
+            assert_eq!(resp.status(), exit.status, "{what}");
+            let error: Value = resp.json().await.unwrap();
+            assert!(error["error"]["message"].is_string(), "{what}: {error}");
+            if api == "messages" {
+                assert_eq!(error["type"], "error", "{what}: {error}");
+                assert_eq!(error["error"]["type"], exit.anthropic, "{what}: {error}");
+            } else {
+                let (kind, code) = exit.openai;
+                assert_eq!(error["error"]["type"], kind, "{what}: {error}");
+                assert_eq!(error["error"]["code"], json!(code), "{what}: {error}");
+                assert!(error["error"]["param"].is_null(), "{what}: {error}");
+            }
+            if exit.what == "unknown model" && api == "chat_completions" {
+                assert_eq!(
+                    error["error"]["message"],
+                    "The model `nope` does not exist or you do not have access to it.",
+                    "{what}"
+                );
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_unknown_model_is_refused_at_the_front_door_and_takes_no_quota() {
+    let _turn = turn().await;
+    let refused_before = stack()
+        .envoy
+        .stats()
+        .await
+        .get("weir.rejections.model_not_found")
+        .copied()
+        .unwrap_or(0);
+    // Key `unknown-then` may send three requests a minute: five for a model nobody serves
+    // first, then its three.
+    for i in 0..5 {
+        let idempotency_key = format!("unknown-{i}");
+        let resp = post(
+            "/v1/chat/completions",
+            "unknown-then",
+            &body_for("chat_completions", "gpt-none", false, 5),
+            &idempotency_key,
+        )
+        .await;
+        assert_eq!(resp.status(), StatusCode::NOT_FOUND, "{idempotency_key}");
+        let error: Value = resp.json().await.unwrap();
+        assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+        assert!(
+            stack().sidecar.attempts(&idempotency_key).is_empty(),
+            "{idempotency_key} reached the scheduler"
+        );
+    }
+    let refused = stack().envoy.stats().await["weir.rejections.model_not_found"];
+    assert_eq!(refused - refused_before, 5);
+    let mut statuses = Vec::new();
+    for i in 0..3 {
+        let body = body_for("chat_completions", "tiny", false, 5);
+        let resp = post(
+            "/v1/chat/completions",
+            "unknown-then",
+            &body,
+            &format!("known-{i}"),
+        )
+        .await;
+        statuses.push(resp.status());
+    }
+    assert_eq!(
+        statuses,
+        [StatusCode::OK; 3],
+        "the key's three requests are all left"
+    );
 }
 
 #[tokio::test]

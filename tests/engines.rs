@@ -537,7 +537,7 @@ async fn an_engine_that_stops_answering_costs_a_retryable_503_and_its_replica_s_
         assert!(retry_after, "retryable: Retry-After");
         let error: Value = serde_json::from_str(text).unwrap();
         assert_eq!(error["error"]["code"], "first_byte_deadline", "{text}");
-        assert_eq!(error["error"]["type"], "ServiceUnavailableError");
+        assert_eq!(error["error"]["type"], "server_error");
         let bound = Duration::from_millis(FIRST_BYTE_MS + 1_000);
         assert!(
             *took < bound,

@@ -369,7 +369,7 @@ async fn plain_envoy_fetches_the_module_over_http_and_runs_it() {
     assert_eq!(resp.status(), 401);
     let error: Value = resp.json().await.unwrap();
     assert_eq!(error["error"]["code"], "invalid_api_key", "{error}");
-    assert_eq!(error["error"]["type"], "AuthenticationError", "{error}");
+    assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
 
     // And a key's request goes through, signed, to the sidecar and the engine.
     sidecar.wait_for_probes(1);

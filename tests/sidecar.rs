@@ -152,6 +152,38 @@ async fn requests_without_the_filter_are_refused() {
 }
 
 #[tokio::test]
+async fn a_model_no_pool_serves_gets_openai_s_own_404_and_is_counted_as_such() {
+    let _turn = turn().await;
+    // This front door serves unlisted models: the sidecar is the one to refuse it.
+    let resp = post("chat", chat_body("nope", "hi", json!({})).to_string(), None).await;
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    let error: Value = resp.json().await.unwrap();
+    assert_eq!(
+        error,
+        json!({"error": {
+            "message": "The model `nope` does not exist or you do not have access to it.",
+            "type": "invalid_request_error", "param": null, "code": "model_not_found",
+        }})
+    );
+    let body = json!({"model": "nope", "max_tokens": 5,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let resp = post_to("/v1/messages", "chat", body.to_string(), None).await;
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+    let error: Value = resp.json().await.unwrap();
+    assert_eq!(error["type"], "error", "{error}");
+    assert_eq!(error["error"]["type"], "not_found_error", "{error}");
+    let metrics = stack().sidecar.metrics().await;
+    let counted = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("weir_rejections_total{") && l.contains("reason=\"model_not_found\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>();
+    assert_eq!(counted, 2.0, "{metrics}");
+}
+
+#[tokio::test]
 async fn tenant_prefixes_stick_to_one_replica_and_never_cross_tenants() {
     let _turn = turn().await;
     let s = stack();
@@ -283,7 +315,7 @@ async fn a_replica_lost_mid_stream_ends_cleanly_and_later_requests_go_elsewhere(
         .find(|e| e.contains("\"error\""))
         .unwrap();
     let event: Value = serde_json::from_str(error_event.trim_start_matches("data: ")).unwrap();
-    assert_eq!(event["error"]["type"], "ServiceUnavailableError");
+    assert_eq!(event["error"]["type"], "server_error");
     assert!(
         text.ends_with("data: [DONE]\n\n"),
         "the stream is closed properly"

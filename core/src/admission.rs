@@ -107,12 +107,17 @@ pub fn admit(
     refuse_request_templates(&fields)?;
     refuse_request_adapters(&fields)?;
 
+    if !config.serves(&req.model) {
+        return Err(reject(
+            "model_not_found",
+            ApiError::model_not_found(&req.model),
+        ));
+    }
     if !tenant.may_use(&req.model) {
         return Err(reject(
             "model_not_allowed",
             ApiError::new(
                 403,
-                "PermissionDeniedError",
                 format!("model '{}' is not allowed for this API key", req.model),
             )
             .with_param("model")
@@ -376,6 +381,23 @@ mod tests {
             ("invalid_request", 400)
         );
         assert_eq!(reason(run(&c, &" ".repeat(2001))), ("body_too_large", 413));
+    }
+
+    #[test]
+    fn unknown_models_are_not_found_when_the_config_refuses_them() {
+        let mut c = config("{}", r#"{"models":["big"]}"#);
+        let unlisted = format!("{HELLO}}}");
+        assert!(run(&c, &unlisted).is_ok(), "served by default");
+        c.unknown_models = crate::config::UnknownModels::Refuse;
+        let rej = run(&c, &unlisted).unwrap_err();
+        assert_eq!((rej.reason, rej.error.status), ("model_not_found", 404));
+        assert_eq!(rej.error.code, Some("model_not_found"));
+        let listed = unlisted.replace("big", "small");
+        assert_eq!(
+            reason(run(&c, &listed)),
+            ("model_not_allowed", 403),
+            "a listed model is the key's policy's to allow"
+        );
     }
 
     #[test]

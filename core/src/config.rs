@@ -29,9 +29,13 @@ use crate::trusted;
 pub struct Config {
     #[serde(default)]
     pub orgs: Vec<Org>,
-    /// Known models; a model missing here is served with `default_encoding` and no context cap.
+    /// Known models; a model missing here is served with `default_encoding` and no context cap,
+    /// unless `unknown_models` refuses it.
     #[serde(default)]
     pub models: BTreeMap<String, ModelConfig>,
+    /// What a request for a model `models` does not list gets.
+    #[serde(default)]
+    pub unknown_models: UnknownModels,
     #[serde(default)]
     pub default_encoding: Encoding,
     #[serde(default)]
@@ -129,6 +133,18 @@ fn default_max_body_bytes() -> usize {
 
 fn default_slot_lease_ms() -> u64 {
     30_000
+}
+
+/// What the front door does with a model its config does not list.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownModels {
+    /// Sent on: the upstream decides.
+    #[default]
+    Serve,
+    /// Refused with OpenAI's 404 `model_not_found` before any quota is taken: `models` lists
+    /// every model the upstream serves.
+    Refuse,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -555,6 +571,12 @@ impl Config {
         if self.max_body_bytes == 0 {
             return Err(invalid("max_body_bytes", "must be positive"));
         }
+        if self.unknown_models == UnknownModels::Refuse && self.models.is_empty() {
+            return Err(invalid(
+                "unknown_models",
+                "`refuse` with no `models` listed refuses every model; list the models served",
+            ));
+        }
         if let Some(signing) = &self.signing {
             if signing.secret_env.is_empty() {
                 return Err(invalid(
@@ -791,6 +813,11 @@ impl Config {
     pub fn acts_on_no_named_route(&self) -> bool {
         self.routes.default.mode == Mode::Ignore
             && self.routes.by_name.values().all(|r| r.mode == Mode::Ignore)
+    }
+
+    /// Whether a request for `model` goes on: it is listed, or unknown models are served.
+    pub fn serves(&self, model: &str) -> bool {
+        self.unknown_models == UnknownModels::Serve || self.models.contains_key(model)
     }
 
     /// The encoding and context cap for a model.
@@ -1206,6 +1233,15 @@ mod tests {
         assert_eq!(config.route(None).rollout_percent, 100);
         assert_eq!(config.model("m1"), (Encoding::O200kBase, Some(8192)));
         assert_eq!(config.model("m9"), (Encoding::Cl100kBase, None));
+        assert!(config.serves("m9"), "unlisted models are served by default");
+        let refusing = sample().replace(
+            r#""models": {"m1""#,
+            r#""unknown_models": "refuse", "models": {"m1""#,
+        );
+        let config = Config::parse(refusing.as_bytes()).unwrap();
+        assert!(config.serves("m1") && !config.serves("m9"));
+        let nothing = r#"{"unknown_models": "refuse"}"#;
+        assert_eq!(error_of(nothing).field, "unknown_models");
     }
 
     #[test]

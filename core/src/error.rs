@@ -1,7 +1,11 @@
-//! Errors in the shape of the API that was called: OpenAI's
+//! Errors in the shape of the API that was called, with the values its provider sends: OpenAI's
 //! `{"error": {"message", "type", "param", "code"}}` for the OpenAI-compatible APIs, Anthropic's
-//! `{"type": "error", "error": {"type", "message"}}` for the Messages API, so each official SDK
-//! raises its own typed exception (`RateLimitError`, `BadRequestError`, ...) from weir's replies.
+//! `{"type": "error", "error": {"type", "message"}}` for the Messages API. Clients that read the
+//! body, not only the status, find what they would from the provider itself: OpenAI's `type` is
+//! `invalid_request_error` for a refused request, `server_error` for a failure on the service's
+//! side, the limit's measure (`requests`, `tokens`) or `insufficient_quota` for a 429, and its
+//! `code` a string or null. `core/tests/error_shapes.rs` holds the providers' values, citing the
+//! pages that document them.
 
 use serde_json::{Value, json};
 
@@ -13,24 +17,22 @@ pub enum ErrorShape {
     Anthropic,
 }
 
-/// An error in the OpenAI shape: `{"error": {"message", "type", "param", "code"}}`.
-///
-/// `code` carries a machine-readable code where one exists (`context_length_exceeded`) and
-/// otherwise the HTTP status, as vLLM does.
+/// An error: its status, message, and OpenAI's `param` and machine-readable `code`, if any.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ApiError {
     pub status: u16,
-    pub kind: &'static str,
+    /// OpenAI's `type` where the status alone does not decide it (a rate limit's measure).
+    pub kind: Option<&'static str>,
     pub message: String,
     pub param: Option<String>,
     pub code: Option<&'static str>,
 }
 
 impl ApiError {
-    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(status: u16, message: impl Into<String>) -> Self {
         ApiError {
             status,
-            kind,
+            kind: None,
             message: message.into(),
             param: None,
             code: None,
@@ -38,27 +40,34 @@ impl ApiError {
     }
 
     pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(400, "BadRequestError", message)
+        Self::new(400, message)
     }
 
     pub fn not_found(message: impl Into<String>) -> Self {
-        Self::new(404, "NotFoundError", message)
+        Self::new(404, message)
+    }
+
+    /// A model nobody serves, in OpenAI's words for it.
+    pub fn model_not_found(model: &str) -> Self {
+        Self::not_found(format!(
+            "The model `{model}` does not exist or you do not have access to it."
+        ))
+        .with_code("model_not_found")
     }
 
     pub fn payload_too_large(limit: usize) -> Self {
         Self::new(
             413,
-            "BadRequestError",
             format!("request body exceeds the limit of {limit} bytes"),
         )
     }
 
     pub fn rate_limited(message: impl Into<String>) -> Self {
-        Self::new(429, "RateLimitError", message)
+        Self::new(429, message)
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(500, "InternalServerError", message)
+        Self::new(500, message)
     }
 
     pub fn context_length_exceeded(max_context: u64, prompt: u64, completion: u64) -> Self {
@@ -82,14 +91,28 @@ impl ApiError {
         self
     }
 
+    pub fn with_type(mut self, kind: &'static str) -> Self {
+        self.kind = Some(kind);
+        self
+    }
+
+    /// OpenAI's `type`: the one set, else the status's.
+    pub fn openai_type(&self) -> &'static str {
+        self.kind.unwrap_or(match self.status {
+            429 => "requests",
+            s if s >= 500 => "server_error",
+            _ => "invalid_request_error",
+        })
+    }
+
     /// The OpenAI-shaped body.
     pub fn to_json(&self) -> Value {
         json!({
             "error": {
                 "message": self.message,
-                "type": self.kind,
+                "type": self.openai_type(),
                 "param": self.param,
-                "code": self.code.map_or_else(|| json!(self.status), |c| json!(c)),
+                "code": self.code,
             }
         })
     }
@@ -118,54 +141,5 @@ fn anthropic_type(status: u16) -> &'static str {
         503 | 529 => "overloaded_error",
         s if s >= 500 => "api_error",
         _ => "invalid_request_error",
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn openai_errors_name_their_code_or_status() {
-        let v = ApiError::context_length_exceeded(100, 90, 20).to_json();
-        assert_eq!(v["error"]["code"], "context_length_exceeded");
-        assert_eq!(v["error"]["type"], "BadRequestError");
-        assert!(
-            v["error"]["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("110 tokens"))
-        );
-        let v = ApiError::not_found("nope").to_json();
-        assert_eq!(v["error"]["code"], 404);
-        assert!(v["error"]["param"].is_null());
-    }
-
-    #[test]
-    fn anthropic_errors_have_anthropic_s_envelope_and_types() {
-        let shaped = |e: ApiError| e.to_json_in(ErrorShape::Anthropic);
-        let v = shaped(ApiError::rate_limited("slow down").with_code("rate_limit_exceeded"));
-        assert_eq!(v["type"], "error");
-        assert_eq!(v["error"]["type"], "rate_limit_error");
-        assert_eq!(v["error"]["message"], "slow down");
-        assert_eq!(
-            shaped(ApiError::bad_request("x"))["error"]["type"],
-            "invalid_request_error"
-        );
-        assert_eq!(
-            shaped(ApiError::new(401, "AuthenticationError", "x"))["error"]["type"],
-            "authentication_error"
-        );
-        assert_eq!(
-            shaped(ApiError::payload_too_large(10))["error"]["type"],
-            "request_too_large"
-        );
-        assert_eq!(
-            shaped(ApiError::new(503, "ServiceUnavailableError", "x"))["error"]["type"],
-            "overloaded_error"
-        );
-        assert_eq!(
-            ApiError::internal("x").to_json_in(ErrorShape::OpenAi),
-            ApiError::internal("x").to_json()
-        );
     }
 }

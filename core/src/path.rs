@@ -221,7 +221,6 @@ pub fn route(raw_path: &str, method: &str, allowed: &AllowedPaths) -> Result<Rou
     if !methods.split(", ").any(|m| m == method) {
         let error = ApiError::new(
             405,
-            "MethodNotAllowedError",
             format!("{method} is not allowed on {path}; use {methods}."),
         );
         return Err(Refusal {

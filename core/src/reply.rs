@@ -126,12 +126,9 @@ impl Reply {
                 None,
             ),
         };
-        let error = match budget {
-            // OpenAI's type for exhausted billing quota, so clients tell it from a rate limit.
-            Some(_) => ApiError::new(429, "insufficient_quota", message),
-            None => ApiError::rate_limited(message),
-        }
-        .with_code(code);
+        let error = ApiError::rate_limited(message)
+            .with_type(openai_type(denial))
+            .with_code(code);
         let mut reply = Reply::error(&error, shape);
         if let Some(budget) = budget {
             reply.headers.push((BUDGET_HEADER, budget));
@@ -144,6 +141,23 @@ impl Reply {
             .headers
             .extend(quota_headers(standing.as_slice(), shape, now_ms));
         reply
+    }
+}
+
+/// OpenAI's `type` for a refusal names what ran out: billing quota (so clients tell a spent
+/// budget from a rate limit), else the limit's measure, `tokens` or `requests`.
+fn openai_type(denial: &Denial) -> &'static str {
+    match denial {
+        Denial::BudgetExceeded { .. } => "insufficient_quota",
+        Denial::Limit { kind, .. }
+        | Denial::Unleased { kind, .. }
+        | Denial::QuotaUnavailable { kind, .. }
+        | Denial::TooLarge { kind, .. }
+            if matches!(kind, LimitKind::InputTokens | LimitKind::OutputTokens) =>
+        {
+            "tokens"
+        }
+        _ => "requests",
     }
 }
 

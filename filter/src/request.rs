@@ -479,7 +479,7 @@ impl Request {
                 } else {
                     reason
                 };
-                let error = ApiError::new(401, "AuthenticationError", message).with_code(code);
+                let error = ApiError::new(401, message).with_code(code);
                 return self.refuse(self.error_reply(&error), reason, Stage::Passthrough);
             }
         };
@@ -556,7 +556,6 @@ impl Request {
         if let Some(encoding) = headers.get("content-encoding").filter(|e| !is_identity(e)) {
             let error = ApiError::new(
                 415,
-                "UnsupportedMediaTypeError",
                 format!(
                     "Compressed request bodies (content-encoding: {encoding}) are not accepted; \
                      send the JSON body uncompressed."

@@ -14,7 +14,7 @@ pub const OUTCOMES: [&str; 5] = [
     "passthrough",
 ];
 
-pub const REJECTIONS: [&str; 25] = [
+pub const REJECTIONS: [&str; 26] = [
     "invalid_idempotency_key",
     "missing_api_key",
     "invalid_api_key",
@@ -29,6 +29,7 @@ pub const REJECTIONS: [&str; 25] = [
     "unsupported_encoding",
     "malformed_body",
     "invalid_request",
+    "model_not_found",
     "model_not_allowed",
     "max_tokens_over_limit",
     "context_length_exceeded",

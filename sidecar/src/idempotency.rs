@@ -414,7 +414,6 @@ impl Idempotency {
             return Claimed::Refused(
                 ApiError::new(
                     503,
-                    "ServiceUnavailableError",
                     "the usage ledger cannot be read to check this Idempotency-Key; retry",
                 )
                 .with_code("ledger_unavailable"),
@@ -487,7 +486,6 @@ fn hold(entry: &mut Entry, fingerprint: [u8; 32]) -> Result<u32, Claimed> {
         return Err(Claimed::Refused(
             ApiError::new(
                 422,
-                "UnprocessableEntityError",
                 "this Idempotency-Key was used with a different request; use a new key",
             )
             .with_param("Idempotency-Key")
@@ -502,13 +500,11 @@ fn hold(entry: &mut Entry, fingerprint: [u8; 32]) -> Result<u32, Claimed> {
         State::Completed(Some(response)) => return Err(Claimed::Replay(response.clone())),
         State::InFlight => ApiError::new(
             409,
-            "ConflictError",
             "a request with this Idempotency-Key is in progress; retry after it ends",
         )
         .with_code("idempotency_key_in_use"),
         State::Completed(None) => ApiError::new(
             409,
-            "ConflictError",
             "a request with this Idempotency-Key already completed and was billed; \
              its response is no longer kept. Use a new key for new work.",
         )

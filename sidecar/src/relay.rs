@@ -547,7 +547,6 @@ pub async fn relay(
             flight.finish("failed", Some(BodyUsage::Unknown));
             return flight.refusal(ApiError::new(
                 502,
-                "ServiceUnavailableError",
                 "the engine replica could not be reached; retry",
             ));
         }
@@ -618,7 +617,6 @@ pub async fn relay(
                 flight.finish("failed", Some(BodyUsage::Unknown));
                 flight.refusal(ApiError::new(
                     502,
-                    "ServiceUnavailableError",
                     "the engine replica failed mid-response; retry",
                 ))
             }
@@ -695,7 +693,6 @@ fn too_large(mut flight: Flight, max: usize) -> Response {
     flight.refusal(
         ApiError::new(
             502,
-            "APIError",
             format!(
                 "the engine's answer is larger than this gateway relays ({max} bytes, \
                  relay.max_response_bytes); ask for less (fewer inputs, a lower max_tokens)"
@@ -753,12 +750,8 @@ async fn cut(app: &App) {
 fn cut_short(mut flight: Flight) -> Response {
     flight.finish("shutdown", Some(BodyUsage::Unknown));
     flight.refusal(
-        ApiError::new(
-            503,
-            "ServiceUnavailableError",
-            "the gateway's scheduler is restarting; retry",
-        )
-        .with_code("shutting_down"),
+        ApiError::new(503, "the gateway's scheduler is restarting; retry")
+            .with_code("shutting_down"),
     )
 }
 
@@ -773,7 +766,6 @@ fn credential_refused(mut flight: Flight, status: StatusCode) -> Response {
     flight.refusal(
         ApiError::new(
             502,
-            "ServiceUnavailableError",
             "the engine refused the gateway's own credential; retry later",
         )
         .with_code("engine_unauthorized"),
@@ -808,7 +800,6 @@ fn timed_out(mut flight: Flight) -> Response {
     flight.refusal(
         ApiError::new(
             504,
-            "TimeoutError",
             "the engine did not answer within the gateway's longest response time; retry",
         )
         .with_code("response_deadline"),
@@ -829,7 +820,6 @@ fn not_started(mut flight: Flight, accepted: bool) -> Response {
     flight.refusal(
         ApiError::new(
             503,
-            "ServiceUnavailableError",
             "the engine did not start the request within the gateway's first-byte deadline; retry",
         )
         .with_code("first_byte_deadline"),

@@ -316,10 +316,8 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
             (r.model == model).then_some((r.pool, r.affinity_prefix_bytes, r.encoding))
         })
     else {
-        return error_response(
-            &ApiError::not_found(format!("The model `{model}` is not served here."))
-                .with_param("model"),
-        );
+        app.metrics.reject("model_not_found", &who.tenant, 404);
+        return error_response(&ApiError::model_not_found(&model));
     };
     // From here a refusal's `Retry-After` follows the pool's projected wait.
     let error_response =
@@ -389,11 +387,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         reply,
     };
     if app.events.send(Event::Enqueue(job)).is_err() {
-        return error_response(&ApiError::new(
-            503,
-            "ServiceUnavailableError",
-            "dispatcher stopped",
-        ));
+        return error_response(&ApiError::new(503, "dispatcher stopped"));
     }
     let assignment = match assigned.await {
         Ok(Ok(a)) => a,
@@ -511,7 +505,7 @@ fn replayed(stored: StoredResponse) -> Response {
 
 /// The answer to a refusal from the queue.
 fn refused(refusal: Refusal) -> ApiError {
-    let unavailable = |message| ApiError::new(503, "ServiceUnavailableError", message);
+    let unavailable = |message| ApiError::new(503, message);
     match refusal {
         Refusal::QueueFull(_) => {
             ApiError::rate_limited("too many requests queued for this tenant; retry shortly")

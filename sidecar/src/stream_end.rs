@@ -22,43 +22,38 @@ pub enum Ending {
 
 impl Ending {
     fn error(self) -> ApiError {
-        let (status, kind, code, message) = match self {
+        let (status, code, message) = match self {
             Ending::LostReplica => (
                 503,
-                "ServiceUnavailableError",
                 "replica_lost",
                 "the engine replica failed mid-stream; the partial answer was billed as streamed",
             ),
             Ending::Deadline => (
                 408,
-                "TimeoutError",
                 "stream_deadline",
                 "the stream reached the gateway's longest stream duration and was ended; the \
                  partial answer was billed as streamed",
             ),
             Ending::Shutdown => (
                 503,
-                "ServiceUnavailableError",
                 "shutting_down",
                 "the gateway's scheduler restarted mid-stream; the partial answer was billed as \
                  streamed",
             ),
             Ending::SlowClient => (
                 408,
-                "TimeoutError",
                 "slow_client",
                 "the stream was read too slowly and was ended to free the engine; the partial \
                  answer was billed as streamed",
             ),
             Ending::NotResumed => (
                 503,
-                "ServiceUnavailableError",
                 "preempted",
                 "the batch stream was preempted for interactive work and could not be resumed; \
                  the partial answer was billed as streamed; retry",
             ),
         };
-        ApiError::new(status, kind, message).with_code(code)
+        ApiError::new(status, message).with_code(code)
     }
 
     /// The closing event in `endpoint`'s stream shape.

@@ -144,7 +144,6 @@ impl Trust {
         }
         Err(ApiError::new(
             401,
-            "AuthenticationError",
             "this signed request was already served: a captured request cannot be replayed",
         )
         .with_code("replayed_request"))
@@ -162,7 +161,6 @@ pub struct SignedBody {
 fn untrusted_call(problem: &str) -> ApiError {
     ApiError::new(
         401,
-        "AuthenticationError",
         format!("calls must come from the weir filter: {problem}"),
     )
     .with_code("untrusted_request")
@@ -205,7 +203,6 @@ fn untrusted(e: SignatureError) -> ApiError {
     };
     ApiError::new(
         401,
-        "AuthenticationError",
         format!("requests must come through the weir filter: {e}"),
     )
     .with_code(code)

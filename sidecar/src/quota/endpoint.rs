@@ -91,7 +91,6 @@ pub async fn serve(
             refuse(
                 &ApiError::new(
                     503,
-                    "server_error",
                     "the quota store is unavailable; leases are not renewed until it returns",
                 )
                 .with_code("quota_store_unavailable"),

@@ -149,7 +149,8 @@ pub trait Dialect: Send + Sync {
     /// An error as this engine shapes it. vLLM: OpenAI's `{"error": {message, type, param,
     /// code}}`, with `Retry-After` on 429 and 503.
     fn error(&self, refusal: &Refusal) -> Response {
-        with_retry_after(refusal.error.status, axum::Json(refusal.error.to_json()))
+        let body = crate::wire::vllm::error_body(&refusal.error);
+        with_retry_after(refusal.error.status, axum::Json(body))
     }
 
     /// Whether a stream's response headers wait until the engine starts the request.

@@ -298,7 +298,7 @@ impl Encoder for CompletionStream<'_> {
     }
 
     fn error(&mut self, error: &ApiError) -> String {
-        sse_event(&error.to_json().to_string()) + SSE_DONE
+        sse_event(&vllm::error_body(error).to_string()) + SSE_DONE
     }
 }
 

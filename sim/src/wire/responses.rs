@@ -404,7 +404,7 @@ impl Encoder for ResponsesStream<'_> {
     fn error(&mut self, error: &ApiError) -> String {
         self.event(
             "error",
-            json!({"code": error.code.unwrap_or(error.kind), "message": error.message, "param": error.param}),
+            json!({"code": error.code.unwrap_or(super::vllm::error_type(error.status)), "message": error.message, "param": error.param}),
         )
     }
 }

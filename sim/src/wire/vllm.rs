@@ -3,13 +3,39 @@
 //! comes in a trailing `"choices": []` chunk only when asked for, summed over a prompt batch.
 
 use serde::Serialize;
+use serde_json::{Value, json};
 use weir_core::endpoint::Endpoint;
+use weir_core::error::ApiError;
 
 use super::{Answer, Delta, Finish, Reply, ResponseHead, SSE_DONE, Wire, sse_event};
 use crate::engine::{Finished, Usage};
 use crate::tool_call::{ChatToolCall, ToolCallDelta};
 
 pub struct VllmWire;
+
+/// vLLM's error body: OpenAI's envelope with vLLM's own values, an exception class for `type`
+/// and the status for a `code` it does not name (`{"type": "NotFoundError", "code": 404}`, as
+/// captured in `shared/reference/vllm-0.32/`). weir's own errors carry OpenAI's values instead.
+pub fn error_body(error: &ApiError) -> Value {
+    json!({
+        "error": {
+            "message": error.message,
+            "type": error_type(error.status),
+            "param": error.param,
+            "code": error.code.map_or_else(|| json!(error.status), |c| json!(c)),
+        }
+    })
+}
+
+/// vLLM's exception class for a status.
+pub fn error_type(status: u16) -> &'static str {
+    match status {
+        404 => "NotFoundError",
+        429 => "RateLimitError",
+        s if s >= 500 => "InternalServerError",
+        _ => "BadRequestError",
+    }
+}
 
 impl Wire for VllmWire {
     fn token_frames(

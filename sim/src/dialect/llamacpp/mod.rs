@@ -350,11 +350,10 @@ impl Dialect for LlamaCpp {
     ) -> Result<u32, Refusal> {
         let generates = req.endpoint.generates();
         if prompt_len > self.n_ctx || (generates && prompt_len == self.n_ctx) {
-            let error = ApiError::new(
-                400,
-                EXCEED_CONTEXT,
+            let error = ApiError::bad_request(
                 "the request exceeds the available context size, try increasing it",
-            );
+            )
+            .with_type(EXCEED_CONTEXT);
             let mut details = serde_json::Map::new();
             details.insert("n_prompt_tokens".into(), json!(prompt_len));
             details.insert("n_ctx".into(), json!(self.n_ctx));
@@ -380,7 +379,7 @@ impl Dialect for LlamaCpp {
     fn error(&self, refusal: &Refusal) -> Response {
         let e = &refusal.error;
         let kind = match e.status {
-            _ if e.kind == EXCEED_CONTEXT => EXCEED_CONTEXT,
+            _ if e.kind == Some(EXCEED_CONTEXT) => EXCEED_CONTEXT,
             400 => "invalid_request_error",
             401 => "authentication_error",
             403 => "permission_error",
