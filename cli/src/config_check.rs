@@ -2,6 +2,8 @@
 //! it — the same parsers, so a file that passes here loads there — for CI pipelines (exit code
 //! 1 on any error, each error naming its field), and warns of what loads but cannot be meant:
 //! placeholders left from the examples ([`crate::placeholders`]), a config acting on no route.
+//! A manifest's config is also read as Kubernetes will read it: a bare `off` there is refused
+//! ([`crate::yaml11`]).
 //!
 //! A file may be a filter config, a sidecar config, or the Kubernetes manifests that carry them:
 //! an Istio `WasmPlugin` (its `pluginConfig`), an Istio `EnvoyFilter` (the `configuration` of
@@ -19,6 +21,7 @@ use weir_core::prediction::PredictionConfig;
 use weir_sidecar::config::SidecarConfig;
 
 use crate::placeholders::{self, Placeholder};
+use crate::yaml11::{self, BareWord};
 
 /// Which config a file (or a part of a manifest) holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -37,6 +40,9 @@ struct Found {
     /// The environment variables a manifest passes into the filter's VM, when it says: the
     /// signing secret's must be among them, or the filter does not start.
     vm_env: Option<Vec<String>>,
+    /// Bare YAML-1.1 boolean words in a config Kubernetes reads (a manifest's, not a
+    /// ConfigMap's text), their paths from the config's root.
+    bare: Vec<BareWord>,
 }
 
 /// How a line of the report weighs: errors fail the check, warnings only under `--strict`.
@@ -103,6 +109,10 @@ pub fn check(file: &str, text: &str, kind: Kind) -> Vec<Line> {
     }
     for f in found {
         let place = f.place.as_str();
+        for bare in &f.bare {
+            let message = format!("{}: {}", bare.path, bare.message());
+            lines.push(Line::new(Verdict::Error, file, place, message));
+        }
         let checked = match f.kind {
             Kind::Sidecar => SidecarConfig::from_text(&f.text).map(|c| describe_sidecar(&c)),
             _ => Config::parse(f.text.as_bytes())
@@ -119,10 +129,11 @@ pub fn check(file: &str, text: &str, kind: Kind) -> Vec<Line> {
                     Ok(describe_filter(&c))
                 }),
         };
-        lines.push(match checked {
-            Ok(line) => Line::new(Verdict::Ok, file, place, line),
-            Err(e) => Line::new(Verdict::Error, file, place, format!("{e:#}")),
-        });
+        match checked {
+            Ok(_) if !f.bare.is_empty() => {}
+            Ok(line) => lines.push(Line::new(Verdict::Ok, file, place, line)),
+            Err(e) => lines.push(Line::new(Verdict::Error, file, place, format!("{e:#}"))),
+        }
     }
     lines.sort_by_key(|l| l.verdict);
     lines
@@ -160,10 +171,14 @@ fn find(text: &str, kind: Kind) -> anyhow::Result<(Vec<Found>, InManifests)> {
         kind,
         text: text.to_owned(),
         vm_env: None,
+        bare: Vec::new(),
     };
     if kind != Kind::Auto {
         return Ok((vec![whole(kind)], Vec::new()));
     }
+    let bare: Vec<Vec<BareWord>> = serde_yaml_ng::Deserializer::from_str(text)
+        .map(|doc| yaml11::bare_words(text, doc))
+        .collect();
     let mut docs = Vec::new();
     for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
         let doc = Value::deserialize(doc).map_err(|e| {
@@ -179,9 +194,9 @@ fn find(text: &str, kind: Kind) -> anyhow::Result<(Vec<Found>, InManifests)> {
         return Ok((kind_of(doc).map(whole).into_iter().collect(), Vec::new()));
     }
     let (mut found, mut in_manifests) = (Vec::new(), Vec::new());
-    for (i, doc) in docs.iter().enumerate() {
+    for (i, (doc, bare)) in docs.iter().zip(bare).enumerate() {
         let n = i + 1;
-        found.extend(in_document(doc, n));
+        found.extend(in_document(doc, n, &bare));
         if let Some(kind) = doc["kind"].as_str() {
             let name = doc["metadata"]["name"].as_str().unwrap_or("?");
             let place = format!("document {n} ({kind} {name})");
@@ -192,7 +207,8 @@ fn find(text: &str, kind: Kind) -> anyhow::Result<(Vec<Found>, InManifests)> {
     Ok((found, in_manifests))
 }
 
-fn in_document(doc: &Value, n: usize) -> Vec<Found> {
+/// The configs one document carries; `bare`: its bare YAML-1.1 boolean words.
+fn in_document(doc: &Value, n: usize, bare: &[BareWord]) -> Vec<Found> {
     let name = doc["metadata"]["name"].as_str().unwrap_or("?");
     let at = |what: String| format!("document {n} ({what})");
     let json = |v: &Value| v.to_string();
@@ -202,6 +218,7 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
             kind: Kind::Filter,
             text: json(&doc["spec"]["pluginConfig"]),
             vm_env: Some(names(&doc["spec"]["vmConfig"]["env"], |e| &e["name"])),
+            bare: under(bare, "spec.pluginConfig"),
         }],
         Some("EnvoyExtensionPolicy") => doc["spec"]["wasm"]
             .as_array()
@@ -213,6 +230,7 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
                 kind: Kind::Filter,
                 text: json(&wasm["config"]),
                 vm_env: Some(names(&wasm["env"]["hostKeys"], |k| k)),
+                bare: under(bare, &format!("spec.wasm[{i}].config")),
             })
             .collect(),
         Some("ConfigMap") => doc["data"]
@@ -228,6 +246,7 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
                     kind,
                     text: text.to_owned(),
                     vm_env: None,
+                    bare: Vec::new(),
                 })
             })
             .collect(),
@@ -242,6 +261,7 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
                     kind: Kind::Filter,
                     text: text.to_owned(),
                     vm_env: Some(vm_env),
+                    bare: Vec::new(),
                 })
                 .collect()
         }
@@ -252,10 +272,27 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
                 kind,
                 text: json(doc),
                 vm_env: None,
+                bare: Vec::new(),
             })
             .into_iter()
             .collect(),
     }
+}
+
+/// The words of `bare` under `root`, their paths from it.
+fn under(bare: &[BareWord], root: &str) -> Vec<BareWord> {
+    bare.iter()
+        .filter_map(|b| {
+            let rest = b.path.strip_prefix(root)?;
+            let path = rest
+                .strip_prefix('.')
+                .or_else(|| rest.starts_with('[').then_some(rest))?;
+            Some(BareWord {
+                path: path.to_owned(),
+                word: b.word.clone(),
+            })
+        })
+        .collect()
 }
 
 /// The strings `at` finds in each item of the array `list` (none when it is not one).
@@ -459,6 +496,32 @@ mod tests {
             error_of("kind: Service\n").contains("no weir config found"),
             "nothing to check is an error"
         );
+    }
+
+    #[test]
+    fn a_bare_off_in_a_manifest_s_config_is_refused_as_kubernetes_reads_it() {
+        // Before, `ok`: Kubernetes hands the filter `"mode": false`, which it refuses.
+        let plugin = format!(
+            "kind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  pluginConfig:\n    \
+             orgs: [{{id: acme, workspaces: [{{id: w, projects: [{{id: p, keys: [{{id: k, sha256: {KEY}}}]}}]}}]}}]\n    \
+             routes:\n      by_name:\n        llm-api: {{mode: off}}\n"
+        );
+        let error = error_of(&plugin);
+        assert_eq!(
+            error,
+            "error weir.yaml: document 1 (WasmPlugin weir pluginConfig): \
+             routes.by_name.llm-api.mode: quote it: \"off\" — Kubernetes reads a bare off as false"
+        );
+        assert!(passed(&plugin.replace("mode: off", "mode: \"off\""))[0].contains("llm-api: off"));
+        let policy = "kind: EnvoyExtensionPolicy\nmetadata: {name: weir}\nspec:\n  wasm:\n  - config:\n      \
+                      orgs: []\n      routes: {default: {mode: Off}}\n";
+        assert!(
+            error_of(policy).contains("wasm[0].config): routes.default.mode: quote it: \"Off\""),
+            "{}",
+            error_of(policy)
+        );
+        // A config file of its own, and a ConfigMap's, are read by weir: YAML 1.2, `off` is "off".
+        assert!(passed("orgs: []\nroutes: {default: {mode: off}}\n")[0].contains("others: off"));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 mod config_check;
 mod placeholders;
 mod usage_export;
+mod yaml11;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
