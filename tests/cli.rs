@@ -239,6 +239,34 @@ fn an_image_digest_of_zeros_is_warned_of_and_fails_a_strict_check() {
 }
 
 #[test]
+fn an_example_com_registry_is_warned_of_and_fails_a_strict_check() {
+    // Before, the shipped manifests' `registry.example.com` passed a strict check once their
+    // digests were filled in.
+    let digest = A_HASH;
+    let plugin = format!(
+        "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  \
+         url: oci://registry.example.com/weir/filter:0.1.0\n  sha256: \"{digest}\"\n  pluginConfig:\n    \
+         orgs: [{{id: acme, workspaces: [{{id: ml, projects: [{{id: chat, keys: [{{id: ci, sha256: {A_HASH}}}]}}]}}]}}]\n    \
+         routes: {{default: {{mode: enforce}}}}\n"
+    );
+    warned_of(
+        "wasmplugin.yaml",
+        &plugin,
+        "document 1 (WasmPlugin weir): spec.url",
+    );
+    let deployment = format!(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: weir-sidecar}}\nspec:\n  template:\n    \
+         spec:\n      containers:\n      - name: sidecar\n        \
+         image: registry.example.com/weir/sidecar@sha256:{digest}\n---\n{SIDECAR_CONFIG_MAP}"
+    );
+    warned_of(
+        "kustomized.yaml",
+        &deployment,
+        "document 1 (Deployment weir-sidecar): spec.template.spec.containers[0].image",
+    );
+}
+
+#[test]
 fn a_wrong_type_says_what_the_field_must_be_naming_the_file_and_the_field_once() {
     // Before: "error file: orgs[0].limits.requests_per_minute: orgs[0].limits.requests_per_minute:
     // invalid type: integer `-5`, expected u64 at line 3 column 33".

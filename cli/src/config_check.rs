@@ -176,16 +176,20 @@ fn find(text: &str, kind: Kind) -> anyhow::Result<(Vec<Found>, InManifests)> {
     if kind != Kind::Auto {
         return Ok((vec![whole(kind)], Vec::new()));
     }
-    let bare: Vec<Vec<BareWord>> = serde_yaml_ng::Deserializer::from_str(text)
-        .map(|doc| yaml11::bare_words(text, doc))
-        .collect();
-    let mut docs = Vec::new();
-    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+    // Read twice over: as values, and for how their words were written; both stop at the first
+    // broken document (the parser's stream does not end after one).
+    let walked = serde_yaml_ng::Deserializer::from_str(text);
+    let (mut docs, mut bare) = (Vec::new(), Vec::new());
+    for (i, (doc, walk)) in serde_yaml_ng::Deserializer::from_str(text)
+        .zip(walked)
+        .enumerate()
+    {
         let doc = Value::deserialize(doc).map_err(|e| {
             let message = weir_core::parse_error::plain("", &e.to_string());
             anyhow::anyhow!("document {}: {message}", i + 1)
         })?;
         docs.push(doc);
+        bare.push(yaml11::bare_words(text, walk));
     }
     if let [doc] = docs.as_slice()
         && doc.get("kind").is_none()
@@ -551,7 +555,11 @@ mod tests {
             );
             // Its placeholders, left for whoever deploys it to fill in: warned of.
             let warnings = lines(text, Verdict::Warn).join("\n");
-            for placeholder in ["a placeholder digest", "keys[0].sha256: 64 zeros"] {
+            for placeholder in [
+                "a placeholder digest",
+                "keys[0].sha256: 64 zeros",
+                "an example.com registry",
+            ] {
                 assert!(warnings.contains(placeholder), "{file}: {warnings}");
             }
             // The same manifest passing another variable into the VM than the one the config
