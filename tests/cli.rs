@@ -267,6 +267,61 @@ fn an_example_com_registry_is_warned_of_and_fails_a_strict_check() {
 }
 
 #[test]
+fn manifests_are_checked_file_by_file_or_from_stdin() {
+    // Before, one FILE only, `-` was "No such file", and a file without a weir config (a
+    // Deployment, a Secret) failed the check: `--strict` on the manifests failed CI whatever they
+    // held.
+    let dir = tempfile::tempdir().unwrap();
+    let secret = "apiVersion: v1\nkind: Secret\nmetadata: {name: weir-sidecar}\nstringData:\n  \
+                  signing-secret: 7c1e0b7f3a9d44c2b5e8a1f06d3c9e2b\n";
+    std::fs::write(dir.path().join("secret.yaml"), secret).unwrap();
+    std::fs::write(dir.path().join("sidecar.yaml"), SIDECAR_CONFIG_MAP).unwrap();
+    let check = |args: &[&str], stdin: &str| {
+        use std::io::Write;
+        let mut child = Command::new(workspace_root().join("target/debug/weir"))
+            .current_dir(dir.path())
+            .args(["config", "check", "--strict"])
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut input = child.stdin.take().unwrap();
+        input.write_all(stdin.as_bytes()).unwrap();
+        drop(input);
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), stdout, stderr)
+    };
+    let (passed, stdout, stderr) = check(&["secret.yaml", "sidecar.yaml"], "");
+    assert!(passed, "{stdout}{stderr}");
+    assert!(
+        stdout.starts_with("note  secret.yaml: no weir config in it (placeholders checked)\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("ok    sidecar.yaml: document 1 (ConfigMap weir-sidecar sidecar.yaml)")
+    );
+    // The same Secret with its placeholder, piped in among the rest.
+    let placeholder = secret.replace("7c1e0b7f3a9d44c2b5e8a1f06d3c9e2b", "REPLACE-ME");
+    let (passed, _, stderr) = check(&["-", "sidecar.yaml"], &placeholder);
+    assert!(!passed);
+    assert!(
+        stderr.contains("warn  stdin: document 1 (Secret weir-sidecar): stringData.signing-secret"),
+        "{stderr}"
+    );
+    // No weir config in any of them: pointed at the wrong files.
+    let (passed, _, stderr) = check(&["secret.yaml", "-"], "kind: Service\n");
+    assert!(!passed);
+    assert!(
+        stderr.contains("error no weir config in any of these 2 inputs"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn a_wrong_type_says_what_the_field_must_be_naming_the_file_and_the_field_once() {
     // Before: "error file: orgs[0].limits.requests_per_minute: orgs[0].limits.requests_per_minute:
     // invalid type: integer `-5`, expected u64 at line 3 column 33".

@@ -49,6 +49,8 @@ struct Found {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Verdict {
     Ok,
+    /// Neither passed nor failed: a manifest with no weir config in it.
+    Note,
     Warn,
     Error,
 }
@@ -85,11 +87,44 @@ impl fmt::Display for Line {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let label = match self.verdict {
             Verdict::Ok => "ok",
+            Verdict::Note => "note",
             Verdict::Warn => "warn",
             Verdict::Error => "error",
         };
         write!(f, "{label:<5} {}", self.text)
     }
+}
+
+/// Checks each input (its name as the user gave it, and its text or why it could not be read),
+/// a file with no weir config in it being a note; but a check that found none in any input
+/// was pointed at the wrong files, and fails.
+pub fn check_all(inputs: Vec<(String, std::io::Result<String>)>, kind: Kind) -> Vec<Line> {
+    let count = inputs.len();
+    let mut lines = Vec::new();
+    let mut last = String::new();
+    for (name, text) in inputs {
+        match text {
+            Ok(text) => lines.extend(check(&name, &text, kind)),
+            Err(e) => lines.push(Line::unreadable(&name, &e)),
+        }
+        last = name;
+    }
+    if lines.iter().filter(|l| l.verdict == Verdict::Note).count() < count {
+        return lines;
+    }
+    let hint = "(a filter config has `orgs`, a sidecar config `pools`)";
+    if count == 1 {
+        lines.retain(|l| l.verdict != Verdict::Note);
+        let message = format!("no weir config in it {hint}");
+        lines.push(Line::new(Verdict::Error, &last, "", message));
+    } else {
+        let text = format!("no weir config in any of these {count} inputs {hint}");
+        lines.push(Line {
+            verdict: Verdict::Error,
+            text,
+        });
+    }
+    lines
 }
 
 /// Checks every config in `text`, read from `file`: a line per config checked, per mistake and
@@ -104,8 +139,9 @@ pub fn check(file: &str, text: &str, kind: Kind) -> Vec<Line> {
         .map(|(place, p)| Line::placeholder(file, &place, p))
         .collect();
     if found.is_empty() {
-        let message = "no weir config found (a filter config has `orgs`, a sidecar config `pools`)";
-        lines.push(Line::new(Verdict::Error, file, "", message));
+        // A Deployment or a Secret among the manifests: only its placeholders to check.
+        let message = "no weir config in it (placeholders checked)";
+        lines.push(Line::new(Verdict::Note, file, "", message));
     }
     for f in found {
         let place = f.place.as_str();
@@ -496,10 +532,57 @@ mod tests {
         assert!(report[1].contains("ConfigMap sidecar sidecar.yaml): sidecar config"));
         let broken = plugin.replace("replicas: [http://e:8000]", "replicas: []");
         assert!(error_of(&broken).contains("pools[0].replicas: at least one replica"));
-        assert!(
-            error_of("kind: Service\n").contains("no weir config found"),
-            "nothing to check is an error"
+        assert_eq!(
+            lines("kind: Service\n", Verdict::Note),
+            ["note  weir.yaml: no weir config in it (placeholders checked)"]
         );
+    }
+
+    #[test]
+    fn inputs_without_a_config_are_notes_unless_none_has_one() {
+        // Before, one file of manifests without a weir config failed the check.
+        let input = |name: &str, text: &str| (name.to_owned(), Ok(text.to_owned()));
+        let report = |inputs| {
+            let lines = check_all(inputs, Kind::Auto);
+            lines.iter().map(ToString::to_string).collect::<Vec<_>>()
+        };
+        let config = "orgs: []\nroutes: {default: {mode: enforce}}\n";
+        let two = report(vec![
+            input("service.yaml", "kind: Service\n"),
+            input("weir.yaml", config),
+        ]);
+        assert_eq!(
+            two[0],
+            "note  service.yaml: no weir config in it (placeholders checked)"
+        );
+        assert!(
+            two[1].starts_with("ok    weir.yaml: filter config"),
+            "{two:?}"
+        );
+        assert_eq!(two.len(), 2, "{two:?}");
+        // Pointed at the wrong files, a check fails.
+        let none = report(vec![
+            input("a.yaml", "kind: Service\n"),
+            input("b.yaml", "kind: Secret\n"),
+        ]);
+        assert_eq!(
+            none.last().map(String::as_str),
+            Some(
+                "error no weir config in any of these 2 inputs (a filter config has `orgs`, a \
+                 sidecar config `pools`)"
+            )
+        );
+        let one = report(vec![input("a.yaml", "kind: Service\n")]);
+        assert_eq!(
+            one,
+            [
+                "error a.yaml: no weir config in it (a filter config has `orgs`, a sidecar config \
+              `pools`)"
+            ]
+        );
+        // A broken input is its own error, and not one with no config.
+        let broken = report(vec![input("a.yaml", "orgs: [\n")]);
+        assert_eq!(broken.len(), 1, "{broken:?}");
     }
 
     #[test]

@@ -126,14 +126,19 @@ fn write_out(text: &str) -> anyhow::Result<()> {
 
 #[derive(Subcommand)]
 enum ConfigAction {
-    /// Validate a config exactly as the filter and sidecar will (field-path errors, unknown
-    /// fields and tiers, duplicate key hashes, limits that can never admit anything): a filter
-    /// or sidecar config, or the manifests carrying them (WasmPlugin, EnvoyFilter,
-    /// EnvoyExtensionPolicy, ConfigMap, `kubectl kustomize` output). Warns of placeholders left
-    /// from the examples (a Secret's REPLACE-ME, a key hash or image digest of zeros). Exits 1
-    /// on any error.
+    /// Validate configs exactly as the filter and sidecar will (field-path errors, unknown
+    /// fields and tiers, duplicate key hashes, limits that can never admit anything): filter or
+    /// sidecar configs, or the manifests carrying them (WasmPlugin, EnvoyFilter,
+    /// EnvoyExtensionPolicy, ConfigMap, `kubectl kustomize` output), a manifest's config read as
+    /// Kubernetes reads it (a bare `off` is false there). Warns of placeholders left from the
+    /// examples (a Secret's REPLACE-ME, a key hash or image digest of zeros, an example.com
+    /// registry), in every manifest. A file with no weir config in it is a note, but exits 1
+    /// when no file has one; exits 1 on any error.
     Check {
-        file: std::path::PathBuf,
+        /// The files to check, `-` for standard input: e.g.
+        /// `kubectl kustomize deploy/k8s | weir config check --strict -`.
+        #[arg(value_name = "FILE", required = true)]
+        files: Vec<std::path::PathBuf>,
         #[arg(long, value_enum, default_value = "auto")]
         kind: config_check::Kind,
         /// Exit 1 on warnings too: for CI, so a placeholder never reaches a cluster.
@@ -208,13 +213,24 @@ fn main() -> anyhow::Result<()> {
             eprintln!("Store the key now: weir keeps only its hash.");
         }
         Command::Config {
-            action: ConfigAction::Check { file, kind, strict },
+            action:
+                ConfigAction::Check {
+                    files,
+                    kind,
+                    strict,
+                },
         } => {
-            let name = file.display().to_string();
-            let lines = match std::fs::read_to_string(&file) {
-                Ok(text) => config_check::check(&name, &text, kind),
-                Err(e) => vec![config_check::Line::unreadable(&name, &e)],
-            };
+            let inputs = files.iter().map(|file| {
+                if file.as_os_str() == "-" {
+                    (
+                        "stdin".to_owned(),
+                        std::io::read_to_string(std::io::stdin()),
+                    )
+                } else {
+                    (file.display().to_string(), std::fs::read_to_string(file))
+                }
+            });
+            let lines = config_check::check_all(inputs.collect(), kind);
             let failing = if strict {
                 config_check::Verdict::Warn
             } else {
@@ -222,7 +238,7 @@ fn main() -> anyhow::Result<()> {
             };
             for line in &lines {
                 match line.verdict {
-                    config_check::Verdict::Ok => println!("{line}"),
+                    config_check::Verdict::Ok | config_check::Verdict::Note => println!("{line}"),
                     _ => eprintln!("{line}"),
                 }
             }
