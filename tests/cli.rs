@@ -29,10 +29,35 @@ fn a_new_key_for_a_malformed_tenant_is_refused_before_any_key_is_printed() {
     let out = weir(&["keys", "new", "--tenant", "acme/ml/chat", "--id", "ci"]);
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.starts_with("key: "), "{stdout}");
     assert!(
         stdout.contains("(its tenant path: acme/ml/chat/ci)"),
         "{stdout}"
+    );
+}
+
+#[test]
+fn a_new_key_is_printed_apart_from_its_config_entry() {
+    // Before, `key: wk-…` and the entry in one block: pasted whole into a WasmPlugin, the secret
+    // key was there for anyone who can read it.
+    let out = weir(&["keys", "new", "--tenant", "acme/ml/chat", "--id", "ci"]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (key_part, entry) = stdout
+        .split_once("Config entry: only the key's sha256, never the key:\n")
+        .unwrap_or_else(|| panic!("no entry heading in {stdout}"));
+    assert!(
+        key_part.starts_with("API key: give this to the caller; it is not stored anywhere"),
+        "{stdout}"
+    );
+    let key = key_part
+        .split_whitespace()
+        .find(|w| w.starts_with("wk-"))
+        .unwrap_or_else(|| panic!("no key in {key_part}"));
+    assert!(!entry.contains(key), "the key in its entry: {stdout}");
+    let hash = weir_core::keys::hash_key(key);
+    assert!(
+        entry.ends_with(&format!("- id: ci\n  sha256: {hash}\n")),
+        "{entry}"
     );
 }
 

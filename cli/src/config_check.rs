@@ -28,7 +28,9 @@ use crate::yaml11::{self, BareWord};
 pub enum Kind {
     /// Decided from the contents.
     Auto,
+    /// The whole file is a filter config.
     Filter,
+    /// The whole file is a sidecar config.
     Sidecar,
 }
 
