@@ -238,57 +238,51 @@ fn a_key_hash_of_zeros_is_warned_of_and_fails_a_strict_check() {
     );
 }
 
-#[test]
-fn an_image_digest_of_zeros_is_warned_of_and_fails_a_strict_check() {
-    let plugin = format!(
+/// A WasmPlugin pulling the filter from `registry`, pinned to `digest`.
+fn plugin_from(registry: &str, digest: &str) -> String {
+    format!(
         "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  \
-         url: oci://registry.example.com/weir/filter:0.1.0\n  sha256: \"{ZEROS}\"\n  pluginConfig:\n    \
+         url: oci://{registry}/weir/filter:0.1.0\n  sha256: \"{digest}\"\n  pluginConfig:\n    \
          orgs: [{{id: acme, workspaces: [{{id: ml, projects: [{{id: chat, keys: [{{id: ci, sha256: {A_HASH}}}]}}]}}]}}]\n    \
          routes: {{default: {{mode: enforce}}}}\n"
-    );
+    )
+}
+
+/// The sidecar's Deployment, its image from `registry` pinned to `digest`, and its ConfigMap.
+fn deployment_from(registry: &str, digest: &str) -> String {
+    format!(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: weir-sidecar}}\nspec:\n  template:\n    \
+         spec:\n      containers:\n      - name: sidecar\n        \
+         image: {registry}/weir/sidecar@sha256:{digest}\n---\n{SIDECAR_CONFIG_MAP}"
+    )
+}
+
+const IMAGE: &str = "document 1 (Deployment weir-sidecar): spec.template.spec.containers[0].image";
+
+#[test]
+fn an_image_digest_of_zeros_is_warned_of_and_fails_a_strict_check() {
+    let plugin = plugin_from("ghcr.io/acme", ZEROS);
     warned_of(
         "wasmplugin.yaml",
         &plugin,
         "document 1 (WasmPlugin weir): spec.sha256",
     );
-    let deployment = format!(
-        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: weir-sidecar}}\nspec:\n  template:\n    \
-         spec:\n      containers:\n      - name: sidecar\n        \
-         image: registry.example.com/weir/sidecar@sha256:{ZEROS}\n---\n{SIDECAR_CONFIG_MAP}"
-    );
-    warned_of(
-        "kustomized.yaml",
-        &deployment,
-        "document 1 (Deployment weir-sidecar): spec.template.spec.containers[0].image",
-    );
+    let deployment = deployment_from("ghcr.io/acme", ZEROS);
+    warned_of("kustomized.yaml", &deployment, IMAGE);
 }
 
 #[test]
 fn an_example_com_registry_is_warned_of_and_fails_a_strict_check() {
     // Before, the shipped manifests' `registry.example.com` passed a strict check once their
     // digests were filled in.
-    let digest = A_HASH;
-    let plugin = format!(
-        "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  \
-         url: oci://registry.example.com/weir/filter:0.1.0\n  sha256: \"{digest}\"\n  pluginConfig:\n    \
-         orgs: [{{id: acme, workspaces: [{{id: ml, projects: [{{id: chat, keys: [{{id: ci, sha256: {A_HASH}}}]}}]}}]}}]\n    \
-         routes: {{default: {{mode: enforce}}}}\n"
-    );
+    let plugin = plugin_from("registry.example.com", A_HASH);
     warned_of(
         "wasmplugin.yaml",
         &plugin,
         "document 1 (WasmPlugin weir): spec.url",
     );
-    let deployment = format!(
-        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: weir-sidecar}}\nspec:\n  template:\n    \
-         spec:\n      containers:\n      - name: sidecar\n        \
-         image: registry.example.com/weir/sidecar@sha256:{digest}\n---\n{SIDECAR_CONFIG_MAP}"
-    );
-    warned_of(
-        "kustomized.yaml",
-        &deployment,
-        "document 1 (Deployment weir-sidecar): spec.template.spec.containers[0].image",
-    );
+    let deployment = deployment_from("registry.example.com", A_HASH);
+    warned_of("kustomized.yaml", &deployment, IMAGE);
 }
 
 #[test]
