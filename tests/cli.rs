@@ -29,10 +29,35 @@ fn a_new_key_for_a_malformed_tenant_is_refused_before_any_key_is_printed() {
     let out = weir(&["keys", "new", "--tenant", "acme/ml/chat", "--id", "ci"]);
     assert!(out.status.success());
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.starts_with("key: "), "{stdout}");
     assert!(
         stdout.contains("(its tenant path: acme/ml/chat/ci)"),
         "{stdout}"
+    );
+}
+
+#[test]
+fn a_new_key_is_printed_apart_from_its_config_entry() {
+    // Before, `key: wk-…` and the entry in one block: pasted whole into a WasmPlugin, the secret
+    // key was there for anyone who can read it.
+    let out = weir(&["keys", "new", "--tenant", "acme/ml/chat", "--id", "ci"]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let (key_part, entry) = stdout
+        .split_once("Config entry: only the key's sha256, never the key:\n")
+        .unwrap_or_else(|| panic!("no entry heading in {stdout}"));
+    assert!(
+        key_part.starts_with("API key: give this to the caller; it is not stored anywhere"),
+        "{stdout}"
+    );
+    let key = key_part
+        .split_whitespace()
+        .find(|w| w.starts_with("wk-"))
+        .unwrap_or_else(|| panic!("no key in {key_part}"));
+    assert!(!entry.contains(key), "the key in its entry: {stdout}");
+    let hash = weir_core::keys::hash_key(key);
+    assert!(
+        entry.ends_with(&format!("- id: ci\n  sha256: {hash}\n")),
+        "{entry}"
     );
 }
 
@@ -213,28 +238,105 @@ fn a_key_hash_of_zeros_is_warned_of_and_fails_a_strict_check() {
     );
 }
 
-#[test]
-fn an_image_digest_of_zeros_is_warned_of_and_fails_a_strict_check() {
-    let plugin = format!(
+/// A WasmPlugin pulling the filter from `registry`, pinned to `digest`.
+fn plugin_from(registry: &str, digest: &str) -> String {
+    format!(
         "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  \
-         url: oci://registry.example.com/weir/filter:0.1.0\n  sha256: \"{ZEROS}\"\n  pluginConfig:\n    \
+         url: oci://{registry}/weir/filter:0.1.0\n  sha256: \"{digest}\"\n  pluginConfig:\n    \
          orgs: [{{id: acme, workspaces: [{{id: ml, projects: [{{id: chat, keys: [{{id: ci, sha256: {A_HASH}}}]}}]}}]}}]\n    \
          routes: {{default: {{mode: enforce}}}}\n"
-    );
+    )
+}
+
+/// The sidecar's Deployment, its image from `registry` pinned to `digest`, and its ConfigMap.
+fn deployment_from(registry: &str, digest: &str) -> String {
+    format!(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: weir-sidecar}}\nspec:\n  template:\n    \
+         spec:\n      containers:\n      - name: sidecar\n        \
+         image: {registry}/weir/sidecar@sha256:{digest}\n---\n{SIDECAR_CONFIG_MAP}"
+    )
+}
+
+const IMAGE: &str = "document 1 (Deployment weir-sidecar): spec.template.spec.containers[0].image";
+
+#[test]
+fn an_image_digest_of_zeros_is_warned_of_and_fails_a_strict_check() {
+    let plugin = plugin_from("ghcr.io/acme", ZEROS);
     warned_of(
         "wasmplugin.yaml",
         &plugin,
         "document 1 (WasmPlugin weir): spec.sha256",
     );
-    let deployment = format!(
-        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {{name: weir-sidecar}}\nspec:\n  template:\n    \
-         spec:\n      containers:\n      - name: sidecar\n        \
-         image: registry.example.com/weir/sidecar@sha256:{ZEROS}\n---\n{SIDECAR_CONFIG_MAP}"
-    );
+    let deployment = deployment_from("ghcr.io/acme", ZEROS);
+    warned_of("kustomized.yaml", &deployment, IMAGE);
+}
+
+#[test]
+fn an_example_com_registry_is_warned_of_and_fails_a_strict_check() {
+    // Before, the shipped manifests' `registry.example.com` passed a strict check once their
+    // digests were filled in.
+    let plugin = plugin_from("registry.example.com", A_HASH);
     warned_of(
-        "kustomized.yaml",
-        &deployment,
-        "document 1 (Deployment weir-sidecar): spec.template.spec.containers[0].image",
+        "wasmplugin.yaml",
+        &plugin,
+        "document 1 (WasmPlugin weir): spec.url",
+    );
+    let deployment = deployment_from("registry.example.com", A_HASH);
+    warned_of("kustomized.yaml", &deployment, IMAGE);
+}
+
+#[test]
+fn manifests_are_checked_file_by_file_or_from_stdin() {
+    // Before, one FILE only, `-` was "No such file", and a file without a weir config (a
+    // Deployment, a Secret) failed the check: `--strict` on the manifests failed CI whatever they
+    // held.
+    let dir = tempfile::tempdir().unwrap();
+    let secret = "apiVersion: v1\nkind: Secret\nmetadata: {name: weir-sidecar}\nstringData:\n  \
+                  signing-secret: 7c1e0b7f3a9d44c2b5e8a1f06d3c9e2b\n";
+    std::fs::write(dir.path().join("secret.yaml"), secret).unwrap();
+    std::fs::write(dir.path().join("sidecar.yaml"), SIDECAR_CONFIG_MAP).unwrap();
+    let check = |args: &[&str], stdin: &str| {
+        use std::io::Write;
+        let mut child = Command::new(workspace_root().join("target/debug/weir"))
+            .current_dir(dir.path())
+            .args(["config", "check", "--strict"])
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut input = child.stdin.take().unwrap();
+        input.write_all(stdin.as_bytes()).unwrap();
+        drop(input);
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.success(), stdout, stderr)
+    };
+    let (passed, stdout, stderr) = check(&["secret.yaml", "sidecar.yaml"], "");
+    assert!(passed, "{stdout}{stderr}");
+    assert!(
+        stdout.starts_with("note  secret.yaml: no weir config in it (placeholders checked)\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("ok    sidecar.yaml: document 1 (ConfigMap weir-sidecar sidecar.yaml)")
+    );
+    // The same Secret with its placeholder, piped in among the rest.
+    let placeholder = secret.replace("7c1e0b7f3a9d44c2b5e8a1f06d3c9e2b", "REPLACE-ME");
+    let (passed, _, stderr) = check(&["-", "sidecar.yaml"], &placeholder);
+    assert!(!passed);
+    assert!(
+        stderr.contains("warn  stdin: document 1 (Secret weir-sidecar): stringData.signing-secret"),
+        "{stderr}"
+    );
+    // No weir config in any of them: pointed at the wrong files.
+    let (passed, _, stderr) = check(&["secret.yaml", "-"], "kind: Service\n");
+    assert!(!passed);
+    assert!(
+        stderr.contains("error no weir config in any of these 2 inputs"),
+        "{stderr}"
     );
 }
 

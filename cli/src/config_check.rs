@@ -2,6 +2,8 @@
 //! it — the same parsers, so a file that passes here loads there — for CI pipelines (exit code
 //! 1 on any error, each error naming its field), and warns of what loads but cannot be meant:
 //! placeholders left from the examples ([`crate::placeholders`]), a config acting on no route.
+//! A manifest's config is also read as Kubernetes will read it: a bare `off` there is refused
+//! ([`crate::yaml11`]).
 //!
 //! A file may be a filter config, a sidecar config, or the Kubernetes manifests that carry them:
 //! an Istio `WasmPlugin` (its `pluginConfig`), an Istio `EnvoyFilter` (the `configuration` of
@@ -19,13 +21,16 @@ use weir_core::prediction::PredictionConfig;
 use weir_sidecar::config::SidecarConfig;
 
 use crate::placeholders::{self, Placeholder};
+use crate::yaml11::{self, BareWord};
 
 /// Which config a file (or a part of a manifest) holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Kind {
     /// Decided from the contents.
     Auto,
+    /// The whole file is a filter config.
     Filter,
+    /// The whole file is a sidecar config.
     Sidecar,
 }
 
@@ -37,12 +42,17 @@ struct Found {
     /// The environment variables a manifest passes into the filter's VM, when it says: the
     /// signing secret's must be among them, or the filter does not start.
     vm_env: Option<Vec<String>>,
+    /// Bare YAML-1.1 boolean words in a config Kubernetes reads (a manifest's, not a
+    /// ConfigMap's text), their paths from the config's root.
+    bare: Vec<BareWord>,
 }
 
 /// How a line of the report weighs: errors fail the check, warnings only under `--strict`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Verdict {
     Ok,
+    /// Neither passed nor failed: a manifest with no weir config in it.
+    Note,
     Warn,
     Error,
 }
@@ -79,11 +89,44 @@ impl fmt::Display for Line {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let label = match self.verdict {
             Verdict::Ok => "ok",
+            Verdict::Note => "note",
             Verdict::Warn => "warn",
             Verdict::Error => "error",
         };
         write!(f, "{label:<5} {}", self.text)
     }
+}
+
+/// Checks each input (its name as the user gave it, and its text or why it could not be read),
+/// a file with no weir config in it being a note; but a check that found none in any input
+/// was pointed at the wrong files, and fails.
+pub fn check_all(inputs: Vec<(String, std::io::Result<String>)>, kind: Kind) -> Vec<Line> {
+    let count = inputs.len();
+    let mut lines = Vec::new();
+    let mut last = String::new();
+    for (name, text) in inputs {
+        match text {
+            Ok(text) => lines.extend(check(&name, &text, kind)),
+            Err(e) => lines.push(Line::unreadable(&name, &e)),
+        }
+        last = name;
+    }
+    if lines.iter().filter(|l| l.verdict == Verdict::Note).count() < count {
+        return lines;
+    }
+    let hint = "(a filter config has `orgs`, a sidecar config `pools`)";
+    if count == 1 {
+        lines.retain(|l| l.verdict != Verdict::Note);
+        let message = format!("no weir config in it {hint}");
+        lines.push(Line::new(Verdict::Error, &last, "", message));
+    } else {
+        let text = format!("no weir config in any of these {count} inputs {hint}");
+        lines.push(Line {
+            verdict: Verdict::Error,
+            text,
+        });
+    }
+    lines
 }
 
 /// Checks every config in `text`, read from `file`: a line per config checked, per mistake and
@@ -98,11 +141,16 @@ pub fn check(file: &str, text: &str, kind: Kind) -> Vec<Line> {
         .map(|(place, p)| Line::placeholder(file, &place, p))
         .collect();
     if found.is_empty() {
-        let message = "no weir config found (a filter config has `orgs`, a sidecar config `pools`)";
-        lines.push(Line::new(Verdict::Error, file, "", message));
+        // A Deployment or a Secret among the manifests: only its placeholders to check.
+        let message = "no weir config in it (placeholders checked)";
+        lines.push(Line::new(Verdict::Note, file, "", message));
     }
     for f in found {
         let place = f.place.as_str();
+        for bare in &f.bare {
+            let message = format!("{}: {}", bare.path, bare.message());
+            lines.push(Line::new(Verdict::Error, file, place, message));
+        }
         let checked = match f.kind {
             Kind::Sidecar => SidecarConfig::from_text(&f.text).map(|c| describe_sidecar(&c)),
             _ => Config::parse(f.text.as_bytes())
@@ -119,10 +167,11 @@ pub fn check(file: &str, text: &str, kind: Kind) -> Vec<Line> {
                     Ok(describe_filter(&c))
                 }),
         };
-        lines.push(match checked {
-            Ok(line) => Line::new(Verdict::Ok, file, place, line),
-            Err(e) => Line::new(Verdict::Error, file, place, format!("{e:#}")),
-        });
+        match checked {
+            Ok(_) if !f.bare.is_empty() => {}
+            Ok(line) => lines.push(Line::new(Verdict::Ok, file, place, line)),
+            Err(e) => lines.push(Line::new(Verdict::Error, file, place, format!("{e:#}"))),
+        }
     }
     lines.sort_by_key(|l| l.verdict);
     lines
@@ -160,17 +209,25 @@ fn find(text: &str, kind: Kind) -> anyhow::Result<(Vec<Found>, InManifests)> {
         kind,
         text: text.to_owned(),
         vm_env: None,
+        bare: Vec::new(),
     };
     if kind != Kind::Auto {
         return Ok((vec![whole(kind)], Vec::new()));
     }
-    let mut docs = Vec::new();
-    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+    // Read twice over: as values, and for how their words were written; both stop at the first
+    // broken document (the parser's stream does not end after one).
+    let walked = serde_yaml_ng::Deserializer::from_str(text);
+    let (mut docs, mut bare) = (Vec::new(), Vec::new());
+    for (i, (doc, walk)) in serde_yaml_ng::Deserializer::from_str(text)
+        .zip(walked)
+        .enumerate()
+    {
         let doc = Value::deserialize(doc).map_err(|e| {
             let message = weir_core::parse_error::plain("", &e.to_string());
             anyhow::anyhow!("document {}: {message}", i + 1)
         })?;
         docs.push(doc);
+        bare.push(yaml11::bare_words(text, walk));
     }
     if let [doc] = docs.as_slice()
         && doc.get("kind").is_none()
@@ -179,9 +236,9 @@ fn find(text: &str, kind: Kind) -> anyhow::Result<(Vec<Found>, InManifests)> {
         return Ok((kind_of(doc).map(whole).into_iter().collect(), Vec::new()));
     }
     let (mut found, mut in_manifests) = (Vec::new(), Vec::new());
-    for (i, doc) in docs.iter().enumerate() {
+    for (i, (doc, bare)) in docs.iter().zip(bare).enumerate() {
         let n = i + 1;
-        found.extend(in_document(doc, n));
+        found.extend(in_document(doc, n, &bare));
         if let Some(kind) = doc["kind"].as_str() {
             let name = doc["metadata"]["name"].as_str().unwrap_or("?");
             let place = format!("document {n} ({kind} {name})");
@@ -192,7 +249,8 @@ fn find(text: &str, kind: Kind) -> anyhow::Result<(Vec<Found>, InManifests)> {
     Ok((found, in_manifests))
 }
 
-fn in_document(doc: &Value, n: usize) -> Vec<Found> {
+/// The configs one document carries; `bare`: its bare YAML-1.1 boolean words.
+fn in_document(doc: &Value, n: usize, bare: &[BareWord]) -> Vec<Found> {
     let name = doc["metadata"]["name"].as_str().unwrap_or("?");
     let at = |what: String| format!("document {n} ({what})");
     let json = |v: &Value| v.to_string();
@@ -202,6 +260,7 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
             kind: Kind::Filter,
             text: json(&doc["spec"]["pluginConfig"]),
             vm_env: Some(names(&doc["spec"]["vmConfig"]["env"], |e| &e["name"])),
+            bare: under(bare, "spec.pluginConfig"),
         }],
         Some("EnvoyExtensionPolicy") => doc["spec"]["wasm"]
             .as_array()
@@ -213,6 +272,7 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
                 kind: Kind::Filter,
                 text: json(&wasm["config"]),
                 vm_env: Some(names(&wasm["env"]["hostKeys"], |k| k)),
+                bare: under(bare, &format!("spec.wasm[{i}].config")),
             })
             .collect(),
         Some("ConfigMap") => doc["data"]
@@ -228,6 +288,7 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
                     kind,
                     text: text.to_owned(),
                     vm_env: None,
+                    bare: Vec::new(),
                 })
             })
             .collect(),
@@ -242,6 +303,7 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
                     kind: Kind::Filter,
                     text: text.to_owned(),
                     vm_env: Some(vm_env),
+                    bare: Vec::new(),
                 })
                 .collect()
         }
@@ -252,10 +314,27 @@ fn in_document(doc: &Value, n: usize) -> Vec<Found> {
                 kind,
                 text: json(doc),
                 vm_env: None,
+                bare: Vec::new(),
             })
             .into_iter()
             .collect(),
     }
+}
+
+/// The words of `bare` under `root`, their paths from it.
+fn under(bare: &[BareWord], root: &str) -> Vec<BareWord> {
+    bare.iter()
+        .filter_map(|b| {
+            let rest = b.path.strip_prefix(root)?;
+            let path = rest
+                .strip_prefix('.')
+                .or_else(|| rest.starts_with('[').then_some(rest))?;
+            Some(BareWord {
+                path: path.to_owned(),
+                word: b.word.clone(),
+            })
+        })
+        .collect()
 }
 
 /// The strings `at` finds in each item of the array `list` (none when it is not one).
@@ -455,10 +534,83 @@ mod tests {
         assert!(report[1].contains("ConfigMap sidecar sidecar.yaml): sidecar config"));
         let broken = plugin.replace("replicas: [http://e:8000]", "replicas: []");
         assert!(error_of(&broken).contains("pools[0].replicas: at least one replica"));
-        assert!(
-            error_of("kind: Service\n").contains("no weir config found"),
-            "nothing to check is an error"
+        assert_eq!(
+            lines("kind: Service\n", Verdict::Note),
+            ["note  weir.yaml: no weir config in it (placeholders checked)"]
         );
+    }
+
+    #[test]
+    fn inputs_without_a_config_are_notes_unless_none_has_one() {
+        // Before, one file of manifests without a weir config failed the check.
+        let input = |name: &str, text: &str| (name.to_owned(), Ok(text.to_owned()));
+        let report = |inputs| {
+            let lines = check_all(inputs, Kind::Auto);
+            lines.iter().map(ToString::to_string).collect::<Vec<_>>()
+        };
+        let config = "orgs: []\nroutes: {default: {mode: enforce}}\n";
+        let two = report(vec![
+            input("service.yaml", "kind: Service\n"),
+            input("weir.yaml", config),
+        ]);
+        assert_eq!(
+            two[0],
+            "note  service.yaml: no weir config in it (placeholders checked)"
+        );
+        assert!(
+            two[1].starts_with("ok    weir.yaml: filter config"),
+            "{two:?}"
+        );
+        assert_eq!(two.len(), 2, "{two:?}");
+        // Pointed at the wrong files, a check fails.
+        let none = report(vec![
+            input("a.yaml", "kind: Service\n"),
+            input("b.yaml", "kind: Secret\n"),
+        ]);
+        assert_eq!(
+            none.last().map(String::as_str),
+            Some(
+                "error no weir config in any of these 2 inputs (a filter config has `orgs`, a \
+                 sidecar config `pools`)"
+            )
+        );
+        let one = report(vec![input("a.yaml", "kind: Service\n")]);
+        assert_eq!(
+            one,
+            [
+                "error a.yaml: no weir config in it (a filter config has `orgs`, a sidecar config \
+              `pools`)"
+            ]
+        );
+        // A broken input is its own error, and not one with no config.
+        let broken = report(vec![input("a.yaml", "orgs: [\n")]);
+        assert_eq!(broken.len(), 1, "{broken:?}");
+    }
+
+    #[test]
+    fn a_bare_off_in_a_manifest_s_config_is_refused_as_kubernetes_reads_it() {
+        // Before, `ok`: Kubernetes hands the filter `"mode": false`, which it refuses.
+        let plugin = format!(
+            "kind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  pluginConfig:\n    \
+             orgs: [{{id: acme, workspaces: [{{id: w, projects: [{{id: p, keys: [{{id: k, sha256: {KEY}}}]}}]}}]}}]\n    \
+             routes:\n      by_name:\n        llm-api: {{mode: off}}\n"
+        );
+        let error = error_of(&plugin);
+        assert_eq!(
+            error,
+            "error weir.yaml: document 1 (WasmPlugin weir pluginConfig): \
+             routes.by_name.llm-api.mode: quote it: \"off\" — Kubernetes reads a bare off as false"
+        );
+        assert!(passed(&plugin.replace("mode: off", "mode: \"off\""))[0].contains("llm-api: off"));
+        let policy = "kind: EnvoyExtensionPolicy\nmetadata: {name: weir}\nspec:\n  wasm:\n  - config:\n      \
+                      orgs: []\n      routes: {default: {mode: Off}}\n";
+        assert!(
+            error_of(policy).contains("wasm[0].config): routes.default.mode: quote it: \"Off\""),
+            "{}",
+            error_of(policy)
+        );
+        // A config file of its own, and a ConfigMap's, are read by weir: YAML 1.2, `off` is "off".
+        assert!(passed("orgs: []\nroutes: {default: {mode: off}}\n")[0].contains("others: off"));
     }
 
     #[test]
@@ -488,7 +640,11 @@ mod tests {
             );
             // Its placeholders, left for whoever deploys it to fill in: warned of.
             let warnings = lines(text, Verdict::Warn).join("\n");
-            for placeholder in ["a placeholder digest", "keys[0].sha256: 64 zeros"] {
+            for placeholder in [
+                "a placeholder digest",
+                "keys[0].sha256: 64 zeros",
+                "an example.com registry",
+            ] {
                 assert!(warnings.contains(placeholder), "{file}: {warnings}");
             }
             // The same manifest passing another variable into the VM than the one the config

@@ -5,6 +5,7 @@
 mod config_check;
 mod placeholders;
 mod usage_export;
+mod yaml11;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -19,19 +20,22 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// API keys.
+    /// Mint an API key and print its config entry, or hash an existing key.
     Keys {
         #[command(subcommand)]
         action: KeysAction,
     },
-    /// Configs.
+    /// Check configs or manifests as the filter and sidecar will read them.
     Config {
         #[command(subcommand)]
         action: ConfigAction,
     },
-    /// Export billed usage from the sidecar's ledger (one row per attempt that used an engine).
+    /// Export the usage ledger as CSV or JSON (one row per attempt that used an engine).
+    ///
+    /// Reads the sidecar's ledger, SQLite or PostgreSQL, read-only.
     Usage {
-        /// The ledger database (the sidecar's `ledger` setting).
+        /// The SQLite ledger the sidecar writes (its `ledger` setting); `weir-ledger.sqlite` in
+        /// the current directory unless given. Opened read-only: never created or written.
         #[arg(long, default_value = "weir-ledger.sqlite")]
         ledger: std::path::PathBuf,
         /// Read the ledger from PostgreSQL (the sidecar's `ledger_store`) instead, its URL in
@@ -41,12 +45,15 @@ enum Command {
         /// Read the ledger from PostgreSQL, its URL in this file.
         #[arg(long)]
         postgres_url_file: Option<std::path::PathBuf>,
-        /// Only this tenant (`org/workspace/project/key`); all tenants when omitted.
+        /// Only this tenant, by its full path `org/workspace/project/key`, or every tenant under
+        /// a level of it (`acme`, `acme/ml`, `acme/ml/chat`); all tenants when omitted.
         #[arg(long)]
         tenant: Option<String>,
-        /// How far back: `90s`, `30m`, `24h`, `7d`, or `all`.
+        /// How far back: `90s`, `30m`, `24h`, `7d`, or `all`. Only the last 24 hours unless
+        /// given: a billing export of everything needs `--since all`.
         #[arg(long, default_value = "24h")]
         since: String,
+        /// CSV with a header row, or a JSON array.
         #[arg(long, value_enum, default_value = "csv")]
         format: Format,
     },
@@ -125,14 +132,24 @@ fn write_out(text: &str) -> anyhow::Result<()> {
 
 #[derive(Subcommand)]
 enum ConfigAction {
-    /// Validate a config exactly as the filter and sidecar will (field-path errors, unknown
-    /// fields and tiers, duplicate key hashes, limits that can never admit anything): a filter
-    /// or sidecar config, or the manifests carrying them (WasmPlugin, EnvoyFilter,
-    /// EnvoyExtensionPolicy, ConfigMap, `kubectl kustomize` output). Warns of placeholders left
-    /// from the examples (a Secret's REPLACE-ME, a key hash or image digest of zeros). Exits 1
-    /// on any error.
+    /// Check configs, or the manifests carrying them, as the filter and sidecar will read them.
+    ///
+    /// With their own parsers: errors name the field (unknown fields and tiers, wrong types,
+    /// duplicate key hashes, limits that can never admit anything). A file may be a filter or
+    /// sidecar config, or manifests carrying them (WasmPlugin, EnvoyFilter,
+    /// EnvoyExtensionPolicy, ConfigMap, `kubectl kustomize` output); a manifest's config is
+    /// read as Kubernetes reads it, where a bare `off` is false.
+    ///
+    /// Warns of placeholders left from the examples, in every manifest: a Secret's REPLACE-ME,
+    /// a key hash or image digest of zeros, an example.com registry.
+    ///
+    /// Exits 1 on any error, and when no file holds a weir config (one without, among others
+    /// that have one, is only a note).
     Check {
-        file: std::path::PathBuf,
+        /// The files to check, `-` for standard input: e.g.
+        /// `kubectl kustomize deploy/k8s | weir config check --strict -`.
+        #[arg(value_name = "FILE", required = true)]
+        files: Vec<std::path::PathBuf>,
         #[arg(long, value_enum, default_value = "auto")]
         kind: config_check::Kind,
         /// Exit 1 on warnings too: for CI, so a placeholder never reaches a cluster.
@@ -143,7 +160,8 @@ enum ConfigAction {
 
 #[derive(Subcommand)]
 enum KeysAction {
-    /// Mint a key: prints it once, with the YAML entry to add under its project's `keys`.
+    /// Mint a key: prints it once, then apart from it the YAML entry (its sha256 only) to add
+    /// under its project's `keys`.
     New {
         /// The key's id within its project.
         #[arg(long, default_value = "default")]
@@ -202,18 +220,31 @@ fn main() -> anyhow::Result<()> {
             action: KeysAction::New { id, tenant },
         } => {
             let (key, entry) = new_key(&id, tenant.as_deref())?;
-            println!("key: {key}");
-            println!("{entry}");
-            eprintln!("Store the key now: weir keeps only its hash.");
+            // Apart and labelled, so that the key is not pasted into a config with its entry.
+            println!(
+                "API key: give this to the caller; it is not stored anywhere, and cannot be \
+                 shown again:\n\n    {key}\n\nConfig entry: only the key's sha256, never the key:\n\n{entry}"
+            );
         }
         Command::Config {
-            action: ConfigAction::Check { file, kind, strict },
+            action:
+                ConfigAction::Check {
+                    files,
+                    kind,
+                    strict,
+                },
         } => {
-            let name = file.display().to_string();
-            let lines = match std::fs::read_to_string(&file) {
-                Ok(text) => config_check::check(&name, &text, kind),
-                Err(e) => vec![config_check::Line::unreadable(&name, &e)],
-            };
+            let inputs = files.iter().map(|file| {
+                if file.as_os_str() == "-" {
+                    (
+                        "stdin".to_owned(),
+                        std::io::read_to_string(std::io::stdin()),
+                    )
+                } else {
+                    (file.display().to_string(), std::fs::read_to_string(file))
+                }
+            });
+            let lines = config_check::check_all(inputs.collect(), kind);
             let failing = if strict {
                 config_check::Verdict::Warn
             } else {
@@ -221,7 +252,7 @@ fn main() -> anyhow::Result<()> {
             };
             for line in &lines {
                 match line.verdict {
-                    config_check::Verdict::Ok => println!("{line}"),
+                    config_check::Verdict::Ok | config_check::Verdict::Note => println!("{line}"),
                     _ => eprintln!("{line}"),
                 }
             }
@@ -323,6 +354,44 @@ mod tests {
         let rows = weir_sidecar::ledger::query(&conn, Some("a/w/p/k"), 0).unwrap();
         assert_eq!(rows.len(), 1);
         assert!(export_usage(Source::Sqlite(&path), Some("a/w/p/k"), "all", Format::Json).is_ok());
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn usage_of_an_org_or_workspace_is_that_of_every_tenant_under_it() {
+        // Before, `--tenant acme` matched no row: only a full key path did.
+        use weir_sidecar::ledger::{UsageRecord, append, open, query};
+        let path = std::env::temp_dir().join(format!("weir-cli-prefix-{}", std::process::id()));
+        let conn = open(&path).unwrap();
+        let tenants = [
+            "acme/ml/chat/ci",
+            "acme/ops/bot/k",
+            "acme2/ml/chat/ci",
+            "ACME/ml/chat/ci",
+        ];
+        for (i, tenant) in tenants.into_iter().chain(["a_me/ml/chat/ci"]).enumerate() {
+            let record = UsageRecord {
+                request_id: format!("r{i}"),
+                idempotency_key: format!("k{i}"),
+                attempt: 1,
+                tenant: tenant.into(),
+                finished_at_ms: 1_000,
+                ..UsageRecord::default()
+            };
+            append(&conn, &record).unwrap();
+        }
+        let of = |prefix: &str| -> Vec<String> {
+            let rows = query(&conn, Some(prefix), 0).unwrap();
+            rows.into_iter().map(|r| r.tenant).collect()
+        };
+        assert_eq!(of("acme"), ["acme/ml/chat/ci", "acme/ops/bot/k"]);
+        assert_eq!(of("acme/ml"), ["acme/ml/chat/ci"]);
+        assert_eq!(of("acme/ml/chat/ci"), ["acme/ml/chat/ci"]);
+        assert!(
+            of("acme/m").is_empty(),
+            "a prefix of an id is not its level"
+        );
+        assert_eq!(of("a_me"), ["a_me/ml/chat/ci"], "no wildcards");
         let _ = std::fs::remove_file(&path);
     }
 

@@ -1,7 +1,8 @@
 //! Placeholders a file still holds where the examples it was copied from had them: a Secret's
-//! `REPLACE-ME` values, a key hash of zeros, an image digest of zeros. Each one loads (a zero
-//! hash matches no key, a zero digest no image), so they are warnings, not errors: signs the file
-//! was not edited where it had to be, which `weir config check --strict` fails in CI.
+//! `REPLACE-ME` values, a key hash of zeros, an image digest of zeros, an `example.com`
+//! registry. Each one loads (a zero hash matches no key, a zero digest no image), so they are
+//! warnings, not errors: signs the file was not edited where it had to be, which
+//! `weir config check --strict` fails in CI.
 
 use base64::Engine;
 use serde_json::Value;
@@ -77,8 +78,9 @@ fn in_secret(doc: &Value, found: &mut Vec<Placeholder>) {
     }
 }
 
-/// A `sha256` field of zeros (a WasmPlugin's, an Envoy remote source's), or a reference pinned
-/// `@sha256:` to zeros (a container's `image`, an `oci://` URL), under `at`.
+/// A `sha256` field of zeros (a WasmPlugin's, an Envoy remote source's), a reference pinned
+/// `@sha256:` to zeros (a container's `image`, an `oci://` URL), or an `image`, `url` or `uri`
+/// on an `example.com` host, under `at`.
 fn digests(at: &str, value: &Value, found: &mut Vec<Placeholder>) {
     match value {
         Value::Object(fields) if fields.contains_key("orgs") || fields.contains_key("pools") => {}
@@ -89,6 +91,15 @@ fn digests(at: &str, value: &Value, found: &mut Vec<Placeholder>) {
                 } else {
                     format!("{at}.{name}")
                 };
+                if ["image", "url", "uri"].contains(&name.as_str())
+                    && field.as_str().is_some_and(on_an_example_host)
+                {
+                    found.push(Placeholder {
+                        field: path.clone(),
+                        message: "an example.com registry, a placeholder: put the registry you \
+                                  pushed the image to",
+                    });
+                }
                 if name == "sha256" && field == ZEROS {
                     found.push(Placeholder {
                         field: path,
@@ -117,5 +128,42 @@ fn digests(at: &str, value: &Value, found: &mut Vec<Placeholder>) {
             });
         }
         _ => {}
+    }
+}
+
+/// Whether an image reference or URL names a host under `example.com`, as the examples do.
+fn on_an_example_host(reference: &str) -> bool {
+    let rest = reference
+        .split_once("://")
+        .map_or(reference, |(_, rest)| rest);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host = authority.rsplit('@').next().unwrap_or(authority);
+    let host = host.split(':').next().unwrap_or(host).to_ascii_lowercase();
+    host == "example.com" || host.ends_with(".example.com")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_hosts_are_told_from_real_ones() {
+        for example in [
+            "oci://registry.example.com/weir/filter:0.1.0",
+            "registry.example.com/weir/sidecar@sha256:abc",
+            "https://Example.com:443/filter.wasm",
+            "registry.example.com:5000/weir/sidecar",
+        ] {
+            assert!(on_an_example_host(example), "{example}");
+        }
+        for real in [
+            "ghcr.io/acme/weir:1.0",
+            "weir-sidecar:dev",
+            "oci://example.company.io/weir",
+            "registry.notexample.com/weir",
+            "ghcr.io/example.com/weir",
+        ] {
+            assert!(!on_an_example_host(real), "{real}");
+        }
     }
 }

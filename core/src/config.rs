@@ -348,8 +348,7 @@ pub enum KeyRefusal {
 }
 
 /// Whether weir acts on a route.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Mode {
     /// Not weir's route: the request passes as it came (only caller-sent `x-weir-*` headers
     /// are removed), neither authenticated, signed, metered nor counted. What a shared
@@ -374,6 +373,44 @@ impl Mode {
             Mode::Shadow => "shadow",
             Mode::Enforce => "enforce",
         }
+    }
+}
+
+const MODES: [Mode; 4] = [Mode::Ignore, Mode::Off, Mode::Shadow, Mode::Enforce];
+
+/// By hand rather than derived, for what a boolean gets: Kubernetes reads a manifest's bare
+/// `off` as `false`, and serde_json's derived message for that was only "expected value".
+impl<'de> Deserialize<'de> for Mode {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Mode, D::Error> {
+        deserializer.deserialize_any(ModeVisitor)
+    }
+}
+
+struct ModeVisitor;
+
+impl serde::de::Visitor<'_> for ModeVisitor {
+    type Value = Mode;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("one of `ignore`, `off`, `shadow`, `enforce`")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, name: &str) -> Result<Mode, E> {
+        MODES
+            .into_iter()
+            .find(|m| m.as_str() == name)
+            .ok_or_else(|| E::unknown_variant(name, &["ignore", "off", "shadow", "enforce"]))
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, value: bool) -> Result<Mode, E> {
+        let why = if value {
+            ""
+        } else {
+            " (in a Kubernetes manifest a bare off is read as false: quote it, \"off\")"
+        };
+        Err(E::custom(format!(
+            "must be one of `ignore`, `off`, `shadow`, `enforce`, not {value}{why}"
+        )))
     }
 }
 
@@ -1214,10 +1251,41 @@ mod tests {
 
     #[test]
     fn modes_are_named_as_the_config_spells_them() {
-        for mode in [Mode::Ignore, Mode::Off, Mode::Shadow, Mode::Enforce] {
+        for mode in MODES {
             let parsed: Mode = serde_json::from_value(mode.as_str().into()).unwrap();
             assert_eq!(parsed, mode);
         }
+    }
+
+    #[test]
+    fn a_mode_of_false_says_a_bare_off_is_read_as_false() {
+        // What the filter gets from a WasmPlugin whose YAML says `mode: off`: before, only
+        // "routes.by_name.llm-api.mode: expected value".
+        let mode_of = |json: &str| {
+            let config =
+                format!(r#"{{"routes": {{"by_name": {{"llm-api": {{"mode": {json}}}}}}}}}"#);
+            error_of(&config).to_string()
+        };
+        assert_eq!(
+            mode_of("false"),
+            "routes.by_name.llm-api.mode: must be one of `ignore`, `off`, `shadow`, `enforce`, \
+             not false (in a Kubernetes manifest a bare off is read as false: quote it, \"off\")"
+        );
+        assert_eq!(
+            mode_of("3"),
+            "routes.by_name.llm-api.mode: must be one of `ignore`, `off`, `shadow`, `enforce`, not 3"
+        );
+        assert_eq!(
+            mode_of(r#""enforced""#),
+            "routes.by_name.llm-api.mode: must be one of `ignore`, `off`, `shadow`, `enforce`, \
+             not `enforced`"
+        );
+        let yaml = Config::parse(b"routes: {default: {mode: off}}\n").unwrap();
+        assert_eq!(
+            yaml.routes.default.mode,
+            Mode::Off,
+            "YAML 1.2: a bare off is the name"
+        );
     }
 
     #[test]

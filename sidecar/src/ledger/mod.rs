@@ -342,7 +342,11 @@ mod tests {
         let e = read_url(None, Some(&file)).unwrap_err().to_string();
         assert!(e.contains("sslmode"), "{e}");
         assert!(!e.contains("s3cret"), "{e}");
-        std::fs::write(&file, "postgresql://weir:s3cret@db:5432/weir_ledger?sslmode=disable").unwrap();
+        std::fs::write(
+            &file,
+            "postgresql://weir:s3cret@db:5432/weir_ledger?sslmode=disable",
+        )
+        .unwrap();
         assert!(read_url(None, Some(&file)).is_ok());
         let _ = std::fs::remove_file(&file);
     }

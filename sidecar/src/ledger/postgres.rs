@@ -207,7 +207,8 @@ pub fn history(client: &mut Client, tenant: &str, key: &str) -> anyhow::Result<K
     })
 }
 
-/// Records of a tenant (all tenants with `None`) finished at or after `since_ms`.
+/// Records of a tenant, or of every tenant under a prefix of its path, finished at or after
+/// `since_ms`; all tenants with `None`. As [`super::sqlite::query`].
 pub fn query(
     client: &mut Client,
     tenant: Option<&str>,
@@ -216,7 +217,9 @@ pub fn query(
     let rows = client.query(
         &format!(
             "SELECT {COLUMNS} FROM weir_usage
-             WHERE ($1::TEXT IS NULL OR tenant = $1) AND finished_at_ms >= $2
+             WHERE ($1::TEXT IS NULL OR tenant = $1
+                    OR substr(tenant, 1, length($1) + 1) = $1 || '/')
+               AND finished_at_ms >= $2
              ORDER BY finished_at_ms, request_id"
         ),
         &[&tenant, &(since_ms as i64)],

@@ -193,7 +193,9 @@ pub fn history(conn: &Connection, tenant: &str, key: &str) -> rusqlite::Result<K
     )
 }
 
-/// Records of a tenant (all tenants with `None`) finished at or after `since_ms`.
+/// Records of a tenant, or of every tenant under a prefix of its path (`acme`, `acme/ml`: never
+/// `acme2/…`), finished at or after `since_ms`; all tenants with `None`. Compared by `substr`,
+/// not `LIKE`: SQLite's `LIKE` ignores case, and ids do not.
 pub fn query(
     conn: &Connection,
     tenant: Option<&str>,
@@ -204,7 +206,9 @@ pub fn query(
                 completion_tokens, source, outcome, queued_ms, finished_at_ms, api,
                 cached_prompt_tokens, currency, price_input, price_cached_input, price_output,
                 cost_micros, route, mode
-         FROM usage WHERE (?1 IS NULL OR tenant = ?1) AND finished_at_ms >= ?2
+         FROM usage
+         WHERE (?1 IS NULL OR tenant = ?1 OR substr(tenant, 1, length(?1) + 1) = ?1 || '/')
+           AND finished_at_ms >= ?2
          ORDER BY finished_at_ms",
     )?;
     let rows = stmt.query_map(params![tenant, since_ms as i64], read)?;
