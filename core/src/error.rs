@@ -129,6 +129,27 @@ impl ApiError {
     }
 }
 
+/// An engine's own error answer with the provider's values, as weir's own answers carry them:
+/// the engine's message kept, and in OpenAI's shape its `param` and a string `code` (vLLM and
+/// llama.cpp's server send an exception class or their own `type`, and the status as `code`);
+/// in Anthropic's, its envelope and the status's type. `None` for a body that is not an error
+/// object (passed on as it came).
+pub fn from_engine(status: u16, body: &[u8], shape: ErrorShape) -> Option<Value> {
+    let value: Value = serde_json::from_slice(body).ok()?;
+    let error = value.get("error")?;
+    let message = error
+        .get("message")
+        .and_then(Value::as_str)
+        .or_else(|| error.as_str())?;
+    let mut shaped = ApiError::new(status, message).to_json_in(shape);
+    if shape == ErrorShape::OpenAi {
+        let text = |field: &str| error.get(field).filter(|v| v.is_string()).cloned();
+        shaped["error"]["param"] = text("param").unwrap_or(Value::Null);
+        shaped["error"]["code"] = text("code").unwrap_or(Value::Null);
+    }
+    Some(shaped)
+}
+
 /// Anthropic's error type for an HTTP status (its SDK picks the exception by status; the type
 /// names the error for people reading the body).
 fn anthropic_type(status: u16) -> &'static str {

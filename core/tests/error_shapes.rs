@@ -9,7 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
 use serde_json::{Value, json};
-use weir_core::error::{ApiError, ErrorShape};
+use weir_core::error::{ApiError, ErrorShape, from_engine};
 use weir_core::fleet::Window;
 use weir_core::fleet_config::Measure;
 use weir_core::reply::Reply;
@@ -273,4 +273,38 @@ fn no_status_becomes_a_numeric_code() {
         };
         assert_eq!(kind, expected, "{status}");
     }
+}
+
+/// An engine's own error answer, relayed with the providers' values: vLLM and llama.cpp's server
+/// answer with their own `type` and the status as `code` (both captured in the engines'
+/// reference captures); weir keeps the engine's message, `param` and a string `code`.
+#[test]
+fn an_engine_s_error_answer_carries_the_provider_s_values_and_its_own_message() {
+    let vllm = br#"{"error":{"message":"The model `nope` does not exist.","type":"NotFoundError","param":"model","code":404}}"#;
+    let v = from_engine(404, vllm, ErrorShape::OpenAi).expect("an error object");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(
+        v["error"]["code"],
+        Value::Null,
+        "never the status as a number"
+    );
+    assert_eq!(v["error"]["param"], "model");
+    assert_eq!(v["error"]["message"], "The model `nope` does not exist.");
+    let llama = br#"{"error":{"code":400,"message":"Expected 'messages' to be an array","type":"invalid_request_error"}}"#;
+    let v = from_engine(400, llama, ErrorShape::Anthropic).expect("an error object");
+    assert_eq!(
+        v,
+        json!({"type": "error", "error": {"type": "invalid_request_error",
+            "message": "Expected 'messages' to be an array"}})
+    );
+    let coded = br#"{"error":{"message":"too long","type":"BadRequestError","code":"context_length_exceeded"}}"#;
+    let v = from_engine(400, coded, ErrorShape::OpenAi).expect("an error object");
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    let v = from_engine(500, br#"{"error":"boom"}"#, ErrorShape::OpenAi).expect("a string error");
+    assert_eq!(v["error"]["type"], "server_error");
+    assert_eq!(from_engine(400, b"not json", ErrorShape::OpenAi), None);
+    assert_eq!(
+        from_engine(400, br#"{"detail":"x"}"#, ErrorShape::OpenAi),
+        None
+    );
 }

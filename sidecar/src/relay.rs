@@ -595,6 +595,12 @@ pub async fn relay(
                 flight.streamed = false;
                 let usage = Some(meter.finish()).filter(|u| !matches!(u, BodyUsage::Unknown));
                 flight.finish_with(outcome, usage, Some(response));
+                // An engine's own error answer, in the provider's values as weir's own are.
+                let shape = flight.endpoint.error_shape();
+                let shaped = (!status.is_success())
+                    .then(|| weir_core::error::from_engine(status.as_u16(), &bytes, shape))
+                    .flatten();
+                let bytes = shaped.map_or(bytes, |body| Bytes::from(body.to_string()));
                 let mut resp = (status, bytes).into_response();
                 let headers = resp.headers_mut();
                 headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(JSON));
@@ -1558,6 +1564,37 @@ mod tests {
             vec![("response_too_large".into(), 10, 100, "bound".into()); 2],
             "its prompt, and its answer's bound"
         );
+    }
+
+    /// An engine's own refusal reaches the caller with its status and message in the
+    /// provider's values: vLLM's exception class and numeric code were passed on as they came.
+    #[tokio::test]
+    async fn an_engine_s_refusal_reaches_the_caller_in_the_provider_s_values() {
+        let rig = rig(5_000);
+        let refuse = || async {
+            let body = r#"{"error":{"message":"max_tokens is too large","type":"BadRequestError","param":"max_tokens","code":400}}"#;
+            (StatusCode::BAD_REQUEST, body).into_response()
+        };
+        let url = serve(axum::Router::new().route("/refuse", axum::routing::post(refuse))).await;
+        for (endpoint, want) in [
+            (
+                Endpoint::ChatCompletions,
+                json!({"error": {"message": "max_tokens is too large",
+                    "type": "invalid_request_error", "param": "max_tokens", "code": null}}),
+            ),
+            (
+                Endpoint::Messages,
+                json!({"type": "error", "error": {"type": "invalid_request_error",
+                    "message": "max_tokens is too large"}}),
+            ),
+        ] {
+            let mut flight = flight_of(&rig, endpoint, false);
+            flight.who.request_id = format!("refused-{}", endpoint.name());
+            flight.assignment.url = url.clone();
+            let resp = relay(flight, "/refuse", b"{}".to_vec(), false, None).await;
+            let (status, v) = answer_of(resp).await;
+            assert_eq!((status, v), (StatusCode::BAD_REQUEST, want));
+        }
     }
 
     /// Each record's outcome, prompt and output tokens and their source, by request id (waits
