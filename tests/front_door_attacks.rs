@@ -376,3 +376,23 @@ async fn bodies_held_back_cannot_keep_more_requests_open_upstream_than_the_key_m
         assert!(answer.contains("concurrent_requests"), "{answer}");
     }
 }
+
+#[tokio::test]
+async fn a_model_name_cannot_write_lines_of_its_own_into_the_access_log() {
+    // The model is the caller's string, any JSON string: a line break in it ended the request's
+    // access log line and began one the caller wrote, naming any tenant and any token counts
+    // (the log a platform reads who used what from); a long one made each line as long.
+    let forged = "[forged] POST /v1/chat/completions 200 id=forged route=llm-api api=chat \
+                  tenant=victim/w/p/k model=tiny tokens_in=1 tokens_out=1 outcome=ok";
+    let model = format!("tiny\n{forged}\r\n{}", "x".repeat(64 * 1024));
+    let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+    post("log-forge", &body.to_string()).await;
+    let lines = stack().envoy.access_log_for("log-forge");
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let log = std::fs::read_to_string(&stack().envoy.access_log).unwrap();
+    assert!(
+        !log.lines().any(|l| l.starts_with("[forged]")),
+        "a line of the caller's in the access log"
+    );
+    assert!(lines[0].len() < 2_048, "a line of {} bytes", lines[0].len());
+}

@@ -178,7 +178,7 @@ impl AccessRecord<'_> {
     pub fn publish(&self) {
         host::set_filter_state("weir.tenant", self.tenant);
         host::set_filter_state("weir.api", self.api);
-        host::set_filter_state("weir.model", self.model);
+        host::set_filter_state("weir.model", &log_field(self.model));
         host::set_filter_state("weir.tokens_in", &self.tokens_in.to_string());
         host::set_filter_state("weir.tokens_out", &self.tokens_out.to_string());
         host::set_filter_state("weir.estimate", &self.estimate.to_string());
@@ -186,9 +186,40 @@ impl AccessRecord<'_> {
     }
 }
 
+/// A caller's string (the model it named) as one field of the access log line: visible ASCII
+/// only, anything else `?` (a line break would end the line and start one the caller wrote, a
+/// space would start a field), and at most [`weir_core::trusted::MAX_ID_LEN`] bytes, `...`
+/// marking the cut.
+fn log_field(value: &str) -> String {
+    let mut field: String = value
+        .bytes()
+        .take(weir_core::trusted::MAX_ID_LEN)
+        .map(|b| {
+            if b.is_ascii_graphic() {
+                char::from(b)
+            } else {
+                '?'
+            }
+        })
+        .collect();
+    if value.len() > weir_core::trusted::MAX_ID_LEN {
+        field.push_str("...");
+    }
+    field
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{Decision, Mode, decision_metric, route_label};
+    use super::{Decision, Mode, decision_metric, log_field, route_label};
+
+    #[test]
+    fn a_caller_s_model_is_one_bounded_field_of_the_access_log() {
+        assert_eq!(log_field("llama-3.1-8b"), "llama-3.1-8b");
+        assert_eq!(log_field("m\nforged line\r"), "m?forged?line?");
+        assert_eq!(log_field("é"), "??");
+        let long = log_field(&"x".repeat(10_000));
+        assert_eq!(long.len(), weir_core::trusted::MAX_ID_LEN + 3);
+    }
 
     #[test]
     fn route_labels_cannot_add_stat_name_segments() {
