@@ -391,3 +391,80 @@ fn each_document_of_a_stream_is_checked_on_its_own() {
     let (passed, stderr) = config_check(dir.path(), "two.yaml", &two, &[]);
     assert!(passed, "{stderr}");
 }
+
+#[test]
+fn a_bare_off_in_a_manifest_fails_the_check_as_it_fails_the_filter() {
+    // Kubernetes reads a manifest's YAML as YAML 1.1, where a bare `off` (or `on`, `yes`, `no`)
+    // is a boolean: the WasmPlugin's pluginConfig reaches the filter as `"mode": false`, which
+    // the filter refuses (and a module that does not load fails the whole listener). Before,
+    // `weir config check` read the manifest as YAML 1.2, found the string "off", and passed it.
+    let dir = tempfile::tempdir().unwrap();
+    let plugin = |mode: &str| {
+        format!(
+            "apiVersion: extensions.istio.io/v1alpha1\nkind: WasmPlugin\nmetadata: {{name: weir}}\nspec:\n  \
+             pluginConfig:\n    \
+             orgs: [{{id: acme, workspaces: [{{id: ml, projects: [{{id: chat, keys: [{{id: ci, sha256: {A_HASH}}}]}}]}}]}}]\n    \
+             routes:\n      by_name:\n        llm-api: {{mode: {mode}}}\n"
+        )
+    };
+    let (passed, stderr) = config_check(dir.path(), "wasmplugin.yaml", &plugin("\"off\""), &[]);
+    assert!(passed, "{stderr}");
+    let (passed, stderr) = config_check(dir.path(), "wasmplugin.yaml", &plugin("off"), &[]);
+    assert!(!passed, "a bare off passed: {stderr}");
+    assert!(
+        stderr.contains("routes.by_name.llm-api.mode") && stderr.contains("quote it"),
+        "names the field and the cure: {stderr}"
+    );
+    // Block style too.
+    let block = plugin("off").replace("llm-api: {mode: off}", "llm-api:\n          mode: off");
+    let (passed, stderr) = config_check(dir.path(), "wasmplugin.yaml", &block, &[]);
+    assert!(!passed, "a bare off passed: {stderr}");
+}
+
+#[test]
+fn usage_from_a_closed_ledger_leaves_its_directory_as_it_found_it() {
+    // The sidecar's ledger is in WAL mode; a clean close leaves the database file alone. A
+    // read-only SQLite connection to it creates `-shm` and `-wal` files beside it (owned by
+    // whoever ran `weir usage`, in a debug container often root, where the sidecar, uid
+    // 65532, cannot write them next time it opens its ledger). weir usage writes nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("ledger.sqlite");
+    let conn = weir_sidecar::ledger::open(&ledger).unwrap();
+    let record = weir_sidecar::ledger::UsageRecord {
+        idempotency_key: "k".into(),
+        attempt: 1,
+        request_id: "r".into(),
+        tenant: "acme/ml/chat/ci".into(),
+        model: "m".into(),
+        source: "engine".into(),
+        outcome: "ok".into(),
+        finished_at_ms: 1_000,
+        route: Some("llm-api".into()),
+        mode: Some("enforce".into()),
+        ..Default::default()
+    };
+    weir_sidecar::ledger::append(&conn, &record).unwrap();
+    drop(conn);
+    let listing = || {
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    let before = listing();
+    assert_eq!(before, ["ledger.sqlite"], "a clean close");
+    let out = weir(&[
+        "usage",
+        "--ledger",
+        ledger.to_str().unwrap(),
+        "--since",
+        "all",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("acme/ml/chat/ci,k,1,r,m"), "{stdout}");
+    assert!(stdout.contains(",llm-api,enforce,"), "{stdout}");
+    assert_eq!(listing(), before, "weir usage wrote beside the ledger");
+}

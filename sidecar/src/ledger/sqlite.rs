@@ -70,7 +70,7 @@ pub fn open_read_only(path: &Path) -> anyhow::Result<Connection> {
             path.display()
         );
     }
-    let conn = Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
+    let conn = open_unwritten(path)?;
     let columns: Vec<String> = conn
         .prepare("SELECT name FROM pragma_table_info('usage')")?
         .query_map([], |row| row.get(0))?
@@ -90,6 +90,37 @@ pub fn open_read_only(path: &Path) -> anyhow::Result<Connection> {
         );
     }
     Ok(conn)
+}
+
+/// Opens `path` to read without writing a byte anywhere. The ledger is in WAL mode, and a
+/// read-only SQLite connection to a WAL database creates its `-shm` and `-wal` files when they
+/// are missing (a ledger closed cleanly has neither): files left owned by whoever read, which
+/// the sidecar may not be able to write when it next opens its ledger. Without them every
+/// record is in the database file and it is read as it is (`immutable`); with them (the
+/// sidecar has it open) it is read through them, which creates nothing.
+fn open_unwritten(path: &Path) -> rusqlite::Result<Connection> {
+    use rusqlite::OpenFlags;
+    let beside = |suffix: &str| {
+        let mut name = path.as_os_str().to_owned();
+        name.push(suffix);
+        std::path::PathBuf::from(name).exists()
+    };
+    if beside("-wal") || beside("-shm") {
+        return Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY);
+    }
+    let mut uri = String::from("file:");
+    for &b in path.as_os_str().as_encoded_bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'/' | b'-' | b'_' | b'.' | b'~') {
+            uri.push(char::from(b));
+        } else {
+            uri.push_str(&format!("%{b:02X}"));
+        }
+    }
+    uri.push_str("?immutable=1");
+    Connection::open_with_flags(
+        uri,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_URI,
+    )
 }
 
 pub fn open(path: &Path) -> rusqlite::Result<Connection> {
