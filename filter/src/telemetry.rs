@@ -116,15 +116,21 @@ pub fn decision_metric(route: &str, mode: Mode, decision: Decision) -> String {
     )
 }
 
+/// The longest route label ([`route_label`]).
+pub const MAX_ROUTE_LABEL: usize = 128;
+
 /// A route's name as a metric label: `default` for a route without one; lower case, and any
 /// character but `[a-z0-9_-]` as `_`, so a name cannot add a dot (a stat-name segment) and
 /// shift the segments Envoy's `stats_tags` extract. Route names come from the operator's route
-/// table, so the labels are as few as its routes.
+/// table, so the labels are as few as its routes. At most [`MAX_ROUTE_LABEL`] characters: the
+/// label is vouched as `x-weir-route`, which the sidecar refuses past 255 (every request on a
+/// route of a longer name was answered 401 `untrusted_request`).
 pub fn route_label(name: Option<&str>) -> String {
     match name {
         None | Some("") => "default".to_owned(),
         Some(name) => name
             .chars()
+            .take(MAX_ROUTE_LABEL)
             .map(|c| match c.to_ascii_lowercase() {
                 c @ ('a'..='z' | '0'..='9' | '_' | '-') => c,
                 _ => '_',
@@ -228,6 +234,12 @@ mod tests {
         assert_eq!(route_label(Some("é")), "_");
         assert_eq!(route_label(Some("")), "default");
         assert_eq!(route_label(None), "default");
+    }
+
+    #[test]
+    fn a_long_route_name_is_a_label_the_sidecar_accepts() {
+        let label = route_label(Some(&"r".repeat(300)));
+        assert!(weir_core::trusted::is_id(&label), "{} bytes", label.len());
     }
 
     #[test]
