@@ -31,25 +31,42 @@ impl ControlPlane {
     }
 }
 
-/// Pushes each new content of `file` the filter would accept; says why it did not push one it
-/// would refuse (the running config stays, as with a mesh's rejected update).
+/// Pushes each new content of `file` the filter would accept, once it has stood unchanged for
+/// a poll (an editor that truncates, then writes, must not push the empty or half-written
+/// file between); says why it did not push one it would refuse (the running config stays, as
+/// with a mesh's rejected update).
 fn follow(file: &Path, source: &Source) {
-    let mut seen = std::fs::read(file).ok();
+    let mut pushed = std::fs::read(file).ok();
+    let mut last = pushed.clone();
     loop {
         std::thread::sleep(POLL);
         let Ok(text) = std::fs::read(file) else {
             continue;
         };
-        if seen.as_ref() == Some(&text) {
+        let settled = last.as_ref() == Some(&text);
+        last = Some(text.clone());
+        if !settled || pushed.as_ref() == Some(&text) {
             continue;
         }
-        match Config::parse(&text) {
-            Ok(_) => {
+        match refusal(&text) {
+            None => {
                 source.write_text(&String::from_utf8_lossy(&text));
                 eprintln!("xtask: pushed {} to Envoy", file.display());
             }
-            Err(e) => eprintln!("xtask: {} not pushed: {e}", file.display()),
+            Some(why) => eprintln!("xtask: {} not pushed: {why}", file.display()),
         }
-        seen = Some(text);
+        pushed = Some(text);
+    }
+}
+
+/// Why the filter would refuse `text`, or would let every request through unsigned (a config
+/// emptied by mistake), if it would.
+fn refusal(text: &[u8]) -> Option<String> {
+    match Config::parse(text) {
+        Err(e) => Some(e.to_string()),
+        Ok(config) if config.signing.is_none() => {
+            Some("no `signing`: the sidecar would refuse every request".into())
+        }
+        Ok(_) => None,
     }
 }

@@ -158,7 +158,8 @@ pub fn read_url(env: Option<&str>, file: Option<&Path>) -> anyhow::Result<String
         bail!("postgres: the URL is empty");
     }
     // Refused at start rather than retried for ever, its records spooled: a URL the client
-    // cannot parse never connects (the message names the option, never the password).
+    // cannot parse never connects (the client's message holds no part of the URL, so no
+    // password).
     if let Err(e) = url.parse::<::postgres::Config>() {
         bail!(
             "postgres: the URL is not one weir can use: {e} (weir connects without TLS: \
@@ -340,7 +341,7 @@ mod tests {
         )
         .unwrap();
         let e = read_url(None, Some(&file)).unwrap_err().to_string();
-        assert!(e.contains("sslmode"), "{e}");
+        assert!(e.contains("not one weir can use"), "{e}");
         assert!(!e.contains("s3cret"), "{e}");
         std::fs::write(
             &file,
