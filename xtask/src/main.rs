@@ -773,6 +773,17 @@ fn node_runtime() -> anyhow::Result<PathBuf> {
 /// Where the filter's wasm lands (`--profile wasm`).
 const FILTER_WASM: &str = "target/wasm32-wasip1/wasm/weir_filter.wasm";
 
+/// This binary, copied aside before the workspace builds below relink `target/debug/xtask`
+/// (built with the whole workspace's features, it is another file, and this one's path then
+/// names a deleted file).
+fn copy_of_this_binary() -> anyhow::Result<PathBuf> {
+    let dir = root().join("target/xtask-under-test");
+    std::fs::create_dir_all(&dir)?;
+    let copy = dir.join("xtask");
+    std::fs::copy(std::env::current_exe()?, &copy).context("copying the xtask binary aside")?;
+    Ok(copy)
+}
+
 /// The wasm target and the release-mode filter build.
 fn build_filter() -> anyhow::Result<PathBuf> {
     run(
@@ -837,6 +848,7 @@ fn build_wasm(what: &str, profile: &str, extra: &[&str]) -> anyhow::Result<()> {
 }
 
 fn test(lint: bool) -> anyhow::Result<()> {
+    let xtask = copy_of_this_binary()?;
     let python = python_env()?;
     let wasm = build_filter()?;
     let fault_wasm = build_fault_filter()?;
@@ -899,7 +911,7 @@ fn test(lint: bool) -> anyhow::Result<()> {
             .env("WEIR_FILTER_WASM", &wasm)
             .env("WEIR_FAULT_FILTER_WASM", &fault_wasm)
             // The OCI image's test runs `xtask oci`: this very binary.
-            .env("WEIR_XTASK_BIN", std::env::current_exe()?)
+            .env("WEIR_XTASK_BIN", &xtask)
             .env(
                 "ENVOY_BIN",
                 std::env::var_os("ENVOY_BIN").unwrap_or(envoy.into()),
