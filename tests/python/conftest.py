@@ -85,19 +85,31 @@ def banner_value(banner: str, label: str) -> str:
     return match.group(1)
 
 
-def ledger_row(banner: str, idempotency_key: str) -> dict:
-    """The sidecar's ledger record of an idempotency key, once written."""
+def admin(banner: str) -> str:
+    """The gateway Envoy's admin URL."""
+    return banner_value(banner, "Gateway metrics").removesuffix("/stats/prometheus")
+
+
+def ledger_rows(banner: str, where: str, args: tuple, count: int, within: float) -> list[dict]:
+    """The sidecar's ledger records matching `where`, once `count` of them are written (waiting
+    up to `within` seconds)."""
     path = banner_value(banner, "Usage ledger")
-    for _ in range(100):
+    rows: list = []
+    deadline = time.time() + within
+    while time.time() < deadline:
         with sqlite3.connect(path) as conn:
             conn.row_factory = sqlite3.Row
-            rows = conn.execute(
-                "SELECT * FROM usage WHERE idempotency_key = ?", (idempotency_key,)
-            ).fetchall()
-        if rows:
-            assert len(rows) == 1, rows
-            return dict(rows[0])
+            rows = conn.execute(f"SELECT * FROM usage WHERE {where}", args).fetchall()
+        if len(rows) >= count:
+            return [dict(r) for r in rows]
         time.sleep(0.05)
-    pytest.fail(f"no ledger record for {idempotency_key}")
+    pytest.fail(f"{count - len(rows)} of {count} ledger records not written ({where}: {args})")
+
+
+def ledger_row(banner: str, idempotency_key: str) -> dict:
+    """The sidecar's ledger record of an idempotency key, once written."""
+    rows = ledger_rows(banner, "idempotency_key = ?", (idempotency_key,), 1, within=5)
+    assert len(rows) == 1, rows
+    return rows[0]
 
 

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import sqlite3
 import subprocess
 import time
 import urllib.error
@@ -21,7 +20,7 @@ import uuid
 import pytest
 import yaml
 
-from conftest import ROOT, banner_value, up
+from conftest import ROOT, admin, banner_value, ledger_rows, up
 
 MODEL = "llama-3.1-8b"
 # Tenants with room for the day's traffic (the free tier's 60 requests a minute has not).
@@ -60,10 +59,6 @@ def test_the_readme_examples_work_as_written(stack):
     with contextlib.redirect_stdout(printed):
         exec(compile(python, "README.md", "exec"), {})
     assert printed.getvalue().strip(), "the Python example printed nothing"
-
-
-def admin(banner: str) -> str:
-    return banner_value(banner, "Gateway metrics").removesuffix("/stats/prometheus")
 
 
 def config_reloads(banner: str) -> int:
@@ -107,32 +102,19 @@ def call(endpoint: str, key: str | None, trace: str) -> tuple[int, dict, dict]:
         return e.code, dict(e.headers), json.loads(e.read() or b"{}")
 
 
-def ledger_rows(banner: str, where: str, args: tuple, count: int) -> list[dict]:
-    """The ledger's records matching `where`, once `count` of them are written."""
-    path = banner_value(banner, "Usage ledger")
-    rows: list = []
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        with sqlite3.connect(path) as conn:
-            conn.row_factory = sqlite3.Row
-            rows = conn.execute(f"SELECT * FROM usage WHERE {where}", args).fetchall()
-        if len(rows) >= count:
-            return [dict(r) for r in rows]
-        time.sleep(0.1)
-    pytest.fail(f"{count - len(rows)} of {count} requests have no ledger record")
-
-
 def keyed_rows(banner: str, traces: list[str]) -> list[dict]:
     """The records of requests sent with a key, by their Idempotency-Key."""
     marks = ",".join("?" * len(traces))
-    return ledger_rows(banner, f"idempotency_key IN ({marks})", tuple(traces), len(traces))
+    return ledger_rows(
+        banner, f"idempotency_key IN ({marks})", tuple(traces), len(traces), within=10,
+    )
 
 
 def keyless_rows(banner: str, since_ms: int, count: int) -> list[dict]:
     """The records of requests sent without a key since `since_ms`: the default tenant's
     (whose callers' Idempotency-Keys weir does not carry, as they all share one tenant)."""
     return ledger_rows(
-        banner, "tenant = 'anonymous' AND finished_at_ms >= ?", (since_ms,), count,
+        banner, "tenant = 'anonymous' AND finished_at_ms >= ?", (since_ms,), count, within=10,
     )
 
 

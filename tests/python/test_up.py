@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from conftest import banner_value, ledger_row, session_processes, up
+from conftest import admin, banner_value, ledger_row, session_processes, up
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +59,7 @@ def access_log(banner: str, trace: str) -> dict:
 
 def gateway_tokens(banner: str) -> tuple[int, int]:
     """What the filter has settled so far, input and output tokens (Envoy's stats)."""
-    admin = banner_value(banner, "Gateway metrics").removesuffix("/stats/prometheus")
-    url = admin + "/stats?filter=weir.tokens&format=json"
+    url = admin(banner) + "/stats?filter=weir.tokens&format=json"
     stats = json.load(urllib.request.urlopen(url))["stats"]
     value = {s["name"].rsplit(".", 1)[-1]: s["value"] for s in stats if "value" in s}
     return value.get("input", 0), value.get("output", 0)

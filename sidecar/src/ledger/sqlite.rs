@@ -71,10 +71,7 @@ pub fn open_read_only(path: &Path) -> anyhow::Result<Connection> {
         );
     }
     let conn = open_unwritten(path)?;
-    let columns: Vec<String> = conn
-        .prepare("SELECT name FROM pragma_table_info('usage')")?
-        .query_map([], |row| row.get(0))?
-        .collect::<rusqlite::Result<_>>()?;
+    let columns = columns(&conn)?;
     if columns.is_empty() {
         anyhow::bail!("{}: not a weir ledger (no usage table)", path.display());
     }
@@ -123,15 +120,19 @@ fn open_unwritten(path: &Path) -> rusqlite::Result<Connection> {
     )
 }
 
+/// The `usage` table's columns (none when there is no such table).
+fn columns(conn: &Connection) -> rusqlite::Result<Vec<String>> {
+    conn.prepare("SELECT name FROM pragma_table_info('usage')")?
+        .query_map([], |row| row.get(0))?
+        .collect()
+}
+
 pub fn open(path: &Path) -> rusqlite::Result<Connection> {
     let mut conn = Connection::open(path)?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
     let tx = conn.transaction()?;
-    let columns: Vec<String> = tx
-        .prepare("SELECT name FROM pragma_table_info('usage')")?
-        .query_map([], |row| row.get(0))?
-        .collect::<rusqlite::Result<_>>()?;
+    let columns = columns(&tx)?;
     let has = |name: &str| columns.iter().any(|c| c == name);
     let old = !columns.is_empty() && !has("attempt");
     if old {
