@@ -19,9 +19,9 @@
 //!   part within its org (below) leaves the `kv_headroom` room and the turns while a sibling
 //!   key holds nothing.
 //! - Past its part but no flood: a quiet org's burst (below its part on average lately, with
-//!   nothing else queued) may go one request past it, leaving the others their turns; a flood
-//!   catching up with the least of the others may use the `kv_headroom` room, leaving the
-//!   others their reserves.
+//!   nothing else queued) may go one request past it, and a flood catching up with the least
+//!   of the others may too; both may use the `kv_headroom` room, but leave the others their
+//!   reserves: nothing past its part takes room another org may ask for within its own.
 //!
 //! [`Headroom::admission`] says how a request starts ([`Start`]): a quiet one may join an
 //! engine's own queue, a flood's keeps out of it.
@@ -585,13 +585,16 @@ impl<'a> Headroom<'a> {
                 self.idle_orgs as u64
             };
             let held_back = held_back_org || (key_past && keys_idle > 0);
-            // A quiet tenant's burst leaves the others their turns; a flood catching up with
-            // another may use the headroom but leaves the others their reserves too.
+            // A quiet tenant's burst, and a flood catching up with another, may use the
+            // headroom but leave the others their reserves: a request past its part never takes
+            // room another org may ask for within its own (a flood's first seconds look like a
+            // quiet burst, and its streams held the room a small tenant's second request needed
+            // for seconds).
             let in_org = keys_idle.min(org_left) as u64;
-            let kept = match (held_back, steady, catching_up) {
-                (false, _, _) | (true, true, _) => turns,
-                (true, false, true) => turns.max(in_org.saturating_add(reserves)),
-                (true, false, false) => ((self.fraction * self.room.slots as f64).ceil() as u64)
+            let kept = match (held_back, steady || catching_up) {
+                (false, _) => turns,
+                (true, true) => turns.max(in_org.saturating_add(reserves)),
+                (true, false) => ((self.fraction * self.room.slots as f64).ceil() as u64)
                     .max(in_org.saturating_add(reserves)),
             };
             let used = self.room.slots_used.saturating_add(sequences);
@@ -943,11 +946,11 @@ mod tests {
     }
 
     #[test]
-    fn a_quiet_tenant_s_burst_may_go_one_past_its_part() {
+    fn a_quiet_tenant_s_burst_may_go_one_past_its_part_from_room_nobody_else_may_need() {
         // 12 slots, six orgs (a part of 2 each): three floods hold their parts with backlogs,
-        // q0 and q1 ran a request at a time earlier (a reserve of 2 each), q2 has held `first`
-        // slots since `since` and holds its part at 12 s. It bursts to a third.
-        let burst = |since: u64, first: u64| {
+        // q0 and q1 ran `ran` requests at a time earlier (a reserve of one more each), q2 has
+        // held `first` slots since `since` and holds its part at 12 s. It bursts to a third.
+        let burst = |ran: u64, since: u64, first: u64| {
             let mut s = Shares::default();
             let orgs = ["f0", "f1", "f2", "q0", "q1", "q2"];
             for k in orgs {
@@ -955,8 +958,8 @@ mod tests {
             }
             s.expire(0, 10_000);
             for q in ["q0", "q1"] {
-                s.hold(q, q, 1, 0, true);
-                s.hold(q, q, 1, 0, false);
+                s.hold(q, q, ran, 0, true);
+                s.hold(q, q, ran, 0, false);
             }
             for f in ["f0", "f1", "f2"] {
                 s.hold(f, f, 2, 0, true);
@@ -984,15 +987,20 @@ mod tests {
             let h = s.headroom(room, 0.2);
             (h.admission("q2", "q2", 1, 0), h.admission("q2", "q2", 2, 0))
         };
-        // Below its part on average over the window: its third starts, quietly; a fourth
-        // would not.
-        assert_eq!(burst(0, 1), (Some(Start::Quiet), None));
+        // Below its part on average over the window, with q0 and q1 idle lately (a reserve of
+        // one each): its third starts, quietly; a fourth would not.
+        assert_eq!(burst(0, 0, 1), (Some(Start::Quiet), None));
+        // With q0 and q1 having run one each, a third would leave 3 free for their reserves of
+        // 2: it waits (before, it left them only their turns, and a flood's first seconds, which
+        // look like such a burst, held a small tenant's second request for seconds).
+        assert_eq!(burst(1, 0, 1), (None, None));
         // New to the pool a second ago, it is judged by what it held so far: one slot, below
         // its part (before, its average was unknown for a quarter of the window, and a Poisson
         // tenant's bursts waited for its own requests to end in its first seconds).
-        assert_eq!(burst(11_000, 1), (Some(Start::Quiet), None));
-        // Holding its part from the start, as a flood's first second does: it waits.
-        assert_eq!(burst(11_000, 2), (None, None));
+        assert_eq!(burst(0, 11_000, 1), (Some(Start::Quiet), None));
+        // Holding its part from the start, as a flood's first second does: a flood, kept out
+        // of the engines' queues.
+        assert_eq!(burst(0, 11_000, 2), (Some(Start::Flood), None));
     }
 
     #[test]
