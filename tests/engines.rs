@@ -429,7 +429,7 @@ async fn noisy_neighbour(dialect: &str) {
 #[tokio::test]
 async fn only_streams_to_llamacpp_ask_the_engine_to_close_the_connection() {
     let _turn = turn().await;
-    let nonce = weir_sidecar::dispatcher::now_ms();
+    let nonce = weir_sidecar::support::clock::now_ms();
     for engines in &stack().engines {
         for stream in [true, false] {
             let prompt = format!("connection check {nonce} {} {stream}", engines.dialect);

@@ -137,7 +137,7 @@ async fn contend(route: &str, sidecar: &Sidecar) -> Vec<(String, u64)> {
     // and a ±10% bound was within one request of noise (k0 : sibling ranged 2.78-3.43 over
     // four runs); 11.5 s counted halves that noise.
     let window = Duration::from_secs(13);
-    let started_ms = weir_sidecar::dispatcher::now_ms();
+    let started_ms = weir_sidecar::support::clock::now_ms();
     let until = Instant::now() + window;
     let url = format!("{}{route}", stack().envoy.url);
     let client = |key: String| {

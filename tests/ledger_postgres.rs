@@ -126,7 +126,7 @@ fn the_schema_is_created_once_and_concurrent_writers_add_each_attempt_once() {
 fn an_idempotency_key_s_history_is_read_from_postgres_and_the_spool() {
     let pg = server();
     let dir = tempfile::tempdir().unwrap();
-    let config: weir_sidecar::ledger::LedgerStoreConfig = serde_json::from_value(json!({
+    let config: weir_sidecar::config::ledger::LedgerStoreConfig = serde_json::from_value(json!({
         "postgres": {"url_file": pg.url_file()},
         "spool": dir.path().join("spool.sqlite"),
     }))

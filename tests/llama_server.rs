@@ -602,7 +602,7 @@ async fn small_tenants_keep_their_latency_through_a_noisy_flood_and_no_queue_for
 #[tokio::test]
 async fn another_tenants_identical_prompt_never_reuses_a_tenants_prompt_cache() {
     let _turn = turn().await;
-    let nonce = weir_sidecar::dispatcher::now_ms();
+    let nonce = weir_sidecar::support::clock::now_ms();
     // Sends `prompt` as `key`; returns the cached tokens the engine reported and the replica
     // that served it (from the ledger).
     let ask = |key: &'static str, prompt: &str, id: String| {

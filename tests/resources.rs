@@ -313,7 +313,7 @@ async fn a_tenant_that_ran_alone_is_not_starved_when_another_arrives() {
         }
     };
     let joined = Duration::from_millis(300);
-    let solo_back_ms = weir_sidecar::dispatcher::now_ms() + joined.as_millis() as u64;
+    let solo_back_ms = weir_sidecar::support::clock::now_ms() + joined.as_millis() as u64;
     let clients = (0..24).flat_map(|_| [client("joiner", Duration::ZERO), client("solo", joined)]);
     futures::future::join_all(clients).await;
 

@@ -399,7 +399,7 @@ async fn weights_divide_service_two_to_one_and_returning_tenants_are_lifted() {
     // shows 3:1 between keys that each hold a small part of the pool).
     let window = Duration::from_secs(6);
     let until = Instant::now() + window;
-    let started_ms = weir_sidecar::dispatcher::now_ms();
+    let started_ms = weir_sidecar::support::clock::now_ms();
     let url = format!("{}/v1/chat/completions", stack().envoy.url);
     let client = |key: &'static str| {
         keep_backlogged(&url, key, until, move |n| {

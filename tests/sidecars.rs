@@ -344,7 +344,7 @@ async fn a_sidecar_killed_under_load_hands_its_orgs_to_the_survivor_which_keeps_
     let mut victim_sidecar = sidecars[victim].take().unwrap();
     let kill = async move {
         tokio::time::sleep_until(kill_at.into()).await;
-        let killed_ms = weir_sidecar::dispatcher::now_ms();
+        let killed_ms = weir_sidecar::support::clock::now_ms();
         tokio::task::spawn_blocking(move || {
             let status = victim_sidecar.terminate(Duration::from_secs(10));
             (victim_sidecar, status, killed_ms)

@@ -23,8 +23,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use crate::config::DiscoveryConfig;
-use crate::dispatcher::Event;
-use crate::roster::url_of;
+use crate::pool::url_of;
+use crate::replica_event::ReplicaEvent;
 
 /// Longest one resolution may take before it counts as failed.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -90,12 +90,12 @@ pub fn replicas(spec: &DiscoveryConfig, addrs: &[SocketAddr]) -> BTreeSet<String
 }
 
 /// Resolves `spec` for the pool at index `pool` every `interval_ms`, for ever, and reports each
-/// answer ([`Event::Discovered`]); ends when the dispatcher has gone.
-pub async fn run(
+/// answer ([`ReplicaEvent::Discovered`]); ends when the dispatcher has gone.
+pub async fn run<E: From<ReplicaEvent> + Send + 'static>(
     resolver: Arc<dyn Resolver>,
     pool: usize,
     spec: DiscoveryConfig,
-    events: mpsc::UnboundedSender<Event>,
+    events: mpsc::UnboundedSender<E>,
 ) {
     let mut tick = tokio::time::interval(Duration::from_millis(spec.interval_ms.max(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -128,12 +128,12 @@ pub async fn run(
         }
         tracing::info!(name = %spec.dns, replicas = ?found, "discovery: the name's addresses changed");
         last = Some(found.clone());
-        let event = Event::Discovered {
+        let event = ReplicaEvent::Discovered {
             pool,
             source: spec.clone(),
             replicas: found,
         };
-        if events.send(event).is_err() {
+        if events.send(event.into()).is_err() {
             return;
         }
     }
@@ -208,7 +208,7 @@ mod tests {
         let mut seen = Vec::new();
         for _ in 0..2 {
             match rx.recv().await {
-                Some(Event::Discovered { pool, replicas, .. }) => {
+                Some(ReplicaEvent::Discovered { pool, replicas, .. }) => {
                     assert_eq!(pool, 3);
                     seen.push(replicas.into_iter().collect::<Vec<_>>());
                 }

@@ -14,9 +14,8 @@ use weir_core::config::Priority;
 use weir_core::fairness::{Window, gap_bound};
 use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights, Verdict};
 
-use crate::backoff::{Backoff, Waits};
-use crate::config::{DiscoveryConfig, PoolConfig, QueueConfig};
-use crate::engine::{Dialect, EngineLimits, EngineSample};
+use crate::config::{PoolConfig, QueueConfig};
+use crate::engine::{Dialect, EngineSample};
 use crate::headroom::{Headroom, Room, Shares};
 use crate::health::{Command, Link};
 use crate::isolation::Isolation;
@@ -25,7 +24,10 @@ use crate::metrics::{Labels, Metrics};
 use crate::pool::{Pool, Replica, ReplicaId, Start};
 use crate::projection::Paces;
 use crate::readiness::Readiness;
+use crate::replica_event::ReplicaEvent;
 use crate::roster::Change;
+use crate::support::backoff::{Backoff, Waits};
+use crate::support::clock::now_ms;
 use crate::upstream::Upstream;
 
 /// A request waiting for a replica.
@@ -332,15 +334,6 @@ pub enum Event {
         pool: usize,
         replica: ReplicaId,
     },
-    /// A replica answered its probe for the first time or again after being unreachable, with
-    /// what its engine says of its limits; sent before that probe's [`Event::Sample`].
-    Joined {
-        pool: usize,
-        replica: ReplicaId,
-        limits: EngineLimits,
-        /// Its engine's dialect, if the probe recognised it.
-        dialect: Option<Dialect>,
-    },
     /// Sent by [`Assignment::started`].
     FirstByte {
         pool: usize,
@@ -361,17 +354,9 @@ pub enum Event {
         replica: ReplicaId,
         ticket: Ticket,
     },
-    Sample {
-        pool: usize,
-        replica: ReplicaId,
-        sample: Option<EngineSample>,
-    },
-    /// A replica's isolation mode changed ([`crate::isolation_probe::Prober`]).
-    Isolated {
-        pool: usize,
-        replica: ReplicaId,
-        isolation: Isolation,
-    },
+    /// What the replica side found: a replica joined, its engine's figures, its isolation, a
+    /// pool's discovered replicas.
+    Replica(ReplicaEvent),
     /// A snapshot for `/ready`.
     Ready(oneshot::Sender<Readiness>),
     /// The config, at start-up and at each reload ([`crate::reload`]): the queue's bounds and
@@ -380,12 +365,12 @@ pub enum Event {
         queue: QueueConfig,
         pools: Vec<PoolSpec>,
     },
-    /// What a pool's discovery found last (ignored unless the pool still discovers `source`).
-    Discovered {
-        pool: usize,
-        source: DiscoveryConfig,
-        replicas: BTreeSet<String>,
-    },
+}
+
+impl From<ReplicaEvent> for Event {
+    fn from(event: ReplicaEvent) -> Event {
+        Event::Replica(event)
+    }
 }
 
 /// One pool as configured: its index (fixed per model for the process's life) and settings.
@@ -434,12 +419,6 @@ pub struct Dispatcher {
     events: mpsc::WeakUnboundedSender<Event>,
     /// The projected waits refusals' `Retry-After` is drawn from.
     waits: watch::Sender<Arc<Waits>>,
-}
-
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Dispatcher {
@@ -547,9 +526,66 @@ impl Dispatcher {
         }
     }
 
+    /// What the replica side found ([`ReplicaEvent`]).
+    fn on_replica(&mut self, event: ReplicaEvent) {
+        match event {
+            ReplicaEvent::Joined {
+                pool,
+                replica,
+                limits,
+                dialect,
+            } => {
+                let configured = self.budget_configured(pool);
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    r.join(limits, dialect);
+                    // What an engine said before no longer holds (another may answer here
+                    // now): its figure, or none until a sample says.
+                    if !configured {
+                        r.hold_kv(limits.kv_tokens.unwrap_or(0));
+                    }
+                }
+                self.update_limits(pool, replica);
+            }
+            ReplicaEvent::Sample {
+                pool,
+                replica,
+                sample,
+            } => self.observe(pool, replica, sample),
+            ReplicaEvent::Isolated {
+                pool,
+                replica,
+                isolation,
+            } => {
+                if let Some(r) = self.replica_mut(pool, replica) {
+                    r.isolation = isolation;
+                    let url = r.url.clone();
+                    self.metrics.cache_isolation(&url, isolation);
+                }
+            }
+            ReplicaEvent::Discovered {
+                pool,
+                source,
+                replicas,
+            } => {
+                let Some(p) = self.pools.get_mut(pool) else {
+                    return;
+                };
+                if p.config
+                    .discovery
+                    .as_ref()
+                    .is_some_and(|d| d.same_source(&source))
+                {
+                    p.discovered = replicas;
+                    self.reconcile(pool);
+                }
+            }
+        }
+    }
+
     fn apply(&mut self, event: Event) {
         match event {
             Event::Enqueue(job) => self.enqueue(job),
+            Event::Replica(event) => self.on_replica(event),
             Event::Served {
                 pool,
                 replica,
@@ -622,23 +658,6 @@ impl Dispatcher {
                     r.healthy = false;
                 }
             }
-            Event::Joined {
-                pool,
-                replica,
-                limits,
-                dialect,
-            } => {
-                let configured = self.budget_configured(pool);
-                if let Some(r) = self.replica_mut(pool, replica) {
-                    r.join(limits, dialect);
-                    // What an engine said before no longer holds (another may answer here
-                    // now): its figure, or none until a sample says.
-                    if !configured {
-                        r.hold_kv(limits.kv_tokens.unwrap_or(0));
-                    }
-                }
-                self.update_limits(pool, replica);
-            }
             Event::FirstByte {
                 pool,
                 replica,
@@ -686,43 +705,10 @@ impl Dispatcher {
                 }
                 self.update_limits(pool, replica);
             }
-            Event::Sample {
-                pool,
-                replica,
-                sample,
-            } => self.observe(pool, replica, sample),
-            Event::Isolated {
-                pool,
-                replica,
-                isolation,
-            } => {
-                if let Some(r) = self.replica_mut(pool, replica) {
-                    r.isolation = isolation;
-                    let url = r.url.clone();
-                    self.metrics.cache_isolation(&url, isolation);
-                }
-            }
             Event::Ready(reply) => {
                 let _ = reply.send(Readiness::of(&self.pools));
             }
             Event::Configure { queue, pools } => self.configure(queue, pools),
-            Event::Discovered {
-                pool,
-                source,
-                replicas,
-            } => {
-                let Some(p) = self.pools.get_mut(pool) else {
-                    return;
-                };
-                if p.config
-                    .discovery
-                    .as_ref()
-                    .is_some_and(|d| d.same_source(&source))
-                {
-                    p.discovered = replicas;
-                    self.reconcile(pool);
-                }
-            }
         }
     }
 
@@ -790,7 +776,7 @@ impl Dispatcher {
             tracing::info!(model = %p.model, "pool back in the config");
         }
         p.retired = false;
-        p.listed = crate::roster::listed(new);
+        p.listed = crate::pool::listed(new);
         match (&old.discovery, &new.discovery) {
             (Some(a), Some(b)) if a.same_source(b) => {}
             _ => p.discovered.clear(),
@@ -1624,7 +1610,8 @@ fn link(pool: &Pool) -> Arc<Link> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::PoolConfig;
+    use crate::config::{DiscoveryConfig, PoolConfig};
+    use crate::engine::EngineLimits;
 
     type Reply = oneshot::Receiver<Result<Assignment, Refusal>>;
 
@@ -1666,7 +1653,7 @@ mod tests {
             Share::Hierarchy,
             pools,
             queue,
-            Metrics::new(&crate::metrics::MetricsConfig::default(), None).0,
+            Metrics::new(&crate::config::metrics::MetricsConfig::default(), None).0,
             &tx,
         );
         (d, (tx, rx))
@@ -1739,11 +1726,11 @@ mod tests {
     #[test]
     fn work_waits_for_a_replica_whose_cache_is_kept_per_tenant() {
         let (mut d, mut events) = dispatcher(100);
-        let unprobed = Event::Isolated {
+        let unprobed = Event::Replica(ReplicaEvent::Isolated {
             pool: 0,
             replica: 0,
             isolation: Isolation::Unprobed,
-        };
+        });
         d.apply(unprobed);
         let (a, mut a_rx) = job("t", "standard", 10);
         d.apply(Event::Enqueue(a));
@@ -1753,11 +1740,11 @@ mod tests {
         d.apply(Event::Ready(tx));
         assert!(!ready.try_recv().unwrap().ready);
 
-        d.apply(Event::Isolated {
+        d.apply(Event::Replica(ReplicaEvent::Isolated {
             pool: 0,
             replica: 0,
             isolation: Isolation::CacheOff,
-        });
+        }));
         settle(&mut d, &mut events);
         assert_eq!(
             assigned(&mut a_rx).isolation,
@@ -2323,14 +2310,16 @@ mod tests {
     #[test]
     fn a_replica_that_joins_again_as_an_engine_with_no_kv_figure_keeps_none_of_the_last_ones() {
         let (mut d, _events) = dispatcher_of(&[pool_config("m", None)], 100);
-        let joined = |kv_tokens, dialect| Event::Joined {
-            pool: 0,
-            replica: 0,
-            limits: EngineLimits {
-                max_concurrency: None,
-                kv_tokens,
-            },
-            dialect,
+        let joined = |kv_tokens, dialect| {
+            Event::Replica(ReplicaEvent::Joined {
+                pool: 0,
+                replica: 0,
+                limits: EngineLimits {
+                    max_concurrency: None,
+                    kv_tokens,
+                },
+                dialect,
+            })
         };
         d.apply(joined(Some(50_000), Some(Dialect::Vllm)));
         assert_eq!(d.pools[0].replicas[0].kv_budget, 50_000);
@@ -2341,7 +2330,7 @@ mod tests {
     #[test]
     fn a_replica_takes_no_more_than_the_slots_its_engine_says_it_has() {
         let (mut d, _events) = slotted(1, 8);
-        d.apply(Event::Joined {
+        d.apply(Event::Replica(ReplicaEvent::Joined {
             pool: 0,
             replica: 0,
             limits: EngineLimits {
@@ -2349,7 +2338,7 @@ mod tests {
                 kv_tokens: None,
             },
             dialect: Some(Dialect::Vllm),
-        });
+        }));
         let mut replies = enqueue(&mut d, "t", 3);
         replies.extend(enqueue(&mut d, "u", 3));
         let running = assigned_of(&mut replies);
@@ -2502,10 +2491,12 @@ mod tests {
             waiting: 2,
             ..EngineSample::default()
         };
-        let sample = || Event::Sample {
-            pool: 0,
-            replica: 0,
-            sample: Some(busy),
+        let sample = || {
+            Event::Replica(ReplicaEvent::Sample {
+                pool: 0,
+                replica: 0,
+                sample: Some(busy),
+            })
         };
         // KV figures: weir's KV estimate fell short; the limit stays, nothing more goes.
         let (mut d, mut events) = slotted(1, 8);
@@ -2548,16 +2539,16 @@ mod tests {
 
     /// Marks a replica healthy and isolated, as its health check would.
     fn probed(d: &mut Dispatcher, pool: usize, replica: ReplicaId) {
-        d.apply(Event::Sample {
+        d.apply(Event::Replica(ReplicaEvent::Sample {
             pool,
             replica,
             sample: Some(EngineSample::default()),
-        });
-        d.apply(Event::Isolated {
+        }));
+        d.apply(Event::Replica(ReplicaEvent::Isolated {
             pool,
             replica,
             isolation: Isolation::Salt,
-        });
+        }));
     }
 
     #[test]
@@ -2576,16 +2567,18 @@ mod tests {
         let (health, mut started) = mpsc::unbounded_channel();
         let mut d = d.with_health(health);
         assert_eq!(commands(&mut started), [(true, 0, 0)], "the listed one");
-        let found = |urls: &[&str]| Event::Discovered {
-            pool: 0,
-            source: config.discovery.clone().unwrap(),
-            replicas: urls.iter().map(|u| u.to_string()).collect(),
+        let found = |urls: &[&str]| {
+            Event::Replica(ReplicaEvent::Discovered {
+                pool: 0,
+                source: config.discovery.clone().unwrap(),
+                replicas: urls.iter().map(|u| u.to_string()).collect(),
+            })
         };
         d.apply(found(&["http://10.0.0.1:80"]));
         assert_eq!(commands(&mut started), [(true, 0, 1)]);
         // Another name's answer (a discovery since replaced) changes nothing.
         let mut stale = found(&[]);
-        if let Event::Discovered { source, .. } = &mut stale {
+        if let Event::Replica(ReplicaEvent::Discovered { source, .. }) = &mut stale {
             source.dns = "old".into();
         }
         d.apply(stale);
@@ -2717,7 +2710,7 @@ mod tests {
         let config = PoolConfig {
             max_concurrency_per_replica: Some(2),
             kv_tokens_per_replica: Some(50),
-            cache_isolation: crate::isolation::CacheIsolation::Shared,
+            cache_isolation: crate::config::engine::CacheIsolation::Shared,
             ..d.pools[0].config.clone()
         };
         let mut link = d.links[0].subscribe();
@@ -2731,7 +2724,7 @@ mod tests {
         assert!(link.has_changed().unwrap(), "health checks follow the pool");
         assert_eq!(
             link.borrow_and_update().cache_isolation,
-            crate::isolation::CacheIsolation::Shared
+            crate::config::engine::CacheIsolation::Shared
         );
     }
 

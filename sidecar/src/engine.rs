@@ -17,24 +17,13 @@
 //! fullest. A line weir reads whose value is not a finite, non-negative number is ignored and
 //! reported to the caller, never trusted and never a panic.
 
-use serde::Deserialize;
 use serde_json::Value;
+
+use crate::config::engine::EngineChoice;
 
 /// An engine's metric dialect.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dialect {
-    Vllm,
-    Sglang,
-    Llamacpp,
-    Tgi,
-}
-
-/// A pool's `engine:` setting: detect the dialect from `/metrics`, or name it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineChoice {
-    #[default]
-    Auto,
     Vllm,
     Sglang,
     Llamacpp,

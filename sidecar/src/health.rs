@@ -1,7 +1,7 @@
 //! Each replica's health check: its `/metrics` read every [`PROBE_EVERY`], which is also how
 //! weir learns its engine's load. When a replica joins — its first answer, the first after it
 //! was unreachable, or the first after its metrics showed another engine than it joined as —
-//! its engine's limits are read first ([`Event::Joined`]) and its
+//! its engine's limits are read first ([`ReplicaEvent::Joined`]) and its
 //! prefix-cache isolation probed ([`crate::isolation_probe`]) before it gets work.
 //!
 //! The dispatcher starts and stops one check per replica as replicas join and leave
@@ -16,12 +16,13 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::answer::{MAX_ANSWER_BYTES, read_bounded};
-use crate::dispatcher::Event;
-use crate::engine::{Dialect, EngineChoice, EngineLimits, EngineSample};
-use crate::isolation::CacheIsolation;
+use crate::config::engine::CacheIsolation;
+use crate::config::engine::EngineChoice;
+use crate::engine::{Dialect, EngineLimits, EngineSample};
 use crate::isolation_probe::Prober;
 use crate::pool::ReplicaId;
+use crate::replica_event::ReplicaEvent;
+use crate::support::answer::{MAX_ANSWER_BYTES, read_bounded};
 use crate::upstream::Upstream;
 
 /// How often each replica's `/metrics` is read.
@@ -68,9 +69,9 @@ pub enum Command {
 }
 
 /// Runs the health checks the dispatcher asks for, until it stops asking.
-pub async fn supervise(
+pub async fn supervise<E: From<ReplicaEvent> + Send + 'static>(
     mut commands: mpsc::UnboundedReceiver<Command>,
-    events: mpsc::UnboundedSender<Event>,
+    events: mpsc::UnboundedSender<E>,
 ) {
     let mut checks: HashMap<(usize, ReplicaId), JoinHandle<()>> = HashMap::new();
     while let Some(command) = commands.recv().await {
@@ -101,8 +102,8 @@ pub async fn supervise(
 
 /// Reads a replica's metrics until stopped; an unreadable replica is reported unhealthy and
 /// ejected until it answers again.
-async fn check(
-    events: mpsc::UnboundedSender<Event>,
+async fn check<E: From<ReplicaEvent> + Send + 'static>(
+    events: mpsc::UnboundedSender<E>,
     pool: usize,
     replica: ReplicaId,
     url: String,
@@ -121,7 +122,7 @@ async fn check(
     let mut tick = tokio::time::interval(PROBE_EVERY);
     // An isolation probe takes a while: no burst of catch-up reads after it.
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Once joined, the dialect it joined as: what the dispatcher holds of it (`Event::Joined`).
+    // Once joined, the dialect it joined as: what the dispatcher holds of it (`ReplicaEvent::Joined`).
     let mut joined: Option<Option<Dialect>> = None;
     // Odd engine output is logged once per replica, not ten times a second.
     let mut warned = false;
@@ -166,12 +167,15 @@ async fn check(
                         "replica joined"
                     );
                     if events
-                        .send(Event::Joined {
-                            pool,
-                            replica,
-                            limits,
-                            dialect,
-                        })
+                        .send(
+                            ReplicaEvent::Joined {
+                                pool,
+                                replica,
+                                limits,
+                                dialect,
+                            }
+                            .into(),
+                        )
                         .is_err()
                     {
                         return;
@@ -195,22 +199,28 @@ async fn check(
         };
         let healthy = sample.is_some();
         if events
-            .send(Event::Sample {
-                pool,
-                replica,
-                sample,
-            })
+            .send(
+                ReplicaEvent::Sample {
+                    pool,
+                    replica,
+                    sample,
+                }
+                .into(),
+            )
             .is_err()
         {
             return;
         }
         if let Some(isolation) = isolation.after_sample(healthy).await
             && events
-                .send(Event::Isolated {
-                    pool,
-                    replica,
-                    isolation,
-                })
+                .send(
+                    ReplicaEvent::Isolated {
+                        pool,
+                        replica,
+                        isolation,
+                    }
+                    .into(),
+                )
                 .is_err()
         {
             return;
@@ -325,7 +335,7 @@ mod tests {
         let watched = tokio::time::timeout(Duration::from_secs(3), async {
             while let Some(event) = events.recv().await {
                 match event {
-                    Event::Joined {
+                    ReplicaEvent::Joined {
                         dialect, limits, ..
                     } => {
                         joined.push((dialect, limits.max_concurrency));
@@ -333,8 +343,8 @@ mod tests {
                             return;
                         }
                     }
-                    Event::Sample { sample: None, .. } => out_between = !joined.is_empty(),
-                    Event::Isolated { isolation, .. } => isolations.push(isolation),
+                    ReplicaEvent::Sample { sample: None, .. } => out_between = !joined.is_empty(),
+                    ReplicaEvent::Isolated { isolation, .. } => isolations.push(isolation),
                     _ => {}
                 }
             }

@@ -26,36 +26,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use weir_core::error::ApiError;
 
+use crate::config::idempotency::IdempotencyConfig;
 use crate::ledger::KeyHistory;
-
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct IdempotencyConfig {
-    /// How long a completed response is kept to be replayed.
-    pub replay_ttl_ms: u64,
-    /// Larger responses are not kept (a later duplicate gets 409 instead of a replay).
-    pub max_response_bytes: usize,
-    /// Bytes of responses kept in total; past it the oldest are dropped.
-    pub max_cache_bytes: usize,
-    /// Keys remembered at once; past it the oldest settled ones are forgotten (the ledger
-    /// still refuses a completed key).
-    pub max_keys: usize,
-}
-
-impl Default for IdempotencyConfig {
-    fn default() -> Self {
-        IdempotencyConfig {
-            replay_ttl_ms: 10 * 60 * 1000,
-            max_response_bytes: 256 * 1024,
-            max_cache_bytes: 64 * 1024 * 1024,
-            max_keys: 100_000,
-        }
-    }
-}
 
 /// A response kept for replay.
 #[derive(Clone, Debug, PartialEq)]
@@ -558,7 +533,7 @@ impl Drop for Claim {
     fn drop(&mut self) {
         if !self.settled {
             self.settled = true;
-            let now = crate::dispatcher::now_ms();
+            let now = crate::support::clock::now_ms();
             self.registry
                 .settle(&self.tenant, &self.key, Settled::Unused, now);
         }

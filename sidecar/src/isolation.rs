@@ -13,19 +13,9 @@
 //! | `none` | neither works: no tenant's request goes there | none |
 //! | `shared` | the pool's config says its tenants may share the cache (`cache_isolation: shared`); not probed | yes |
 
-use serde::Deserialize;
 use serde_json::Value;
 
-/// A pool's choice in the config: probe every replica (the default), or declare that its
-/// tenants may share the replicas' prefix caches (one tenant per pool, engines with their
-/// prefix cache off, test engines).
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum CacheIsolation {
-    #[default]
-    Probe,
-    Shared,
-}
+use crate::config::engine::CacheIsolation;
 
 /// What the probe found when it could make the cache per tenant in no way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -33,8 +33,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::answer::{MAX_ANSWER_BYTES, read_bounded};
-use crate::isolation::{CacheIsolation, Gap, Isolation, OFF_SWITCH};
+use crate::config::engine::CacheIsolation;
+use crate::isolation::{Gap, Isolation, OFF_SWITCH};
+use crate::support::answer::{MAX_ANSWER_BYTES, read_bounded};
 use crate::upstream::Upstream;
 
 /// Longest one probe request may take.

@@ -4,37 +4,57 @@
 //! off-switch where the salt is ignored), a streaming relay with cancellation, an idempotent
 //! usage ledger and Prometheus metrics.
 
-pub mod answer;
-pub mod backoff;
+// Layers, each built on those declared before it: a module imports from its own layer and
+// earlier ones, never from a later one, and no modules import each other round in a cycle
+// (`cargo xtask test` checks both).
+
+// layer: support — leaves: the clock, values reloads replace, bounded reads, `Retry-After`
+pub mod support;
+
+// layer: config — the config's schema and validation; it owns every config type
 pub mod config;
-pub mod credential;
-pub mod demand;
+
+// layer: records — the usage ledger, the metrics, the quota store, prefix-cache isolation modes
+pub mod isolation;
+pub mod ledger;
+pub mod metrics;
+pub mod quota;
+
+// layer: replica — engines and their pools: dialects, limits, health, discovery, the headroom
 pub mod discovery;
-pub mod dispatcher;
 pub mod engine;
 pub mod headroom;
 pub mod health;
-pub mod idempotency;
-pub mod isolation;
 pub mod isolation_probe;
-pub mod ledger;
 pub mod limiter;
-pub mod listener;
-pub mod metrics;
 pub mod pool;
-pub mod prediction;
 pub mod projection;
-pub mod quota;
 pub mod readiness;
-pub mod relay;
-pub mod reload;
-pub mod resume;
+pub mod replica_event;
 pub mod roster;
-pub mod server;
 pub mod share;
+pub mod upstream;
+
+// layer: dispatch — the event loop: fair queues, admission, placement, preemption
+pub mod dispatcher;
+
+// layer: intake and relay — a request made ready for its pool, and its answer relayed
+pub mod app;
+pub mod demand;
+pub mod idempotency;
+pub mod prediction;
+pub mod relay;
+pub mod resume;
 pub mod stream_end;
 pub mod trust;
-pub mod upstream;
+
+// layer: http — the serving and admin ports, the quota service's endpoint
+pub mod listener;
+pub mod quota_endpoint;
+pub mod server;
+
+// layer: control — the config read again, and applied
+pub mod reload;
 
 /// The seed of a randomised test: `WEIR_SEED` to replay one, else drawn (and printed).
 #[cfg(test)]

@@ -7,13 +7,15 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tracing_subscriber::EnvFilter;
 use weir_core::scheduler::Policy;
+use weir_sidecar::app::App;
 use weir_sidecar::discovery::{FileResolver, Resolver, SystemResolver};
 use weir_sidecar::dispatcher::Dispatcher;
 use weir_sidecar::ledger::Ledger;
 use weir_sidecar::listener::{self, Protocols};
 use weir_sidecar::metrics::Metrics;
-use weir_sidecar::reload::{Live, Overrides, Reloader};
-use weir_sidecar::server::{App, admin_router, router};
+use weir_sidecar::reload::{Overrides, Reloader};
+use weir_sidecar::server::{admin_router, router};
+use weir_sidecar::support::live::Live;
 
 /// weir's dispatcher sidecar: fair queues in front of engine pools.
 ///

@@ -17,13 +17,14 @@
 
 use std::collections::BTreeSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
+use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::config::PoolConfig;
+use crate::config::engine::EngineShare;
+use crate::config::{PoolConfig, Scheme};
 use crate::engine::{Dialect, EngineLimits, EngineSample};
 use crate::isolation::Isolation;
 use crate::limiter::{Limiter, Mode, Ticket};
-use crate::share::EngineShare;
 use crate::upstream::Upstream;
 
 /// A replica's identity within its pool, never reused: events about a replica that has left
@@ -82,7 +83,7 @@ impl Replica {
     pub fn new(id: ReplicaId, url: &str, config: &PoolConfig) -> Replica {
         Replica {
             id,
-            url: crate::roster::normalize(url),
+            url: normalize(url),
             leaving: false,
             kv_budget: config
                 .sidecars
@@ -222,11 +223,11 @@ impl Pool {
     }
 
     pub fn with_upstream(config: &PoolConfig, upstream: Arc<Upstream>) -> Pool {
-        let listed = crate::roster::listed(config);
+        let listed = listed(config);
         let mut replicas: Vec<Replica> = Vec::new();
         // In the config's order (what `/ready` shows), each once.
         for url in &config.replicas {
-            let url = crate::roster::normalize(url);
+            let url = normalize(url);
             if !replicas.iter().any(|r| r.url == url) {
                 replicas.push(Replica::new(replicas.len() as ReplicaId, &url, config));
             }
@@ -357,10 +358,25 @@ pub fn affinity_key(tenant: &str, prompt_prefix: &[u8]) -> u64 {
     h.finish()
 }
 
+/// A replica URL as weir keys it: no surrounding space, no trailing slash.
+pub fn normalize(url: &str) -> String {
+    url.trim().trim_end_matches('/').to_owned()
+}
+
+/// The replicas a pool's config lists.
+pub fn listed(config: &PoolConfig) -> BTreeSet<String> {
+    config.replicas.iter().map(|u| normalize(u)).collect()
+}
+
+/// The URL of a replica found at `addr` (IPv6 in brackets).
+pub fn url_of(scheme: Scheme, addr: SocketAddr) -> String {
+    format!("{}://{addr}", scheme.name())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::EngineChoice;
+    use crate::config::engine::EngineChoice;
 
     fn pool(n: usize) -> Pool {
         let mut p = Pool::new(&PoolConfig {
@@ -622,5 +638,13 @@ mod tests {
         }
         assert_eq!(p.concurrency(), u64::MAX);
         assert_eq!(p.capacity(), u64::MAX);
+    }
+
+    #[test]
+    fn urls_of_found_addresses() {
+        let v4: SocketAddr = "10.1.2.3:8000".parse().unwrap();
+        let v6: SocketAddr = "[fd00::1]:8443".parse().unwrap();
+        assert_eq!(url_of(Scheme::Http, v4), "http://10.1.2.3:8000");
+        assert_eq!(url_of(Scheme::Https, v6), "https://[fd00::1]:8443");
     }
 }

@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use weir_core::prediction::{OutputHistory, PredictionConfig};
 
 use crate::demand::UNBOUNDED_OUTPUT_TOKENS;
-use crate::reload::Live;
+use crate::support::live::Live;
 
 /// Histories kept at most. Tenants come from signed headers, so their number is the filter's
 /// config's; past this bound (a config of that many keys), newcomers share their pool's record.

@@ -9,10 +9,8 @@
 //! unknown route.
 
 pub mod asks;
-pub mod endpoint;
 pub mod store;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -20,7 +18,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
-use serde::Deserialize;
+
+use crate::config::quota::QuotaConfig;
 
 pub use store::Store;
 
@@ -66,42 +65,6 @@ impl QuotaMetrics {
             self.store_latency.clone(),
         );
     }
-}
-
-/// The `quota` section: where the store is and how long a call to it may take.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaConfig {
-    /// The environment variable holding the store's URL (`redis://` or `rediss://`; it may
-    /// carry a password, so it is never inline in the config).
-    pub redis_url_env: Option<String>,
-    /// Or a file holding it (a mounted Secret).
-    pub redis_url_file: Option<PathBuf>,
-    /// For `rediss://`: a PEM CA file to check the store's certificate against, instead of the
-    /// platform's roots (a private CA).
-    pub ca_file: Option<PathBuf>,
-    /// Prepended to every key the service writes, so one store can serve several fleets.
-    #[serde(default = "default_key_prefix")]
-    pub key_prefix: String,
-    /// Longest a renewal may wait for the store; then it is answered 503 at once, and the
-    /// filter applies its `fail_open`/`fail_closed` rule.
-    #[serde(default = "default_timeout_ms")]
-    pub timeout_ms: u64,
-    /// Longest one attempt to (re)connect may take.
-    #[serde(default = "default_connect_timeout_ms")]
-    pub connect_timeout_ms: u64,
-}
-
-fn default_key_prefix() -> String {
-    "weir:".into()
-}
-
-fn default_timeout_ms() -> u64 {
-    250
-}
-
-fn default_connect_timeout_ms() -> u64 {
-    1_000
 }
 
 /// Longest key prefix: keys stay short, and a prefix is a name, not data.

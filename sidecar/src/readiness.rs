@@ -86,7 +86,8 @@ impl ReplicaReadiness {
 mod tests {
     use super::*;
     use crate::config::PoolConfig;
-    use crate::isolation::{CacheIsolation, Gap, Isolation};
+    use crate::config::engine::CacheIsolation;
+    use crate::isolation::{Gap, Isolation};
 
     fn pool(model: &str, modes: &[Isolation]) -> Pool {
         let mut p = Pool::new(&PoolConfig {

@@ -30,14 +30,17 @@ use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 
-use crate::dispatcher::{Assignment, Event, Requeued, now_ms};
+use crate::app::App;
+use crate::dispatcher::{Assignment, Event, Requeued};
 use crate::engine::Dialect;
 use crate::idempotency::{Claim, StoredResponse};
 use crate::ledger::UsageRecord;
 use crate::metrics::{HistogramSeries, Labels, gen_ai};
 use crate::resume::{Splice, continued, segment_id};
-use crate::server::{App, Trusted, error_response, error_response_with};
 use crate::stream_end::Ending;
+use crate::support::clock::now_ms;
+use crate::support::respond::{error_response, error_response_with};
+use crate::trust::Trusted;
 
 /// Longest silence from a replica before the stream is declared lost.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -189,7 +192,7 @@ impl Flight {
     }
 
     /// The engine's own `Retry-After`, never sooner than it asked but spread and capped as
-    /// weir's are ([`crate::backoff::after_engine`]); an HTTP date is passed on as it is.
+    /// weir's are ([`crate::support::backoff::after_engine`]); an HTTP date is passed on as it is.
     fn engine_retry_after(&self, engine: HeaderValue) -> HeaderValue {
         let seconds = engine.to_str().ok().and_then(|v| v.trim().parse().ok());
         seconds.map_or(engine, |s| {
@@ -1249,30 +1252,30 @@ mod tests {
         let path = dir.join("ledger.db");
         let (events_tx, events) = mpsc::unbounded_channel();
         let (metrics, registry) =
-            crate::metrics::Metrics::new(&crate::metrics::MetricsConfig::default(), None);
+            crate::metrics::Metrics::new(&crate::config::metrics::MetricsConfig::default(), None);
         let ledger = crate::ledger::Ledger::start(&path, None, Default::default()).unwrap();
         let (cut, cut_rx) = tokio::sync::watch::channel(false);
         let (draining, draining_rx) = tokio::sync::watch::channel(false);
         let (_waits, waits) =
-            tokio::sync::watch::channel(Arc::new(crate::backoff::Waits::default()));
+            tokio::sync::watch::channel(Arc::new(crate::support::backoff::Waits::default()));
         let app = Arc::new(App {
             events: events_tx,
             ledger_reader: crate::ledger::Reader::open(&path, None).unwrap(),
             metrics,
             registry,
             ledger,
-            pools: crate::reload::Live::new(Vec::new()),
-            exact_below_bytes: crate::reload::Live::new(0),
-            max_body_bytes: crate::reload::Live::new(1 << 20),
+            pools: crate::support::live::Live::new(Vec::new()),
+            exact_below_bytes: crate::support::live::Live::new(0),
+            max_body_bytes: crate::support::live::Live::new(1 << 20),
             cache_salt_key: Vec::new(),
-            queue_deadline_ms: crate::reload::Live::new(0),
+            queue_deadline_ms: crate::support::live::Live::new(0),
             trust: crate::trust::Trust::new(Vec::new()),
             idempotency: crate::idempotency::Idempotency::new(Default::default()),
-            relay: crate::reload::Live::new(crate::config::RelayConfig {
+            relay: crate::support::live::Live::new(crate::config::RelayConfig {
                 client_stall_ms,
                 ..Default::default()
             }),
-            backoff: crate::backoff::Backoff::new(waits),
+            backoff: crate::support::backoff::Backoff::new(waits),
             predictions: crate::prediction::Predictions::new(Default::default()),
             quota: None,
             cut: cut_rx,

@@ -26,7 +26,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use tokio::signal::unix::Signal;
@@ -34,47 +34,12 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use weir_core::tokens::Encoding;
 
+use crate::app::{App, Route};
 use crate::config::{DiscoveryConfig, SidecarConfig};
 use crate::discovery::Resolver;
 use crate::dispatcher::{Event, PoolSpec};
-use crate::server::App;
+use crate::support::live::Live;
 use crate::upstream::Upstream;
-
-/// A value read by request handlers and replaced by reloads.
-#[derive(Debug)]
-pub struct Live<T>(RwLock<Arc<T>>);
-
-impl<T> Live<T> {
-    pub fn new(value: T) -> Live<T> {
-        Live(RwLock::new(Arc::new(value)))
-    }
-
-    pub fn load(&self) -> Arc<T> {
-        match self.0.read() {
-            Ok(v) => v.clone(),
-            Err(poisoned) => poisoned.into_inner().clone(),
-        }
-    }
-
-    pub fn store(&self, value: T) {
-        let value = Arc::new(value);
-        match self.0.write() {
-            Ok(mut v) => *v = value,
-            Err(poisoned) => *poisoned.into_inner() = value,
-        }
-    }
-}
-
-/// A model served, and where its requests go.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Route {
-    pub model: String,
-    /// The pool's index in the dispatcher: fixed per model for the process's life.
-    pub pool: usize,
-    pub affinity_prefix_bytes: usize,
-    /// The model's tokenizer, for counting prompts until the engine reports its count.
-    pub encoding: weir_core::tokens::Encoding,
-}
 
 /// Command-line settings that hold over the file's, at start-up and at every reload.
 #[derive(Clone, Debug, Default)]

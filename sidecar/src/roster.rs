@@ -18,11 +18,8 @@
 //! Each change is returned so the dispatcher starts or stops the replica's health check and
 //! its metric series, and logs it.
 
-use std::collections::BTreeSet;
-use std::net::SocketAddr;
-
-use crate::config::{PoolConfig, Scheme};
 use crate::pool::{Pool, Replica, ReplicaId};
+use std::collections::BTreeSet;
 
 /// One replica's move in or out of its pool.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,21 +32,6 @@ pub enum Change {
     Stayed(ReplicaId, String),
     /// Drained and dropped: its health check and metrics stop.
     Left(ReplicaId, String),
-}
-
-/// A replica URL as weir keys it: no surrounding space, no trailing slash.
-pub fn normalize(url: &str) -> String {
-    url.trim().trim_end_matches('/').to_owned()
-}
-
-/// The replicas a pool's config lists.
-pub fn listed(config: &PoolConfig) -> BTreeSet<String> {
-    config.replicas.iter().map(|u| normalize(u)).collect()
-}
-
-/// The URL of a replica found at `addr` (IPv6 in brackets).
-pub fn url_of(scheme: Scheme, addr: SocketAddr) -> String {
-    format!("{}://{addr}", scheme.name())
 }
 
 impl Pool {
@@ -113,6 +95,7 @@ impl Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::PoolConfig;
     use crate::isolation::Isolation;
 
     fn set(urls: &[&str]) -> BTreeSet<String> {
@@ -220,13 +203,5 @@ mod tests {
         assert_eq!(pool.wanted(false), BTreeSet::new());
         assert_eq!(pool.reconcile(&pool.wanted(false)).len(), 2, "leaves, left");
         assert!(pool.replicas.is_empty());
-    }
-
-    #[test]
-    fn urls_of_found_addresses() {
-        let v4: SocketAddr = "10.1.2.3:8000".parse().unwrap();
-        let v6: SocketAddr = "[fd00::1]:8443".parse().unwrap();
-        assert_eq!(url_of(Scheme::Http, v4), "http://10.1.2.3:8000");
-        assert_eq!(url_of(Scheme::Https, v6), "https://[fd00::1]:8443");
     }
 }

@@ -11,26 +11,24 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use prometheus_client::registry::Registry;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use weir_core::admission::ENGINE_CONTROL_FIELDS;
 use weir_core::config::Priority;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
 
+use crate::app::App;
 use crate::demand;
-use crate::dispatcher::{Event, Job, Refusal, now_ms};
-use crate::idempotency::{self, Claimed, Idempotency, StoredResponse};
-use crate::ledger::Ledger;
-use crate::metrics::Metrics;
+use crate::dispatcher::{Event, Job, Refusal};
+use crate::idempotency::{self, Claimed, StoredResponse};
 use crate::pool::affinity_key;
 use crate::relay::{Attempt, Continuation, Flight, TRACE_ID, relay};
-use crate::reload::{Live, Route};
 use crate::resume::{self, Splice};
-use crate::trust::Trust;
-pub use crate::trust::Trusted;
+use crate::support::clock::now_ms;
+use crate::support::respond::error_response;
+use crate::trust::Trusted;
 
 /// A pool as requests are matched to it: its model, how much of a prompt picks the affine
 /// replica, and how its prompts are counted.
@@ -38,43 +36,6 @@ pub struct PoolRoute {
     pub model: String,
     pub affinity_prefix_bytes: usize,
     pub encoding: weir_core::tokens::Encoding,
-}
-
-pub struct App {
-    pub events: mpsc::UnboundedSender<Event>,
-    /// A read connection to the ledger, for the history of idempotency keys.
-    pub ledger_reader: crate::ledger::Reader,
-    pub metrics: Metrics,
-    pub registry: Registry,
-    pub ledger: Ledger,
-    /// The models served, each with its pool's index, affinity prefix length and tokenizer
-    /// (live: a reload changes them).
-    pub pools: Live<Vec<Route>>,
-    /// Prompts up to this many bytes are counted exactly (see [`crate::demand`]).
-    pub exact_below_bytes: Live<usize>,
-    /// Request bodies larger than this are refused (413).
-    pub max_body_bytes: Live<usize>,
-    /// Keys each tenant's `cache_salt` (the current signing secret).
-    pub cache_salt_key: Vec<u8>,
-    pub queue_deadline_ms: Live<u64>,
-    /// Verifies the filter's signatures.
-    pub trust: Trust,
-    /// Claims on callers' idempotency keys.
-    pub idempotency: Arc<Idempotency>,
-    pub relay: Live<crate::config::RelayConfig>,
-    /// What refusals' `Retry-After` is drawn from.
-    pub backoff: crate::backoff::Backoff,
-    /// The output KV admission holds per request, learned per tenant and pool.
-    pub predictions: crate::prediction::Predictions,
-    /// The quota service's store, when the config has a `quota` section ([`crate::quota`]).
-    pub quota: Option<crate::quota::Store>,
-    /// Turns true when the shutdown grace period ends: every request still running is ended
-    /// and recorded.
-    pub cut: tokio::sync::watch::Receiver<bool>,
-    /// Turns true on SIGTERM: `/ready` answers 503 from then on, so gateways health-checking
-    /// it (several sidecars per pool) take this one out of their ring before it stops
-    /// accepting (`shutdown_leave_ms` later).
-    pub draining: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Sent by Anthropic's SDKs on every request.
@@ -107,7 +68,7 @@ pub fn router(app: Arc<App>) -> Router {
 async fn leases(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     match &app.quota {
         Some(store) => {
-            crate::quota::endpoint::serve(store, &app.trust, &app.metrics, headers, body).await
+            crate::quota_endpoint::serve(store, &app.trust, &app.metrics, headers, body).await
         }
         None => error_response(&ApiError::not_found("no such route"), ErrorShape::OpenAi, 0),
     }
@@ -169,22 +130,6 @@ async fn ready(State(app): State<Arc<App>>) -> Response {
         }
         _ => StatusCode::SERVICE_UNAVAILABLE.into_response(),
     }
-}
-
-/// An error in the called API's shape; a retryable one (429, 502, 503) says when to retry.
-pub fn error_response(e: &ApiError, shape: ErrorShape, retry_after_s: u64) -> Response {
-    error_response_with(e, e.to_json_in(shape), retry_after_s)
-}
-
-/// [`error_response`] with the body given (the error in its shape, and anything beside it).
-pub fn error_response_with(e: &ApiError, body: Value, retry_after_s: u64) -> Response {
-    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut resp = (status, axum::Json(body)).into_response();
-    if matches!(e.status, 429 | 502 | 503) {
-        resp.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from(retry_after_s));
-    }
-    resp
 }
 
 /// The models this sidecar serves that the caller's key may use, as OpenAI's model list (or

@@ -13,20 +13,7 @@
 //! The share is static: when a sidecar is gone its share idles until it returns (or a reload
 //! says `k - 1`); sidecar/README.md ("Several sidecars per pool") bounds what that costs.
 
-use serde::Deserialize;
-
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(transparent)]
-pub struct EngineShare {
-    /// How many sidecars admit to the pool's replicas, this one included (at least 1).
-    sidecars: u64,
-}
-
-impl Default for EngineShare {
-    fn default() -> EngineShare {
-        EngineShare { sidecars: 1 }
-    }
-}
+use crate::config::engine::EngineShare;
 
 impl EngineShare {
     pub fn of(sidecars: u64) -> EngineShare {

@@ -1,6 +1,6 @@
 //! How weir talks to one pool's engines: its HTTP client (plain HTTP, or HTTPS over rustls with
 //! the platform's trusted roots and, optionally, the pool's own CA) and its credential
-//! ([`crate::credential`]), sent on every request weir makes there — tenants' requests, health
+//! ([`crate::config::credential`]), sent on every request weir makes there — tenants' requests, health
 //! checks, limit reads, isolation probes.
 //!
 //! Redirects are not followed: an engine has no reason to send one, and following it would

@@ -13,6 +13,7 @@ mod bench;
 mod control_plane;
 mod engines;
 mod fleet;
+mod layering;
 mod observe;
 mod oci;
 
@@ -113,6 +114,9 @@ enum Task {
         #[arg(long)]
         no_lint: bool,
     },
+    /// Check that the sidecar's modules import only down its declared layers, and never round
+    /// in a cycle (part of `test`'s lints).
+    Layers,
 }
 
 fn main() -> ExitCode {
@@ -133,6 +137,7 @@ fn main() -> ExitCode {
             Extras { fleet, observe },
         ),
         Task::Test { no_lint } => test(!no_lint),
+        Task::Layers => layers(),
         Task::Bench { only } => bench(only),
         Task::Scenario { args } => scenario(&args),
         Task::Oci {
@@ -847,12 +852,20 @@ fn build_wasm(what: &str, profile: &str, extra: &[&str]) -> anyhow::Result<()> {
     run(what, &mut cmd)
 }
 
+/// The layering check over the sidecar (core's cycles are still to untangle).
+fn layers() -> anyhow::Result<()> {
+    layering::check(&root().join("sidecar/src"))?;
+    eprintln!("xtask: sidecar: every import goes down its layers, none round in a cycle");
+    Ok(())
+}
+
 fn test(lint: bool) -> anyhow::Result<()> {
     let xtask = copy_of_this_binary()?;
     let python = python_env()?;
     let wasm = build_filter()?;
     let fault_wasm = build_fault_filter()?;
     if lint {
+        layers()?;
         run(
             "cargo fmt --check",
             cargo().args(["fmt", "--all", "--", "--check"]),

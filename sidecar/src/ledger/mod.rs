@@ -16,7 +16,7 @@ pub mod remote;
 pub mod spool;
 pub mod sqlite;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc;
 
 use anyhow::{Context, bail};
@@ -24,6 +24,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use serde::{Deserialize, Serialize};
+
+use crate::config::ledger::{LedgerStoreConfig, PostgresConfig};
 
 pub use reader::Reader;
 pub use sqlite::{append, history, open, open_read_only, query};
@@ -111,29 +113,6 @@ impl KeyHistory {
             completed: self.completed || other.completed,
         }
     }
-}
-
-/// Where records are kept (`ledger_store`; without it, the SQLite file `ledger`).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct LedgerStoreConfig {
-    pub postgres: PostgresConfig,
-    /// The local durable queue records wait in while PostgreSQL cannot be reached (SQLite).
-    #[serde(default = "default_spool")]
-    pub spool: PathBuf,
-}
-
-fn default_spool() -> PathBuf {
-    PathBuf::from("weir-ledger-spool.sqlite")
-}
-
-/// The PostgreSQL connection URL (`postgresql://user:password@host:port/db`), which may hold a
-/// password: so read from an environment variable or a file, never inline in the config.
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct PostgresConfig {
-    pub url_env: Option<String>,
-    pub url_file: Option<PathBuf>,
 }
 
 impl PostgresConfig {

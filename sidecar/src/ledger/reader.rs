@@ -7,7 +7,8 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use super::{KeyHistory, LedgerStoreConfig, postgres, spool, sqlite};
+use super::{KeyHistory, postgres, spool, sqlite};
+use crate::config::ledger::LedgerStoreConfig;
 
 pub enum Reader {
     Local(Mutex<rusqlite::Connection>),

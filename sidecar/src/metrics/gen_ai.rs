@@ -31,7 +31,7 @@ pub const PROVIDER: &str = "gen_ai.provider.name";
 pub const REQUEST_MODEL: &str = "gen_ai.request.model";
 pub const TOKEN_TYPE: &str = "gen_ai.token.type";
 pub const ERROR_TYPE: &str = "error.type";
-/// weir's own attribute: the tenant at the configured depth ([`super::TenantDepth`]).
+/// weir's own attribute: the tenant at the configured depth ([`crate::config::metrics::TenantDepth`]).
 pub const TENANT: &str = "weir.tenant";
 
 /// The conventions' `gen_ai.operation.name` for an API: the chat-shaped ones (chat

@@ -13,44 +13,14 @@ use std::sync::Arc;
 
 use opentelemetry::metrics::Meter;
 use prometheus_client::registry::Registry;
-use serde::Deserialize;
 
 pub use instrument::{Counter, Gauge, Histogram, HistogramSeries, IntGauge, Labels};
-pub use tenant::TenantDepth;
 
+use crate::config::metrics::{MetricsConfig, TenantDepth};
 use crate::isolation::Isolation;
 use crate::ledger::LedgerGauges;
 use crate::quota::QuotaMetrics;
 use instrument::{HistogramUnit, Maker};
-
-/// The `metrics` section of the config.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct MetricsConfig {
-    /// How deep tenant labels go: `org` (default), `workspace` or `project`; never the key.
-    #[serde(default)]
-    pub tenant_depth: TenantDepth,
-    /// Push the metrics to an OpenTelemetry collector too (off unless set).
-    #[serde(default)]
-    pub otlp: Option<otlp::OtlpConfig>,
-    /// How long a window the live fairness figures are computed over.
-    #[serde(default = "default_fairness_window_ms")]
-    pub fairness_window_ms: u64,
-}
-
-fn default_fairness_window_ms() -> u64 {
-    10_000
-}
-
-impl Default for MetricsConfig {
-    fn default() -> Self {
-        MetricsConfig {
-            tenant_depth: TenantDepth::default(),
-            otlp: None,
-            fairness_window_ms: default_fairness_window_ms(),
-        }
-    }
-}
 
 pub mod buckets {
     /// Latencies in seconds (queue wait, TTFT, ITL).

@@ -9,23 +9,8 @@ use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry_otlp::{MetricExporter, WithExportConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::metrics::{PeriodicReader, SdkMeterProvider};
-use serde::Deserialize;
 
-/// The `metrics.otlp` section.
-#[derive(Clone, Debug, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OtlpConfig {
-    /// The collector's OTLP/HTTP endpoint (`http://collector:4318`); `/v1/metrics` is added
-    /// when it names no path.
-    pub endpoint: String,
-    /// How often the metrics are pushed.
-    #[serde(default = "default_interval_ms")]
-    pub interval_ms: u64,
-}
-
-fn default_interval_ms() -> u64 {
-    10_000
-}
+use crate::config::metrics::OtlpConfig;
 
 impl OtlpConfig {
     /// The URL exported to. One with a user or password is refused (secrets never inline),
@@ -111,7 +96,7 @@ mod tests {
     fn url(endpoint: &str) -> anyhow::Result<String> {
         OtlpConfig {
             endpoint: endpoint.to_owned(),
-            interval_ms: default_interval_ms(),
+            interval_ms: crate::config::metrics::default_interval_ms(),
         }
         .url()
     }

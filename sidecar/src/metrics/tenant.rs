@@ -3,20 +3,7 @@
 //! grow with the orgs (or workspaces, or projects) a deployment has, which the operator
 //! chooses, not with the keys its users mint; and no label names a key.
 
-use serde::Deserialize;
-
-/// How deep into a tenant's path (`org/workspace/project/key`) metric labels go.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TenantDepth {
-    /// `acme` (the default: fewest series).
-    #[default]
-    Org,
-    /// `acme/search`.
-    Workspace,
-    /// `acme/search/ranking`.
-    Project,
-}
+use crate::config::metrics::TenantDepth;
 
 impl TenantDepth {
     fn levels(self) -> usize {

@@ -6,14 +6,19 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
-pub use crate::credential::CredentialConfig;
-pub use crate::engine::EngineChoice;
-pub use crate::idempotency::IdempotencyConfig;
-use crate::isolation::CacheIsolation;
-pub use crate::ledger::LedgerStoreConfig;
-pub use crate::metrics::MetricsConfig;
-pub use crate::quota::QuotaConfig;
-use crate::share::EngineShare;
+pub mod credential;
+pub mod engine;
+pub mod idempotency;
+pub mod ledger;
+pub mod metrics;
+pub mod quota;
+
+use credential::CredentialConfig;
+use engine::{CacheIsolation, EngineChoice, EngineShare};
+use idempotency::IdempotencyConfig;
+use ledger::LedgerStoreConfig;
+use metrics::MetricsConfig;
+use quota::QuotaConfig;
 pub use weir_core::config::EstimatorConfig;
 pub use weir_core::prediction::PredictionConfig;
 use weir_core::scheduler::Share;
