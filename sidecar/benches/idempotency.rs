@@ -10,7 +10,7 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use criterion::{Criterion, criterion_group};
 use weir_sidecar::config::idempotency::IdempotencyConfig;
-use weir_sidecar::idempotency::{Claimed, Idempotency, StoredResponse, fingerprint};
+use weir_sidecar::intake::idempotency::{Claimed, Idempotency, StoredResponse, fingerprint};
 use weir_sidecar::ledger::KeyHistory;
 
 /// A registry at its `max_keys`, and the time of its last claim (a millisecond a claim).

@@ -2,7 +2,7 @@
 //! concurrency limits and which replicas each pool has. Handlers enqueue jobs and wait for an
 //! assignment; relays report tokens served, first bytes and completion; health checks report
 //! engine metrics, limits and isolation modes; discovery and reloads report the replicas and
-//! settings pools should have ([`crate::roster`]). Nothing else mutates this state, so it
+//! settings pools should have ([`crate::replica::roster`]). Nothing else mutates this state, so it
 //! needs no locks.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -15,20 +15,20 @@ use weir_core::fairness::{Window, gap_bound};
 use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights, Verdict};
 
 use crate::config::{PoolConfig, QueueConfig};
-use crate::engine::{Dialect, EngineSample};
-use crate::headroom::{Headroom, Room, Shares};
-use crate::health::{Command, Link};
 use crate::isolation::Isolation;
-use crate::limiter::Ticket;
 use crate::metrics::{Labels, Metrics};
-use crate::pool::{Pool, Replica, ReplicaId, Start};
-use crate::projection::Paces;
-use crate::readiness::Readiness;
-use crate::replica_event::ReplicaEvent;
-use crate::roster::Change;
+use crate::replica::engine::{Dialect, EngineSample};
+use crate::replica::event::ReplicaEvent;
+use crate::replica::headroom::{Headroom, Room, Shares};
+use crate::replica::health::{Command, Link};
+use crate::replica::limiter::Ticket;
+use crate::replica::pool::{Pool, Replica, ReplicaId, Start};
+use crate::replica::projection::Paces;
+use crate::replica::readiness::Readiness;
+use crate::replica::roster::Change;
+use crate::replica::upstream::Upstream;
 use crate::support::backoff::{Backoff, Waits};
 use crate::support::clock::now_ms;
-use crate::upstream::Upstream;
 
 /// A request waiting for a replica.
 pub struct Job {
@@ -51,7 +51,7 @@ pub struct Job {
     pub arrived_ms: u64,
     /// Wall-clock ms by which it must be dispatched, or it is dropped.
     pub deadline_ms: u64,
-    /// A batch stream its relay can resume elsewhere ([`crate::resume`]): it may be preempted
+    /// A batch stream its relay can resume elsewhere ([`crate::relay::resume`]): it may be preempted
     /// for interactive work.
     pub preemptible: bool,
     /// Streamed: its first bytes come when the engine has prefilled its prompt.
@@ -211,7 +211,7 @@ impl Assignment {
         preempt: Option<oneshot::Receiver<Requeued>>,
     ) -> Assignment {
         thread_local! {
-            static UPSTREAM: Arc<crate::upstream::Upstream> = crate::upstream::Upstream::plain();
+            static UPSTREAM: Arc<crate::replica::upstream::Upstream> = crate::replica::upstream::Upstream::plain();
         }
         Assignment {
             pool: 0,
@@ -392,7 +392,7 @@ pub struct Dispatcher {
     pools: Vec<Pool>,
     /// Per pool, what its replicas' health checks follow.
     links: Vec<watch::Sender<Arc<Link>>>,
-    /// Starts and stops replicas' health checks ([`crate::health::supervise`]); none in tests.
+    /// Starts and stops replicas' health checks ([`crate::replica::health::supervise`]); none in tests.
     health: Option<mpsc::UnboundedSender<Command>>,
     /// KV each tenant holds across pools, against its `active_kv_tokens` cap.
     tenant_kv: HashMap<String, u64>,
@@ -776,7 +776,7 @@ impl Dispatcher {
             tracing::info!(model = %p.model, "pool back in the config");
         }
         p.retired = false;
-        p.listed = crate::pool::listed(new);
+        p.listed = crate::replica::pool::listed(new);
         match (&old.discovery, &new.discovery) {
             (Some(a), Some(b)) if a.same_source(b) => {}
             _ => p.discovered.clear(),
@@ -824,7 +824,7 @@ impl Dispatcher {
         }
     }
 
-    /// Brings a pool's replicas to the set it should have ([`crate::roster`]).
+    /// Brings a pool's replicas to the set it should have ([`crate::replica::roster`]).
     fn reconcile(&mut self, pool: usize) {
         let queued = self.schedulers.get(pool).is_some_and(|s| !s.is_empty());
         let Some(p) = self.pools.get_mut(pool) else {
@@ -1057,7 +1057,7 @@ impl Dispatcher {
                 r.hold_kv(kv);
             }
             // Without KV figures a queue in the engine is a shortage of slots; with them, of
-            // KV, which admission handles (see `crate::limiter`).
+            // KV, which admission handles (see `crate::replica::limiter`).
             if r.kv_budget == 0 {
                 r.limiter.engine_scrape(s.waiting, s.running);
             }
@@ -1089,7 +1089,7 @@ impl Dispatcher {
     /// Turns a job away at once when its tenant's own demand cannot be served in time: its
     /// own queue (and its org's) bounded, free tier shed once it has work queued under
     /// overload, and no waiting that would outlast its deadline anyway. Under the fair policy
-    /// every figure is the tenant's own ([`crate::projection`]): a tenant with nothing queued
+    /// every figure is the tenant's own ([`crate::replica::projection`]): a tenant with nothing queued
     /// is never refused for another's backlog, and a full queue makes room for it by refusing
     /// the longest queue's newest request instead. The FIFO baseline has one line for all.
     fn refusal(&mut self, job: &Job, now: u64) -> Option<(Refusal, &'static str)> {
@@ -1369,7 +1369,7 @@ impl Dispatcher {
             return false;
         };
         // A tenant over its own KV cap, or its share past its fair part while others are
-        // active ([`crate::headroom`]), (or a client gone) is passed over; the next job in fair
+        // active ([`crate::replica::headroom`]), (or a client gone) is passed over; the next job in fair
         // order that does not fit yet holds the line until room frees.
         let headroom = shares.headroom(Room::of(p), queue.kv_headroom);
         // How the job taken starts ([`Start`]).
@@ -1611,7 +1611,7 @@ fn link(pool: &Pool) -> Arc<Link> {
 mod tests {
     use super::*;
     use crate::config::{DiscoveryConfig, PoolConfig};
-    use crate::engine::EngineLimits;
+    use crate::replica::engine::EngineLimits;
 
     type Reply = oneshot::Receiver<Result<Assignment, Refusal>>;
 

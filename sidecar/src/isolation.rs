@@ -3,7 +3,7 @@
 //! Every request carries its tenant's `cache_salt`, but only engines that honour the salt
 //! (vLLM) keep their prefix caches apart that way: llama.cpp's server ignores it and serves one
 //! tenant's cached prompt to another, which shows in `cached_tokens` and in timing. So each
-//! replica is probed when it joins ([`crate::isolation_probe`]) and gets a mode:
+//! replica is probed when it joins ([`crate::replica::isolation_probe`]) and gets a mode:
 //!
 //! | mode | what weir does | traffic |
 //! |---|---|---|

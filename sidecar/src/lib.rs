@@ -21,37 +21,17 @@ pub mod metrics;
 pub mod quota;
 
 // layer: replica — engines and their pools: dialects, limits, health, discovery, the headroom
-pub mod discovery;
-pub mod engine;
-pub mod headroom;
-pub mod health;
-pub mod isolation_probe;
-pub mod limiter;
-pub mod pool;
-pub mod projection;
-pub mod readiness;
-pub mod replica_event;
-pub mod roster;
-pub mod share;
-pub mod upstream;
+pub mod replica;
 
 // layer: dispatch — the event loop: fair queues, admission, placement, preemption
 pub mod dispatcher;
 
 // layer: intake and relay — a request made ready for its pool, and its answer relayed
-pub mod app;
-pub mod demand;
-pub mod idempotency;
-pub mod prediction;
+pub mod intake;
 pub mod relay;
-pub mod resume;
-pub mod stream_end;
-pub mod trust;
 
 // layer: http — the serving and admin ports, the quota service's endpoint
-pub mod listener;
-pub mod quota_endpoint;
-pub mod server;
+pub mod http;
 
 // layer: control — the config read again, and applied
 pub mod reload;

@@ -7,14 +7,14 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tracing_subscriber::EnvFilter;
 use weir_core::scheduler::Policy;
-use weir_sidecar::app::App;
-use weir_sidecar::discovery::{FileResolver, Resolver, SystemResolver};
 use weir_sidecar::dispatcher::Dispatcher;
+use weir_sidecar::http::listener::{self, Protocols};
+use weir_sidecar::http::server::{admin_router, router};
+use weir_sidecar::intake::app::App;
 use weir_sidecar::ledger::Ledger;
-use weir_sidecar::listener::{self, Protocols};
 use weir_sidecar::metrics::Metrics;
 use weir_sidecar::reload::{Overrides, Reloader};
-use weir_sidecar::server::{admin_router, router};
+use weir_sidecar::replica::discovery::{FileResolver, Resolver, SystemResolver};
 use weir_sidecar::support::live::Live;
 
 /// weir's dispatcher sidecar: fair queues in front of engine pools.
@@ -119,17 +119,22 @@ async fn main() -> anyhow::Result<()> {
         // only costs one cold prefix cache.
         cache_salt_key: secrets.first().cloned().unwrap_or_default(),
         queue_deadline_ms: Live::new(config.queue.deadline_ms),
-        trust: weir_sidecar::trust::Trust::new(secrets),
-        idempotency: weir_sidecar::idempotency::Idempotency::new(config.idempotency.clone()),
+        trust: weir_sidecar::intake::trust::Trust::new(secrets),
+        idempotency: weir_sidecar::intake::idempotency::Idempotency::new(
+            config.idempotency.clone(),
+        ),
         relay: Live::new(config.relay.clone()),
         backoff: dispatcher.backoff(),
-        predictions: weir_sidecar::prediction::Predictions::new(config.prediction.clone()),
+        predictions: weir_sidecar::intake::prediction::Predictions::new(config.prediction.clone()),
         quota: config.quota.as_ref().map(|q| q.store()).transpose()?,
         cut: cut_rx,
         draining,
     });
     let (health, checks) = mpsc::unbounded_channel();
-    tokio::spawn(weir_sidecar::health::supervise(checks, events.clone()));
+    tokio::spawn(weir_sidecar::replica::health::supervise(
+        checks,
+        events.clone(),
+    ));
     let dispatcher = dispatcher.with_health(health);
     tokio::spawn(dispatcher.run(rx));
     // The pools, their replicas and discovery, as every later reload applies them.

@@ -4,7 +4,7 @@
 //! call per renewal period for all its counters, never one per request); the budgets live in a
 //! Redis-protocol store ([`store`]) shared by every sidecar, so a limit holds across the fleet.
 //! The endpoint is on the serving port (where Envoy's cluster points), so it trusts only what
-//! the filter signed, body included ([`crate::trust::Trust::check_call`]), and refuses anything
+//! the filter signed, body included ([`crate::intake::trust::Trust::check_call`]), and refuses anything
 //! else before the store is touched. Without a `quota` section it answers 404, like any
 //! unknown route.
 

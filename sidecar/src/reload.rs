@@ -34,12 +34,12 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use weir_core::tokens::Encoding;
 
-use crate::app::{App, Route};
 use crate::config::{DiscoveryConfig, SidecarConfig};
-use crate::discovery::Resolver;
 use crate::dispatcher::{Event, PoolSpec};
+use crate::intake::app::{App, Route};
+use crate::replica::discovery::Resolver;
+use crate::replica::upstream::Upstream;
 use crate::support::live::Live;
-use crate::upstream::Upstream;
 
 /// Command-line settings that hold over the file's, at start-up and at every reload.
 #[derive(Clone, Debug, Default)]
@@ -143,7 +143,7 @@ impl Reloader {
             models: Vec::new(),
             discovery: HashMap::new(),
             resolver,
-            shared: crate::upstream::client(None)?,
+            shared: crate::replica::upstream::client(None)?,
             events,
             shutdown_grace_ms: Arc::new(Live::new(0)),
         })
@@ -229,7 +229,7 @@ impl Reloader {
             if self.discovery.contains_key(&index) {
                 continue;
             }
-            let task = tokio::spawn(crate::discovery::run(
+            let task = tokio::spawn(crate::replica::discovery::run(
                 self.resolver.clone(),
                 index,
                 spec.clone(),
@@ -382,7 +382,7 @@ mod tests {
         let mut reloader = Reloader::new(
             "unused".into(),
             Overrides::default(),
-            Arc::new(crate::discovery::SystemResolver),
+            Arc::new(crate::replica::discovery::SystemResolver),
             tx,
         )
         .unwrap();
@@ -413,7 +413,7 @@ mod tests {
         let reloader = Reloader::new(
             "unused".into(),
             Overrides::default(),
-            Arc::new(crate::discovery::SystemResolver),
+            Arc::new(crate::replica::discovery::SystemResolver),
             tx,
         )
         .unwrap();
@@ -450,7 +450,7 @@ mod tests {
         let reloader = Reloader::new(
             path,
             Overrides::default(),
-            Arc::new(crate::discovery::SystemResolver),
+            Arc::new(crate::replica::discovery::SystemResolver),
             tx,
         )
         .unwrap();

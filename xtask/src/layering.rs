@@ -25,7 +25,7 @@ struct Import {
 /// Checks the crate whose sources are in `src`; the error lists every violation.
 pub fn check(src: &Path) -> anyhow::Result<()> {
     let layers = layers(&src.join("lib.rs"))?;
-    // Files are named from the repository's root (`sidecar/src/pool.rs`).
+    // Files are named from the repository's root (`sidecar/src/replica/pool.rs`).
     let base = src.ancestors().nth(2).unwrap_or(src);
     let modules: BTreeMap<String, PathBuf> = modules(src)?
         .into_iter()
@@ -410,7 +410,7 @@ mod tests {
             ("pool.rs", "use crate::clock::now;\n"),
             (
                 "dispatcher.rs",
-                "use crate::pool::Pool;\nuse crate::clock;\n",
+                "use crate::replica::pool::Pool;\nuse crate::clock;\n",
             ),
         ]);
         check(dir.path()).unwrap();
@@ -440,7 +440,10 @@ mod tests {
             ("lib.rs", LIB),
             ("clock.rs", ""),
             ("pool.rs", "fn f() { crate::dispatcher::now(); }\n"),
-            ("dispatcher/mod.rs", "mod event;\nuse crate::pool::Pool;\n"),
+            (
+                "dispatcher/mod.rs",
+                "mod event;\nuse crate::replica::pool::Pool;\n",
+            ),
             ("dispatcher/event.rs", "use super::run;\n"),
         ]);
         let e = check(dir.path()).unwrap_err().to_string();
@@ -460,7 +463,7 @@ mod tests {
             ("lib.rs", LIB),
             (
                 "clock.rs",
-                "/// See [`crate::dispatcher`].\nfn f() {} // crate::pool\n#[cfg(test)]\nmod tests {\n    use crate::dispatcher::Event;\n}\n",
+                "/// See [`crate::dispatcher`].\nfn f() {} // crate::replica::pool\n#[cfg(test)]\nmod tests {\n    use crate::dispatcher::Event;\n}\n",
             ),
             ("pool.rs", ""),
             ("dispatcher.rs", ""),

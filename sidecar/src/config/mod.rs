@@ -85,7 +85,7 @@ pub struct SidecarConfig {
     #[serde(default)]
     pub reload: ReloadConfig,
     /// How much output KV admission holds for a request beyond its prompt
-    /// ([`crate::prediction`]).
+    /// ([`crate::intake::prediction`]).
     #[serde(default)]
     pub prediction: PredictionConfig,
     /// The quota service for fleet-wide limits ([`crate::quota`]); without it the lease
@@ -283,7 +283,7 @@ pub struct PoolConfig {
     pub max_concurrency_per_replica: Option<u64>,
     /// `true` (default): each replica's limit adapts under the engine's (or configured) one, to
     /// the engine's queue or, for an engine that reports none, its time to first byte and
-    /// goodput ([`crate::limiter`]). `false`: it holds at that one (16 where neither names one).
+    /// goodput ([`crate::replica::limiter`]). `false`: it holds at that one (16 where neither names one).
     #[serde(default = "adaptive_by_default")]
     pub adaptive_concurrency: bool,
     /// The engine's metric dialect: `auto` (detected from `/metrics`), `vllm`, `sglang`,
@@ -304,12 +304,12 @@ pub struct PoolConfig {
     pub encoding: Encoding,
     /// How many sidecars front these replicas, this one included (several sidecars per pool,
     /// each org on one): each admits against `1/sidecars` of every replica's KV and
-    /// concurrency ([`crate::share`]).
+    /// concurrency ([`crate::replica::share`]).
     #[serde(default)]
     pub sidecars: EngineShare,
 }
 
-/// A DNS name whose addresses are a pool's replicas ([`crate::discovery`]), resolved again every
+/// A DNS name whose addresses are a pool's replicas ([`crate::replica::discovery`]), resolved again every
 /// `interval_ms`: replicas join and leave as the name's addresses change.
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]

@@ -35,8 +35,8 @@ use serde_json::{Value, json};
 
 use crate::config::engine::CacheIsolation;
 use crate::isolation::{Gap, Isolation, OFF_SWITCH};
+use crate::replica::upstream::Upstream;
 use crate::support::answer::{MAX_ANSWER_BYTES, read_bounded};
-use crate::upstream::Upstream;
 
 /// Longest one probe request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(15);

@@ -1,7 +1,7 @@
 //! Replicas found in DNS: a pool's `discovery: {dns, port, scheme, interval_ms}` names a
 //! Kubernetes headless Service (or any name with one address per engine), resolved again every
 //! `interval_ms`; each answer becomes the pool's discovered set, and replicas join and leave as
-//! it changes ([`crate::roster`]).
+//! it changes ([`crate::replica::roster`]).
 //!
 //! Names are resolved by a [`Resolver`]: the system's ([`SystemResolver`]: `getaddrinfo`
 //! through tokio, so `/etc/resolv.conf` search domains and `/etc/hosts` apply as for any
@@ -23,8 +23,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use crate::config::DiscoveryConfig;
-use crate::pool::url_of;
-use crate::replica_event::ReplicaEvent;
+use crate::replica::event::ReplicaEvent;
+use crate::replica::pool::url_of;
 
 /// Longest one resolution may take before it counts as failed.
 const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);

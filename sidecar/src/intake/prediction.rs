@@ -13,7 +13,7 @@ use std::sync::Mutex;
 
 use weir_core::prediction::{OutputHistory, PredictionConfig};
 
-use crate::demand::UNBOUNDED_OUTPUT_TOKENS;
+use crate::intake::demand::UNBOUNDED_OUTPUT_TOKENS;
 use crate::support::live::Live;
 
 /// Histories kept at most. Tenants come from signed headers, so their number is the filter's

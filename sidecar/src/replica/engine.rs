@@ -297,11 +297,11 @@ fn closing_quote(value: &str) -> Option<usize> {
 mod tests {
     use super::*;
 
-    const VLLM: &str = include_str!("../tests/fixtures/vllm-0.32-metrics.prom");
-    const SGLANG: &str = include_str!("../tests/fixtures/sglang-metrics.prom");
-    const LLAMACPP: &str = include_str!("../tests/fixtures/llamacpp-metrics.prom");
-    const LLAMACPP_PROPS: &str = include_str!("../tests/fixtures/llamacpp-props.json");
-    const SGLANG_INFO: &str = include_str!("../tests/fixtures/sglang-server-info.json");
+    const VLLM: &str = include_str!("../../tests/fixtures/vllm-0.32-metrics.prom");
+    const SGLANG: &str = include_str!("../../tests/fixtures/sglang-metrics.prom");
+    const LLAMACPP: &str = include_str!("../../tests/fixtures/llamacpp-metrics.prom");
+    const LLAMACPP_PROPS: &str = include_str!("../../tests/fixtures/llamacpp-props.json");
+    const SGLANG_INFO: &str = include_str!("../../tests/fixtures/sglang-server-info.json");
     /// TGI's gauges as its metrics reference names them (no capture at hand).
     const TGI: &str = "# TYPE tgi_queue_size gauge\ntgi_queue_size 3\n\
         # TYPE tgi_batch_current_size gauge\ntgi_batch_current_size 12\n\

@@ -4,7 +4,7 @@
 
 use serde::Serialize;
 
-use crate::pool::{Pool, Replica};
+use crate::replica::pool::{Pool, Replica};
 
 #[derive(Debug, Serialize)]
 pub struct Readiness {
@@ -30,7 +30,7 @@ pub struct ReplicaReadiness {
     /// Healthy, and its prefix cache kept per tenant (or shared by the config's choice):
     /// weir sends it work.
     pub serving: bool,
-    /// Gone from the pool's set ([`crate::roster`]): no new work, dropped once its requests
+    /// Gone from the pool's set ([`crate::replica::roster`]): no new work, dropped once its requests
     /// end. Absent while it belongs.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub leaving: bool,

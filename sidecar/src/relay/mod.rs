@@ -15,6 +15,9 @@
 //! assignment is the hold on the replica, released when the flight finishes or is dropped), the
 //! idempotency claim settled (with the response, captured up to a bound, for replays).
 
+pub mod resume;
+pub mod stream_end;
+
 use std::pin::pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,17 +33,17 @@ use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 
-use crate::app::App;
 use crate::dispatcher::{Assignment, Event, Requeued};
-use crate::engine::Dialect;
-use crate::idempotency::{Claim, StoredResponse};
+use crate::intake::app::App;
+use crate::intake::idempotency::{Claim, StoredResponse};
+use crate::intake::trust::Trusted;
 use crate::ledger::UsageRecord;
 use crate::metrics::{HistogramSeries, Labels, gen_ai};
-use crate::resume::{Splice, continued, segment_id};
-use crate::stream_end::Ending;
+use crate::relay::resume::{Splice, continued, segment_id};
+use crate::relay::stream_end::Ending;
+use crate::replica::engine::Dialect;
 use crate::support::clock::now_ms;
 use crate::support::respond::{error_response, error_response_with};
-use crate::trust::Trusted;
 
 /// Longest silence from a replica before the stream is declared lost.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -58,9 +61,9 @@ pub struct Attempt {
     pub model: String,
     /// The prompt as counted before dispatch, until the engine reports its own count.
     pub input_tokens: u64,
-    /// Output tokens its KV hold was sized for (the prediction, see [`crate::prediction`]).
+    /// Output tokens its KV hold was sized for (the prediction, see [`crate::intake::prediction`]).
     pub output_held: u64,
-    /// Output billed for its answer if nobody reads it ([`crate::demand::Demand::unread_output`]).
+    /// Output billed for its answer if nobody reads it ([`crate::intake::demand::Demand::unread_output`]).
     pub unread_output: u64,
     /// The request set no output limit: its answer's length teaches the prediction (one cut
     /// short by a small `max_tokens` would teach it low, as the filter also holds).
@@ -72,7 +75,7 @@ pub struct Attempt {
     pub deadline_ms: u64,
     /// weir asked the engine for the stream's usage chunk: the caller gets the stream without it.
     pub hide_usage: bool,
-    /// How to resume the stream if it is preempted ([`crate::resume`]; preemptible requests only).
+    /// How to resume the stream if it is preempted ([`crate::relay::resume`]; preemptible requests only).
     pub continuation: Option<Continuation>,
 }
 
@@ -1147,7 +1150,7 @@ async fn unless_ended<T>(
 
 /// A preempted stream, its upstream request aborted and its hold given back, waits for its
 /// next dispatch (at the head of its tenant's batch queue) and asks the new replica to
-/// continue what was generated ([`crate::resume`]). Settles the flight unless it streams on.
+/// continue what was generated ([`crate::relay::resume`]). Settles the flight unless it streams on.
 async fn resumed(
     flight: &mut Flight,
     requeued: Requeued,
@@ -1269,14 +1272,14 @@ mod tests {
             max_body_bytes: crate::support::live::Live::new(1 << 20),
             cache_salt_key: Vec::new(),
             queue_deadline_ms: crate::support::live::Live::new(0),
-            trust: crate::trust::Trust::new(Vec::new()),
-            idempotency: crate::idempotency::Idempotency::new(Default::default()),
+            trust: crate::intake::trust::Trust::new(Vec::new()),
+            idempotency: crate::intake::idempotency::Idempotency::new(Default::default()),
             relay: crate::support::live::Live::new(crate::config::RelayConfig {
                 client_stall_ms,
                 ..Default::default()
             }),
             backoff: crate::support::backoff::Backoff::new(waits),
-            predictions: crate::prediction::Predictions::new(Default::default()),
+            predictions: crate::intake::prediction::Predictions::new(Default::default()),
             quota: None,
             cut: cut_rx,
             draining: draining_rx,

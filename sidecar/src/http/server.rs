@@ -1,5 +1,5 @@
 //! The HTTP side: Envoy sends filtered requests here. Only requests whose trusted headers the
-//! filter signed are served ([`crate::trust`]); the sidecar binds to loopback by default (use
+//! filter signed are served ([`crate::intake::trust`]); the sidecar binds to loopback by default (use
 //! mTLS between pods as well).
 
 use std::sync::Arc;
@@ -19,16 +19,16 @@ use weir_core::config::Priority;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::{ApiError, ErrorShape};
 
-use crate::app::App;
-use crate::demand;
 use crate::dispatcher::{Event, Job, Refusal};
-use crate::idempotency::{self, Claimed, StoredResponse};
-use crate::pool::affinity_key;
+use crate::intake::app::App;
+use crate::intake::demand;
+use crate::intake::idempotency::{self, Claimed, StoredResponse};
+use crate::intake::trust::Trusted;
+use crate::relay::resume::{self, Splice};
 use crate::relay::{Attempt, Continuation, Flight, TRACE_ID, relay};
-use crate::resume::{self, Splice};
+use crate::replica::pool::affinity_key;
 use crate::support::clock::now_ms;
 use crate::support::respond::error_response;
-use crate::trust::Trusted;
 
 /// A pool as requests are matched to it: its model, how much of a prompt picks the affine
 /// replica, and how its prompts are counted.
@@ -68,7 +68,7 @@ pub fn router(app: Arc<App>) -> Router {
 async fn leases(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     match &app.quota {
         Some(store) => {
-            crate::quota_endpoint::serve(store, &app.trust, &app.metrics, headers, body).await
+            crate::http::quota::serve(store, &app.trust, &app.metrics, headers, body).await
         }
         None => error_response(&ApiError::not_found("no such route"), ErrorShape::OpenAi, 0),
     }
@@ -110,7 +110,7 @@ async fn metrics(State(app): State<Arc<App>>) -> Response {
         .into_response()
 }
 
-/// Every pool and replica as the dispatcher sees them ([`crate::readiness`]): 200 while every
+/// Every pool and replica as the dispatcher sees them ([`crate::replica::readiness`]): 200 while every
 /// pool has a replica that serves, else 503.
 async fn ready(State(app): State<Arc<App>>) -> Response {
     if *app.draining.borrow() {
@@ -423,7 +423,7 @@ fn ask_stream_usage(value: &mut Value) -> bool {
     true
 }
 
-/// Claims the caller's idempotency key before the request is queued ([`crate::idempotency`]);
+/// Claims the caller's idempotency key before the request is queued ([`crate::intake::idempotency`]);
 /// `None` when it sent none.
 fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Claimed> {
     let key = who.idempotency_key.as_deref()?;

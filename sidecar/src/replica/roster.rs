@@ -1,12 +1,12 @@
 //! Which replicas a pool has, while it runs: replicas join and leave without a restart.
 //!
 //! A pool's replicas are those its config lists (`replicas:`) and those its discovery found in
-//! DNS last ([`crate::discovery`]); a reload ([`crate::reload`]) changes the first, each
+//! DNS last ([`crate::replica::discovery`]); a reload ([`crate::reload`]) changes the first, each
 //! resolution the second. [`Pool::reconcile`] brings the pool to that set:
 //!
 //! - **A new URL joins** as a replica that comes back does: unhealthy and `unprobed`, so it
 //!   gets no traffic until its health check has answered, its engine's limits are read and its
-//!   prefix-cache isolation is probed ([`crate::health`]).
+//!   prefix-cache isolation is probed ([`crate::replica::health`]).
 //! - **A URL no longer in the set leaves**: it gets no new work at once, and is dropped when
 //!   the last request running there ends — a stream is never cut for it; each request's KV
 //!   hold and slot come back as usual, through its assignment.
@@ -18,7 +18,7 @@
 //! Each change is returned so the dispatcher starts or stops the replica's health check and
 //! its metric series, and logs it.
 
-use crate::pool::{Pool, Replica, ReplicaId};
+use crate::replica::pool::{Pool, Replica, ReplicaId};
 use std::collections::BTreeSet;
 
 /// One replica's move in or out of its pool.

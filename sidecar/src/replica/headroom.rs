@@ -40,7 +40,7 @@
 
 use std::collections::HashMap;
 
-use crate::pool::{Pool, Replica, Start};
+use crate::replica::pool::{Pool, Replica, Start};
 
 /// What a key (or an org, summed over its keys) holds of a pool: slots (sequences running) and
 /// KV tokens.

@@ -5,9 +5,9 @@
 use std::collections::BTreeSet;
 
 use crate::config::DiscoveryConfig;
-use crate::engine::{Dialect, EngineLimits, EngineSample};
 use crate::isolation::Isolation;
-use crate::pool::ReplicaId;
+use crate::replica::engine::{Dialect, EngineLimits, EngineSample};
+use crate::replica::pool::ReplicaId;
 
 #[derive(Debug)]
 pub enum ReplicaEvent {
@@ -26,7 +26,7 @@ pub enum ReplicaEvent {
         replica: ReplicaId,
         sample: Option<EngineSample>,
     },
-    /// A replica's isolation mode changed ([`crate::isolation_probe::Prober`]).
+    /// A replica's isolation mode changed ([`crate::replica::isolation_probe::Prober`]).
     Isolated {
         pool: usize,
         replica: ReplicaId,

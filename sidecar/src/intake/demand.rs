@@ -11,7 +11,7 @@ use weir_core::estimate::{self, Counting};
 use weir_core::request::InferenceRequest;
 use weir_core::tokens::Encoding;
 
-/// Output tokens held per sequence when prediction is off ([`crate::prediction`]): KV
+/// Output tokens held per sequence when prediction is off ([`crate::intake::prediction`]): KV
 /// admission needs a figure, and holding a whole `max_tokens` would admit a fraction of what
 /// fits.
 pub const UNBOUNDED_OUTPUT_TOKENS: u64 = 512;

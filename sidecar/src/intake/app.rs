@@ -9,14 +9,14 @@ use tokio::sync::mpsc;
 
 use crate::config::RelayConfig;
 use crate::dispatcher::Event;
-use crate::idempotency::Idempotency;
+use crate::intake::idempotency::Idempotency;
+use crate::intake::prediction::Predictions;
+use crate::intake::trust::Trust;
 use crate::ledger::{Ledger, Reader};
 use crate::metrics::Metrics;
-use crate::prediction::Predictions;
 use crate::quota::Store;
 use crate::support::backoff::Backoff;
 use crate::support::live::Live;
-use crate::trust::Trust;
 
 /// A model served, and where its requests go.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,7 +40,7 @@ pub struct App {
     /// The models served, each with its pool's index, affinity prefix length and tokenizer
     /// (live: a reload changes them).
     pub pools: Live<Vec<Route>>,
-    /// Prompts up to this many bytes are counted exactly (see [`crate::demand`]).
+    /// Prompts up to this many bytes are counted exactly (see [`crate::intake::demand`]).
     pub exact_below_bytes: Live<usize>,
     /// Request bodies larger than this are refused (413).
     pub max_body_bytes: Live<usize>,

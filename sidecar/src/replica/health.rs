@@ -2,7 +2,7 @@
 //! weir learns its engine's load. When a replica joins — its first answer, the first after it
 //! was unreachable, or the first after its metrics showed another engine than it joined as —
 //! its engine's limits are read first ([`ReplicaEvent::Joined`]) and its
-//! prefix-cache isolation probed ([`crate::isolation_probe`]) before it gets work.
+//! prefix-cache isolation probed ([`crate::replica::isolation_probe`]) before it gets work.
 //!
 //! The dispatcher starts and stops one check per replica as replicas join and leave
 //! ([`Command`], run by [`supervise`]). Each check follows its pool's [`Link`]: a reload that
@@ -18,12 +18,12 @@ use tokio::task::JoinHandle;
 
 use crate::config::engine::CacheIsolation;
 use crate::config::engine::EngineChoice;
-use crate::engine::{Dialect, EngineLimits, EngineSample};
-use crate::isolation_probe::Prober;
-use crate::pool::ReplicaId;
-use crate::replica_event::ReplicaEvent;
+use crate::replica::engine::{Dialect, EngineLimits, EngineSample};
+use crate::replica::event::ReplicaEvent;
+use crate::replica::isolation_probe::Prober;
+use crate::replica::pool::ReplicaId;
+use crate::replica::upstream::Upstream;
 use crate::support::answer::{MAX_ANSWER_BYTES, read_bounded};
-use crate::upstream::Upstream;
 
 /// How often each replica's `/metrics` is read.
 pub const PROBE_EVERY: Duration = Duration::from_millis(100);

@@ -2,14 +2,14 @@
 //!
 //! Each replica has a KV token budget; the dispatcher reserves a request's KV need on the replica
 //! it picks and gives it back when the request ends, so work is only sent where it fits.
-//! Scraped engine metrics ([`crate::engine`]) add what the engine itself reports: a replica with
+//! Scraped engine metrics ([`crate::replica::engine`]) add what the engine itself reports: a replica with
 //! requests waiting inside the engine gets no more floods, so queueing happens here, in fair
 //! order, and not in the engine's arrival order. A quiet tenant's request (within its part,
-//! [`crate::headroom::Start::Quiet`]) may still go there: an engine reports requests waiting
+//! [`crate::replica::headroom::Start::Quiet`]) may still go there: an engine reports requests waiting
 //! between its steps too, and a probe's snapshot of one would hold the request for the next
 //! probe, while the floods' requests are kept out of the engine's queue ahead of it.
 //!
-//! Each replica also has a concurrency limit ([`crate::limiter`]): the engine's own (its slots),
+//! Each replica also has a concurrency limit ([`crate::replica::limiter`]): the engine's own (its slots),
 //! else the configured `max_concurrency_per_replica`, lowered while the engine holds a queue of
 //! its own (or, for an engine that reports none, starts what it was sent slowly, as far as its
 //! goodput allows). It holds whatever the KV figures say, so a replica whose engine reports no
@@ -22,10 +22,10 @@ use std::sync::Arc;
 
 use crate::config::engine::EngineShare;
 use crate::config::{PoolConfig, Scheme};
-use crate::engine::{Dialect, EngineLimits, EngineSample};
 use crate::isolation::Isolation;
-use crate::limiter::{Limiter, Mode, Ticket};
-use crate::upstream::Upstream;
+use crate::replica::engine::{Dialect, EngineLimits, EngineSample};
+use crate::replica::limiter::{Limiter, Mode, Ticket};
+use crate::replica::upstream::Upstream;
 
 /// A replica's identity within its pool, never reused: events about a replica that has left
 /// (a late health sample, say) find nothing, rather than another replica.
@@ -35,7 +35,7 @@ pub type ReplicaId = u64;
 pub struct Replica {
     pub id: ReplicaId,
     pub url: String,
-    /// Gone from the pool's set ([`crate::roster`]): no new work; dropped once its requests end.
+    /// Gone from the pool's set ([`crate::replica::roster`]): no new work; dropped once its requests end.
     pub leaving: bool,
     /// KV tokens this sidecar may reserve here: its share of what the replica holds (config,
     /// else scraped).
@@ -65,7 +65,7 @@ pub struct Replica {
     pub prefilling: Vec<Ticket>,
 }
 
-/// How a request starts on a pool, as the headroom rule ([`crate::headroom`]) admits it.
+/// How a request starts on a pool, as the headroom rule ([`crate::replica::headroom`]) admits it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Start {
     /// Within its share's part while others are active (a turn, or a quiet tenant's burst):
@@ -187,7 +187,7 @@ impl Replica {
 }
 
 /// How a replica's limit moves: held, or adapting — to the engine's own queue where it reports
-/// one (every dialect weir reads does: see [`crate::engine`]), else to time to first byte.
+/// one (every dialect weir reads does: see [`crate::replica::engine`]), else to time to first byte.
 fn limit_mode(adaptive: bool, dialect: Option<Dialect>) -> Mode {
     match (adaptive, dialect) {
         (false, _) => Mode::Fixed,

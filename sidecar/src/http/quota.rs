@@ -12,12 +12,12 @@ use axum::response::{IntoResponse, Response};
 use weir_core::error::{ApiError, ErrorShape};
 use weir_core::fleet::{LeaseRequest, LeaseResponse};
 
+use crate::intake::trust::Trust;
 use crate::metrics::Metrics;
 use crate::quota::Store;
 use crate::quota::asks::{self, MAX_BODY_BYTES};
 use crate::support::clock::now_ms;
 use crate::support::respond::error_response;
-use crate::trust::Trust;
 
 /// A store error's `Retry-After`: renewals are periodic, the next one comes soon anyway.
 const RETRY_AFTER_S: u64 = 1;
