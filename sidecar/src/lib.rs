@@ -24,7 +24,7 @@ pub mod quota;
 pub mod replica;
 
 // layer: dispatch — the event loop: fair queues, admission, placement, preemption
-pub mod dispatcher;
+pub mod dispatch;
 
 // layer: intake and relay — a request made ready for its pool, and its answer relayed
 pub mod intake;

@@ -7,7 +7,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::{mpsc, watch};
 use tracing_subscriber::EnvFilter;
 use weir_core::scheduler::Policy;
-use weir_sidecar::dispatcher::Dispatcher;
+use weir_sidecar::dispatch::Dispatcher;
 use weir_sidecar::http::listener::{self, Protocols};
 use weir_sidecar::http::server::{admin_router, router};
 use weir_sidecar::intake::app::App;

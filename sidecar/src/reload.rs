@@ -35,7 +35,7 @@ use tokio::task::JoinHandle;
 use weir_core::tokens::Encoding;
 
 use crate::config::{DiscoveryConfig, SidecarConfig};
-use crate::dispatcher::{Event, PoolSpec};
+use crate::dispatch::{Event, PoolSpec};
 use crate::intake::app::{App, Route};
 use crate::replica::discovery::Resolver;
 use crate::replica::upstream::Upstream;

@@ -8,7 +8,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
 use crate::config::RelayConfig;
-use crate::dispatcher::Event;
+use crate::dispatch::Event;
 use crate::intake::idempotency::Idempotency;
 use crate::intake::prediction::Predictions;
 use crate::intake::trust::Trust;

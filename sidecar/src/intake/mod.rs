@@ -6,4 +6,5 @@ pub mod app;
 pub mod demand;
 pub mod idempotency;
 pub mod prediction;
+pub mod prepare;
 pub mod trust;

@@ -33,7 +33,7 @@ use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
 use weir_core::meter::{BodyMeter, BodyUsage, StreamMeter};
 
-use crate::dispatcher::{Assignment, Event, Requeued};
+use crate::dispatch::{Assignment, Event, Requeued};
 use crate::intake::app::App;
 use crate::intake::idempotency::{Claim, StoredResponse};
 use crate::intake::trust::Trusted;
@@ -1992,7 +1992,7 @@ mod tests {
         let (requeue, requeued) = oneshot::channel();
         preempt.send(requeued).unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let _ = requeue.send(Err(crate::dispatcher::Refusal::NoReplica));
+        let _ = requeue.send(Err(crate::dispatch::Refusal::NoReplica));
         let event = closes_after(client, pump, &want).await;
         assert!(event.contains("\"preempted\"") && event.ends_with("data: [DONE]\n\n"));
         assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);

@@ -1,6 +1,6 @@
 //! `/ready` on the admin port: whether every pool has a replica that can take work, and per
 //! replica why or why not — for Kubernetes' readiness probe and for the operator reading it.
-//! The dispatcher builds it from its pools on request ([`crate::dispatcher::Event::Ready`]).
+//! The dispatcher builds it from its pools on request ([`crate::dispatch::Event::Ready`]).
 
 use serde::Serialize;
 

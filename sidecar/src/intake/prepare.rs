@@ -1,0 +1,311 @@
+//! A request made ready for its pool, or turned away: the filter's signature (checked on the
+//! headers' arrival, however long the body then takes), the body read within its bound and
+//! parsed once, the model's pool, the prompt's demand and the output held for it, the tenant's
+//! prefix affinity, its idempotency key claimed, and the body rewritten for the engine (engine
+//! control stripped, the tenant's `cache_salt`, a stream's usage asked for).
+
+use axum::body::Body;
+use axum::http::HeaderMap;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tokio::sync::oneshot;
+use weir_core::admission::ENGINE_CONTROL_FIELDS;
+use weir_core::config::Priority;
+use weir_core::endpoint::Endpoint;
+use weir_core::error::ApiError;
+use weir_core::request::ANSWER_COUNT_FIELDS;
+use weir_core::tokens::Encoding;
+
+use crate::dispatch::{Assignment, Job, Refusal};
+use crate::intake::app::App;
+use crate::intake::demand::{self, Demand};
+use crate::intake::idempotency::{self, Claim, Claimed, StoredResponse};
+use crate::intake::trust::Trusted;
+use crate::relay::resume;
+use crate::replica::pool::affinity_key;
+use crate::support::clock::now_ms;
+
+/// A request ready to queue.
+pub struct Prepared {
+    pub who: Trusted,
+    pub model: String,
+    pub pool: usize,
+    pub encoding: Encoding,
+    /// The body as the engine gets it, but for the replica's isolation mode (applied where it
+    /// is placed).
+    pub body: Value,
+    pub demand: Demand,
+    pub claim: Option<Claim>,
+    pub stream: bool,
+    /// weir asked the engine for the stream's usage chunk: the caller does not get it.
+    pub hide_usage: bool,
+    /// Sequences the engine runs for it at once, each in a slot.
+    pub sequences: u64,
+    pub preemptible: bool,
+    /// Output tokens its KV hold is sized for: the prediction, within its own limit.
+    pub output_held: u64,
+    pub kv_need: u64,
+    pub affinity: u64,
+    /// Until when it may wait for dispatch (Unix ms), counted from the body's arrival.
+    pub deadline_ms: u64,
+}
+
+/// Why a request goes no further than its intake.
+pub enum Turned {
+    /// Refused with this error; its `Retry-After` follows the pool's projected wait once the
+    /// pool is known.
+    Refused(ApiError, Option<usize>),
+    /// A duplicate of a completed request: its response, again.
+    Replayed(StoredResponse),
+}
+
+/// Makes `body`, sent to `endpoint` with `headers`, ready to queue; every refusal is counted
+/// in the metrics by its reason.
+pub async fn prepare(
+    app: &App,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Prepared, Turned> {
+    let refuse = |reason: &str, tenant: &str, error: ApiError, pool: Option<usize>| {
+        app.metrics.reject(reason, tenant, error.status);
+        Turned::Refused(error, pool)
+    };
+    let who = app
+        .trust
+        .check(headers, now_ms())
+        .map_err(|error| refuse("untrusted", "", error, None))?;
+    let max_body_bytes = *app.max_body_bytes.load();
+    // Too large, or cut off (the filter refused the body after sending the headers on).
+    let body = axum::body::to_bytes(body, max_body_bytes)
+        .await
+        .map_err(|_| Turned::Refused(ApiError::payload_too_large(max_body_bytes), None))?;
+    // The wait for dispatch starts now: the headers came first, the body when it came.
+    let deadline_ms = now_ms().saturating_add(*app.queue_deadline_ms.load());
+    let mut value = serde_json::from_slice::<Value>(&body)
+        .map_err(|_| Turned::Refused(ApiError::bad_request("malformed JSON"), None))?;
+    // The front door refuses these only where it enforces (not on `off` or `shadow` routes,
+    // nor outside a rollout's share): as the last hop, the sidecar refuses them on every route,
+    // or a tenant who learned another's response id would read that conversation.
+    if endpoint == Endpoint::Responses {
+        weir_core::responses::check_engine_state(&body)
+            .map_err(|error| refuse("engine_state", &who.tenant, error, None))?;
+    }
+    let model = value["model"].as_str().unwrap_or_default().to_owned();
+    let (pool, prefix_bytes, encoding) = app
+        .pools
+        .load()
+        .iter()
+        .find_map(|r| (r.model == model).then_some((r.pool, r.affinity_prefix_bytes, r.encoding)))
+        .ok_or_else(|| {
+            refuse(
+                "model_not_found",
+                &who.tenant,
+                ApiError::model_not_found(&model),
+                None,
+            )
+        })?;
+    let demand = demand::of(endpoint, &body, encoding, *app.exact_below_bytes.load());
+    let prompt: String = prompt_fields(endpoint)
+        .iter()
+        .map(|f| value[*f].to_string())
+        .collect();
+    let affinity = affinity_key(
+        &who.tenant,
+        &prompt.as_bytes()[..prompt.len().min(prefix_bytes)],
+    );
+    let claim = match claim(app, &who, endpoint, &body) {
+        None => None,
+        Some(Claimed::Run(claim)) => Some(claim),
+        Some(Claimed::Replay(stored)) => return Err(Turned::Replayed(stored)),
+        Some(Claimed::Refused(error)) => {
+            let reason = error.code.unwrap_or("idempotency");
+            return Err(refuse(reason, &who.tenant, error, Some(pool)));
+        }
+    };
+    strip_engine_control(&mut value);
+    // Embedding models have no prefix cache to scope (vLLM ignores the field there).
+    if endpoint.generates() {
+        value["cache_salt"] = json!(cache_salt(&app.cache_salt_key, &who.tenant));
+    }
+    let stream = value["stream"].as_bool().unwrap_or(false);
+    let usage_is_optional = matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions);
+    let hide_usage = stream && usage_is_optional && ask_stream_usage(&mut value);
+    let sequences = engine_sequences(endpoint, &value);
+    let preemptible =
+        who.priority == Priority::Batch && resume::resumable(endpoint, &value, stream);
+    // Held for the output it will likely produce, not the most it may (the hold grows if it
+    // runs past: see the relay).
+    let predicted = app
+        .predictions
+        .predict(&who.tenant, pool)
+        .saturating_mul(sequences);
+    let output_held = demand
+        .output_tokens
+        .map_or(predicted, |cap| cap.min(predicted));
+    let kv_need = demand.input_tokens.saturating_add(output_held);
+    Ok(Prepared {
+        who,
+        model,
+        pool,
+        encoding,
+        body: value,
+        demand,
+        claim,
+        stream,
+        hide_usage,
+        sequences,
+        preemptible,
+        output_held,
+        kv_need,
+        affinity,
+        deadline_ms,
+    })
+}
+
+impl Prepared {
+    /// The job queued for it, answered on `reply`.
+    pub fn job(&self, reply: oneshot::Sender<Result<Assignment, Refusal>>) -> Job {
+        Job {
+            tenant: self.who.tenant.clone(),
+            tier: self.who.tier.clone(),
+            weights: self.who.weights.clone(),
+            priority: self.who.priority,
+            pool: self.pool,
+            input_tokens: self.demand.input_tokens,
+            kv_need: self.kv_need,
+            sequences: self.sequences,
+            kv_cap: self.who.kv_cap,
+            affinity: self.affinity,
+            arrived_ms: now_ms(),
+            deadline_ms: self.deadline_ms,
+            preemptible: self.preemptible,
+            stream: self.stream,
+            preemptions: 0,
+            reply,
+        }
+    }
+}
+
+/// The fields a request's prompt starts with, for prefix affinity.
+fn prompt_fields(endpoint: Endpoint) -> &'static [&'static str] {
+    match endpoint {
+        Endpoint::ChatCompletions => &["messages"],
+        Endpoint::Completions => &["prompt"],
+        Endpoint::Responses => &["instructions", "input"],
+        Endpoint::Messages => &["system", "messages"],
+        Endpoint::Embeddings => &["input"],
+    }
+}
+
+/// Claims the caller's idempotency key before the request is queued
+/// ([`crate::intake::idempotency`]); `None` when it sent none.
+fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Claimed> {
+    let key = who.idempotency_key.as_deref()?;
+    let history = || app.ledger_reader.history(&who.tenant, key);
+    let fingerprint = idempotency::fingerprint(endpoint.path(), body);
+    Some(
+        app.idempotency
+            .claim(&who.tenant, key, fingerprint, now_ms(), history),
+    )
+}
+
+/// The tenant's prefix-cache scope: a salt only weir can derive, so no tenant can name another's.
+fn cache_salt(key: &[u8], tenant: &str) -> String {
+    let digest = Sha256::new()
+        .chain_update(b"weir cache salt\0")
+        .chain_update(key)
+        .chain_update([0u8])
+        .chain_update(tenant.as_bytes())
+        .finalize();
+    digest.iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
+
+/// How many sequences the engine runs for a request at once, each in a slot of its own: one per
+/// prompt of a completions batch and per input of an embeddings batch (vLLM and llama.cpp run
+/// each as a request of its own), times the answers asked for per prompt
+/// ([`ANSWER_COUNT_FIELDS`]: the filter refuses more than one where it meters, off-mode
+/// requests come as sent). At least 1.
+fn engine_sequences(endpoint: Endpoint, body: &Value) -> u64 {
+    let batch = match endpoint {
+        Endpoint::Completions => &body["prompt"],
+        Endpoint::Embeddings => &body["input"],
+        _ => &Value::Null,
+    };
+    let prompts = match batch.as_array() {
+        // A list of strings or of token lists is a batch; a list of token ids is one prompt.
+        Some(items) if items.first().is_some_and(|i| i.is_string() || i.is_array()) => {
+            items.len() as u64
+        }
+        _ => 1,
+    };
+    let answers = ANSWER_COUNT_FIELDS
+        .iter()
+        .filter_map(|f| body[*f].as_u64())
+        .max()
+        .unwrap_or(1);
+    prompts.saturating_mul(answers).max(1)
+}
+
+/// Removes the body fields by which a request would steer the engine across the tenant
+/// boundary ([`ENGINE_CONTROL_FIELDS`]). The filter strips them from the requests it meters, but
+/// forwards off-mode and out-of-rollout bodies as they came; the sidecar is the last hop before
+/// the engine, so it strips them from every request.
+fn strip_engine_control(value: &mut Value) {
+    if let Some(fields) = value.as_object_mut() {
+        for field in ENGINE_CONTROL_FIELDS {
+            fields.remove(field);
+        }
+    }
+}
+
+/// Asks the engine for a stream's usage chunk when the body does not (requests the filter did
+/// not meter: off mode, out of the rollout), so the ledger bills the engine's counts rather
+/// than a guess from the body's size. True when weir asked: the chunk is then hidden from the
+/// caller, who did not ask for it.
+fn ask_stream_usage(value: &mut Value) -> bool {
+    let Some(fields) = value.as_object_mut() else {
+        return false;
+    };
+    let options = fields.entry("stream_options").or_insert_with(|| json!({}));
+    let Some(options) = options.as_object_mut() else {
+        return false;
+    };
+    if options.get("include_usage").and_then(Value::as_bool) == Some(true) {
+        return false;
+    }
+    options.insert("include_usage".into(), Value::Bool(true));
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_is_as_many_sequences_as_it_has_prompts_or_inputs() {
+        let seqs = |endpoint, body: Value| engine_sequences(endpoint, &body);
+        let completions = Endpoint::Completions;
+        assert_eq!(seqs(completions, json!({"prompt": "a"})), 1);
+        assert_eq!(
+            seqs(completions, json!({"prompt": [1, 2, 3]})),
+            1,
+            "one token prompt"
+        );
+        assert_eq!(seqs(completions, json!({"prompt": ["a", "b", "c"]})), 3);
+        assert_eq!(seqs(completions, json!({"prompt": [[1], [2]], "n": 2})), 4);
+        assert_eq!(seqs(Endpoint::Embeddings, json!({"input": ["a", "b"]})), 2);
+        assert_eq!(seqs(Endpoint::ChatCompletions, json!({"n_cmpl": 3})), 3);
+        assert_eq!(seqs(Endpoint::ChatCompletions, json!({"n": 0})), 1);
+        assert_eq!(seqs(Endpoint::Messages, json!({"messages": ["a", "b"]})), 1);
+    }
+
+    #[test]
+    fn salts_differ_per_tenant_and_secret() {
+        let a = cache_salt(b"secret-0123456789", "acme/p/k");
+        assert_eq!(a, cache_salt(b"secret-0123456789", "acme/p/k"));
+        assert_ne!(a, cache_salt(b"secret-0123456789", "globex/p/k"));
+        assert_ne!(a, cache_salt(b"other-secret-0123", "acme/p/k"));
+        assert_eq!(a.len(), 32);
+    }
+}
