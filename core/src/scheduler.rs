@@ -29,6 +29,7 @@ use smallvec::SmallVec;
 
 use crate::config::Priority;
 
+pub mod headroom;
 mod ready;
 
 use ready::{Counter, Key, Ready};

@@ -410,7 +410,7 @@ mod tests {
             ("pool.rs", "use crate::clock::now;\n"),
             (
                 "dispatcher.rs",
-                "use crate::replica::pool::Pool;\nuse crate::clock;\n",
+                "use crate::pool::Pool;\nuse crate::clock;\n",
             ),
         ]);
         check(dir.path()).unwrap();
@@ -440,10 +440,7 @@ mod tests {
             ("lib.rs", LIB),
             ("clock.rs", ""),
             ("pool.rs", "fn f() { crate::dispatcher::now(); }\n"),
-            (
-                "dispatcher/mod.rs",
-                "mod event;\nuse crate::replica::pool::Pool;\n",
-            ),
+            ("dispatcher/mod.rs", "mod event;\nuse crate::pool::Pool;\n"),
             ("dispatcher/event.rs", "use super::run;\n"),
         ]);
         let e = check(dir.path()).unwrap_err().to_string();
@@ -463,7 +460,7 @@ mod tests {
             ("lib.rs", LIB),
             (
                 "clock.rs",
-                "/// See [`crate::dispatcher`].\nfn f() {} // crate::replica::pool\n#[cfg(test)]\nmod tests {\n    use crate::dispatcher::Event;\n}\n",
+                "/// See [`crate::dispatcher`].\nfn f() {} // crate::pool\n#[cfg(test)]\nmod tests {\n    use crate::dispatcher::Event;\n}\n",
             ),
             ("pool.rs", ""),
             ("dispatcher.rs", ""),

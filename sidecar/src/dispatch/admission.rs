@@ -6,18 +6,17 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use weir_core::config::Priority;
+use weir_core::scheduler::headroom::{Headroom, Start};
 use weir_core::scheduler::{Scheduler, Share, Verdict};
 
 use crate::metrics::Labels;
-use crate::replica::headroom::{Headroom, Room};
-use crate::replica::pool::Start;
 use crate::support::backoff::Waits;
 use crate::support::clock::now_ms;
 
 use super::preemption::{MAX_PREEMPTIONS, Running};
-use super::{Assignment, Dispatcher, Job, Refusal};
+use super::{Assignment, Dispatcher, Event, Job, Refusal};
 
 /// How the headroom rule admits `job` now: under the FIFO baseline, as alone (it keeps out of
 /// engines' own queues, as before the rule), else by the rule ([`Headroom::admission`]).
@@ -99,7 +98,7 @@ impl Dispatcher {
         let (Some(p), Some(shares)) = (self.pools.get(job.pool), self.shares.get(job.pool)) else {
             return false;
         };
-        let headroom = shares.headroom(Room::of(p), self.queue.kv_headroom);
+        let headroom = shares.headroom(p.room(), self.queue.kv_headroom);
         admission(self.fair, &headroom, self.share, job)
             .is_some_and(|start| p.fits_for(job.kv_need, job.sequences, start))
     }
@@ -274,6 +273,15 @@ impl Dispatcher {
         let Some(events) = self.events.upgrade() else {
             return false;
         };
+        let Some((t, job, taken)) = self.next_job(pool, now) else {
+            return false;
+        };
+        self.assign(pool, now, t, job, taken, events);
+        true
+    }
+
+    /// The pool's next job in fair order that may start now, and how it starts.
+    fn next_job(&mut self, pool: usize, now: u64) -> Option<(String, Job, Start)> {
         let Dispatcher {
             schedulers,
             pools,
@@ -287,12 +295,12 @@ impl Dispatcher {
         let (Some(scheduler), Some(p), Some(shares)) =
             (schedulers.get_mut(pool), pools.get(pool), shares.get(pool))
         else {
-            return false;
+            return None;
         };
         // A tenant over its own KV cap, or its share past its fair part while others are
-        // active ([`crate::replica::headroom`]), (or a client gone) is passed over; the next job in fair
+        // active ([`weir_core::scheduler::headroom`]), (or a client gone) is passed over; the next job in fair
         // order that does not fit yet holds the line until room frees.
-        let headroom = shares.headroom(Room::of(p), queue.kv_headroom);
+        let headroom = shares.headroom(p.room(), queue.kv_headroom);
         // How the job taken starts ([`Start`]).
         let mut taken = Start::Alone;
         // Whether a flood next in line fits but for requests waiting inside the engines, or
@@ -320,14 +328,25 @@ impl Dispatcher {
                 Some(_) => Verdict::Wait,
             }
         };
-        let Some(d) = scheduler.pop_where(now, judge) else {
-            return false;
-        };
-        let (t, job) = (d.tenant.to_owned(), d.item);
+        let d = scheduler.pop_where(now, judge)?;
+        Some((d.tenant.to_owned(), d.item, taken))
+    }
+
+    /// Places `job` of `t` on a replica of `pool` and hands it its [`Assignment`]: the slots
+    /// and KV it holds there, its tenant's counter charged for its prompt.
+    fn assign(
+        &mut self,
+        pool: usize,
+        now: u64,
+        t: String,
+        job: Job,
+        taken: Start,
+        events: mpsc::UnboundedSender<Event>,
+    ) {
         let p = &self.pools[pool];
         let Some(index) = p.route_for(job.affinity, job.kv_need, job.sequences, taken) else {
             let _ = job.reply.send(Err(Refusal::NoReplica));
-            return true;
+            return;
         };
         let upstream = self.pools[pool].upstream.clone();
         let r = &mut self.pools[pool].replicas[index];
@@ -389,6 +408,5 @@ impl Dispatcher {
                 preempt,
             });
         }
-        true
     }
 }

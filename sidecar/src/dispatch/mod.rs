@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
+use weir_core::scheduler::headroom::Shares;
 use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights};
 
 use crate::config::{PoolConfig, QueueConfig};
@@ -17,8 +18,8 @@ use crate::isolation::Isolation;
 use crate::metrics::{Labels, Metrics};
 use crate::replica::engine::EngineSample;
 use crate::replica::event::ReplicaEvent;
-use crate::replica::headroom::Shares;
 use crate::replica::health::{Command, Link};
+use crate::replica::limiter::Ticket;
 use crate::replica::pool::{Pool, Replica, ReplicaId};
 use crate::replica::projection::Paces;
 use crate::replica::readiness::Readiness;
@@ -247,14 +248,7 @@ impl Dispatcher {
                 replica,
                 tenant: t,
                 output_tokens,
-            } => {
-                self.charge(pool, &t, |s, t| s.charge(t, 0, output_tokens));
-                if let Some(r) = self.replica_mut(pool, replica) {
-                    let in_flight = r.in_flight;
-                    r.limiter.served(output_tokens, in_flight, now_ms());
-                }
-                self.update_limits(pool, replica);
-            }
+            } => self.served(pool, replica, &t, output_tokens),
             Event::Reconciled {
                 pool,
                 tenant: t,
@@ -270,19 +264,7 @@ impl Dispatcher {
                 tenant: t,
                 from,
                 to,
-            } => {
-                self.adjust_hold(pool, replica, &t, 0, from);
-                self.adjust_hold(pool, replica, &t, to, 0);
-                // Preempted, it goes on from what it holds now (its prompt and what it has
-                // generated), not from its first prediction.
-                if let Some(r) = self.preemptible.get_mut(pool).and_then(|running| {
-                    running
-                        .iter_mut()
-                        .find(|r| r.replica == replica && r.ticket == ticket)
-                }) {
-                    r.job.kv_need = to;
-                }
-            }
+            } => self.resized(pool, replica, ticket, &t, from, to),
             Event::Finished {
                 pool,
                 replica,
@@ -290,25 +272,7 @@ impl Dispatcher {
                 tenant: t,
                 kv_need,
                 sequences,
-            } => {
-                if let Some(r) = self.replica_mut(pool, replica) {
-                    r.in_flight = r.in_flight.saturating_sub(sequences);
-                    r.prefilled(ticket);
-                }
-                self.hold_slots(pool, &t, sequences, false);
-                self.adjust_hold(pool, replica, &t, 0, kv_need);
-                if let Some(pending) = self.preempting.get_mut(pool)
-                    && let Some(i) = pending
-                        .iter()
-                        .position(|p| p.replica == replica && p.ticket == ticket)
-                {
-                    pending.swap_remove(i);
-                }
-                if self.replica_mut(pool, replica).is_some_and(|r| r.leaving) {
-                    let changes = self.pools[pool].drop_drained();
-                    self.changed(pool, changes);
-                }
-            }
+            } => self.finished(pool, replica, ticket, &t, kv_need, sequences),
             Event::ReplicaFailed { pool, replica } => {
                 if let Some(r) = self.replica_mut(pool, replica) {
                     r.healthy = false;
@@ -320,22 +284,7 @@ impl Dispatcher {
                 ticket,
                 ttfb_ms,
                 prompt_tokens,
-            } => {
-                if let Some(r) = self.replica_mut(pool, replica) {
-                    let in_flight = r.in_flight;
-                    r.limiter
-                        .first_byte(ticket, ttfb_ms, prompt_tokens, in_flight);
-                    r.prefilled(ticket);
-                }
-                if let Some(running) = self.preemptible.get_mut(pool)
-                    && let Some(r) = running
-                        .iter_mut()
-                        .find(|r| r.replica == replica && r.ticket == ticket)
-                {
-                    r.started_ms = Some(r.dispatched_ms + ttfb_ms as u64);
-                }
-                self.update_limits(pool, replica);
-            }
+            } => self.first_byte(pool, replica, ticket, ttfb_ms, prompt_tokens),
             Event::Answered {
                 pool,
                 replica,
@@ -352,20 +301,112 @@ impl Dispatcher {
                 pool,
                 replica,
                 ticket,
-            } => {
-                if let Some(r) = self.replica_mut(pool, replica) {
-                    r.limiter.timed_out(ticket);
-                    r.prefilled(ticket);
-                    let url = r.url.clone();
-                    (self.metrics.replica_first_byte_timeouts).inc(&[("replica", &url)]);
-                }
-                self.update_limits(pool, replica);
-            }
+            } => self.first_byte_timeout(pool, replica, ticket),
             Event::Ready(reply) => {
                 let _ = reply.send(Readiness::of(&self.pools));
             }
             Event::Configure { queue, pools } => self.configure(queue, pools),
         }
+    }
+
+    /// Output tokens streamed to `t`: charged to its counter, counted in the replica's goodput.
+    fn served(&mut self, pool: usize, replica: ReplicaId, t: &str, output_tokens: u64) {
+        self.charge(pool, t, |s, t| s.charge(t, 0, output_tokens));
+        if let Some(r) = self.replica_mut(pool, replica) {
+            let in_flight = r.in_flight;
+            r.limiter.served(output_tokens, in_flight, now_ms());
+        }
+        self.update_limits(pool, replica);
+    }
+
+    /// A running request's KV hold corrected from `from` to `to`.
+    fn resized(
+        &mut self,
+        pool: usize,
+        replica: ReplicaId,
+        ticket: Ticket,
+        t: &str,
+        from: u64,
+        to: u64,
+    ) {
+        self.adjust_hold(pool, replica, t, 0, from);
+        self.adjust_hold(pool, replica, t, to, 0);
+        // Preempted, it goes on from what it holds now (its prompt and what it has
+        // generated), not from its first prediction.
+        if let Some(r) = self.preemptible.get_mut(pool).and_then(|running| {
+            running
+                .iter_mut()
+                .find(|r| r.replica == replica && r.ticket == ticket)
+        }) {
+            r.job.kv_need = to;
+        }
+    }
+
+    /// A dispatch ended: its slots and KV come back, a preemption waiting for it is done, and a
+    /// leaving replica it drained leaves.
+    fn finished(
+        &mut self,
+        pool: usize,
+        replica: ReplicaId,
+        ticket: Ticket,
+        t: &str,
+        kv_need: u64,
+        sequences: u64,
+    ) {
+        if let Some(r) = self.replica_mut(pool, replica) {
+            r.in_flight = r.in_flight.saturating_sub(sequences);
+            r.prefilled(ticket);
+        }
+        self.hold_slots(pool, t, sequences, false);
+        self.adjust_hold(pool, replica, t, 0, kv_need);
+        if let Some(pending) = self.preempting.get_mut(pool)
+            && let Some(i) = pending
+                .iter()
+                .position(|p| p.replica == replica && p.ticket == ticket)
+        {
+            pending.swap_remove(i);
+        }
+        if self.replica_mut(pool, replica).is_some_and(|r| r.leaving) {
+            let changes = self.pools[pool].drop_drained();
+            self.changed(pool, changes);
+        }
+    }
+
+    /// A dispatch's first bytes came after `ttfb_ms`: the replica's limiter learns from it, its
+    /// prefill is over, and a preemptible stream's bound runs from then.
+    fn first_byte(
+        &mut self,
+        pool: usize,
+        replica: ReplicaId,
+        ticket: Ticket,
+        ttfb_ms: f64,
+        prompt_tokens: u64,
+    ) {
+        if let Some(r) = self.replica_mut(pool, replica) {
+            let in_flight = r.in_flight;
+            r.limiter
+                .first_byte(ticket, ttfb_ms, prompt_tokens, in_flight);
+            r.prefilled(ticket);
+        }
+        if let Some(running) = self.preemptible.get_mut(pool)
+            && let Some(r) = running
+                .iter_mut()
+                .find(|r| r.replica == replica && r.ticket == ticket)
+        {
+            r.started_ms = Some(r.dispatched_ms + ttfb_ms as u64);
+        }
+        self.update_limits(pool, replica);
+    }
+
+    /// A dispatch's engine did not start it within `relay.first_byte_ms`.
+    fn first_byte_timeout(&mut self, pool: usize, replica: ReplicaId, ticket: Ticket) {
+        if let Some(r) = self.replica_mut(pool, replica) {
+            r.limiter.timed_out(ticket);
+            r.prefilled(ticket);
+            let url = r.url.clone();
+            (self.metrics.replica_first_byte_timeouts).inc(&[("replica", &url)]);
+        }
+        self.update_limits(pool, replica);
     }
 
     /// Whether a pool's replicas' KV budgets come from the config (not the engine's report).

@@ -4,9 +4,10 @@
 use tokio::sync::oneshot;
 use weir_core::config::Priority;
 use weir_core::scheduler::Verdict;
+use weir_core::scheduler::headroom::Start;
 
 use crate::replica::limiter::Ticket;
-use crate::replica::pool::{ReplicaId, Start};
+use crate::replica::pool::{Pool, ReplicaId};
 
 use super::{Dispatcher, Job, Requeued};
 
@@ -88,34 +89,7 @@ impl Dispatcher {
         let Some((kv_need, sequences)) = wanted else {
             return;
         };
-        let victims = p
-            .replicas
-            .iter()
-            .filter(|r| r.serves())
-            .filter_map(|r| {
-                let mut candidates: Vec<usize> = (0..running.len())
-                    .filter(|&i| {
-                        let c = &running[i];
-                        c.replica == r.id && c.started_ms.is_some_and(waited)
-                    })
-                    .collect();
-                candidates.sort_by_key(|&i| std::cmp::Reverse(running[i].job.arrived_ms));
-                let (mut kv, mut seqs, mut chosen) = (0, 0, Vec::new());
-                for i in candidates {
-                    kv += running[i].job.kv_need;
-                    seqs += running[i].job.sequences;
-                    chosen.push(i);
-                    let kv_room = r.kv_budget == 0
-                        || r.reserved.saturating_sub(kv).saturating_add(kv_need) <= r.kv_budget;
-                    let slot_room =
-                        r.in_flight.saturating_sub(seqs).saturating_add(sequences) <= r.limit();
-                    if kv_room && slot_room {
-                        return Some(chosen);
-                    }
-                }
-                None
-            })
-            .min_by_key(Vec::len);
+        let victims = victims(p, running, kv_need, sequences, waited);
         let Some(mut victims) = victims else {
             return;
         };
@@ -157,4 +131,44 @@ impl Dispatcher {
             self.update_depth(&t);
         }
     }
+}
+
+/// The streams to preempt for an interactive request of `kv_need` KV tokens and `sequences`
+/// slots: on the replica where the fewest free room for it, the latest arrived first, each
+/// having streamed long enough since its engine last started it (`waited`). Indices into
+/// `running`; `None` when no replica can free enough.
+fn victims(
+    p: &Pool,
+    running: &[Running],
+    kv_need: u64,
+    sequences: u64,
+    waited: impl Fn(u64) -> bool,
+) -> Option<Vec<usize>> {
+    p.replicas
+        .iter()
+        .filter(|r| r.serves())
+        .filter_map(|r| {
+            let mut candidates: Vec<usize> = (0..running.len())
+                .filter(|&i| {
+                    let c = &running[i];
+                    c.replica == r.id && c.started_ms.is_some_and(&waited)
+                })
+                .collect();
+            candidates.sort_by_key(|&i| std::cmp::Reverse(running[i].job.arrived_ms));
+            let (mut kv, mut seqs, mut chosen) = (0, 0, Vec::new());
+            for i in candidates {
+                kv += running[i].job.kv_need;
+                seqs += running[i].job.sequences;
+                chosen.push(i);
+                let kv_room = r.kv_budget == 0
+                    || r.reserved.saturating_sub(kv).saturating_add(kv_need) <= r.kv_budget;
+                let slot_room =
+                    r.in_flight.saturating_sub(seqs).saturating_add(sequences) <= r.limit();
+                if kv_room && slot_room {
+                    return Some(chosen);
+                }
+            }
+            None
+        })
+        .min_by_key(Vec::len)
 }

@@ -17,7 +17,7 @@ use weir_core::request::ANSWER_COUNT_FIELDS;
 use weir_core::tokens::Encoding;
 
 use crate::dispatch::{Assignment, Job, Refusal};
-use crate::intake::app::App;
+use crate::intake::app::{App, Route};
 use crate::intake::demand::{self, Demand};
 use crate::intake::idempotency::{self, Claim, Claimed, StoredResponse};
 use crate::intake::trust::Trusted;
@@ -92,19 +92,16 @@ pub async fn prepare(
             .map_err(|error| refuse("engine_state", &who.tenant, error, None))?;
     }
     let model = value["model"].as_str().unwrap_or_default().to_owned();
-    let (pool, prefix_bytes, encoding) = app
-        .pools
-        .load()
-        .iter()
-        .find_map(|r| (r.model == model).then_some((r.pool, r.affinity_prefix_bytes, r.encoding)))
-        .ok_or_else(|| {
-            refuse(
-                "model_not_found",
-                &who.tenant,
-                ApiError::model_not_found(&model),
-                None,
-            )
-        })?;
+    let Some(&Route {
+        pool,
+        affinity_prefix_bytes: prefix_bytes,
+        encoding,
+        ..
+    }) = app.pools.load().iter().find(|r| r.model == model)
+    else {
+        let error = ApiError::model_not_found(&model);
+        return Err(refuse("model_not_found", &who.tenant, error, None));
+    };
     let demand = demand::of(endpoint, &body, encoding, *app.exact_below_bytes.load());
     let prompt: String = prompt_fields(endpoint)
         .iter()
@@ -114,23 +111,15 @@ pub async fn prepare(
         &who.tenant,
         &prompt.as_bytes()[..prompt.len().min(prefix_bytes)],
     );
-    let claim = match claim(app, &who, endpoint, &body) {
-        None => None,
-        Some(Claimed::Run(claim)) => Some(claim),
-        Some(Claimed::Replay(stored)) => return Err(Turned::Replayed(stored)),
-        Some(Claimed::Refused(error)) => {
-            let reason = error.code.unwrap_or("idempotency");
-            return Err(refuse(reason, &who.tenant, error, Some(pool)));
-        }
-    };
-    strip_engine_control(&mut value);
-    // Embedding models have no prefix cache to scope (vLLM ignores the field there).
-    if endpoint.generates() {
-        value["cache_salt"] = json!(cache_salt(&app.cache_salt_key, &who.tenant));
-    }
+    let claim = claim(app, &who, endpoint, &body, pool)?;
     let stream = value["stream"].as_bool().unwrap_or(false);
-    let usage_is_optional = matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions);
-    let hide_usage = stream && usage_is_optional && ask_stream_usage(&mut value);
+    let hide_usage = rewrite(
+        &mut value,
+        endpoint,
+        stream,
+        &app.cache_salt_key,
+        &who.tenant,
+    );
     let sequences = engine_sequences(endpoint, &value);
     let preemptible =
         who.priority == Priority::Batch && resume::resumable(endpoint, &value, stream);
@@ -187,6 +176,25 @@ impl Prepared {
     }
 }
 
+/// The body as the engine gets it: engine control stripped, the tenant's `cache_salt` set where
+/// the model generates (embedding models have no prefix cache to scope; vLLM ignores the field
+/// there), and a stream's usage asked for where the caller did not. True when weir asked for
+/// the usage chunk.
+fn rewrite(
+    value: &mut Value,
+    endpoint: Endpoint,
+    stream: bool,
+    salt_key: &[u8],
+    tenant: &str,
+) -> bool {
+    strip_engine_control(value);
+    if endpoint.generates() {
+        value["cache_salt"] = json!(cache_salt(salt_key, tenant));
+    }
+    let usage_is_optional = matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions);
+    stream && usage_is_optional && ask_stream_usage(value)
+}
+
 /// The fields a request's prompt starts with, for prefix affinity.
 fn prompt_fields(endpoint: Endpoint) -> &'static [&'static str] {
     match endpoint {
@@ -199,15 +207,29 @@ fn prompt_fields(endpoint: Endpoint) -> &'static [&'static str] {
 }
 
 /// Claims the caller's idempotency key before the request is queued
-/// ([`crate::intake::idempotency`]); `None` when it sent none.
-fn claim(app: &App, who: &Trusted, endpoint: Endpoint, body: &[u8]) -> Option<Claimed> {
-    let key = who.idempotency_key.as_deref()?;
+/// ([`crate::intake::idempotency`]): `None` when it sent none; a duplicate of a completed
+/// request is replayed, one of a request under way (or of another body) refused.
+fn claim(
+    app: &App,
+    who: &Trusted,
+    endpoint: Endpoint,
+    body: &[u8],
+    pool: usize,
+) -> Result<Option<Claim>, Turned> {
+    let Some(key) = who.idempotency_key.as_deref() else {
+        return Ok(None);
+    };
     let history = || app.ledger_reader.history(&who.tenant, key);
     let fingerprint = idempotency::fingerprint(endpoint.path(), body);
-    Some(
-        app.idempotency
-            .claim(&who.tenant, key, fingerprint, now_ms(), history),
-    )
+    match (app.idempotency).claim(&who.tenant, key, fingerprint, now_ms(), history) {
+        Claimed::Run(claim) => Ok(Some(claim)),
+        Claimed::Replay(stored) => Err(Turned::Replayed(stored)),
+        Claimed::Refused(error) => {
+            let reason = error.code.unwrap_or("idempotency");
+            app.metrics.reject(reason, &who.tenant, error.status);
+            Err(Turned::Refused(error, Some(pool)))
+        }
+    }
 }
 
 /// The tenant's prefix-cache scope: a salt only weir can derive, so no tenant can name another's.

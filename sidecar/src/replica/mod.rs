@@ -6,7 +6,6 @@
 pub mod discovery;
 pub mod engine;
 pub mod event;
-pub mod headroom;
 pub mod health;
 pub mod isolation_probe;
 pub mod limiter;

@@ -5,7 +5,7 @@
 //! Scraped engine metrics ([`crate::replica::engine`]) add what the engine itself reports: a replica with
 //! requests waiting inside the engine gets no more floods, so queueing happens here, in fair
 //! order, and not in the engine's arrival order. A quiet tenant's request (within its part,
-//! [`crate::replica::headroom::Start::Quiet`]) may still go there: an engine reports requests waiting
+//! [`weir_core::scheduler::headroom::Start::Quiet`]) may still go there: an engine reports requests waiting
 //! between its steps too, and a probe's snapshot of one would hold the request for the next
 //! probe, while the floods' requests are kept out of the engine's queue ahead of it.
 //!
@@ -19,6 +19,7 @@ use std::collections::BTreeSet;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use weir_core::scheduler::headroom::{Room, Start};
 
 use crate::config::engine::EngineShare;
 use crate::config::{PoolConfig, Scheme};
@@ -63,19 +64,6 @@ pub struct Replica {
     /// A flood's streams sent here whose first bytes have not come: the engine is prefilling
     /// their prompts.
     pub prefilling: Vec<Ticket>,
-}
-
-/// How a request starts on a pool, as the headroom rule ([`crate::replica::headroom`]) admits it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Start {
-    /// Within its share's part while others are active (a turn, or a quiet tenant's burst):
-    /// it may join requests waiting inside an engine, and goes where no flood is prefilling.
-    Quiet,
-    /// Past its part while others are active: it keeps out of engines' own queues, and starts
-    /// a stream only while another replica stays clear of the flood's prefills.
-    Flood,
-    /// Alone in the pool (or under the FIFO baseline): it keeps out of engines' own queues.
-    Alone,
 }
 
 impl Replica {
@@ -217,6 +205,18 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// What its replicas that serve have, and hold for weir's requests ([`Room`]).
+    pub fn room(&self) -> Room {
+        let serving = || self.replicas.iter().filter(|r| r.serves());
+        let sum = |figure: fn(&Replica) -> u64| serving().map(figure).fold(0, u64::saturating_add);
+        Room {
+            slots: self.concurrency(),
+            slots_used: sum(|r| r.in_flight),
+            kv: self.capacity(),
+            kv_used: sum(|r| r.reserved),
+        }
+    }
+
     /// A pool with the replicas `config` lists (ids 0, 1, ...), reached with a plain client.
     pub fn new(config: &PoolConfig) -> Pool {
         Pool::with_upstream(config, Upstream::plain())

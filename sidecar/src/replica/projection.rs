@@ -4,7 +4,7 @@
 //! Under the fair policy a request's wait is where it sits in the fair order, not the pool's
 //! queue length: a tenant with nothing queued is next in its own queue, lifted to the
 //! smallest counter on arrival (no banked credit, but no debt either), and the headroom rule
-//! ([`crate::replica::headroom`]) keeps a slot free for it while others flood, so its wait is about
+//! ([`weir_core::scheduler::headroom`]) keeps a slot free for it while others flood, so its wait is about
 //! one decision, whatever the others have queued. A tenant with work queued waits for its own
 //! backlog: the requests it has ahead of the new one, at the pace its own requests are
 //! dispatched (measured over seconds throughout which it had work queued, so it is the pace

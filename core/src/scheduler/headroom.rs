@@ -40,8 +40,6 @@
 
 use std::collections::HashMap;
 
-use crate::replica::pool::{Pool, Replica, Start};
-
 /// What a key (or an org, summed over its keys) holds of a pool: slots (sequences running) and
 /// KV tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -67,18 +65,17 @@ pub struct Room {
     pub kv_used: u64,
 }
 
-impl Room {
-    /// What `pool`'s replicas that serve have, and hold for weir's requests.
-    pub fn of(pool: &Pool) -> Room {
-        let serving = || pool.replicas.iter().filter(|r| r.serves());
-        let sum = |figure: fn(&Replica) -> u64| serving().map(figure).fold(0, u64::saturating_add);
-        Room {
-            slots: pool.concurrency(),
-            slots_used: sum(|r| r.in_flight),
-            kv: pool.capacity(),
-            kv_used: sum(|r| r.reserved),
-        }
-    }
+/// How a request starts on a pool, as the headroom rule admits it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Start {
+    /// Within its share's part while others are active (a turn, or a quiet tenant's burst):
+    /// it may join requests waiting inside an engine, and goes where no flood is prefilling.
+    Quiet,
+    /// Past its part while others are active: it keeps out of engines' own queues, and starts
+    /// a stream only while another replica stays clear of the flood's prefills.
+    Flood,
+    /// Alone in the pool (or under the FIFO baseline): it keeps out of engines' own queues.
+    Alone,
 }
 
 /// A key of a pool: its org, weight within it, when it was last active, what it holds.
@@ -347,6 +344,54 @@ pub struct Headroom<'a> {
     least_past_keys: HashMap<&'a str, (LeastPast<'a>, LeastPast<'a>)>,
 }
 
+/// The key asking for room, at one decision.
+#[derive(Clone, Copy)]
+struct Asker<'b> {
+    key: &'b str,
+    org: &'b str,
+    /// The key is active in the pool.
+    active: bool,
+    held: Holding,
+    /// Its org as the decision sees it (none when the org holds and wants nothing yet).
+    o: Option<&'b Org>,
+}
+
+impl Asker<'_> {
+    /// Other orgs below their parts, and other keys of its org holding nothing (own ones taken
+    /// out): what an org past its part, and a key past its part within its org, leave the
+    /// headroom for.
+    fn others(&self, orgs: usize, keys: usize, org_below: bool, key_below: bool) -> (usize, usize) {
+        let in_org = self
+            .o
+            .map_or(0, |_| keys - usize::from(self.active && key_below));
+        (
+            orgs - usize::from(self.o.is_some_and(|o| o.active) && org_below),
+            in_org,
+        )
+    }
+}
+
+/// Whether `org` holding and `want` more stays within `part`.
+fn within(org: u64, want: u64, part: f64) -> bool {
+    org.saturating_add(want) as f64 <= part
+}
+
+/// Its turn: a key holding nothing, unless its org is past its part (an org's minted keys take
+/// their turns within the org's part).
+fn turn(own: u64, org: u64, want: u64, part: f64) -> bool {
+    own == 0 && (org == 0 || within(org, want, part))
+}
+
+/// How a turn starts: a turn past its part at once (many sequences, a long prompt) is no quiet
+/// one: it would join an engine's own queue ahead of the quiet tenants' requests.
+fn turn_start(org: u64, want: u64, part: f64) -> Start {
+    if within(org, want, part) {
+        Start::Quiet
+    } else {
+        Start::Flood
+    }
+}
+
 impl<'a> Headroom<'a> {
     fn new(shares: &'a Shares, room: Room, fraction: f64) -> Self {
         let mut orgs: HashMap<&str, Org> = HashMap::new();
@@ -508,38 +553,39 @@ impl<'a> Headroom<'a> {
         if self.active_keys <= usize::from(active) {
             return Some(Start::Alone);
         }
-        let held = own.map_or(Holding::default(), |k| k.held);
-        let o = self.orgs.get(org);
-        let org_held = o.map_or(Holding::default(), |o| o.held);
+        let asker = Asker {
+            key,
+            org,
+            active,
+            held: own.map_or(Holding::default(), |k| k.held),
+            o: self.orgs.get(org),
+        };
         let (org_slots, org_kv) = self.org_part(org);
-        // Other orgs below their parts and other keys of its org holding nothing (own ones
-        // taken out).
-        // Other orgs below their parts, and other keys of its org holding nothing (own ones
-        // taken out): what an org past its part, and a key past its part within its org,
-        // leave the headroom for.
+        let slots = self.slots_start(&asker, sequences, org_slots);
+        let kv = self.kv_start(&asker, kv_need, org_kv);
+        let o = asker.o;
+        // An org with a backlog is no quiet one, within its part or not: its requests would
+        // fill engines' own queues (two flooding orgs on a KV-bound pool: the one of many keys
+        // got 0.87-0.97 of the other's share, against 0.94-0.98 with both kept out).
+        let backlogged = o.is_some_and(|o| o.queued > 1);
+        match (slots?, kv?) {
+            (Start::Quiet, Start::Quiet) if !backlogged => Some(Start::Quiet),
+            _ => Some(Start::Flood),
+        }
+    }
+
+    /// How the rule admits the request's `sequences` slots ([`admission`](Self::admission)):
+    /// its turn, a quiet burst or a flood catching up, or a flood, each leaving the others
+    /// what it owes them; `None` while it must wait.
+    fn slots_start(&self, a: &Asker<'_>, sequences: u64, org_slots: f64) -> Option<Start> {
+        let Asker {
+            key, org, held, o, ..
+        } = *a;
+        let org_held = o.map_or(Holding::default(), |o| o.held);
         let others = |orgs: usize, keys: usize, org_below: bool, key_below: bool| {
-            let in_org = o.map_or(0, |_| keys - usize::from(active && key_below));
-            (
-                orgs - usize::from(o.is_some_and(|o| o.active) && org_below),
-                in_org,
-            )
+            a.others(orgs, keys, org_below, key_below)
         };
-        // Its turn: a key holding nothing, unless its org is past its part (an org's minted
-        // keys take their turns within the org's part).
-        let within = |org: u64, want: u64, part: f64| org.saturating_add(want) as f64 <= part;
-        let turn = |own: u64, org: u64, want: u64, part: f64| {
-            own == 0 && (org == 0 || within(org, want, part))
-        };
-        // A turn past its part at once (many sequences, a long prompt) is no quiet one: it
-        // would join an engine's own queue ahead of the quiet tenants' requests.
-        let turn_start = |org: u64, want: u64, part: f64| {
-            if within(org, want, part) {
-                Start::Quiet
-            } else {
-                Start::Flood
-            }
-        };
-        let slots = if turn(held.slots, org_held.slots, sequences, org_slots) {
+        if turn(held.slots, org_held.slots, sequences, org_slots) {
             Some(turn_start(org_held.slots, sequences, org_slots))
         } else {
             let org_past = org_held.slots.saturating_add(sequences) as f64 > org_slots;
@@ -609,8 +655,19 @@ impl<'a> Headroom<'a> {
             } else {
                 Start::Flood
             })
+        }
+    }
+
+    /// How the rule admits the request's `kv_need` KV tokens ([`admission`](Self::admission)).
+    fn kv_start(&self, a: &Asker<'_>, kv_need: u64, org_kv: f64) -> Option<Start> {
+        let Asker {
+            key, org, held, o, ..
+        } = *a;
+        let org_held = o.map_or(Holding::default(), |o| o.held);
+        let others = |orgs: usize, keys: usize, org_below: bool, key_below: bool| {
+            a.others(orgs, keys, org_below, key_below)
         };
-        let kv = if self.room.kv == 0 {
+        if self.room.kv == 0 {
             Some(Start::Quiet)
         } else if turn(held.kv, org_held.kv, kv_need, org_kv) {
             Some(turn_start(org_held.kv, kv_need, org_kv))
@@ -635,14 +692,6 @@ impl<'a> Headroom<'a> {
                 .saturating_sub(self.room.kv_used.saturating_add(kv_need));
             let quiet = !org_past;
             (free as f64 >= kept).then_some(if quiet { Start::Quiet } else { Start::Flood })
-        };
-        // An org with a backlog is no quiet one, within its part or not: its requests would
-        // fill engines' own queues (two flooding orgs on a KV-bound pool: the one of many keys
-        // got 0.87-0.97 of the other's share, against 0.94-0.98 with both kept out).
-        let backlogged = o.is_some_and(|o| o.queued > 1);
-        match (slots?, kv?) {
-            (Start::Quiet, Start::Quiet) if !backlogged => Some(Start::Quiet),
-            _ => Some(Start::Flood),
         }
     }
 }
