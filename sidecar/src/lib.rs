@@ -20,7 +20,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod quota;
 
-// layer: replica — engines and their pools: dialects, limits, health, discovery, the headroom
+// layer: replica — engines and their pools: dialects, limits, health, discovery, placement
 pub mod replica;
 
 // layer: dispatch — the event loop: fair queues, admission, placement, preemption

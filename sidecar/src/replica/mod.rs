@@ -1,7 +1,8 @@
 //! The engines and their pools: what a replica's engine says (dialects, limits, figures), its
-//! health and prefix-cache isolation, which replicas a pool has (listed, discovered), how much
-//! of a pool each tenant may hold (the headroom rule), and what the replica side reports to the
-//! dispatcher ([`event::ReplicaEvent`]) without knowing it.
+//! health and prefix-cache isolation, which replicas a pool has (listed, discovered), where a
+//! request runs (`pool`, under the headroom rule of [`weir_core::scheduler::headroom`]), and
+//! what the replica side reports to the dispatcher ([`event::ReplicaEvent`]) without knowing
+//! it.
 
 pub mod discovery;
 pub mod engine;
