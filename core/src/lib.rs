@@ -3,38 +3,58 @@
 //! Nothing here performs I/O or reads a clock: callers pass time in. The crate builds natively
 //! and for `wasm32-wasip1`, so the same code is tested on the host and inside the proxy-wasm VM.
 
-pub mod admission;
-pub mod allowance;
-pub mod bucket;
-pub mod config;
-pub mod embeddings;
-pub mod endpoint;
+// Layers, each built on those declared before it: a module imports from its own layer and
+// earlier ones, never from a later one, and no modules import each other round in a cycle
+// (`cargo xtask test` checks both).
+
+// layer: basics — errors, JSON, tokens, SSE, the shared-data store, trusted headers' values
 pub mod error;
-pub mod estimate;
+pub mod json;
+pub mod keys;
+pub mod parse_error;
+pub mod sse;
+pub mod store;
+pub mod tokens;
+pub mod trusted;
+
+// layer: vocabulary — endpoints and paths, prices and signatures, fleet terms, buckets, leases
+pub mod bucket;
+pub mod endpoint;
 pub mod fairness;
 pub mod fleet;
 pub mod fleet_config;
-#[cfg(any(test, feature = "fuzzing"))]
-pub mod fuzzing;
-pub mod json;
-pub mod keys;
 pub mod kv_profile;
 pub mod lease;
+pub mod path;
+pub mod price;
+pub mod signature;
+
+// layer: requests — each API's request, the prompt, the fields they share, estimates, metering
+pub mod embeddings;
+pub mod estimate;
+pub mod fields;
 pub mod messages;
 pub mod meter;
 pub mod openai;
-pub mod parse_error;
-pub mod path;
-pub mod prediction;
-pub mod price;
 pub mod prompt;
+pub mod request;
+pub mod responses;
+
+// layer: config — tenants, their limits and policies, output prediction
+pub mod config;
+pub mod prediction;
+
+// layer: quota — allowances, reservations and their settlement, fleet renewals, denials' replies
+pub mod active_set;
+pub mod allowance;
 pub mod renewal;
 pub mod reply;
-pub mod request;
 pub mod reservation;
-pub mod responses;
+
+// layer: decisions — a request admitted at the front door, the scheduler's order
+pub mod admission;
 pub mod scheduler;
-pub mod signature;
-pub mod sse;
-pub mod tokens;
-pub mod trusted;
+
+// layer: testing — inputs drawn for the fuzzers and property tests
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;

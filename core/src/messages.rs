@@ -6,10 +6,10 @@
 use serde::Deserialize;
 
 use crate::error::ApiError;
+use crate::fields::{COMMON_FIELDS, field};
 use crate::prompt::{
     OUTSIDE_PROMPT, Prompt, RawObject, borrowed, extra_texts, raw_array, raw_object,
 };
-use crate::request::{COMMON_FIELDS, field};
 use crate::tokens::ChatTurn;
 
 /// The prompt-bearing part of a Messages request.

@@ -13,10 +13,10 @@ use serde_json::Value;
 
 use crate::endpoint::Endpoint;
 use crate::error::ApiError;
+use crate::fields::{COMMON_FIELDS, field};
 use crate::prompt::{
     OUTSIDE_PROMPT, Prompt, RawObject, Sequence, borrowed, extra_texts, raw_array, raw_object,
 };
-use crate::request::{COMMON_FIELDS, field};
 use crate::tokens::{ChatTurn, TokenId};
 
 /// Most prompts a completions batch may carry (OpenAI's own bound).

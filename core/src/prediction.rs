@@ -21,7 +21,7 @@
 
 use serde::Deserialize;
 
-use crate::reservation::{SharedStore, Update, update};
+use crate::store::{SharedStore, Update, update};
 
 /// Buckets per doubling of the length.
 const PER_OCTAVE: f64 = 4.0;
@@ -364,7 +364,7 @@ mod tests {
         let h = load_shared(&store, &key);
         assert_eq!(h.samples(), 2);
         assert_eq!(h.predict(&c, None), 304);
-        store.conflicts.set(crate::reservation::MAX_CAS_ATTEMPTS);
+        store.conflicts.set(crate::store::MAX_CAS_ATTEMPTS);
         assert!(!learn_shared(&store, &key, 300, &c), "gives up, bounded");
     }
 

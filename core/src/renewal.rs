@@ -13,16 +13,15 @@
 
 use std::collections::HashMap;
 
+use crate::active_set::{active, delist, enlist};
 use crate::allowance::{self, Allowance, Ask};
 use crate::config::Tenant;
 use crate::fleet::{CounterAsk, Holder, LeaseRequest, LeaseResponse, MAX_COUNTERS, Window};
-use crate::reservation::{self, Fleet, SharedStore, Update, update};
+use crate::reservation::{self, Fleet};
+use crate::store::{SharedStore, Update, update};
 
 /// Shared-data key of the renewal claim.
 pub const CLAIM_KEY: &str = "weir:fleet:renewer";
-
-/// Shared-data key of the active set: counter keys, one per line.
-pub const ACTIVE_KEY: &str = "weir:fleet:active";
 
 /// What the renewal knows of each fleet-wide counter, from the configuration.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -115,55 +114,6 @@ pub fn release(store: &impl SharedStore, holder: u64) {
             return Err(());
         }
         Ok(Claim { started_ms: 0, ..c }.encode())
-    });
-}
-
-fn active(store: &impl SharedStore) -> Vec<String> {
-    store
-        .load(ACTIVE_KEY)
-        .and_then(|(v, _)| String::from_utf8(v).ok())
-        .map(|s| s.lines().map(str::to_owned).collect())
-        .unwrap_or_default()
-}
-
-/// Adds a counter to the active set (once; the set holds at most [`MAX_COUNTERS`]). When it
-/// cannot (the set is full, or kept changing), the counter's mark is cleared so that its next
-/// request tries again: a marked counter never lists itself, and would never be renewed.
-pub fn enlist(store: &impl SharedStore, key: &str) {
-    let listed = update(store, ACTIVE_KEY, |current| {
-        let text = current
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .unwrap_or("");
-        if text.lines().any(|k| k == key) {
-            return Err(true);
-        }
-        if text.lines().count() >= MAX_COUNTERS {
-            return Err(false);
-        }
-        let mut next = text.to_owned();
-        if !next.is_empty() {
-            next.push('\n');
-        }
-        next.push_str(key);
-        Ok(next.into_bytes())
-    });
-    if matches!(listed, Update::Done(()) | Update::Refused(true)) {
-        return;
-    }
-    let _ = update::<()>(store, key, |current| {
-        let mut a = current.and_then(Allowance::decode).ok_or(())?;
-        a.listed = false;
-        Ok(a.encode())
-    });
-}
-
-fn delist(store: &impl SharedStore, key: &str) {
-    let _ = update::<()>(store, ACTIVE_KEY, |current| {
-        let text = current
-            .and_then(|v| std::str::from_utf8(v).ok())
-            .unwrap_or("");
-        let kept: Vec<&str> = text.lines().filter(|k| *k != key).collect();
-        Ok(kept.join("\n").into_bytes())
     });
 }
 
@@ -357,6 +307,7 @@ fn set_health(store: &impl SharedStore, down_since_ms: Option<u64>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::active_set::ACTIVE_KEY;
     use crate::config::Config;
     use crate::fleet::Grant;
     use crate::reservation::tests::Memory;

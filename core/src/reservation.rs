@@ -12,6 +12,7 @@
 //! this Envoy's lease of the fleet's budget instead of a local bucket ([`crate::allowance`]);
 //! everything else (all-or-nothing, rollback, settle, extend) is the same for it.
 
+use crate::active_set;
 use crate::allowance::{self, Allowance, Shortage, Source};
 use crate::bucket::Bucket;
 use crate::config::{Level, Limits, Oversize, Tenant};
@@ -19,25 +20,7 @@ use crate::fleet::Window;
 use crate::fleet_config::BudgetConfig;
 use crate::fleet_config::{FailMode, LeaseTerms, Measure};
 use crate::lease::Leases;
-use crate::renewal;
-
-/// Attempts per counter before a reservation gives up as contended.
-pub const MAX_CAS_ATTEMPTS: usize = 16;
-
-/// Key-value storage with compare-and-swap, shared by every worker (proxy-wasm shared data).
-pub trait SharedStore {
-    /// The value and its CAS token, if the key exists.
-    fn load(&self, key: &str) -> Option<(Vec<u8>, u32)>;
-    /// Writes if the key's CAS token still equals `cas` (`None`: unconditionally).
-    fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoreError {
-    /// Someone else wrote the key since it was read.
-    CasMismatch,
-    Failed,
-}
+use crate::store::{SharedStore, Update, update};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LimitKind {
@@ -339,34 +322,6 @@ fn initial(c: &Counter, now_ms: u64) -> Vec<u8> {
     }
 }
 
-/// Outcome of one compare-and-swap update.
-pub(crate) enum Update<T, D = ()> {
-    Done(D),
-    Refused(T),
-    Contended,
-}
-
-/// Reads, transforms and conditionally writes one key, retrying on CAS conflicts.
-pub(crate) fn update<T>(
-    store: &impl SharedStore,
-    key: &str,
-    mut f: impl FnMut(Option<&[u8]>) -> Result<Vec<u8>, T>,
-) -> Update<T> {
-    for _ in 0..MAX_CAS_ATTEMPTS {
-        let current = store.load(key);
-        let next = match f(current.as_ref().map(|(v, _)| v.as_slice())) {
-            Ok(next) => next,
-            Err(refusal) => return Update::Refused(refusal),
-        };
-        match store.store(key, &next, current.map(|(_, cas)| cas)) {
-            Ok(()) => return Update::Done(()),
-            Err(StoreError::CasMismatch) => continue,
-            Err(StoreError::Failed) => return Update::Contended,
-        }
-    }
-    Update::Contended
-}
-
 impl Counter {
     fn amount(&self, demand: Demand) -> u64 {
         match self.kind {
@@ -547,7 +502,7 @@ impl Counter {
             Update::Contended => Update::Contended,
         };
         if enlist {
-            renewal::enlist(store, &self.key);
+            active_set::enlist(store, &self.key);
         }
         match (outcome, taken) {
             (Update::Done(()), Some(standing)) => Update::Done(standing),
@@ -579,7 +534,7 @@ impl Counter {
             Ok(next.encode())
         });
         if enlist {
-            renewal::enlist(store, &self.key);
+            active_set::enlist(store, &self.key);
         }
     }
 
@@ -878,6 +833,7 @@ pub(crate) mod tests {
 
     use super::*;
     use crate::config::Config;
+    use crate::store::{MAX_CAS_ATTEMPTS, StoreError};
 
     /// Shared data as Envoy keeps it, with optional injected CAS conflicts.
     #[derive(Default)]

@@ -8,7 +8,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
-use weir_core::reservation::{SharedStore, StoreError};
+use weir_core::store::{SharedStore, StoreError};
 
 /// Counts a host call in the profile build ([`crate::profile`]); nothing otherwise.
 #[inline(always)]

@@ -114,8 +114,8 @@ enum Task {
         #[arg(long)]
         no_lint: bool,
     },
-    /// Check that the sidecar's modules import only down its declared layers, and never round
-    /// in a cycle (part of `test`'s lints).
+    /// Check that core's and the sidecar's modules import only down their declared layers, and
+    /// never round in a cycle (part of `test`'s lints).
     Layers,
 }
 
@@ -852,10 +852,12 @@ fn build_wasm(what: &str, profile: &str, extra: &[&str]) -> anyhow::Result<()> {
     run(what, &mut cmd)
 }
 
-/// The layering check over the sidecar (core's cycles are still to untangle).
+/// The layering check over the crates that declare layers.
 fn layers() -> anyhow::Result<()> {
-    layering::check(&root().join("sidecar/src"))?;
-    eprintln!("xtask: sidecar: every import goes down its layers, none round in a cycle");
+    for krate in ["core", "sidecar"] {
+        layering::check(&root().join(krate).join("src"))?;
+        eprintln!("xtask: {krate}: every import goes down its layers, none round in a cycle");
+    }
     Ok(())
 }
 

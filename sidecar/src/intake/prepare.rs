@@ -13,7 +13,7 @@ use weir_core::admission::ENGINE_CONTROL_FIELDS;
 use weir_core::config::Priority;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
-use weir_core::request::ANSWER_COUNT_FIELDS;
+use weir_core::fields::ANSWER_COUNT_FIELDS;
 use weir_core::tokens::Encoding;
 
 use crate::dispatch::{Assignment, Job, Refusal};

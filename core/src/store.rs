@@ -1,0 +1,49 @@
+//! The shared data every worker (and VM) of an Envoy sees: a key-value store with
+//! compare-and-swap (proxy-wasm shared data behind the filter's host layer), and the one way
+//! weir changes a key in it: read, transform, write back if nobody wrote since, retry.
+
+/// Attempts per counter before a reservation gives up as contended.
+pub const MAX_CAS_ATTEMPTS: usize = 16;
+
+/// Key-value storage with compare-and-swap, shared by every worker (proxy-wasm shared data).
+pub trait SharedStore {
+    /// The value and its CAS token, if the key exists.
+    fn load(&self, key: &str) -> Option<(Vec<u8>, u32)>;
+    /// Writes if the key's CAS token still equals `cas` (`None`: unconditionally).
+    fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError>;
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// Someone else wrote the key since it was read.
+    CasMismatch,
+    Failed,
+}
+
+/// Outcome of one compare-and-swap update.
+pub(crate) enum Update<T, D = ()> {
+    Done(D),
+    Refused(T),
+    Contended,
+}
+
+/// Reads, transforms and conditionally writes one key, retrying on CAS conflicts.
+pub(crate) fn update<T>(
+    store: &impl SharedStore,
+    key: &str,
+    mut f: impl FnMut(Option<&[u8]>) -> Result<Vec<u8>, T>,
+) -> Update<T> {
+    for _ in 0..MAX_CAS_ATTEMPTS {
+        let current = store.load(key);
+        let next = match f(current.as_ref().map(|(v, _)| v.as_slice())) {
+            Ok(next) => next,
+            Err(refusal) => return Update::Refused(refusal),
+        };
+        match store.store(key, &next, current.map(|(_, cas)| cas)) {
+            Ok(()) => return Update::Done(()),
+            Err(StoreError::CasMismatch) => continue,
+            Err(StoreError::Failed) => return Update::Contended,
+        }
+    }
+    Update::Contended
+}
