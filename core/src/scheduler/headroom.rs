@@ -357,6 +357,11 @@ struct Asker<'b> {
 }
 
 impl Asker<'_> {
+    /// What its org holds.
+    fn org_held(&self) -> Holding {
+        self.o.map_or(Holding::default(), |o| o.held)
+    }
+
     /// Other orgs below their parts, and other keys of its org holding nothing (own ones taken
     /// out): what an org past its part, and a key past its part within its org, leave the
     /// headroom for.
@@ -581,16 +586,13 @@ impl<'a> Headroom<'a> {
         let Asker {
             key, org, held, o, ..
         } = *a;
-        let org_held = o.map_or(Holding::default(), |o| o.held);
-        let others = |orgs: usize, keys: usize, org_below: bool, key_below: bool| {
-            a.others(orgs, keys, org_below, key_below)
-        };
+        let org_held = a.org_held();
         if turn(held.slots, org_held.slots, sequences, org_slots) {
             Some(turn_start(org_held.slots, sequences, org_slots))
         } else {
             let org_past = org_held.slots.saturating_add(sequences) as f64 > org_slots;
             let key_past = self.key_past(key, org, held.slots, sequences, false);
-            let (orgs_below, keys_idle) = others(
+            let (orgs_below, keys_idle) = a.others(
                 self.below_slots,
                 o.map_or(0, |o| o.idle_keys),
                 (org_held.slots as f64) < org_slots,
@@ -663,10 +665,7 @@ impl<'a> Headroom<'a> {
         let Asker {
             key, org, held, o, ..
         } = *a;
-        let org_held = o.map_or(Holding::default(), |o| o.held);
-        let others = |orgs: usize, keys: usize, org_below: bool, key_below: bool| {
-            a.others(orgs, keys, org_below, key_below)
-        };
+        let org_held = a.org_held();
         if self.room.kv == 0 {
             Some(Start::Quiet)
         } else if turn(held.kv, org_held.kv, kv_need, org_kv) {
@@ -674,7 +673,7 @@ impl<'a> Headroom<'a> {
         } else {
             let org_past = org_held.kv.saturating_add(kv_need) as f64 > org_kv;
             let key_past = self.key_past(key, org, held.kv, kv_need, true);
-            let (orgs_below, keys_idle) = others(
+            let (orgs_below, keys_idle) = a.others(
                 self.below_kv,
                 o.map_or(0, |o| o.idle_kv_keys),
                 (org_held.kv as f64) < org_kv,
