@@ -25,14 +25,6 @@ use crate::relay::{Attempt, Continuation, Flight, TRACE_ID, relay};
 use crate::support::clock::now_ms;
 use crate::support::respond::error_response;
 
-/// A pool as requests are matched to it: its model, how much of a prompt picks the affine
-/// replica, and how its prompts are counted.
-pub struct PoolRoute {
-    pub model: String,
-    pub affinity_prefix_bytes: usize,
-    pub encoding: weir_core::tokens::Encoding,
-}
-
 /// Sent by Anthropic's SDKs on every request.
 const ANTHROPIC_VERSION: &str = "anthropic-version";
 
