@@ -71,8 +71,9 @@ pub enum Start {
     /// Within its share's part while others are active (a turn, or a quiet tenant's burst):
     /// it may join requests waiting inside an engine, and goes where no flood is prefilling.
     Quiet,
-    /// Past its part while others are active: it keeps out of engines' own queues, and starts
-    /// a stream only while another replica stays clear of the flood's prefills.
+    /// Past its part while others are active: it keeps out of engines' own queues, starts a
+    /// stream only while another replica stays clear of the flood's prefills, and keeps off a
+    /// replica answering a quiet request while another is not.
     Flood,
     /// Alone in the pool (or under the FIFO baseline): it keeps out of engines' own queues.
     Alone,

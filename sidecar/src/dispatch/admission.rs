@@ -352,8 +352,10 @@ impl Dispatcher {
         let r = &mut self.pools[pool].replicas[index];
         r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
-        if taken == Start::Flood && job.stream {
-            r.prefilling.push(ticket);
+        match taken {
+            Start::Flood if job.stream => r.prefilling.push(ticket),
+            Start::Quiet => r.answering.push((ticket, now)),
+            _ => {}
         }
         let (resumes, dialect) = (r.resumes(), r.dialect);
         let (replica, url, isolation) = (r.id, r.url.clone(), r.isolation);

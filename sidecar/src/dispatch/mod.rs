@@ -164,6 +164,9 @@ impl Dispatcher {
                     for shares in &mut self.shares {
                         shares.expire(now, window);
                     }
+                    for r in self.pools.iter_mut().flat_map(|p| &mut p.replicas) {
+                        r.unguard_older(now);
+                    }
                     // A retired pool's replicas leave once its queue is empty.
                     for pool in 0..self.pools.len() {
                         if self.pools[pool].retired && !self.pools[pool].replicas.is_empty() {

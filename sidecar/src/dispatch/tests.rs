@@ -1530,6 +1530,7 @@ fn every_hold_comes_back_whatever_the_path() {
         for r in &d.pools[0].replicas {
             assert_eq!((r.in_flight, r.reserved), (0, 0), "replica {}", r.url);
             assert!(r.prefilling.is_empty(), "replica {}", r.url);
+            assert!(r.answering.is_empty(), "replica {}", r.url);
         }
         assert!(d.tenant_kv.values().all(|&kv| kv == 0), "{:?}", d.tenant_kv);
         assert!(d.label_kv.values().all(|&kv| kv == 0), "{:?}", d.label_kv);

@@ -64,7 +64,16 @@ pub struct Replica {
     /// A flood's streams sent here whose first bytes have not come: the engine is prefilling
     /// their prompts.
     pub prefilling: Vec<Ticket>,
+    /// Quiet requests sent here whose answer (a stream: its first bytes) has not come, with
+    /// when each was sent: a flood's prompt started beside one would stretch the engine's
+    /// steps while it is answered (see [`Pool::prefill_allows`]).
+    pub answering: Vec<(Ticket, u64)>,
 }
+
+/// How long a quiet request's answer keeps floods' prompts off its replica at the most: a
+/// longer answer is not doubled by a prefill step or two, and a quiet tenant cannot hold a
+/// replica's slots from the floods by asking for long answers.
+pub const QUIET_GUARD_MS: u64 = 1_000;
 
 impl Replica {
     /// A replica joining `config`'s pool: unhealthy and unprobed until its probes say otherwise.
@@ -94,6 +103,7 @@ impl Replica {
             share: config.sidecars,
             dialect: None,
             prefilling: Vec::new(),
+            answering: Vec::new(),
         }
     }
 
@@ -158,6 +168,13 @@ impl Replica {
     /// The request of `ticket` is past its prefill: its first bytes came, or it ended.
     pub fn prefilled(&mut self, ticket: Ticket) {
         self.prefilling.retain(|&t| t != ticket);
+        self.answering.retain(|&(t, _)| t != ticket);
+    }
+
+    /// A quiet request's answer has been waited for long enough ([`QUIET_GUARD_MS`]) to stop
+    /// guarding it from floods' prompts.
+    pub fn unguard_older(&mut self, now: u64) {
+        (self.answering).retain(|&(_, sent)| now.saturating_sub(sent) < QUIET_GUARD_MS);
     }
 
     /// Whether a request the engine runs as `sequences` sequences (a completions batch: one
@@ -265,16 +282,21 @@ impl Pool {
             .any(|r| r.fits_for(kv_need, sequences, start) && self.prefill_allows(r, start))
     }
 
-    /// Whether `r` may take a request starting as `start`: a flood's only while another
+    /// Whether `r` may take a request starting as `start`. A flood's only while another
     /// replica that serves has none of its prompts prefilling, so a quiet tenant's request
     /// finds an engine whose next step is not a flood's long prefill (a compute-bound engine
-    /// runs a step of its whole prefill budget for one: tens of ms to seconds). A flood may
-    /// add prefills to a replica that has some, and a pool of one replica has no choice.
+    /// runs a step of its whole prefill budget for one: tens of ms to seconds); and not where
+    /// a quiet request is being answered while another replica has none, so the prefill does
+    /// not stretch that answer's steps (a short chat's answer would take twice as long). A
+    /// flood may add prefills to a replica that has some, and a pool of one replica, or one
+    /// where every replica answers a quiet request, has no choice.
     pub fn prefill_allows(&self, r: &Replica, start: Start) -> bool {
         let others = || self.replicas.iter().filter(|o| o.id != r.id && o.serves());
+        let answering = |o: &Replica| !o.answering.is_empty();
         start != Start::Flood
             || others().next().is_none()
-            || others().any(|o| o.prefilling.is_empty())
+            || (others().any(|o| o.prefilling.is_empty())
+                && (!answering(r) || others().all(answering)))
     }
 
     /// Requests the replicas that serve may run at once, together.
@@ -444,6 +466,38 @@ mod tests {
         assert_eq!(one.route_for(key, 10, 1, Start::Flood), Some(0));
         p.replicas[affine].prefilled(Ticket::for_tests());
         assert!(p.replicas[affine].prefilling.is_empty());
+    }
+
+    #[test]
+    fn a_flood_s_prompt_keeps_off_a_replica_answering_a_quiet_request() {
+        let mut p = pool(2);
+        let key = affinity_key("t", b"prompt");
+        let affine = p.affine(key).unwrap();
+        // A quiet request is being answered on the affine replica and the other is full: the
+        // flood's prompt waits for the answer rather than stretch its steps, though it fits
+        // there; a quiet request may still go there.
+        p.replicas[affine].answering.push((Ticket::for_tests(), 0));
+        p.replicas[1 - affine].in_flight = 16;
+        assert_eq!(p.route_for(key, 10, 1, Start::Flood), None);
+        assert!(!p.fits_for(10, 1, Start::Flood));
+        assert!(p.fits_for(10, 1, Start::Quiet));
+        // Answered (or waited for a second), the replica takes the flood again.
+        p.replicas[affine].unguard_older(QUIET_GUARD_MS - 1);
+        assert!(!p.fits_for(10, 1, Start::Flood), "guarded for a second");
+        p.replicas[affine].unguard_older(QUIET_GUARD_MS);
+        assert_eq!(p.route_for(key, 10, 1, Start::Flood), Some(affine));
+        p.replicas[affine].answering.push((Ticket::for_tests(), 0));
+        p.replicas[affine].prefilled(Ticket::for_tests());
+        assert_eq!(p.route_for(key, 10, 1, Start::Flood), Some(affine));
+        // Where every replica answers one, or in a pool of one, there is no choice.
+        p.replicas[1 - affine].in_flight = 0;
+        for r in &mut p.replicas {
+            r.answering.push((Ticket::for_tests(), 0));
+        }
+        assert!(p.route_for(key, 10, 1, Start::Flood).is_some());
+        let mut one = pool(1);
+        one.replicas[0].answering.push((Ticket::for_tests(), 0));
+        assert_eq!(one.route_for(key, 10, 1, Start::Flood), Some(0));
     }
 
     #[test]
