@@ -10,7 +10,7 @@ use crate::metrics::Labels;
 use crate::replica::pool::ReplicaId;
 use crate::support::clock::now_ms;
 
-use super::{Dispatcher, Job};
+use super::{Dispatcher, Job, PoolState};
 
 /// A pool's fairness window, and the tenant labels its last report showed a backlogged ratio
 /// for.
@@ -42,7 +42,7 @@ impl Dispatcher {
             r.reserved = (r.reserved + add).saturating_sub(remove);
         }
         self.update_replica_hold(pool, replica);
-        if let Some(shares) = self.shares.get_mut(pool) {
+        if let Some(shares) = self.pools.get_mut(pool).map(|p| &mut p.shares) {
             let org = self.share.of(t);
             shares.hold(t, org, 0, add, true);
             shares.hold(t, org, 0, remove, false);
@@ -54,7 +54,7 @@ impl Dispatcher {
 
     /// `t`'s share starts (`add`) or stops running `sequences` sequences in `pool`.
     pub(super) fn hold_slots(&mut self, pool: usize, t: &str, sequences: u64, add: bool) {
-        if let Some(shares) = self.shares.get_mut(pool) {
+        if let Some(shares) = self.pools.get_mut(pool).map(|p| &mut p.shares) {
             shares.hold(t, self.share.of(t), sequences, 0, add);
         }
     }
@@ -73,7 +73,7 @@ impl Dispatcher {
         *held = (*held + add).saturating_sub(remove);
         let m = &self.metrics;
         m.active_kv_tokens.set(&[("tenant", label)], *held as i64);
-        if let Some(r) = self.pools.get(pool).and_then(|p| p.replica(replica)) {
+        if let Some(r) = self.pools.get(pool).and_then(|p| p.pool.replica(replica)) {
             let on = (self.replica_label_kv)
                 .entry((r.url.clone(), label.to_owned()))
                 .or_default();
@@ -99,7 +99,12 @@ impl Dispatcher {
     /// Publishes the counter of a tenant's label: the tree's node at that level (or the key's,
     /// where keys share the pool on their own).
     pub(super) fn update_counter(&self, pool: usize, t: &str) {
-        let (Some(s), Some(p)) = (self.schedulers.get(pool), self.pools.get(pool)) else {
+        let Some(PoolState {
+            scheduler: s,
+            pool: p,
+            ..
+        }) = self.pools.get(pool)
+        else {
             return;
         };
         let label = self.metrics.tenant(t);
@@ -115,7 +120,11 @@ impl Dispatcher {
         t: &str,
         charge: impl FnOnce(&mut Scheduler<Job>, &str) -> f64,
     ) {
-        let (Some(s), Some(w)) = (self.schedulers.get_mut(pool), self.fairness.get_mut(pool))
+        let Some(PoolState {
+            scheduler: s,
+            fairness: w,
+            ..
+        }) = self.pools.get_mut(pool)
         else {
             return;
         };
@@ -127,15 +136,11 @@ impl Dispatcher {
 
     /// Samples every pool's fairness window and publishes the report of one that closed.
     pub(super) fn sample_fairness(&mut self, now: u64) {
-        for pool in 0..self.pools.len() {
-            let (Some(s), Some(w)) = (self.schedulers.get(pool), self.fairness.get_mut(pool))
-            else {
-                continue;
-            };
+        for state in &mut self.pools {
+            let (s, w, p) = (&state.scheduler, &mut state.fairness, &state.pool);
             let Some(report) = w.window.sample(now, s.backlogged_shares()) else {
                 continue;
             };
-            let p = &self.pools[pool];
             let (m, labels): (_, Labels) = (&self.metrics, &[("pool", &p.model)]);
             // Undefined with fewer than two tenants backlogged: no series, rather than a
             // 1.0 that would read as a fair pool.
@@ -176,7 +181,7 @@ impl Dispatcher {
     }
 
     pub(super) fn update_replica_hold(&self, pool: usize, replica: ReplicaId) {
-        let Some(r) = self.pools.get(pool).and_then(|p| p.replica(replica)) else {
+        let Some(r) = self.pools.get(pool).and_then(|p| p.pool.replica(replica)) else {
             return;
         };
         let labels: Labels = &[("replica", &r.url)];
@@ -196,15 +201,15 @@ impl Dispatcher {
             ),
             Share::Key => (weights.iter().map(sane).product(), 1.0),
         };
-        if let Some(shares) = self.shares.get_mut(pool) {
+        if let Some(shares) = self.pools.get_mut(pool).map(|p| &mut p.shares) {
             shares.arrived(t, self.share.of(t), org_weight, key_weight, now);
         }
     }
 
     /// Publishes the queue depth of a tenant's label: the sum over its keys.
     pub(super) fn update_depth(&mut self, t: &str) {
-        for (shares, s) in self.shares.iter_mut().zip(&self.schedulers) {
-            shares.queued(t, self.share.of(t), s.depth(t));
+        for p in &mut self.pools {
+            p.shares.queued(t, self.share.of(t), p.scheduler.depth(t));
         }
         let now = self.depth(t);
         let before = if now == 0 {

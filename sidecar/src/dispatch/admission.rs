@@ -9,14 +9,14 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 use weir_core::config::Priority;
 use weir_core::scheduler::headroom::{Headroom, Start};
-use weir_core::scheduler::{Scheduler, Share, Verdict};
+use weir_core::scheduler::{Share, Verdict};
 
 use crate::metrics::Labels;
 use crate::support::backoff::Waits;
 use crate::support::clock::now_ms;
 
 use super::preemption::{MAX_PREEMPTIONS, Running};
-use super::{Assignment, Dispatcher, Event, Job, Refusal};
+use super::{Assignment, Dispatcher, Event, Job, PoolState, Refusal};
 
 /// How the headroom rule admits `job` now: under the FIFO baseline, as alone (it keeps out of
 /// engines' own queues, as before the rule), else by the rule ([`Headroom::admission`]).
@@ -31,17 +31,17 @@ pub(super) fn admission(fair: bool, headroom: &Headroom, share: Share, job: &Job
 impl Dispatcher {
     /// Requests waiting, in every pool.
     pub(super) fn queued(&self) -> usize {
-        self.schedulers.iter().map(Scheduler::len).sum()
+        self.pools.iter().map(|p| p.scheduler.len()).sum()
     }
 
     /// Requests a tenant has waiting, in every pool.
     pub(super) fn depth(&self, t: &str) -> usize {
-        self.schedulers.iter().map(|s| s.depth(t)).sum()
+        self.pools.iter().map(|p| p.scheduler.depth(t)).sum()
     }
 
     /// Requests of `t`'s org waiting, in every pool.
     pub(super) fn org_depth(&self, t: &str) -> usize {
-        self.schedulers.iter().map(|s| s.org_depth(t)).sum()
+        self.pools.iter().map(|p| p.scheduler.org_depth(t)).sum()
     }
 
     /// Turns a job away at once when its tenant's own demand cannot be served in time: its
@@ -95,7 +95,10 @@ impl Dispatcher {
     /// Whether `job` could start now: it fits a replica and, under the fair policy, its share
     /// is within the headroom rule.
     pub(super) fn may_start(&self, job: &Job) -> bool {
-        let (Some(p), Some(shares)) = (self.pools.get(job.pool), self.shares.get(job.pool)) else {
+        let Some(PoolState {
+            pool: p, shares, ..
+        }) = self.pools.get(job.pool)
+        else {
             return false;
         };
         let headroom = shares.headroom(p.room(), self.queue.kv_headroom);
@@ -139,13 +142,14 @@ impl Dispatcher {
             if !longer {
                 continue;
             }
-            let mut pools: Vec<usize> = (0..self.schedulers.len()).collect();
-            pools.sort_by_key(|&p| std::cmp::Reverse(self.schedulers[p].depth(&victim)));
+            let mut pools: Vec<usize> = (0..self.pools.len()).collect();
+            pools.sort_by_key(|&p| std::cmp::Reverse(self.pools[p].scheduler.depth(&victim)));
             for pool in pools {
                 // A preempted request is a stream already running for its client: never given
                 // up; another of the tenant's, or the next longest queue's, is.
-                let Some(job) =
-                    self.schedulers[pool].pop_newest_where(&victim, |j| j.preemptions == 0)
+                let Some(job) = self.pools[pool]
+                    .scheduler
+                    .pop_newest_where(&victim, |j| j.preemptions == 0)
                 else {
                     continue;
                 };
@@ -163,12 +167,16 @@ impl Dispatcher {
     /// fair policy its own backlog at its own pace ([`Paces::tenant_wait_ms`]), under FIFO the
     /// pool's whole queue.
     pub(super) fn projected_ms(&self, pool: usize, t: &str, priority: Priority) -> Option<f64> {
-        let (s, paces) = (self.schedulers.get(pool)?, self.paces.get(pool)?);
+        let PoolState {
+            scheduler: s,
+            paces,
+            shares,
+            ..
+        } = self.pools.get(pool)?;
         if !self.fair {
             return paces.pool_wait_ms(s.len());
         }
-        let part = self.shares.get(pool).map_or(1.0, |sh| sh.part(t));
-        paces.tenant_wait_ms(t, s.queued_ahead(t, priority), part)
+        paces.tenant_wait_ms(t, s.queued_ahead(t, priority), shares.part(t))
     }
 
     /// [`projected_ms`](Self::projected_ms) in whole ms, 0 while unknown: what a refusal of
@@ -181,14 +189,13 @@ impl Dispatcher {
     /// Publishes each pool's projected wait (before a rate is known: how long its oldest
     /// request has waited), for `Retry-After` and as a metric.
     pub(super) fn publish_waits(&self, now: u64) {
-        let projected_ms: Vec<u64> = (0..self.pools.len())
-            .map(|pool| {
-                let queued = self.schedulers[pool].len();
-                self.paces[pool].pool_wait_ms(queued).map_or_else(
+        let projected_ms: Vec<u64> = (self.pools.iter())
+            .map(|p| {
+                p.paces.pool_wait_ms(p.scheduler.len()).map_or_else(
                     || {
                         [Priority::Interactive, Priority::Batch]
                             .into_iter()
-                            .filter_map(|c| self.schedulers[pool].oldest_ms(c))
+                            .filter_map(|c| p.scheduler.oldest_ms(c))
                             .min()
                             .map_or(0, |t| now.saturating_sub(t))
                     },
@@ -197,7 +204,7 @@ impl Dispatcher {
             })
             .collect();
         for (pool, ms) in self.pools.iter().zip(&projected_ms) {
-            (self.metrics.projected_wait).set(&[("pool", &pool.model)], *ms as f64 / 1e3);
+            (self.metrics.projected_wait).set(&[("pool", &pool.pool.model)], *ms as f64 / 1e3);
         }
         let next = Waits {
             projected_ms,
@@ -214,13 +221,13 @@ impl Dispatcher {
 
     pub(super) fn enqueue(&mut self, job: Job) {
         // A retired pool takes no new work (the handler saw it just before a reload).
-        if self.pools.get(job.pool).is_none_or(|p| p.retired) {
+        if self.pools.get(job.pool).is_none_or(|p| p.pool.retired) {
             let _ = job.reply.send(Err(Refusal::NoReplica));
             return;
         }
         let now = now_ms();
-        if let Some(paces) = self.paces.get_mut(job.pool) {
-            paces.touch(&job.tenant, now);
+        if let Some(p) = self.pools.get_mut(job.pool) {
+            p.paces.touch(&job.tenant, now);
         }
         if let Some((refusal, reason)) = self.refusal(&job, now) {
             (self.metrics).reject(reason, &job.tenant, refusal.status());
@@ -234,7 +241,9 @@ impl Dispatcher {
             job.priority,
             job.arrived_ms,
         );
-        self.schedulers[pool].push(&t, &weights, priority, job, arrived);
+        self.pools[pool]
+            .scheduler
+            .push(&t, &weights, priority, job, arrived);
         self.activate(pool, &t, arrived, &weights);
         self.update_counter(pool, &t);
         self.update_depth(&t);
@@ -243,9 +252,12 @@ impl Dispatcher {
     /// Drops jobs whose deadline passed (they get a retryable refusal) or whose client left.
     pub(super) fn expire(&mut self, now: u64) {
         let gone: Vec<Job> = self
-            .schedulers
+            .pools
             .iter_mut()
-            .flat_map(|s| s.remove_where(|job| job.deadline_ms <= now || job.reply.is_closed()))
+            .flat_map(|p| {
+                p.scheduler
+                    .remove_where(|job| job.deadline_ms <= now || job.reply.is_closed())
+            })
             .collect();
         for job in gone {
             self.update_depth(&job.tenant);
@@ -283,17 +295,19 @@ impl Dispatcher {
     /// The pool's next job in fair order that may start now, and how it starts.
     fn next_job(&mut self, pool: usize, now: u64) -> Option<(String, Job, Start)> {
         let Dispatcher {
-            schedulers,
             pools,
             tenant_kv,
-            shares,
             queue,
             fair,
             share,
             ..
         } = self;
-        let (Some(scheduler), Some(p), Some(shares)) =
-            (schedulers.get_mut(pool), pools.get(pool), shares.get(pool))
+        let Some(PoolState {
+            scheduler,
+            pool: p,
+            shares,
+            ..
+        }) = pools.get_mut(pool)
         else {
             return None;
         };
@@ -343,13 +357,13 @@ impl Dispatcher {
         taken: Start,
         events: mpsc::UnboundedSender<Event>,
     ) {
-        let p = &self.pools[pool];
+        let p = &self.pools[pool].pool;
         let Some(index) = p.route_for(job.affinity, job.kv_need, job.sequences, taken) else {
             let _ = job.reply.send(Err(Refusal::NoReplica));
             return;
         };
-        let upstream = self.pools[pool].upstream.clone();
-        let r = &mut self.pools[pool].replicas[index];
+        let upstream = self.pools[pool].pool.upstream.clone();
+        let r = &mut self.pools[pool].pool.replicas[index];
         r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
         match taken {
@@ -363,8 +377,8 @@ impl Dispatcher {
         self.adjust_hold(pool, replica, &t, job.kv_need, 0);
         let input = job.input_tokens;
         self.charge(pool, &t, |s, t| s.charge(t, input, 0));
-        if let Some(paces) = self.paces.get_mut(pool) {
-            paces.dispatched(&t, now);
+        if let Some(p) = self.pools.get_mut(pool) {
+            p.paces.dispatched(&t, now);
         }
         self.update_depth(&t);
         let queued_ms = now.saturating_sub(job.arrived_ms);
@@ -401,7 +415,7 @@ impl Dispatcher {
             events,
         }));
         if let (Ok(()), Some(preempt)) = (sent, preempt) {
-            self.preemptible[pool].push(Running {
+            self.pools[pool].running.push(Running {
                 replica,
                 ticket,
                 dispatched_ms: now,

@@ -10,18 +10,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
-use weir_core::scheduler::headroom::Shares;
-use weir_core::scheduler::{Policy, Scheduler, Share, TokenWeights};
+use weir_core::scheduler::{Policy, Share};
 
 use crate::config::{PoolConfig, QueueConfig};
 use crate::isolation::Isolation;
 use crate::metrics::{Labels, Metrics};
 use crate::replica::engine::EngineSample;
 use crate::replica::event::ReplicaEvent;
-use crate::replica::health::{Command, Link};
+use crate::replica::health::Command;
 use crate::replica::limiter::Ticket;
 use crate::replica::pool::{Pool, Replica, ReplicaId};
-use crate::replica::projection::Paces;
 use crate::replica::readiness::Readiness;
 use crate::replica::roster::Change;
 use crate::support::backoff::{Backoff, Waits};
@@ -29,26 +27,20 @@ use crate::support::clock::now_ms;
 
 mod accounting;
 mod admission;
+mod pool_state;
 mod preemption;
 mod protocol;
 
-use accounting::Fairness;
+use pool_state::PoolState;
 pub use preemption::MAX_PREEMPTIONS;
-use preemption::{Pending, Running};
 pub use protocol::{Assignment, Event, Job, PoolSpec, Refusal, Requeued};
 
 pub struct Dispatcher {
-    /// One scheduler per pool: decisions are made per pool, so a request waiting for room in
-    /// one pool never holds up another pool's work. Counters are per pool too (each pool is a
-    /// resource shared on its own).
-    schedulers: Vec<Scheduler<Job>>,
     /// The FIFO baseline is plain arrival order: no headroom rule either.
     fair: bool,
     policy: Policy,
     share: Share,
-    pools: Vec<Pool>,
-    /// Per pool, what its replicas' health checks follow.
-    links: Vec<watch::Sender<Arc<Link>>>,
+    pools: Vec<PoolState>,
     /// Starts and stops replicas' health checks ([`crate::replica::health::supervise`]); none in tests.
     health: Option<mpsc::UnboundedSender<Command>>,
     /// KV each tenant holds across pools, against its `active_kv_tokens` cap.
@@ -59,19 +51,8 @@ pub struct Dispatcher {
     replica_label_kv: HashMap<(String, String), u64>,
     leaf_depth: HashMap<String, usize>,
     label_depth: HashMap<String, usize>,
-    /// Per pool, the live fairness measurement ([`weir_core::fairness`]).
-    fairness: Vec<Fairness>,
-    /// Per pool, the active shares and what each holds there: the headroom rule applies
-    /// within a pool, so one pool's load never limits another's.
-    shares: Vec<Shares>,
-    /// Per pool, the preemptible requests running and the preemptions not yet done.
-    preemptible: Vec<Vec<Running>>,
-    preempting: Vec<Vec<Pending>>,
     queue: QueueConfig,
     metrics: Metrics,
-    /// Per pool, its pace and its tenants' (dispatches per second): what projected waits are
-    /// computed from (one pool's pace says nothing of another's).
-    paces: Vec<Paces>,
     /// For the assignments' releases; weak, so the loop still ends when every handler is gone.
     events: mpsc::WeakUnboundedSender<Event>,
     /// The projected waits refusals' `Retry-After` is drawn from.
@@ -90,27 +71,15 @@ impl Dispatcher {
         for r in pools.iter().flat_map(|p| &p.replicas) {
             metrics.cache_isolation(&r.url, r.isolation);
         }
+        let (aging, window, now) = (queue.batch_aging_ms, metrics.fairness_window_ms, now_ms());
         Dispatcher {
-            links: pools.iter().map(|p| watch::Sender::new(link(p))).collect(),
-            paces: pools.iter().map(|_| Paces::new(now_ms())).collect(),
             health: None,
-            shares: pools.iter().map(|_| Shares::default()).collect(),
-            preemptible: pools.iter().map(|_| Vec::new()).collect(),
-            preempting: pools.iter().map(|_| Vec::new()).collect(),
-            schedulers: pools
-                .iter()
-                .map(|_| {
-                    Scheduler::new(policy, share, TokenWeights::default(), queue.batch_aging_ms)
-                })
-                .collect(),
-            fairness: pools
-                .iter()
-                .map(|_| Fairness::new(metrics.fairness_window_ms))
+            pools: (pools.into_iter())
+                .map(|p| PoolState::new(p, (policy, share), aging, window, now))
                 .collect(),
             fair: policy == Policy::Fair,
             policy,
             share,
-            pools,
             tenant_kv: HashMap::new(),
             label_kv: HashMap::new(),
             replica_label_kv: HashMap::new(),
@@ -130,13 +99,13 @@ impl Dispatcher {
 
     /// Starts and stops replicas' health checks through `health` as they join and leave.
     pub fn with_health(mut self, health: mpsc::UnboundedSender<Command>) -> Self {
-        for (p, pool) in self.pools.iter().enumerate() {
-            for r in &pool.replicas {
+        for (p, state) in self.pools.iter().enumerate() {
+            for r in &state.pool.replicas {
                 let _ = health.send(Command::Start {
                     pool: p,
                     replica: r.id,
                     url: r.url.clone(),
-                    link: self.links[p].subscribe(),
+                    link: state.link.subscribe(),
                 });
             }
         }
@@ -155,21 +124,20 @@ impl Dispatcher {
                 _ = tick.tick() => {
                     let now = now_ms();
                     let window = self.queue.active_window_ms;
-                    for (paces, s) in self.paces.iter_mut().zip(&self.schedulers) {
-                        paces.measure(now, s.len(), |t| s.depth(t), window);
+                    for p in &mut self.pools {
+                        let s = &p.scheduler;
+                        p.paces.measure(now, s.len(), |t| s.depth(t), window);
+                        p.shares.expire(now, window);
+                        for r in &mut p.pool.replicas {
+                            r.unguard_older(now);
+                        }
                     }
                     self.expire(now);
                     self.publish_waits(now);
                     self.sample_fairness(now);
-                    for shares in &mut self.shares {
-                        shares.expire(now, window);
-                    }
-                    for r in self.pools.iter_mut().flat_map(|p| &mut p.replicas) {
-                        r.unguard_older(now);
-                    }
                     // A retired pool's replicas leave once its queue is empty.
                     for pool in 0..self.pools.len() {
-                        if self.pools[pool].retired && !self.pools[pool].replicas.is_empty() {
+                        if self.pools[pool].pool.retired && !self.pools[pool].pool.replicas.is_empty() {
                             self.reconcile(pool);
                         }
                     }
@@ -227,7 +195,7 @@ impl Dispatcher {
                 source,
                 replicas,
             } => {
-                let Some(p) = self.pools.get_mut(pool) else {
+                let Some(p) = self.pools.get_mut(pool).map(|s| &mut s.pool) else {
                     return;
                 };
                 if p.config
@@ -306,7 +274,7 @@ impl Dispatcher {
                 ticket,
             } => self.first_byte_timeout(pool, replica, ticket),
             Event::Ready(reply) => {
-                let _ = reply.send(Readiness::of(&self.pools));
+                let _ = reply.send(Readiness::of(self.pools.iter().map(|p| &p.pool)));
             }
             Event::Configure { queue, pools } => self.configure(queue, pools),
         }
@@ -336,11 +304,16 @@ impl Dispatcher {
         self.adjust_hold(pool, replica, t, to, 0);
         // Preempted, it goes on from what it holds now (its prompt and what it has
         // generated), not from its first prediction.
-        if let Some(r) = self.preemptible.get_mut(pool).and_then(|running| {
-            running
-                .iter_mut()
-                .find(|r| r.replica == replica && r.ticket == ticket)
-        }) {
+        if let Some(r) = self
+            .pools
+            .get_mut(pool)
+            .map(|s| &mut s.running)
+            .and_then(|running| {
+                running
+                    .iter_mut()
+                    .find(|r| r.replica == replica && r.ticket == ticket)
+            })
+        {
             r.job.kv_need = to;
         }
     }
@@ -362,7 +335,7 @@ impl Dispatcher {
         }
         self.hold_slots(pool, t, sequences, false);
         self.adjust_hold(pool, replica, t, 0, kv_need);
-        if let Some(pending) = self.preempting.get_mut(pool)
+        if let Some(pending) = self.pools.get_mut(pool).map(|s| &mut s.preempting)
             && let Some(i) = pending
                 .iter()
                 .position(|p| p.replica == replica && p.ticket == ticket)
@@ -370,7 +343,7 @@ impl Dispatcher {
             pending.swap_remove(i);
         }
         if self.replica_mut(pool, replica).is_some_and(|r| r.leaving) {
-            let changes = self.pools[pool].drop_drained();
+            let changes = self.pools[pool].pool.drop_drained();
             self.changed(pool, changes);
         }
     }
@@ -391,7 +364,7 @@ impl Dispatcher {
                 .first_byte(ticket, ttfb_ms, prompt_tokens, in_flight);
             r.prefilled(ticket);
         }
-        if let Some(running) = self.preemptible.get_mut(pool)
+        if let Some(running) = self.pools.get_mut(pool).map(|s| &mut s.running)
             && let Some(r) = running
                 .iter_mut()
                 .find(|r| r.replica == replica && r.ticket == ticket)
@@ -416,14 +389,14 @@ impl Dispatcher {
     fn budget_configured(&self, pool: usize) -> bool {
         self.pools
             .get(pool)
-            .is_some_and(|p| p.config.kv_tokens_per_replica.is_some())
+            .is_some_and(|p| p.pool.config.kv_tokens_per_replica.is_some())
     }
 
     /// Applies a config: queue bounds for the next decision, pools created, updated, revived
     /// or retired, and their replica sets brought to what the config lists.
     fn configure(&mut self, queue: QueueConfig, specs: Vec<PoolSpec>) {
-        for s in &mut self.schedulers {
-            s.set_aging_ms(queue.batch_aging_ms);
+        for p in &mut self.pools {
+            p.scheduler.set_aging_ms(queue.batch_aging_ms);
         }
         self.queue = queue;
         let named: BTreeSet<usize> = specs.iter().map(|s| s.index).collect();
@@ -441,26 +414,20 @@ impl Dispatcher {
                     },
                     spec.upstream.clone(),
                 );
-                self.links.push(watch::Sender::new(link(&pool)));
-                self.pools.push(pool);
-                self.schedulers.push(Scheduler::new(
-                    self.policy,
-                    self.share,
-                    TokenWeights::default(),
+                self.pools.push(PoolState::new(
+                    pool,
+                    (self.policy, self.share),
                     self.queue.batch_aging_ms,
+                    self.metrics.fairness_window_ms,
+                    now_ms(),
                 ));
-                self.shares.push(Shares::default());
-                self.paces.push(Paces::new(now_ms()));
-                (self.fairness).push(Fairness::new(self.metrics.fairness_window_ms));
-                self.preemptible.push(Vec::new());
-                self.preempting.push(Vec::new());
             }
             self.update_pool(index, spec);
         }
         for pool in 0..self.pools.len() {
-            if !named.contains(&pool) && !self.pools[pool].retired {
-                tracing::info!(model = %self.pools[pool].model, "pool removed from the config: retired once its queue is empty");
-                self.pools[pool].retired = true;
+            if !named.contains(&pool) && !self.pools[pool].pool.retired {
+                tracing::info!(model = %self.pools[pool].pool.model, "pool removed from the config: retired once its queue is empty");
+                self.pools[pool].pool.retired = true;
             }
             self.reconcile(pool);
         }
@@ -468,9 +435,10 @@ impl Dispatcher {
 
     /// A pool's new settings: the next decision holds to them.
     fn update_pool(&mut self, index: usize, spec: PoolSpec) {
-        let Some(p) = self.pools.get_mut(index) else {
+        let Some(state) = self.pools.get_mut(index) else {
             return;
         };
+        let p = &mut state.pool;
         let (old, new) = (&p.config, &spec.config);
         if p.retired {
             tracing::info!(model = %p.model, "pool back in the config");
@@ -506,17 +474,15 @@ impl Dispatcher {
         }
         p.config = spec.config;
         p.upstream = spec.upstream;
-        let next = link(p);
-        self.links[index].send_if_modified(|current| {
-            let changed = **current != *next;
-            if changed {
-                *current = next;
-            }
-            changed
-        });
-        let ids: Vec<ReplicaId> = self.pools[index].replicas.iter().map(|r| r.id).collect();
+        state.relink();
+        let ids: Vec<ReplicaId> = self.pools[index]
+            .pool
+            .replicas
+            .iter()
+            .map(|r| r.id)
+            .collect();
         for id in ids {
-            if let Some(r) = self.pools[index].replica(id) {
+            if let Some(r) = self.pools[index].pool.replica(id) {
                 let (url, isolation) = (r.url.clone(), r.isolation);
                 self.metrics.cache_isolation(&url, isolation);
             }
@@ -526,10 +492,13 @@ impl Dispatcher {
 
     /// Brings a pool's replicas to the set it should have ([`crate::replica::roster`]).
     fn reconcile(&mut self, pool: usize) {
-        let queued = self.schedulers.get(pool).is_some_and(|s| !s.is_empty());
-        let Some(p) = self.pools.get_mut(pool) else {
+        let Some(PoolState {
+            pool: p, scheduler, ..
+        }) = self.pools.get_mut(pool)
+        else {
             return;
         };
+        let queued = !scheduler.is_empty();
         let wanted = p.wanted(queued);
         let changes = p.reconcile(&wanted);
         self.changed(pool, changes);
@@ -540,17 +509,19 @@ impl Dispatcher {
         let model = self
             .pools
             .get(pool)
-            .map(|p| p.model.clone())
+            .map(|p| p.pool.model.clone())
             .unwrap_or_default();
         for change in changes {
             match change {
                 Change::Joined(id, url) => {
                     tracing::info!(%model, replica = %url, "replica added: probed before it gets work");
-                    if let Some(r) = self.pools.get(pool).and_then(|p| p.replica(id)) {
+                    if let Some(r) = self.pools.get(pool).and_then(|s| s.pool.replica(id)) {
                         self.metrics.cache_isolation(&url, r.isolation);
                     }
                     self.update_limits(pool, id);
-                    if let (Some(health), Some(link)) = (&self.health, self.links.get(pool)) {
+                    if let (Some(health), Some(link)) =
+                        (&self.health, self.pools.get(pool).map(|s| &s.link))
+                    {
                         let _ = health.send(Command::Start {
                             pool,
                             replica: id,
@@ -579,7 +550,7 @@ impl Dispatcher {
 
     /// Publishes a replica's limits: effective, adaptive, the engine's, and its TTFB floor.
     fn update_limits(&self, pool: usize, replica: ReplicaId) {
-        let Some(r) = self.pools.get(pool).and_then(|p| p.replica(replica)) else {
+        let Some(r) = self.pools.get(pool).and_then(|s| s.pool.replica(replica)) else {
             return;
         };
         let labels: Labels = &[("replica", &r.url)];
@@ -597,7 +568,7 @@ impl Dispatcher {
     fn replica_mut(&mut self, pool: usize, replica: ReplicaId) -> Option<&mut Replica> {
         self.pools
             .get_mut(pool)
-            .and_then(|p| p.replica_mut(replica))
+            .and_then(|p| p.pool.replica_mut(replica))
     }
 
     fn observe(&mut self, pool: usize, replica: ReplicaId, sample: Option<EngineSample>) {
@@ -605,7 +576,7 @@ impl Dispatcher {
         let Some(r) = self
             .pools
             .get_mut(pool)
-            .and_then(|p| p.replica_mut(replica))
+            .and_then(|p| p.pool.replica_mut(replica))
         else {
             return;
         };
@@ -629,16 +600,6 @@ impl Dispatcher {
         m.replica_waiting.set(labels, engine.waiting as i64);
         self.update_limits(pool, replica);
     }
-}
-
-/// What a pool's health checks follow.
-fn link(pool: &Pool) -> Arc<Link> {
-    Arc::new(Link {
-        model: pool.model.clone(),
-        engine: pool.config.engine,
-        cache_isolation: pool.config.cache_isolation,
-        upstream: pool.upstream.clone(),
-    })
 }
 
 #[cfg(test)]

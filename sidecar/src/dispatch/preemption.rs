@@ -9,7 +9,7 @@ use weir_core::scheduler::headroom::Start;
 use crate::replica::limiter::Ticket;
 use crate::replica::pool::{Pool, ReplicaId};
 
-use super::{Dispatcher, Job, Requeued};
+use super::{Dispatcher, Job, PoolState, Requeued};
 
 /// A preemptible request running on a replica: the job as it was queued (to queue it again)
 /// and the way to tell its relay. Its relay holds the other end in the [`Assignment`], so an
@@ -54,12 +54,14 @@ impl Dispatcher {
     /// back when the relay lets the stream go. One preemption at a time per pool.
     pub(super) fn preempt(&mut self, pool: usize, now: u64) {
         let after = self.queue.preempt_batch_after_ms;
-        let (Some(running), Some(pending), Some(scheduler), Some(p)) = (
-            self.preemptible.get_mut(pool),
-            self.preempting.get_mut(pool),
-            self.schedulers.get_mut(pool),
-            self.pools.get(pool),
-        ) else {
+        let Some(PoolState {
+            running,
+            preempting: pending,
+            scheduler,
+            pool: p,
+            ..
+        }) = self.pools.get_mut(pool)
+        else {
             return;
         };
         running.retain(|r| !r.preempt.is_closed());

@@ -155,11 +155,11 @@ fn an_assignment_nobody_received_gives_its_room_back() {
     let (a, a_rx) = job("t", "standard", 600);
     d.apply(Event::Enqueue(a));
     d.dispatch(0);
-    assert_eq!(d.pools[0].replicas[0].reserved, 600);
+    assert_eq!(d.pools[0].pool.replicas[0].reserved, 600);
     // The handler went away after the dispatcher sent the assignment, before reading it.
     drop(a_rx);
     settle(&mut d, &mut events);
-    let r = &d.pools[0].replicas[0];
+    let r = &d.pools[0].pool.replicas[0];
     assert_eq!((r.reserved, r.in_flight), (0, 0));
     assert_eq!(d.tenant_kv["t"], 0);
 }
@@ -184,7 +184,7 @@ fn a_release_happens_once() {
     a.release();
     drop(a);
     settle(&mut d, &mut events);
-    let r = &d.pools[0].replicas[0];
+    let r = &d.pools[0].pool.replicas[0];
     assert_eq!(
         (r.reserved, r.in_flight),
         (200, 2),
@@ -202,11 +202,11 @@ fn a_corrected_hold_is_what_comes_back() {
     // The engine counted 700 prompt tokens where 100 were estimated.
     a.resize(700);
     settle(&mut d, &mut events);
-    assert_eq!(d.pools[0].replicas[0].reserved, 700);
+    assert_eq!(d.pools[0].pool.replicas[0].reserved, 700);
     assert_eq!(d.tenant_kv["t"], 700);
     drop(a);
     settle(&mut d, &mut events);
-    assert_eq!(d.pools[0].replicas[0].reserved, 0);
+    assert_eq!(d.pools[0].pool.replicas[0].reserved, 0);
     assert_eq!(d.tenant_kv["t"], 0);
 }
 
@@ -313,7 +313,7 @@ fn an_engine_s_own_queue_holds_back_a_flood_but_not_a_quiet_tenant() {
     for flood_first in [false, true] {
         let (mut d, _events) = dispatcher(100);
         if flood_first {
-            d.schedulers[0].set_aging_ms(0);
+            d.pools[0].scheduler.set_aging_ms(0);
         }
         let mut rx = Vec::new();
         for _ in 0..2 {
@@ -324,7 +324,7 @@ fn an_engine_s_own_queue_holds_back_a_flood_but_not_a_quiet_tenant() {
         d.dispatch(0);
         let _held: Vec<Assignment> = rx.iter_mut().map(assigned).collect();
         // The engine reports a request waiting inside it (a probe between two steps).
-        d.pools[0].replicas[0].engine.waiting = 1;
+        d.pools[0].pool.replicas[0].engine.waiting = 1;
         let (mut more, mut more_rx) = job("noisy", "standard", 100);
         if flood_first {
             more.priority = Priority::Batch;
@@ -338,7 +338,7 @@ fn an_engine_s_own_queue_holds_back_a_flood_but_not_a_quiet_tenant() {
         assigned(&mut small_rx);
         // ...the flood's, past its part, waits here, in fair order.
         assert!(more_rx.try_recv().is_err(), "flood first: {flood_first}");
-        d.pools[0].replicas[0].engine.waiting = 0;
+        d.pools[0].pool.replicas[0].engine.waiting = 0;
         d.dispatch(0);
         assigned(&mut more_rx);
     }
@@ -443,7 +443,7 @@ fn waiting_interactive_work_preempts_the_latest_arrived_batch_stream_which_resum
     };
     let mut older = assigned(&mut batch(&mut d));
     let mut newer = assigned(&mut batch(&mut d));
-    d.preemptible[0][1].job.arrived_ms = 50;
+    d.pools[0].running[1].job.arrived_ms = 50;
     let mut waiting = batch(&mut d);
     let (mut older_word, mut newer_word) = (
         older.take_preemption().unwrap(),
@@ -468,14 +468,14 @@ fn waiting_interactive_work_preempts_the_latest_arrived_batch_stream_which_resum
     let mut requeued = newer_word.try_recv().expect("the latest arrived goes");
     assert!(older_word.try_recv().is_err());
     assert_eq!(preemptions(&d), 1);
-    assert_eq!(d.schedulers[0].depth("b"), 2, "queued again");
+    assert_eq!(d.pools[0].scheduler.depth("b"), 2, "queued again");
     // Past the queue's deadline: the waiting request is dropped, the preempted one is not.
     d.expire(10_000);
     assert!(matches!(
         waiting.try_recv(),
         Ok(Err(Refusal::DeadlinePassed(_)))
     ));
-    assert_eq!(d.schedulers[0].depth("b"), 1);
+    assert_eq!(d.pools[0].scheduler.depth("b"), 1);
     d.preempt(0, 1_100);
     assert_eq!(
         preemptions(&d),
@@ -487,7 +487,7 @@ fn waiting_interactive_work_preempts_the_latest_arrived_batch_stream_which_resum
     settle(&mut d, &mut events);
     let interactive = assigned(&mut i_rx);
     assert!(requeued.try_recv().is_err());
-    assert_eq!(d.pools[0].replicas[0].in_flight, 2);
+    assert_eq!(d.pools[0].pool.replicas[0].in_flight, 2);
     // Then the preempted one, ahead of its tenant's waiting request (one slot is kept for
     // the interactive tenant, active still).
     drop(interactive);
@@ -496,7 +496,7 @@ fn waiting_interactive_work_preempts_the_latest_arrived_batch_stream_which_resum
     let again = assigned(&mut requeued);
     assert_eq!(again.kv_held(), 10);
     assert_eq!(
-        d.schedulers[0].counter("b"),
+        d.pools[0].scheduler.counter("b"),
         20.0,
         "its prompt charged once"
     );
@@ -541,18 +541,18 @@ fn a_preempted_stream_that_ran_past_its_prediction_is_dispatched_again_with_its_
     let again = assigned(&mut requeued);
     println!("hold after resuming: {}", again.kv_held());
     assert_eq!(again.kv_held(), 40, "it goes on from what it had generated");
-    assert_eq!(d.pools[0].replicas[0].reserved, 40);
+    assert_eq!(d.pools[0].pool.replicas[0].reserved, 40);
     assert_eq!(d.tenant_kv["b"], 40);
     drop(again);
     settle(&mut d, &mut events);
-    assert_eq!(d.pools[0].replicas[0].reserved, 0);
+    assert_eq!(d.pools[0].pool.replicas[0].reserved, 0);
 }
 
 #[test]
 fn another_stream_of_the_preempted_tenant_ending_does_not_start_a_second_preemption() {
     let (mut d, mut events) = dispatcher(100);
     d.queue.preempt_batch_after_ms = 10;
-    let budget = d.pools[0].replicas[0].kv_budget;
+    let budget = d.pools[0].pool.replicas[0].kv_budget;
     let unit = budget / 10;
     let batch = |d: &mut Dispatcher, kv, preemptible, arrived| {
         let (mut b, mut rx) = job("b", "standard", kv);
@@ -595,14 +595,14 @@ fn another_stream_of_the_preempted_tenant_ending_does_not_start_a_second_preempt
 fn a_stream_on_an_engine_that_cannot_continue_it_is_never_preempted() {
     let (mut d, _events) = slotted(1, 1);
     d.queue.preempt_batch_after_ms = 10;
-    d.pools[0].replicas[0].dialect = Some(Dialect::Tgi);
+    d.pools[0].pool.replicas[0].dialect = Some(Dialect::Tgi);
     let (mut b, mut b_rx) = job("b", "standard", 10);
     (b.priority, b.preemptible) = (Priority::Batch, true);
     d.apply(Event::Enqueue(b));
     d.dispatch(0);
     let mut running = assigned(&mut b_rx);
     assert!(running.take_preemption().is_none());
-    assert!(d.preemptible[0].is_empty());
+    assert!(d.pools[0].running.is_empty());
 }
 
 #[test]
@@ -677,7 +677,7 @@ fn a_preempted_request_whose_client_left_is_dropped_and_its_room_comes_back_once
             preempt_batch_after_ms: after,
             ..d.queue.clone()
         };
-        let pools = vec![spec(0, d.pools[0].config.clone())];
+        let pools = vec![spec(0, d.pools[0].pool.config.clone())];
         d.apply(Event::Configure { queue, pools });
     };
     reload(&mut d, 0);
@@ -694,8 +694,8 @@ fn a_preempted_request_whose_client_left_is_dropped_and_its_room_comes_back_once
     drop(interactive);
     settle(&mut d, &mut events);
     d.expire(100);
-    assert!(d.schedulers[0].is_empty(), "dropped, not dispatched");
-    let r = &d.pools[0].replicas[0];
+    assert!(d.pools[0].scheduler.is_empty(), "dropped, not dispatched");
+    let r = &d.pools[0].pool.replicas[0];
     assert_eq!((r.reserved, r.in_flight), (0, 0));
     assert_eq!(d.tenant_kv["b"], 0);
 }
@@ -715,9 +715,12 @@ fn a_replica_that_joins_again_as_an_engine_with_no_kv_figure_keeps_none_of_the_l
         })
     };
     d.apply(joined(Some(50_000), Some(Dialect::Vllm)));
-    assert_eq!(d.pools[0].replicas[0].kv_budget, 50_000);
+    assert_eq!(d.pools[0].pool.replicas[0].kv_budget, 50_000);
     d.apply(joined(None, Some(Dialect::Llamacpp)));
-    assert_eq!(d.pools[0].replicas[0].kv_budget, 0, "unknown, not vLLM's");
+    assert_eq!(
+        d.pools[0].pool.replicas[0].kv_budget, 0,
+        "unknown, not vLLM's"
+    );
 }
 
 #[test]
@@ -830,7 +833,7 @@ fn several_floods_together_leave_a_turn_for_each_quiet_tenant() {
 
     // Replicas of different limits (1 and 3): the rule counts the pool's slots.
     let (mut d, _events) = slotted(2, 3);
-    d.pools[0].replicas[0].limiter.restart(Some(1));
+    d.pools[0].pool.replicas[0].limiter.restart(Some(1));
     d.activate(0, "q", now_ms(), &[1.0]);
     let mut flood = enqueue(&mut d, "f", 8);
     assert_eq!(assigned_of(&mut flood).len(), 3, "one of 4 slots kept");
@@ -862,7 +865,7 @@ fn an_unstarted_request_lowers_the_replica_s_limit_and_started_ones_raise_it_aga
     running[0].not_started();
     drop(running);
     settle(&mut d, &mut events);
-    assert_eq!(d.pools[0].replicas[0].limit(), 2, "halved");
+    assert_eq!(d.pools[0].pool.replicas[0].limit(), 2, "halved");
     let metrics = d.metrics.replica_first_byte_timeouts.clone();
     assert_eq!(metrics.get(&[("replica", "http://r0")]), 1);
     let mut again = enqueue(&mut d, "t", 4);
@@ -873,7 +876,7 @@ fn an_unstarted_request_lowers_the_replica_s_limit_and_started_ones_raise_it_aga
         a.started(100);
     }
     settle(&mut d, &mut events);
-    assert_eq!(d.pools[0].replicas[0].limit(), 4);
+    assert_eq!(d.pools[0].pool.replicas[0].limit(), 4);
     assert_eq!(assigned_of(&mut again).len(), 2, "the other two go");
 }
 
@@ -896,18 +899,18 @@ fn an_engine_holding_a_queue_gets_nothing_more_and_without_kv_figures_its_limit_
     let mut first = enqueue(&mut d, "t", 5);
     let _running = assigned_of(&mut first);
     d.apply(sample());
-    assert_eq!(d.pools[0].replicas[0].limit(), 8);
+    assert_eq!(d.pools[0].pool.replicas[0].limit(), 8);
     let mut more = enqueue(&mut d, "t", 1);
     settle(&mut d, &mut events);
     assert!(assigned_of(&mut more).is_empty());
     // No KV figures (llama.cpp, TGI): a queue is a shortage of slots.
     let (mut d, _events) = slotted(1, 8);
-    d.pools[0].replicas[0].kv_budget = 0;
+    d.pools[0].pool.replicas[0].kv_budget = 0;
     let mut first = enqueue(&mut d, "t", 5);
     let _running = assigned_of(&mut first);
     d.apply(sample());
     d.apply(sample());
-    assert_eq!(d.pools[0].replicas[0].limit(), 3);
+    assert_eq!(d.pools[0].pool.replicas[0].limit(), 3);
 }
 
 /// Every health-check command sent so far, as (start?, pool, replica, url).
@@ -975,7 +978,7 @@ fn a_discovered_replica_is_probed_before_work_and_a_vanished_one_drains_then_lea
         source.dns = "old".into();
     }
     d.apply(stale);
-    assert_eq!(d.pools[0].replicas.len(), 2);
+    assert_eq!(d.pools[0].pool.replicas.len(), 2);
 
     // The listed replica is busy: the next job waits for the new one's probes.
     let (a, mut a_rx) = job("t", "standard", 10);
@@ -997,7 +1000,7 @@ fn a_discovered_replica_is_probed_before_work_and_a_vanished_one_drains_then_lea
 
     // It vanishes while its request runs: no new work, still there, then gone.
     d.apply(found(&[]));
-    assert!(d.pools[0].replica(1).is_some_and(|r| r.leaving));
+    assert!(d.pools[0].pool.replica(1).is_some_and(|r| r.leaving));
     let (tx, mut ready) = oneshot::channel();
     d.apply(Event::Ready(tx));
     let ready = ready.try_recv().unwrap();
@@ -1010,7 +1013,7 @@ fn a_discovered_replica_is_probed_before_work_and_a_vanished_one_drains_then_lea
     drop(second);
     settle(&mut d, &mut events);
     assert!(
-        d.pools[0].replica(1).is_none(),
+        d.pools[0].pool.replica(1).is_none(),
         "dropped once its request ended"
     );
     assert_eq!(commands(&mut started), [(false, 0, 1)]);
@@ -1031,7 +1034,7 @@ fn a_reload_adds_and_retires_pools_and_changes_bounds_for_the_next_decision() {
     let (health, mut started) = mpsc::unbounded_channel();
     let mut d = d.with_health(health);
     commands(&mut started);
-    let counter = |d: &Dispatcher| d.schedulers[0].counter("t");
+    let counter = |d: &Dispatcher| d.pools[0].scheduler.counter("t");
     let (a, mut a_rx) = job("t", "standard", 600);
     d.apply(Event::Enqueue(a));
     d.dispatch(0);
@@ -1055,7 +1058,7 @@ fn a_reload_adds_and_retires_pools_and_changes_bounds_for_the_next_decision() {
     assert_eq!(commands(&mut started), [(true, 1, 0)]);
     assert_eq!(counter(&d), charged, "counters stay");
     assert_eq!(
-        d.pools[0].replicas[0].in_flight, 1,
+        d.pools[0].pool.replicas[0].in_flight, 1,
         "the running request stays"
     );
     let (w, mut w_rx) = job("t", "standard", 600);
@@ -1072,8 +1075,8 @@ fn a_reload_adds_and_retires_pools_and_changes_bounds_for_the_next_decision() {
         queue,
         pools: vec![spec(1, pool_config("b", Some(1_000)))],
     });
-    assert!(d.pools[0].retired);
-    assert_eq!(d.pools[0].replicas.len(), 1);
+    assert!(d.pools[0].pool.retired);
+    assert_eq!(d.pools[0].pool.replicas.len(), 1);
     let (late, mut late_rx) = job_in(0, "u", "standard", 10);
     d.apply(Event::Enqueue(late));
     assert!(matches!(late_rx.try_recv(), Ok(Err(Refusal::NoReplica))));
@@ -1089,29 +1092,33 @@ fn a_reload_adds_and_retires_pools_and_changes_bounds_for_the_next_decision() {
     let queued = assigned(&mut w_rx);
     assert_eq!(queued.pool, 0);
     d.reconcile(0);
-    assert_eq!(d.pools[0].replicas.len(), 1, "leaving, its request runs");
+    assert_eq!(
+        d.pools[0].pool.replicas.len(),
+        1,
+        "leaving, its request runs"
+    );
     drop(queued);
     settle(&mut d, &mut events);
-    assert!(d.pools[0].replicas.is_empty());
+    assert!(d.pools[0].pool.replicas.is_empty());
     assert_eq!(commands(&mut started), [(false, 0, 0)]);
 }
 
 #[test]
 fn a_reload_changes_a_pool_s_limits_and_isolation_for_its_replicas() {
     let (mut d, _events) = slotted(1, 4);
-    assert_eq!(d.pools[0].replicas[0].limit(), 4);
+    assert_eq!(d.pools[0].pool.replicas[0].limit(), 4);
     let config = PoolConfig {
         max_concurrency_per_replica: Some(2),
         kv_tokens_per_replica: Some(50),
         cache_isolation: crate::config::engine::CacheIsolation::Shared,
-        ..d.pools[0].config.clone()
+        ..d.pools[0].pool.config.clone()
     };
-    let mut link = d.links[0].subscribe();
+    let mut link = d.pools[0].link.subscribe();
     d.apply(Event::Configure {
         queue: d.queue.clone(),
         pools: vec![spec(0, config)],
     });
-    let r = &d.pools[0].replicas[0];
+    let r = &d.pools[0].pool.replicas[0];
     assert_eq!((r.limit(), r.kv_budget), (2, 50));
     assert_eq!(r.isolation, Isolation::Shared);
     assert!(link.has_changed().unwrap(), "health checks follow the pool");
@@ -1129,7 +1136,7 @@ fn saturated(max_total: usize, per_s: f64) -> (Dispatcher, Events, Assignment) {
     d.apply(Event::Enqueue(hog));
     d.dispatch(0);
     let hog = assigned(&mut hog_rx);
-    d.paces[0].pool.per_s = per_s;
+    d.pools[0].paces.pool.per_s = per_s;
     (d, events, hog)
 }
 
@@ -1214,9 +1221,9 @@ fn a_tenant_s_own_backlog_is_refused_at_its_own_projected_wait() {
     assert!(later_rx.try_recv().is_err());
     // Its measured pace, once known, is what counts: one in 8 s.
     let t0 = now_ms();
-    d.paces[0].dispatched("b", t0);
+    d.pools[0].paces.dispatched("b", t0);
     for ms in (0..=8_000).step_by(25) {
-        d.paces[0].measure(t0 + ms, 4, |_| 4, 10_000);
+        d.pools[0].paces.measure(t0 + ms, 4, |_| 4, 10_000);
     }
     let (mut again, mut again_rx) = job("b", "standard", 500);
     again.deadline_ms = now_ms() + 10_000;
@@ -1236,7 +1243,7 @@ fn a_flood_held_back_by_the_headroom_is_refused_at_its_own_projected_wait() {
     d.activate(0, "quiet", now_ms(), &[1.0]);
     let mut flood = enqueue(&mut d, "flood", 6);
     let _running = assigned_of(&mut flood);
-    d.paces[0].pool.per_s = 0.5;
+    d.pools[0].paces.pool.per_s = 0.5;
     let soon = |d: &mut Dispatcher| {
         let (mut j, rx) = job("flood", "standard", 10);
         j.deadline_ms = now_ms() + 1_000;
@@ -1290,7 +1297,7 @@ fn a_full_queue_refuses_the_longest_queue_s_newest_request_for_a_newcomer() {
 fn a_tenant_idle_through_a_fairness_window_shows_no_backlog_from_an_older_one() {
     let (mut d, _events) = dispatcher(100);
     // Nothing serves: both tenants' requests wait throughout the first window.
-    d.pools[0].replicas[0].healthy = false;
+    d.pools[0].pool.replicas[0].healthy = false;
     let (a, _a_rx) = job("a/w/p/k", "standard", 10);
     let (b, b_rx) = job("b/w/p/k", "standard", 10);
     d.apply(Event::Enqueue(a));
@@ -1341,7 +1348,9 @@ fn a_full_queue_whose_longest_key_waits_to_resume_still_takes_a_tenant_with_noth
     for _ in 0..3 {
         let (mut j, rx) = job("b", "standard", 10);
         (j.priority, j.preemptible, j.preemptions) = (Priority::Batch, true, 1);
-        d.schedulers[0].push_front("b", &[1.0], Priority::Batch, j, 0);
+        d.pools[0]
+            .scheduler
+            .push_front("b", &[1.0], Priority::Batch, j, 0);
         d.update_depth("b");
         resuming.push(rx);
     }
@@ -1471,13 +1480,15 @@ fn every_hold_comes_back_whatever_the_path() {
                 9 => {
                     replicas = 3 - replicas;
                     d.configure(d.queue.clone(), vec![spec(0, two(replicas))]);
-                    let ids: Vec<ReplicaId> = d.pools[0].replicas.iter().map(|r| r.id).collect();
+                    let ids: Vec<ReplicaId> =
+                        d.pools[0].pool.replicas.iter().map(|r| r.id).collect();
                     for id in ids {
                         probed(&mut d, 0, id);
                     }
                 }
                 10 => {
-                    let ids: Vec<ReplicaId> = d.pools[0].replicas.iter().map(|r| r.id).collect();
+                    let ids: Vec<ReplicaId> =
+                        d.pools[0].pool.replicas.iter().map(|r| r.id).collect();
                     let id = ids[rng.usize(..ids.len())];
                     if rng.bool() {
                         d.apply(Event::ReplicaFailed {
@@ -1527,7 +1538,7 @@ fn every_hold_comes_back_whatever_the_path() {
             d.expire(u64::MAX - 1);
             d.dispatch(now);
         }
-        for r in &d.pools[0].replicas {
+        for r in &d.pools[0].pool.replicas {
             assert_eq!((r.in_flight, r.reserved), (0, 0), "replica {}", r.url);
             assert!(r.prefilling.is_empty(), "replica {}", r.url);
             assert!(r.answering.is_empty(), "replica {}", r.url);
@@ -1536,8 +1547,8 @@ fn every_hold_comes_back_whatever_the_path() {
         assert!(d.label_kv.values().all(|&kv| kv == 0), "{:?}", d.label_kv);
         assert!(d.leaf_depth.is_empty() && d.label_depth.is_empty());
         assert_eq!(d.queued(), 0);
-        d.shares[0].expire(u64::MAX, 1);
-        let shares = format!("{:?}", d.shares[0]);
+        d.pools[0].shares.expire(u64::MAX, 1);
+        let shares = format!("{:?}", d.pools[0].shares);
         assert!(
             shares.starts_with("Shares { keys: {}, org_weights: {}, usage: {}, "),
             "{shares}"
@@ -1619,7 +1630,7 @@ fn a_tenant_backlogged_past_the_active_window_keeps_its_part() {
             .chain(assigned_of(&mut f).into_iter().map(|a| (false, a)))
             .collect();
     let later = 20_000;
-    d.shares[0].expire(later, d.queue.active_window_ms);
+    d.pools[0].shares.expire(later, d.queue.active_window_ms);
     let (mut j, rx) = job("f", "standard", 10);
     j.arrived_ms = later;
     d.apply(Event::Enqueue(j));

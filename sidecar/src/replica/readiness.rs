@@ -45,9 +45,9 @@ pub struct ReplicaReadiness {
 
 impl Readiness {
     /// The pools the config names (retired ones, draining, are not among them).
-    pub fn of(pools: &[Pool]) -> Readiness {
+    pub fn of<'a>(pools: impl IntoIterator<Item = &'a Pool>) -> Readiness {
         let pools: Vec<PoolReadiness> = pools
-            .iter()
+            .into_iter()
             .filter(|p| !p.retired)
             .map(PoolReadiness::of)
             .collect();
