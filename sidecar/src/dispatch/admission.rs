@@ -302,15 +302,12 @@ impl Dispatcher {
             share,
             ..
         } = self;
-        let Some(PoolState {
+        let PoolState {
             scheduler,
             pool: p,
             shares,
             ..
-        }) = pools.get_mut(pool)
-        else {
-            return None;
-        };
+        } = pools.get_mut(pool)?;
         // A tenant over its own KV cap, or its share past its fair part while others are
         // active ([`weir_core::scheduler::headroom`]), (or a client gone) is passed over; the next job in fair
         // order that does not fit yet holds the line until room frees.
