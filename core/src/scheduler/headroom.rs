@@ -75,8 +75,20 @@ pub enum Start {
     /// stream only while another replica stays clear of the flood's prefills, and keeps off a
     /// replica answering a quiet request while another is not.
     Flood,
+    /// Within its part, but its org has more queued: a backlog would fill engines' own queues,
+    /// so it keeps out of them and to the floods' prefill rule, as a flood does; but its part
+    /// is its own, so a quiet request being answered does not keep it off a replica.
+    Backlog,
     /// Alone in the pool (or under the FIFO baseline): it keeps out of engines' own queues.
     Alone,
+}
+
+impl Start {
+    /// A flood's request or a backlog's: kept out of engines' own queues and to the floods'
+    /// prefill rule.
+    pub fn floods(self) -> bool {
+        matches!(self, Start::Flood | Start::Backlog)
+    }
 }
 
 /// A key of a pool: its org, weight within it, when it was last active, what it holds.
@@ -575,7 +587,8 @@ impl<'a> Headroom<'a> {
         // got 0.87-0.97 of the other's share, against 0.94-0.98 with both kept out).
         let backlogged = o.is_some_and(|o| o.queued > 1);
         match (slots?, kv?) {
-            (Start::Quiet, Start::Quiet) if !backlogged => Some(Start::Quiet),
+            (Start::Quiet, Start::Quiet) if backlogged => Some(Start::Backlog),
+            (Start::Quiet, Start::Quiet) => Some(Start::Quiet),
             _ => Some(Start::Flood),
         }
     }

@@ -327,12 +327,14 @@ impl Dispatcher {
             match start {
                 _ if !under_cap || job.reply.is_closed() => Verdict::Skip,
                 None => Verdict::Skip,
-                Some(Start::Flood) if floods_wait => Verdict::Skip,
+                Some(start) if start.floods() && floods_wait => Verdict::Skip,
                 Some(start) if p.fits_for(job.kv_need, job.sequences, start) => {
                     taken = start;
                     Verdict::Take
                 }
-                Some(Start::Flood) if p.fits_for(job.kv_need, job.sequences, Start::Quiet) => {
+                Some(start)
+                    if start.floods() && p.fits_for(job.kv_need, job.sequences, Start::Quiet) =>
+                {
                     floods_wait = true;
                     Verdict::Skip
                 }
@@ -364,7 +366,7 @@ impl Dispatcher {
         r.in_flight = r.in_flight.saturating_add(job.sequences);
         let ticket = r.limiter.dispatch();
         match taken {
-            Start::Flood if job.stream => r.prefilling.push(ticket),
+            start if start.floods() && job.stream => r.prefilling.push(ticket),
             Start::Quiet => r.answering.push((ticket, now)),
             _ => {}
         }

@@ -127,14 +127,16 @@ impl Dispatcher {
                     for p in &mut self.pools {
                         let s = &p.scheduler;
                         p.paces.measure(now, s.len(), |t| s.depth(t), window);
+                    }
+                    self.expire(now);
+                    self.publish_waits(now);
+                    self.sample_fairness(now);
+                    for p in &mut self.pools {
                         p.shares.expire(now, window);
                         for r in &mut p.pool.replicas {
                             r.unguard_older(now);
                         }
                     }
-                    self.expire(now);
-                    self.publish_waits(now);
-                    self.sample_fairness(now);
                     // A retired pool's replicas leave once its queue is empty.
                     for pool in 0..self.pools.len() {
                         if self.pools[pool].pool.retired && !self.pools[pool].pool.replicas.is_empty() {

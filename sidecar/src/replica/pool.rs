@@ -282,21 +282,28 @@ impl Pool {
             .any(|r| r.fits_for(kv_need, sequences, start) && self.prefill_allows(r, start))
     }
 
-    /// Whether `r` may take a request starting as `start`. A flood's only while another
-    /// replica that serves has none of its prompts prefilling, so a quiet tenant's request
-    /// finds an engine whose next step is not a flood's long prefill (a compute-bound engine
-    /// runs a step of its whole prefill budget for one: tens of ms to seconds); and not where
-    /// a quiet request is being answered while another replica has none, so the prefill does
-    /// not stretch that answer's steps (a short chat's answer would take twice as long). A
-    /// flood may add prefills to a replica that has some, and a pool of one replica, or one
-    /// where every replica answers a quiet request, has no choice.
+    /// Whether `r` may take a request starting as `start`. A flood's (or a backlog's) only
+    /// while another replica that serves has none of its prompts prefilling, so a quiet
+    /// tenant's request finds an engine whose next step is not a flood's long prefill (a
+    /// compute-bound engine runs a step of its whole prefill budget for one: tens of ms to
+    /// seconds); a flood may add prefills to a replica that has some, and a pool of one
+    /// replica has no choice. And a flood's not where a quiet request is being answered
+    /// while another replica the rule lets it start on is not: the prefill would stretch
+    /// that answer's steps (a short chat's answer would take twice as long).
     pub fn prefill_allows(&self, r: &Replica, start: Start) -> bool {
-        let others = || self.replicas.iter().filter(|o| o.id != r.id && o.serves());
+        let others = |r: &Replica| {
+            let id = r.id;
+            self.replicas
+                .iter()
+                .filter(move |o| o.id != id && o.serves())
+        };
+        let clear_elsewhere =
+            |r: &Replica| others(r).next().is_none() || others(r).any(|o| o.prefilling.is_empty());
         let answering = |o: &Replica| !o.answering.is_empty();
-        start != Start::Flood
-            || others().next().is_none()
-            || (others().any(|o| o.prefilling.is_empty())
-                && (!answering(r) || others().all(answering)))
+        let calmer_elsewhere = || others(r).any(|o| !answering(o) && clear_elsewhere(o));
+        !start.floods()
+            || (clear_elsewhere(r)
+                && (start != Start::Flood || !answering(r) || !calmer_elsewhere()))
     }
 
     /// Requests the replicas that serve may run at once, together.
@@ -498,6 +505,25 @@ mod tests {
         let mut one = pool(1);
         one.replicas[0].answering.push((Ticket::for_tests(), 0));
         assert_eq!(one.route_for(key, 10, 1, Start::Flood), Some(0));
+    }
+
+    #[test]
+    fn a_flood_may_add_to_a_prefilling_replica_that_also_answers_a_quiet_request() {
+        // The other replica is clear of prefills and answers nothing, but the prefill rule
+        // keeps the flood off it: the guard has nowhere else to send it.
+        let mut p = pool(2);
+        p.replicas[0].prefilling.push(Ticket::for_tests());
+        p.replicas[0].answering.push((Ticket::for_tests(), 0));
+        assert!(p.fits_for(10, 1, Start::Flood), "no replica takes a flood");
+        assert_eq!(p.route_for(0, 10, 1, Start::Flood), Some(0));
+        // A backlog within its part is kept to the prefill rule, not by the guard.
+        p.replicas[0].prefilling.clear();
+        p.replicas[1].in_flight = 16;
+        assert_eq!(p.route_for(0, 10, 1, Start::Flood), None);
+        assert_eq!(p.route_for(0, 10, 1, Start::Backlog), Some(0));
+        p.replicas[1].in_flight = 0;
+        p.replicas[1].prefilling.push(Ticket::for_tests());
+        assert_eq!(p.route_for(0, 10, 1, Start::Backlog), Some(1));
     }
 
     #[test]

@@ -214,3 +214,43 @@ fn a_tenant_backlogged_past_the_active_window_keeps_its_part() {
         "both backlogged: b started {b_started}, f {f_started}; b runs {b_running} of 8"
     );
 }
+
+#[test]
+fn a_backlogged_tenant_holding_nothing_is_not_kept_off_a_replica_answering_a_quiet_request() {
+    let (mut d, mut events) = slotted(2, 4);
+    let a = d.pools[0].pool.affine(0).unwrap();
+    let mut f0 = enqueue(&mut d, "f", 1);
+    drop(assigned_of(&mut f0));
+    settle(&mut d, &mut events); // f active, holding nothing
+    d.pools[0].pool.replicas[1 - a].in_flight = 4; // the other replica full
+    let mut q = enqueue(&mut d, "q", 1);
+    let mut held = assigned_of(&mut q);
+    assert_eq!(d.pools[0].pool.replicas[a].answering.len(), 1);
+    // f queues two: a backlog within its part, whose turn a quiet tenant's answers, one
+    // after another on the free replica, must not keep from it.
+    let (j1, mut r1) = job("f", "standard", 10);
+    let (j2, _r2) = job("f", "standard", 10);
+    d.apply(Event::Enqueue(j1));
+    d.apply(Event::Enqueue(j2));
+    d.dispatch(0);
+    for step in 1..=20u64 {
+        let now = step * 500;
+        for r in &mut d.pools[0].pool.replicas {
+            r.unguard_older(now);
+        }
+        let (j, rx) = job("q", "standard", 10);
+        let mut more = vec![rx];
+        d.apply(Event::Enqueue(j));
+        d.dispatch(now);
+        held.extend(assigned_of(&mut more));
+        held.remove(0);
+        while let Ok(e) = events.1.try_recv() {
+            d.apply(e);
+        }
+        d.dispatch(now);
+    }
+    assert!(
+        r1.try_recv().is_ok(),
+        "f, holding nothing, never got its turn in 10 s"
+    );
+}
