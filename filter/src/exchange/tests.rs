@@ -618,6 +618,89 @@ fn a_trapped_vm_s_slot_comes_back_once_its_lease_lapses() {
     admitted(&gw, &host, Some(10));
 }
 
+#[test]
+fn a_body_ending_in_trailers_is_admitted_at_the_trailers() {
+    let (gw, host, t) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+    *host.request_body.borrow_mut() = chat(Some(40));
+    assert_eq!(x.on_body(&host, 10, false), Action::Pause);
+    assert_eq!(x.on_trailers(&host), Action::Continue);
+    assert_eq!(host.remaining(&t, LimitKind::OutputTokens), 100_000 - 40);
+    assert!(host.reply.borrow().is_none());
+}
+
+#[test]
+fn an_upstream_error_or_a_replay_is_charged_nothing() {
+    let (gw, host, t) = setup(None);
+    for (status, replayed) in [("500", "false"), ("200", "true")] {
+        let mut x = admitted(&gw, &host, Some(30));
+        *host.response_headers.borrow_mut() = pairs(&[
+            (":status", status),
+            ("content-type", "application/json"),
+            ("idempotent-replayed", replayed),
+        ]);
+        x.on_response_headers(&host, true);
+        assert_eq!(
+            host.remaining(&t, LimitKind::OutputTokens),
+            100_000,
+            "{status}"
+        );
+        assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1, "{status}");
+        x.on_log(&host);
+    }
+    assert_eq!(host.metric("weir.requests.upstream_error"), 1);
+    assert_eq!(host.metric("weir.requests.ok"), 1);
+}
+
+#[test]
+fn an_ignored_route_passes_as_it_came_and_counts_nothing() {
+    let gw = gateway(limits(), json!({"routes": {"default": {"mode": "ignore"}}}));
+    let host = Mock::new(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    let action = headers_arrive(
+        &mut x,
+        &host,
+        "/v1/chat/completions",
+        Some("x-weir-anything"),
+    );
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.header(Side::Request, "x-weir-tenant"), None);
+    assert!(host.header(Side::Request, "authorization").is_some());
+    x.on_log(&host);
+    assert!(
+        host.metrics.borrow().is_empty(),
+        "{:?}",
+        host.metrics.borrow()
+    );
+}
+
+#[test]
+fn the_model_list_reports_where_the_key_s_limits_stand() {
+    let (gw, host, _) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    *host.request_headers.borrow_mut() = pairs(&[
+        (":method", "GET"),
+        (":path", "/v1/models"),
+        ("authorization", &format!("Bearer {KEY}")),
+    ]);
+    assert_eq!(x.on_headers(&host, true), Action::Continue);
+    *host.response_headers.borrow_mut() = pairs(&[
+        (":status", "200"),
+        ("x-ratelimit-remaining-tokens", "999999"),
+    ]);
+    x.on_response_headers(&host, false);
+    let remaining = host.header(Side::Response, "x-ratelimit-remaining-tokens");
+    assert_eq!(
+        remaining.as_deref(),
+        Some("100000"),
+        "the upstream's replaced"
+    );
+    x.on_log(&host);
+    let decided = "weir.filter.decisions.route.default.mode.enforce.decision.unmetered";
+    assert_eq!(host.metric(decided), 1);
+}
+
 /// A gateway whose input tokens are a fleet-wide, fail-closed limit.
 fn fleet_gateway() -> Rc<Gateway> {
     let limits = json!({"input_tokens_per_minute": 60_000,
