@@ -1,6 +1,7 @@
 //! weir's Envoy filter (proxy-wasm): tenant auth, token estimation, quota reservation in shared
-//! data, and streamed settlement. The decisions live in `weir-core`; this crate is the glue to
-//! Envoy's callbacks.
+//! data, and streamed settlement. The decisions live in `weir-core`; `exchange` sequences them
+//! for one HTTP exchange as a host-free state machine (tested natively); the rest of this crate
+//! is the glue to Envoy's callbacks and host calls.
 
 mod exchange;
 #[cfg(feature = "fault-injection")]
