@@ -9,7 +9,7 @@
 //! every trap found has been fixed, so without this a test of lease expiry would have nothing
 //! to stand on. With it, a request carrying [`HEADER`] traps its VM at the named point.
 
-use crate::host::Headers;
+use crate::exchange::Headers;
 
 /// The request header naming the fault (not `x-weir-*`: those are stripped on arrival).
 pub const HEADER: &str = "weir-fault";

@@ -1,14 +1,18 @@
-//! The thin layer over proxy-wasm host calls that the request logic needs: shared data as a
-//! [`SharedStore`], the clock, properties, and metrics. Host calls that can fail report it;
-//! nothing here panics.
+//! The thin layer over proxy-wasm host calls: shared data as a [`SharedStore`], the clock,
+//! properties, headers and bodies, local replies, calls and metrics, and [`Envoy`], the
+//! exchange's [`Host`] made of them. Host calls that can fail report it; nothing here panics.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
 use weir_core::store::{SharedStore, StoreError};
+
+use crate::Gateway;
+use crate::exchange::{Headers, Host, Side};
 
 /// Counts a host call in the profile build ([`crate::profile`]); nothing otherwise.
 #[inline(always)]
@@ -192,76 +196,46 @@ fn define_metric(kind: MetricType, name: &str) -> Option<u32> {
         .ok()
 }
 
-/// Which side of the exchange a header or body call is about.
-///
-/// A side's headers exist only until they go on: request headers may be read and written in
-/// the request-headers callback alone (weir sends them on at its end), response headers in the
-/// response-headers callback. Outside it Envoy answers `BadArgument`, on which the SDK's
-/// hostcall panics — a trapped VM — so header calls belong in those callbacks only.
-#[derive(Clone, Copy)]
-pub enum Side {
-    Request,
-    Response,
-}
-
-impl Side {
-    fn headers(self) -> MapType {
-        match self {
-            Side::Request => MapType::HttpRequestHeaders,
-            Side::Response => MapType::HttpResponseHeaders,
-        }
-    }
-
-    fn body(self) -> BufferType {
-        match self {
-            Side::Request => BufferType::HttpRequestBody,
-            Side::Response => BufferType::HttpResponseBody,
-        }
+fn map_type(side: Side) -> MapType {
+    match side {
+        Side::Request => MapType::HttpRequestHeaders,
+        Side::Response => MapType::HttpResponseHeaders,
     }
 }
 
-/// A side's headers as they arrived, read in one host call so that looking one up costs none.
-/// Envoy's own lookup answers a header's first value; so does [`Headers::get`].
-pub struct Headers(Vec<(String, String)>);
-
-impl Headers {
-    /// Only in the side's headers callback (see [`Side`]). Values are read as bytes: HTTP/1.1
-    /// lets a value carry bytes that are not UTF-8, on which the SDK's string reading panics (a
-    /// trapped VM); such bytes read as U+FFFD, so such a key is simply not a known one.
-    pub fn read(side: Side) -> Headers {
-        counted();
-        let pairs = hostcalls::get_map_bytes(side.headers()).unwrap_or_default();
-        Headers(
-            pairs
-                .into_iter()
-                .map(|(name, value)| (name, String::from_utf8_lossy(&value).into_owned()))
-                .collect(),
-        )
+fn buffer_type(side: Side) -> BufferType {
+    match side {
+        Side::Request => BufferType::HttpRequestBody,
+        Side::Response => BufferType::HttpResponseBody,
     }
+}
 
-    pub fn get(&self, name: &str) -> Option<&str> {
-        self.0
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.0.iter().map(|(k, _)| k.as_str())
-    }
+/// A side's headers, read in one host call. Only in the side's headers callback (see
+/// [`Side`]). Values are read as bytes: HTTP/1.1 lets a value carry bytes that are not UTF-8,
+/// on which the SDK's string reading panics (a trapped VM); such bytes read as U+FFFD, so such
+/// a key is simply not a known one.
+pub fn headers(side: Side) -> Headers {
+    counted();
+    let pairs = hostcalls::get_map_bytes(map_type(side)).unwrap_or_default();
+    Headers::new(
+        pairs
+            .into_iter()
+            .map(|(name, value)| (name, String::from_utf8_lossy(&value).into_owned()))
+            .collect(),
+    )
 }
 
 /// Sets (or with `None` removes) a header; only valid before the headers are sent on.
 pub fn set_header(side: Side, name: &str, value: Option<&str>) {
     counted();
-    if let Err(status) = hostcalls::set_map_value(side.headers(), name, value) {
+    if let Err(status) = hostcalls::set_map_value(map_type(side), name, value) {
         log::debug!("weir: cannot set header {name}: {status:?}");
     }
 }
 
 pub fn body(side: Side, size: usize) -> Vec<u8> {
     counted();
-    hostcalls::get_buffer(side.body(), 0, size)
+    hostcalls::get_buffer(buffer_type(side), 0, size)
         .ok()
         .flatten()
         .unwrap_or_default()
@@ -270,7 +244,7 @@ pub fn body(side: Side, size: usize) -> Vec<u8> {
 /// Replaces the whole current body buffer of `size` bytes.
 pub fn replace_body(side: Side, size: usize, value: &[u8]) {
     counted();
-    if let Err(status) = hostcalls::set_buffer(side.body(), 0, size, value) {
+    if let Err(status) = hostcalls::set_buffer(buffer_type(side), 0, size, value) {
         log::warn!("weir: cannot replace body: {status:?}");
     }
 }
@@ -320,4 +294,94 @@ pub fn call_response(body_size: usize) -> (Option<u16>, Vec<u8>) {
         .flatten()
         .unwrap_or_default();
     (status, body)
+}
+
+/// Envoy as the host of an exchange (`crate::exchange`): each call one of the functions above,
+/// metrics the gateway's.
+pub struct Envoy {
+    gw: Rc<Gateway>,
+}
+
+impl Envoy {
+    pub fn new(gw: Rc<Gateway>) -> Envoy {
+        Envoy { gw }
+    }
+}
+
+impl Host for Envoy {
+    type Store = SharedData;
+
+    fn store(&self) -> &SharedData {
+        &SharedData
+    }
+
+    fn now_ms(&self) -> u64 {
+        now_ms()
+    }
+
+    fn random_u64(&self) -> u64 {
+        random_u64()
+    }
+
+    fn unique_id(&self) -> String {
+        unique_id()
+    }
+
+    fn property(&self, path: &[&str]) -> Option<String> {
+        property(path.to_vec())
+    }
+
+    fn headers(&self, side: Side) -> Headers {
+        headers(side)
+    }
+
+    fn set_header(&self, side: Side, name: &str, value: Option<&str>) {
+        set_header(side, name, value);
+    }
+
+    fn body(&self, side: Side, size: usize) -> Vec<u8> {
+        body(side, size)
+    }
+
+    fn replace_body(&self, side: Side, size: usize, value: &[u8]) {
+        replace_body(side, size, value);
+    }
+
+    fn local_reply(&self, status: u16, headers: &[(&str, String)], body: &[u8]) {
+        local_reply(status, headers, body);
+    }
+
+    fn resume_request(&self) {
+        resume_request();
+    }
+
+    fn dispatch(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        timeout_ms: u64,
+    ) -> Result<u32, Status> {
+        dispatch(cluster, headers, body, timeout_ms)
+    }
+
+    fn call_response(&self, body_size: usize) -> (Option<u16>, Vec<u8>) {
+        call_response(body_size)
+    }
+
+    fn add(&self, metric: &str, delta: i64) {
+        self.gw.metrics.add(metric, delta);
+    }
+
+    fn record(&self, metric: &str, value: u64) {
+        self.gw.metrics.record(metric, value);
+    }
+
+    fn count(&self, metric: &str) {
+        self.gw.metrics.count(metric);
+    }
+
+    fn set_filter_state(&self, name: &str, value: &str) {
+        set_filter_state(name, value);
+    }
 }

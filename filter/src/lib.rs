@@ -1,7 +1,9 @@
 //! weir's Envoy filter (proxy-wasm): tenant auth, token estimation, quota reservation in shared
-//! data, and streamed settlement. The decisions live in `weir-core`; this crate is the glue to
-//! Envoy's callbacks.
+//! data, and streamed settlement. The decisions live in `weir-core`; `exchange` sequences them
+//! for one HTTP exchange as a host-free state machine (tested natively); the rest of this crate
+//! is the glue to Envoy's callbacks and host calls.
 
+mod exchange;
 #[cfg(feature = "fault-injection")]
 mod fault;
 mod host;
@@ -24,7 +26,7 @@ use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use weir_core::config::{Config, Directory, Tenant};
 use weir_core::reservation::{self, Reservation};
 
-use crate::host::{Metrics, SharedData};
+use crate::host::{Envoy, Metrics, SharedData};
 use crate::renewal::Renewal;
 use crate::request::Request;
 use crate::signer::Signer;
@@ -52,7 +54,7 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    fn new(config: Config, signer: Option<Signer>, metrics: Metrics) -> Gateway {
+    pub(crate) fn new(config: Config, signer: Option<Signer>, metrics: Metrics) -> Gateway {
         Gateway {
             price_header: config.prices.as_ref().map(|p| p.to_header()),
             directory: config.directory(),
@@ -77,7 +79,7 @@ struct Root {
 impl Context for Root {
     fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
         if let (Some(renewal), Some(gw)) = (self.renewal.as_mut(), &self.gateway) {
-            renewal.answered(token, body_size, &gw.metrics);
+            renewal.answered(&Envoy::new(Rc::clone(gw)), token, body_size);
         }
     }
 }
@@ -151,7 +153,7 @@ impl RootContext for Root {
             return;
         };
         if let Some(renewal) = self.renewal.as_mut() {
-            renewal.tick(gw.signer.as_ref(), &gw.metrics);
+            renewal.tick(&Envoy::new(Rc::clone(gw)), gw.signer.as_ref());
         }
         let now = host::now_ms();
         if now

@@ -1,7 +1,8 @@
 //! The host side of lease renewal ([`weir_core::renewal`]): on every root tick a worker tries
 //! to claim the period; the one that wins sends the period's single signed call to the quota
 //! service, and its answer (or its failure) lands here. A request that finds no lease sends
-//! its own call at once ([`send`], [`answer`]; `crate::request`).
+//! its own call at once ([`send`], [`answer`]; `crate::exchange`). Both go through the
+//! exchange's [`Host`], so a request's own call runs natively in its tests.
 
 use std::collections::HashMap;
 
@@ -12,7 +13,8 @@ use weir_core::keys::hash_key;
 use weir_core::renewal::{self, Spec};
 use weir_core::trusted;
 
-use crate::host::{self, Metrics, SharedData};
+use crate::exchange::Host;
+use crate::host::{self, SharedData};
 use crate::signer::Signer;
 use crate::telemetry;
 
@@ -48,59 +50,60 @@ impl Renewal {
     }
 
     /// Sends this period's renewal if this worker claims it.
-    pub fn tick(&mut self, signer: Option<&Signer>, metrics: &Metrics) {
-        let now = host::now_ms();
+    pub fn tick(&mut self, host: &impl Host, signer: Option<&Signer>) {
+        let now = host.now_ms();
         let (renew, timeout) = (self.config.renew_ms, self.config.timeout_ms);
-        if !renewal::claim(&SharedData, self.holder, now, renew, timeout) {
+        if !renewal::claim(host.store(), self.holder, now, renew, timeout) {
             return;
         }
-        let ask = renewal::plan(&SharedData, &self.specs, now);
+        let ask = renewal::plan(host.store(), &self.specs, now);
         if ask.counters.is_empty() {
-            renewal::release(&SharedData, self.holder);
+            renewal::release(host.store(), self.holder);
             return;
         }
-        match send(&self.config, signer, ask, now) {
+        match send(host, &self.config, signer, ask, now) {
             Some(token) => self.pending = Some(token),
-            None => self.failed(metrics),
+            None => self.failed(host),
         }
     }
 
     /// The quota service's answer to this worker's call.
-    pub fn answered(&mut self, token: u32, body_size: usize, metrics: &Metrics) {
+    pub fn answered(&mut self, host: &impl Host, token: u32, body_size: usize) {
         if self.pending != Some(token) {
             return;
         }
         self.pending = None;
-        let now = host::now_ms();
-        if answer(&self.specs, body_size, now) {
-            renewal::release(&SharedData, self.holder);
-            metrics.add(telemetry::FLEET_RENEWALS, 1);
+        let now = host.now_ms();
+        if answer(host, &self.specs, body_size, now) {
+            renewal::release(host.store(), self.holder);
+            host.add(telemetry::FLEET_RENEWALS, 1);
         } else {
-            self.failed(metrics);
+            self.failed(host);
         }
     }
 
     /// The call failed (the store is marked down): the next period's holder tries again.
-    fn failed(&self, metrics: &Metrics) {
-        renewal::release(&SharedData, self.holder);
-        metrics.add(telemetry::FLEET_RENEWAL_FAILURES, 1);
+    fn failed(&self, host: &impl Host) {
+        renewal::release(host.store(), self.holder);
+        host.add(telemetry::FLEET_RENEWAL_FAILURES, 1);
     }
 }
 
 /// Sends `ask` to the quota service as this Envoy's, signed; the call's token, or `None`
 /// (logged, and the store marked down) when it cannot be sent.
 pub fn send(
+    host: &impl Host,
     config: &FleetConfig,
     signer: Option<&Signer>,
     mut ask: LeaseRequest,
     now: u64,
 ) -> Option<u32> {
-    ask.holder = renewal::holder(&SharedData, config.hold_ms());
+    ask.holder = renewal::holder(host.store(), config.hold_ms());
     let body = serde_json::to_vec(&ask).unwrap_or_default();
     let digest = hash_key(&String::from_utf8_lossy(&body));
     // A fresh id per call: two Envoys may send the same body in the same millisecond, and
     // the service takes each signed call once.
-    let call_id = host::unique_id();
+    let call_id = host.unique_id();
     let vouched = [
         (trusted::REQUEST_ID, call_id.as_str()),
         (trusted::BODY_SHA256, digest.as_str()),
@@ -117,11 +120,11 @@ pub fn send(
     if let Some(signature) = &signature {
         headers.push((trusted::SIGNATURE, signature));
     }
-    match host::dispatch(&config.cluster, &headers, &body, config.timeout_ms) {
+    match host.dispatch(&config.cluster, &headers, &body, config.timeout_ms) {
         Ok(token) => Some(token),
         Err(status) => {
             log::warn!("weir: cannot call the quota service: {status:?}");
-            renewal::mark_down(&SharedData, now);
+            renewal::mark_down(host.store(), now);
             None
         }
     }
@@ -129,16 +132,16 @@ pub fn send(
 
 /// Applies the quota service's answer to a call of [`send`] (its grants to `specs`' leases);
 /// `false`, logged and the store marked down, when it failed.
-pub fn answer(specs: &HashMap<String, Spec>, body_size: usize, now: u64) -> bool {
-    let (status, body) = host::call_response(body_size);
+pub fn answer(host: &impl Host, specs: &HashMap<String, Spec>, body_size: usize, now: u64) -> bool {
+    let (status, body) = host.call_response(body_size);
     match (status, serde_json::from_slice::<LeaseResponse>(&body)) {
         (Some(200), Ok(response)) => {
-            renewal::apply(&SharedData, specs, &response, now);
+            renewal::apply(host.store(), specs, &response, now);
             true
         }
         (status, _) => {
             log::warn!("weir: lease call failed (status {status:?}); the store counts as down");
-            renewal::mark_down(&SharedData, now);
+            renewal::mark_down(host.store(), now);
             false
         }
     }

@@ -4,7 +4,8 @@
 use proxy_wasm::types::MetricType;
 use weir_core::config::Mode;
 
-use crate::host::{self, Metrics};
+use crate::exchange::Host;
+use crate::host::Metrics;
 
 pub const OUTCOMES: [&str; 5] = [
     "ok",
@@ -181,14 +182,14 @@ pub struct AccessRecord<'a> {
 }
 
 impl AccessRecord<'_> {
-    pub fn publish(&self) {
-        host::set_filter_state("weir.tenant", self.tenant);
-        host::set_filter_state("weir.api", self.api);
-        host::set_filter_state("weir.model", &log_field(self.model));
-        host::set_filter_state("weir.tokens_in", &self.tokens_in.to_string());
-        host::set_filter_state("weir.tokens_out", &self.tokens_out.to_string());
-        host::set_filter_state("weir.estimate", &self.estimate.to_string());
-        host::set_filter_state("weir.outcome", self.outcome);
+    pub fn publish(&self, host: &impl Host) {
+        host.set_filter_state("weir.tenant", self.tenant);
+        host.set_filter_state("weir.api", self.api);
+        host.set_filter_state("weir.model", &log_field(self.model));
+        host.set_filter_state("weir.tokens_in", &self.tokens_in.to_string());
+        host.set_filter_state("weir.tokens_out", &self.tokens_out.to_string());
+        host.set_filter_state("weir.estimate", &self.estimate.to_string());
+        host.set_filter_state("weir.outcome", self.outcome);
     }
 }
 

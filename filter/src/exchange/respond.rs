@@ -1,0 +1,134 @@
+//! The response: the key's rate-limit headers put on it, the shadow decision reported, and the
+//! answer metered as it passes (the stream's usage chunk hidden unless the caller asked for
+//! it), until its end settles the request (`settle.rs`).
+
+use proxy_wasm::types::Action;
+use weir_core::meter::{BodyMeter, StreamMeter};
+use weir_core::reply;
+use weir_core::trusted;
+
+use super::{Exchange, Headers, Host, Meter, Side, Stage};
+use crate::telemetry;
+
+/// Set on a response the sidecar (or a hosted API) answered from completed work.
+const REPLAYED_HEADER: &str = "idempotent-replayed";
+
+/// Non-streamed response bodies larger than this are not copied: only their usage is read, as
+/// they pass (no estimate from their text when they report none).
+pub(super) const MAX_METERED_BODY: usize = 4 * 1024 * 1024;
+
+impl Exchange {
+    pub fn on_response_headers(&mut self, host: &impl Host, end_of_stream: bool) -> Action {
+        if let (Some(reason), true) = (self.would_reject, self.shadow) {
+            let decision = format!("would-reject; reason={reason}");
+            host.set_header(Side::Response, trusted::SHADOW_DECISION, Some(&decision));
+        }
+        if self.stage != Stage::Forwarded {
+            return Action::Continue;
+        }
+        let headers = host.headers(Side::Response);
+        self.report_standing(host, &headers);
+        self.upstream_status = headers
+            .get(":status")
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        self.meter_as_answered(&headers);
+        let encoded = headers
+            .get("content-encoding")
+            .is_some_and(|e| !is_identity(e));
+        if encoded && !matches!(self.meter, Meter::None) {
+            host.add(telemetry::UNREADABLE_RESPONSES, 1);
+            self.meter = Meter::Unreadable;
+        }
+        self.replayed = headers.get(REPLAYED_HEADER) == Some("true");
+        if matches!(self.meter, Meter::Stream(_)) {
+            // Hiding the usage chunk changes the length.
+            host.set_header(Side::Response, "content-length", None);
+        }
+        self.stage = Stage::Responding;
+        if end_of_stream {
+            self.finish(host, self.completed_outcome());
+        }
+        Action::Continue
+    }
+
+    /// Puts the key's rate-limit headers on the answer, in place of any the upstream sent: a
+    /// hosted API's figures are the platform's account, every tenant's usage, so they never
+    /// reach a tenant, also when weir has none of its own to report (a key without limits, a
+    /// shadow route).
+    fn report_standing(&self, host: &impl Host, headers: &Headers) {
+        for name in headers.names() {
+            if reply::is_quota_header(name) {
+                host.set_header(Side::Response, name, None);
+            }
+        }
+        for (name, value) in reply::quota_headers(&self.standing, self.shape, host.now_ms()) {
+            host.set_header(Side::Response, name, Some(&value));
+        }
+    }
+
+    /// Meters the answer in the shape it came in, which its content type says: a stream asked
+    /// for may come as one JSON body (a stream meter would find no event in it and charge no
+    /// output), a plain request may be streamed (a body meter could not read it).
+    fn meter_as_answered(&mut self, headers: &Headers) {
+        let Some(admitted) = &self.admitted else {
+            return;
+        };
+        let Some(content_type) = headers.get("content-type") else {
+            return;
+        };
+        let streamed = weir_core::meter::is_event_stream(content_type);
+        match (&self.meter, streamed) {
+            (Meter::Stream(_), false) => {
+                self.meter = Meter::Body(BodyMeter::new(admitted.endpoint, MAX_METERED_BODY));
+            }
+            (Meter::Body(_), true) => {
+                self.meter = Meter::Stream(StreamMeter::new(
+                    admitted.endpoint,
+                    admitted.hide_usage_event,
+                ));
+            }
+            _ => {}
+        }
+    }
+
+    pub fn on_response_body(
+        &mut self,
+        host: &impl Host,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        if self.stage != Stage::Responding {
+            return Action::Continue;
+        }
+        let chunk = host.body(Side::Response, size);
+        match &mut self.meter {
+            Meter::Stream(meter) => {
+                let out = meter.feed(&chunk, end_of_stream);
+                if out != chunk {
+                    host.replace_body(Side::Response, size, &out);
+                }
+            }
+            Meter::Body(meter) => meter.feed(&chunk),
+            Meter::None | Meter::Unreadable => {}
+        }
+        if end_of_stream {
+            self.finish(host, self.completed_outcome());
+        }
+        Action::Continue
+    }
+
+    fn completed_outcome(&self) -> &'static str {
+        if self.upstream_status >= 400 {
+            "upstream_error"
+        } else {
+            "ok"
+        }
+    }
+}
+
+/// Whether a `content-encoding` value leaves the body as it is.
+pub(super) fn is_identity(encoding: &str) -> bool {
+    let encoding = encoding.trim();
+    encoding.is_empty() || encoding.eq_ignore_ascii_case("identity")
+}

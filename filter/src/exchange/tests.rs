@@ -1,0 +1,801 @@
+//! The exchange's transitions, driven natively: a [`Mock`] host holds shared data in memory
+//! and records what the exchange did to the request (headers set, local replies, calls sent,
+//! metrics), so each test can say what a wrong transition would have done differently.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
+
+use proxy_wasm::types::{Action, Status};
+use serde_json::{Value, json};
+use weir_core::config::{Config, Tenant};
+use weir_core::fleet::{Grant, LeaseRequest, LeaseResponse};
+use weir_core::keys::hash_key;
+use weir_core::reservation::{self, Denial, Ledger, LimitKind};
+use weir_core::store::{SharedStore, StoreError};
+
+use super::admit::depends_on_input;
+use super::headers::rollout_bucket;
+use super::respond::is_identity;
+use super::{Exchange, Headers, Host, Side};
+use crate::Gateway;
+use crate::host::Metrics;
+use crate::telemetry;
+
+const KEY: &str = "sk-weir-test-0123456789";
+const NOW: u64 = 1_000_000;
+const LEASE_MS: u64 = 1_000;
+
+/// Shared data as Envoy keeps it: compare-and-swap on a version per key.
+#[derive(Default)]
+struct Memory(RefCell<HashMap<String, (Vec<u8>, u32)>>);
+
+impl SharedStore for Memory {
+    fn load(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.0.borrow().get(key).cloned()
+    }
+
+    fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        let mut data = self.0.borrow_mut();
+        let current = data.get(key).map(|(_, c)| *c);
+        if cas.is_some() && cas != current {
+            return Err(StoreError::CasMismatch);
+        }
+        data.insert(key.to_owned(), (value.to_vec(), current.unwrap_or(0) + 1));
+        Ok(())
+    }
+}
+
+type Pairs = Vec<(String, String)>;
+
+/// A host in memory: what Envoy would hand the exchange, and a record of what it did.
+#[derive(Default)]
+struct Mock {
+    store: Memory,
+    now: Cell<u64>,
+    ids: Cell<u64>,
+    route_name: Option<String>,
+    request_headers: RefCell<Pairs>,
+    response_headers: RefCell<Pairs>,
+    request_body: RefCell<Vec<u8>>,
+    response_body: RefCell<Vec<u8>>,
+    reply: RefCell<Option<(u16, Pairs, Vec<u8>)>>,
+    resumed: Cell<usize>,
+    /// Calls sent: cluster, headers, body.
+    calls: RefCell<Vec<(String, Pairs, Vec<u8>)>>,
+    call_answer: RefCell<(Option<u16>, Vec<u8>)>,
+    metrics: RefCell<HashMap<String, i64>>,
+    filter_state: RefCell<HashMap<String, String>>,
+}
+
+fn pairs(headers: &[(&str, &str)]) -> Pairs {
+    headers
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
+}
+
+fn set(headers: &RefCell<Pairs>, name: &str, value: Option<&str>) {
+    let mut headers = headers.borrow_mut();
+    headers.retain(|(k, _)| !k.eq_ignore_ascii_case(name));
+    if let Some(value) = value {
+        headers.push((name.to_owned(), value.to_owned()));
+    }
+}
+
+impl Host for Mock {
+    type Store = Memory;
+
+    fn store(&self) -> &Memory {
+        &self.store
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.now.get()
+    }
+
+    fn random_u64(&self) -> u64 {
+        self.ids.set(self.ids.get() + 1);
+        self.ids.get()
+    }
+
+    fn unique_id(&self) -> String {
+        format!("weir-{}", self.random_u64())
+    }
+
+    fn property(&self, path: &[&str]) -> Option<String> {
+        (path == ["xds", "route_name"])
+            .then(|| self.route_name.clone())
+            .flatten()
+    }
+
+    fn headers(&self, side: Side) -> Headers {
+        Headers::new(self.side_headers(side).borrow().clone())
+    }
+
+    fn set_header(&self, side: Side, name: &str, value: Option<&str>) {
+        set(self.side_headers(side), name, value);
+    }
+
+    fn body(&self, side: Side, size: usize) -> Vec<u8> {
+        let body = self.side_body(side).borrow();
+        body[..size.min(body.len())].to_vec()
+    }
+
+    fn replace_body(&self, side: Side, _: usize, value: &[u8]) {
+        *self.side_body(side).borrow_mut() = value.to_vec();
+    }
+
+    fn local_reply(&self, status: u16, headers: &[(&str, String)], body: &[u8]) {
+        let headers = headers
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect();
+        *self.reply.borrow_mut() = Some((status, headers, body.to_vec()));
+    }
+
+    fn resume_request(&self) {
+        self.resumed.set(self.resumed.get() + 1);
+    }
+
+    fn dispatch(
+        &self,
+        cluster: &str,
+        headers: &[(&str, &str)],
+        body: &[u8],
+        _: u64,
+    ) -> Result<u32, Status> {
+        let mut calls = self.calls.borrow_mut();
+        calls.push((cluster.to_owned(), pairs(headers), body.to_vec()));
+        Ok(calls.len() as u32)
+    }
+
+    fn call_response(&self, body_size: usize) -> (Option<u16>, Vec<u8>) {
+        let (status, body) = self.call_answer.borrow().clone();
+        (status, body[..body_size.min(body.len())].to_vec())
+    }
+
+    fn add(&self, metric: &str, delta: i64) {
+        *self
+            .metrics
+            .borrow_mut()
+            .entry(metric.to_owned())
+            .or_default() += delta;
+    }
+
+    fn record(&self, metric: &str, value: u64) {
+        self.add(metric, value as i64);
+    }
+
+    fn count(&self, metric: &str) {
+        self.add(metric, 1);
+    }
+
+    fn set_filter_state(&self, name: &str, value: &str) {
+        self.filter_state
+            .borrow_mut()
+            .insert(name.to_owned(), value.to_owned());
+    }
+}
+
+impl Mock {
+    fn new(route_name: Option<&str>) -> Mock {
+        let mock = Mock {
+            route_name: route_name.map(str::to_owned),
+            ..Mock::default()
+        };
+        mock.now.set(NOW);
+        mock
+    }
+
+    fn side_headers(&self, side: Side) -> &RefCell<Pairs> {
+        match side {
+            Side::Request => &self.request_headers,
+            Side::Response => &self.response_headers,
+        }
+    }
+
+    fn side_body(&self, side: Side) -> &RefCell<Vec<u8>> {
+        match side {
+            Side::Request => &self.request_body,
+            Side::Response => &self.response_body,
+        }
+    }
+
+    fn header(&self, side: Side, name: &str) -> Option<String> {
+        self.headers(side).get(name).map(str::to_owned)
+    }
+
+    fn metric(&self, name: &str) -> i64 {
+        self.metrics.borrow().get(name).copied().unwrap_or(0)
+    }
+
+    /// The local reply sent, its body as JSON.
+    fn replied(&self) -> Option<(u16, Value)> {
+        let reply = self.reply.borrow();
+        let (status, _, body) = reply.as_ref()?;
+        Some((*status, serde_json::from_slice(body).unwrap_or(Value::Null)))
+    }
+
+    /// What is left of a limit of the tenant's (enforced) at the host's clock.
+    fn remaining(&self, tenant: &Tenant, kind: LimitKind) -> u64 {
+        self.remaining_in(tenant, kind, Ledger::Enforce)
+    }
+
+    fn remaining_in(&self, tenant: &Tenant, kind: LimitKind, ledger: Ledger) -> u64 {
+        reservation::standing(&self.store, tenant, ledger, self.now.get())
+            .into_iter()
+            .find(|s| s.kind == kind)
+            .map(|s| s.remaining)
+            .unwrap_or_else(|| panic!("no {kind:?} limit"))
+    }
+}
+
+/// A gateway configured with one key under org `acme`, routes `beta` (shadow) and `dark`
+/// (enforced for 0% of requests), and `extra` top-level fields.
+fn gateway(limits: Value, extra: Value) -> Rc<Gateway> {
+    let mut config = json!({
+        "orgs": [{"id": "acme", "limits": limits, "workspaces": [{"id": "w", "projects": [
+            {"id": "p", "keys": [{"id": "k", "sha256": hash_key(KEY)}]}]}]}],
+        "routes": {"default": {"mode": "enforce"}, "by_name": {
+            "beta": {"mode": "shadow"},
+            "dark": {"mode": "enforce", "rollout_percent": 0}}},
+        "slot_lease_ms": LEASE_MS,
+    });
+    if let (Some(config), Value::Object(extra)) = (config.as_object_mut(), extra) {
+        config.extend(extra);
+    }
+    let config = Config::parse(config.to_string().as_bytes()).unwrap();
+    Rc::new(Gateway::new(config, None, Metrics::default()))
+}
+
+fn limits() -> Value {
+    json!({"input_tokens_per_minute": 100_000, "output_tokens_per_minute": 100_000,
+           "concurrent_requests": 1})
+}
+
+/// The tenant the test key authenticates as.
+fn tenant(gw: &Gateway) -> Rc<Tenant> {
+    Rc::new(
+        gw.directory
+            .lookup(&hash_key(KEY))
+            .unwrap()
+            .as_ref()
+            .clone(),
+    )
+}
+
+/// Envoy's shared data once the gateway was configured (`on_configure`).
+fn configured(gw: &Gateway, host: &Mock) {
+    reservation::initialize(&host.store, gw.directory.tenants(), NOW);
+}
+
+/// A configured gateway with [`limits`], a host whose requests are on `route`, and the key's
+/// tenant.
+fn setup(route: Option<&str>) -> (Rc<Gateway>, Mock, Rc<Tenant>) {
+    let gw = gateway(limits(), json!({}));
+    let host = Mock::new(route);
+    configured(&gw, &host);
+    let t = tenant(&gw);
+    (gw, host, t)
+}
+
+fn chat(max_tokens: Option<u64>) -> Vec<u8> {
+    let mut body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}]});
+    if let Some(max) = max_tokens {
+        body["max_tokens"] = json!(max);
+    }
+    body.to_string().into_bytes()
+}
+
+/// The request's headers arrive: a chat completion with `key`.
+fn headers_arrive(x: &mut Exchange, host: &Mock, path: &str, key: Option<&str>) -> Action {
+    let mut headers = vec![
+        (":method", "POST".to_owned()),
+        (":path", path.to_owned()),
+        ("content-type", "application/json".to_owned()),
+    ];
+    if let Some(key) = key {
+        headers.push(("authorization", format!("Bearer {key}")));
+    }
+    *host.request_headers.borrow_mut() = headers
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+    x.on_headers(host, false)
+}
+
+/// The whole body arrives in one chunk.
+fn body_arrives(x: &mut Exchange, host: &Mock, body: Vec<u8>) -> Action {
+    let size = body.len();
+    *host.request_body.borrow_mut() = body;
+    x.on_body(host, size, true)
+}
+
+/// A request admitted on the default (enforced) route.
+fn admitted(gw: &Rc<Gateway>, host: &Mock, max_tokens: Option<u64>) -> Exchange {
+    let mut x = Exchange::new(Rc::clone(gw));
+    assert_eq!(
+        headers_arrive(&mut x, host, "/v1/chat/completions", Some(KEY)),
+        Action::Continue
+    );
+    assert_eq!(
+        body_arrives(&mut x, host, chat(max_tokens)),
+        Action::Continue
+    );
+    assert!(host.reply.borrow().is_none(), "{:?}", host.replied());
+    x
+}
+
+/// The upstream answers `status` with `content_type`, and the body `chunk` (ending it or not).
+fn response(x: &mut Exchange, host: &Mock, content_type: &str, chunk: &str, end: bool) {
+    *host.response_headers.borrow_mut() =
+        pairs(&[(":status", "200"), ("content-type", content_type)]);
+    assert_eq!(x.on_response_headers(host, false), Action::Continue);
+    *host.response_body.borrow_mut() = chunk.as_bytes().to_vec();
+    assert_eq!(x.on_response_body(host, chunk.len(), end), Action::Continue);
+}
+
+/// A non-streamed answer reporting its usage.
+fn answered(x: &mut Exchange, host: &Mock, prompt_tokens: u64, completion_tokens: u64) {
+    let body = json!({"id": "c", "object": "chat.completion", "choices": [],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens}});
+    response(x, host, "application/json", &body.to_string(), true);
+}
+
+#[test]
+fn admit_reserves_at_the_headers_and_the_body_and_settle_charges_the_engine_s_count() {
+    let (gw, host, t) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    assert_eq!(
+        headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY)),
+        Action::Continue
+    );
+    // The headers took the slot and went on vouched for, the key withheld.
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 0);
+    assert_eq!(gw.in_flight.borrow().len(), 1, "the tick renews its slot");
+    let sent = |name| host.header(Side::Request, name);
+    assert_eq!(sent("x-weir-tenant").as_deref(), Some("acme/w/p/k"));
+    assert_eq!(sent("x-weir-mode").as_deref(), Some("enforce"));
+    assert_eq!(sent("authorization"), None);
+    assert_eq!(sent("accept-encoding").as_deref(), Some("identity"));
+    // The body is held until whole, then its tokens are reserved.
+    *host.request_body.borrow_mut() = chat(Some(50));
+    assert_eq!(x.on_body(&host, 10, false), Action::Pause);
+    assert_eq!(host.remaining(&t, LimitKind::OutputTokens), 100_000);
+    assert_eq!(
+        body_arrives(&mut x, &host, chat(Some(50))),
+        Action::Continue
+    );
+    assert_eq!(host.remaining(&t, LimitKind::OutputTokens), 100_000 - 50);
+    let input = host.remaining(&t, LimitKind::InputTokens);
+    assert!(input < 100_000, "the prompt's estimate is held: {input}");
+    assert_eq!(
+        host.metric(telemetry::RESERVED),
+        (100_000 - input + 50) as i64
+    );
+    // The engine's count replaces the reservation; the slot comes back.
+    answered(&mut x, &host, 7, 20);
+    assert_eq!(host.remaining(&t, LimitKind::OutputTokens), 100_000 - 20);
+    assert_eq!(host.remaining(&t, LimitKind::InputTokens), 100_000 - 7);
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1);
+    assert!(gw.in_flight.borrow().is_empty());
+    assert_eq!(host.metric(telemetry::RESERVED), 0);
+    assert_eq!(host.metric(telemetry::TOKENS_OUT), 20);
+    x.on_log(&host);
+    assert_eq!(host.metric("weir.requests.ok"), 1);
+    let decided = "weir.filter.decisions.route.default.mode.enforce.decision.admitted";
+    assert_eq!(host.metric(decided), 1);
+    let state = host.filter_state.borrow();
+    assert_eq!(state["weir.tokens_out"], "20");
+    assert_eq!(state["weir.outcome"], "ok");
+}
+
+#[test]
+fn a_refusal_answers_locally_in_the_caller_s_shape_and_holds_nothing() {
+    let (gw, host, _) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    assert_eq!(
+        headers_arrive(&mut x, &host, "/v1/chat/completions", Some("sk-unknown")),
+        Action::Pause
+    );
+    let (status, body) = host.replied().unwrap();
+    assert_eq!(status, 401);
+    assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert_eq!(host.metric("weir.rejections.invalid_api_key"), 1);
+    assert_eq!(
+        host.header(Side::Request, "x-weir-tenant"),
+        None,
+        "nothing sent on"
+    );
+    // The Messages API gets Anthropic's shape.
+    let mut x = Exchange::new(Rc::clone(&gw));
+    assert_eq!(
+        headers_arrive(&mut x, &host, "/v1/messages", None),
+        Action::Pause
+    );
+    let (status, body) = host.replied().unwrap();
+    assert_eq!(status, 401);
+    assert_eq!(body["type"], "error", "{body}");
+    assert_eq!(body["error"]["type"], "authentication_error", "{body}");
+    x.on_log(&host);
+    assert_eq!(host.metric("weir.requests.rejected"), 1);
+}
+
+#[test]
+fn a_request_over_its_limit_is_refused_with_429_and_the_holder_keeps_its_slot() {
+    let (gw, host, t) = setup(None);
+    let mut first = admitted(&gw, &host, Some(10));
+    let mut second = Exchange::new(Rc::clone(&gw));
+    assert_eq!(
+        headers_arrive(&mut second, &host, "/v1/chat/completions", Some(KEY)),
+        Action::Pause
+    );
+    let (status, body) = host.replied().unwrap();
+    assert_eq!(status, 429);
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    assert_eq!(host.metric("weir.rejections.concurrent_requests"), 1);
+    second.on_log(&host);
+    assert_eq!(
+        host.remaining(&t, LimitKind::Concurrency),
+        0,
+        "still the first's"
+    );
+    answered(&mut first, &host, 5, 5);
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1);
+}
+
+#[test]
+fn a_body_refused_after_its_headers_were_charged_gives_the_charge_back() {
+    let (gw, host, t) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 0);
+    assert_eq!(
+        body_arrives(&mut x, &host, b"{\"model\": ".to_vec()),
+        Action::Pause
+    );
+    let (status, body) = host.replied().unwrap();
+    assert_eq!(status, 400);
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1);
+    assert!(gw.in_flight.borrow().is_empty());
+}
+
+#[test]
+fn shadow_lets_a_refused_request_through_and_records_the_would_reject() {
+    let (gw, host, t) = setup(Some("beta"));
+    let mut x = Exchange::new(Rc::clone(&gw));
+    assert_eq!(
+        headers_arrive(&mut x, &host, "/v1/chat/completions", Some("sk-unknown")),
+        Action::Continue
+    );
+    assert!(
+        host.reply.borrow().is_none(),
+        "shadow never answers locally"
+    );
+    assert_eq!(host.metric("weir.shadow.rejections.invalid_api_key"), 1);
+    assert_eq!(host.metric("weir.rejections.invalid_api_key"), 0);
+    assert_eq!(host.metric(telemetry::SHADOW_WOULD_REJECT), 1);
+    let tenant_sent = host.header(Side::Request, "x-weir-tenant");
+    assert_eq!(
+        tenant_sent.as_deref(),
+        Some("anonymous"),
+        "the default tenant"
+    );
+    assert_eq!(body_arrives(&mut x, &host, chat(Some(5))), Action::Continue);
+    *host.response_headers.borrow_mut() = pairs(&[(":status", "200")]);
+    x.on_response_headers(&host, true);
+    let verdict = host.header(Side::Response, "x-weir-shadow");
+    assert_eq!(
+        verdict.as_deref(),
+        Some("would-reject; reason=invalid_api_key")
+    );
+    x.on_log(&host);
+    let decided = "weir.filter.decisions.route.beta.mode.shadow.decision.would_reject";
+    assert_eq!(host.metric(decided), 1);
+    // A valid key on a shadow route is charged to the shadow ledger only.
+    let mut x = Exchange::new(Rc::clone(&gw));
+    headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1);
+    let shadow = host.remaining_in(&t, LimitKind::Concurrency, Ledger::Shadow);
+    assert_eq!(shadow, 0);
+}
+
+#[test]
+fn dark_launch_passes_the_request_as_it_came_as_the_default_tenant() {
+    let (gw, host, t) = setup(Some("dark"));
+    let mut x = Exchange::new(Rc::clone(&gw));
+    assert_eq!(
+        headers_arrive(
+            &mut x,
+            &host,
+            "/v1/chat/completions",
+            Some("not-a-weir-key")
+        ),
+        Action::Continue
+    );
+    let sent = |name| host.header(Side::Request, name);
+    assert_eq!(
+        sent("authorization").as_deref(),
+        Some("Bearer not-a-weir-key")
+    );
+    assert_eq!(sent("x-weir-tenant").as_deref(), Some("anonymous"));
+    assert_eq!(sent("x-weir-mode").as_deref(), Some("off"));
+    // The body is neither held nor read nor rewritten.
+    *host.request_body.borrow_mut() = b"not json".to_vec();
+    assert_eq!(x.on_body(&host, 8, true), Action::Continue);
+    assert_eq!(&*host.request_body.borrow(), b"not json");
+    assert!(host.reply.borrow().is_none());
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1);
+    x.on_log(&host);
+    let decided = "weir.filter.decisions.route.dark.mode.enforce.decision.unmetered";
+    assert_eq!(host.metric(decided), 1);
+    assert_eq!(host.metric("weir.requests.passthrough"), 1);
+}
+
+#[test]
+fn an_overrun_at_settle_is_charged_what_the_engine_generated() {
+    let (gw, host, t) = setup(None);
+    // No output limit: a prediction is reserved (the initial one, before any answer).
+    let mut x = admitted(&gw, &host, None);
+    let reserved = 100_000 - host.remaining(&t, LimitKind::OutputTokens);
+    assert_eq!(reserved, 1_024);
+    answered(&mut x, &host, 7, 1_500);
+    assert_eq!(host.remaining(&t, LimitKind::OutputTokens), 100_000 - 1_500);
+    assert_eq!(host.metric(telemetry::PREDICTION_OVERRUN), 1_500 - 1_024);
+    assert_eq!(host.metric(telemetry::TOKENS_OUT), 1_500);
+}
+
+#[test]
+fn a_client_gone_mid_stream_settles_at_the_log_with_what_was_seen() {
+    let (gw, host, t) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+    let body = json!({"model": "tiny", "stream": true, "max_tokens": 500,
+                      "messages": [{"role": "user", "content": "hello"}]});
+    body_arrives(&mut x, &host, body.to_string().into_bytes());
+    assert_eq!(host.remaining(&t, LimitKind::OutputTokens), 100_000 - 500);
+    let chunk = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"one two three four\"}}]}\n\n";
+    response(&mut x, &host, "text/event-stream", chunk, false);
+    assert_eq!(
+        host.remaining(&t, LimitKind::Concurrency),
+        0,
+        "still streaming"
+    );
+    x.on_log(&host);
+    let used = 100_000 - host.remaining(&t, LimitKind::OutputTokens);
+    assert!(
+        (1..500).contains(&used),
+        "charged what was seen, not the reservation: {used}"
+    );
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1);
+    assert_eq!(host.metric("weir.requests.cancelled"), 1);
+    assert!(gw.in_flight.borrow().is_empty());
+}
+
+#[test]
+fn a_client_gone_before_its_body_gives_its_slot_back_undecided() {
+    let (gw, host, t) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 0);
+    x.on_log(&host);
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1);
+    assert_eq!(host.metric("weir.requests.cancelled"), 1);
+    let prefix = "weir.filter.decisions.";
+    assert!(
+        host.metrics.borrow().keys().all(|k| !k.starts_with(prefix)),
+        "not decided"
+    );
+}
+
+#[test]
+fn a_trapped_vm_s_slot_comes_back_once_its_lease_lapses() {
+    // A VM that traps takes every context on it along (no on_log, no settle): what the
+    // exchange left in shared data is a slot lease of `slot_lease_ms`, renewed only by the
+    // dead VM's tick (its in-flight map).
+    let (gw, host, t) = setup(None);
+    let trapped = admitted(&gw, &host, Some(10));
+    let held = gw.in_flight.borrow().values().next().cloned().unwrap();
+    assert_eq!(held.slot.ttl_ms, LEASE_MS);
+    drop(trapped);
+    drop(gw);
+    // The VM that replaces it shares the store, not the in-flight map.
+    let gw = gateway(limits(), json!({}));
+    host.now.set(NOW + LEASE_MS - 1);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    assert_eq!(
+        headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY)),
+        Action::Pause
+    );
+    assert_eq!(host.replied().unwrap().0, 429, "the slot is still held");
+    host.now.set(NOW + LEASE_MS + 1);
+    *host.reply.borrow_mut() = None;
+    assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1, "lapsed");
+    admitted(&gw, &host, Some(10));
+}
+
+#[test]
+fn a_body_ending_in_trailers_is_admitted_at_the_trailers() {
+    let (gw, host, t) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+    *host.request_body.borrow_mut() = chat(Some(40));
+    assert_eq!(x.on_body(&host, 10, false), Action::Pause);
+    assert_eq!(x.on_trailers(&host), Action::Continue);
+    assert_eq!(host.remaining(&t, LimitKind::OutputTokens), 100_000 - 40);
+    assert!(host.reply.borrow().is_none());
+}
+
+#[test]
+fn an_upstream_error_or_a_replay_is_charged_nothing() {
+    let (gw, host, t) = setup(None);
+    for (status, replayed) in [("500", "false"), ("200", "true")] {
+        let mut x = admitted(&gw, &host, Some(30));
+        *host.response_headers.borrow_mut() = pairs(&[
+            (":status", status),
+            ("content-type", "application/json"),
+            ("idempotent-replayed", replayed),
+        ]);
+        x.on_response_headers(&host, true);
+        assert_eq!(
+            host.remaining(&t, LimitKind::OutputTokens),
+            100_000,
+            "{status}"
+        );
+        assert_eq!(host.remaining(&t, LimitKind::Concurrency), 1, "{status}");
+        x.on_log(&host);
+    }
+    assert_eq!(host.metric("weir.requests.upstream_error"), 1);
+    assert_eq!(host.metric("weir.requests.ok"), 1);
+}
+
+#[test]
+fn an_ignored_route_passes_as_it_came_and_counts_nothing() {
+    let gw = gateway(limits(), json!({"routes": {"default": {"mode": "ignore"}}}));
+    let host = Mock::new(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    let action = headers_arrive(
+        &mut x,
+        &host,
+        "/v1/chat/completions",
+        Some("x-weir-anything"),
+    );
+    assert_eq!(action, Action::Continue);
+    assert_eq!(host.header(Side::Request, "x-weir-tenant"), None);
+    assert!(host.header(Side::Request, "authorization").is_some());
+    x.on_log(&host);
+    assert!(
+        host.metrics.borrow().is_empty(),
+        "{:?}",
+        host.metrics.borrow()
+    );
+}
+
+#[test]
+fn the_model_list_reports_where_the_key_s_limits_stand() {
+    let (gw, host, _) = setup(None);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    *host.request_headers.borrow_mut() = pairs(&[
+        (":method", "GET"),
+        (":path", "/v1/models"),
+        ("authorization", &format!("Bearer {KEY}")),
+    ]);
+    assert_eq!(x.on_headers(&host, true), Action::Continue);
+    *host.response_headers.borrow_mut() = pairs(&[
+        (":status", "200"),
+        ("x-ratelimit-remaining-tokens", "999999"),
+    ]);
+    x.on_response_headers(&host, false);
+    let remaining = host.header(Side::Response, "x-ratelimit-remaining-tokens");
+    assert_eq!(
+        remaining.as_deref(),
+        Some("100000"),
+        "the upstream's replaced"
+    );
+    x.on_log(&host);
+    let decided = "weir.filter.decisions.route.default.mode.enforce.decision.unmetered";
+    assert_eq!(host.metric(decided), 1);
+}
+
+/// A gateway whose input tokens are a fleet-wide, fail-closed limit.
+fn fleet_gateway() -> Rc<Gateway> {
+    let limits = json!({"input_tokens_per_minute": 60_000,
+        "fleet_wide": {"input_tokens_per_minute": "fail_closed"}});
+    let extra = json!({"signing": {"secret_env": "S"},
+        "fleet": {"cluster": "quota", "timeout_ms": 2_000}});
+    gateway(limits, extra)
+}
+
+/// A request on [`fleet_gateway`] whose body found no lease and waits for its own call.
+fn waiting_for_a_lease() -> (Mock, Exchange) {
+    let gw = fleet_gateway();
+    let host = Mock::new(None);
+    configured(&gw, &host);
+    let mut x = Exchange::new(Rc::clone(&gw));
+    headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+    assert_eq!(body_arrives(&mut x, &host, chat(Some(5))), Action::Pause);
+    assert!(host.reply.borrow().is_none(), "waiting, not refused");
+    assert_eq!(host.metric(telemetry::FLEET_LEASES_ASKED_AT_ONCE), 1);
+    (host, x)
+}
+
+#[test]
+fn a_body_without_a_fleet_lease_waits_for_the_call_then_goes_on() {
+    let (host, mut x) = waiting_for_a_lease();
+    let (cluster, headers, body) = host.calls.borrow()[0].clone();
+    assert_eq!(cluster, "quota");
+    assert!(headers.contains(&(":path".into(), weir_core::fleet::PATH.into())));
+    let ask: LeaseRequest = serde_json::from_slice(&body).unwrap();
+    assert!(!ask.counters.is_empty());
+    // The service grants what was asked: the body is admitted again and let go.
+    let grants = ask.counters.iter().map(|c| Grant {
+        key: c.key.clone(),
+        granted: c.want,
+        remaining: 50_000,
+        resets_ms: 0,
+        window_start_ms: None,
+    });
+    let answer = serde_json::to_vec(&LeaseResponse {
+        grants: grants.collect(),
+    })
+    .unwrap();
+    *host.call_answer.borrow_mut() = (Some(200), answer.clone());
+    x.on_lease(&host, 99, answer.len());
+    assert_eq!(host.resumed.get(), 0, "not this request's call");
+    x.on_lease(&host, 1, answer.len());
+    assert_eq!(host.resumed.get(), 1);
+    assert!(host.reply.borrow().is_none());
+    answered(&mut x, &host, 7, 3);
+    x.on_log(&host);
+    assert_eq!(host.metric("weir.requests.ok"), 1);
+}
+
+#[test]
+fn a_body_whose_fleet_lease_call_fails_is_refused_fail_closed() {
+    let (host, mut x) = waiting_for_a_lease();
+    *host.call_answer.borrow_mut() = (None, Vec::new());
+    x.on_lease(&host, 1, 0);
+    assert_eq!(host.resumed.get(), 0, "never let go");
+    let (status, body) = host.replied().unwrap();
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "quota_unavailable", "{body}");
+    assert_eq!(host.metric("weir.rejections.quota_unavailable"), 1);
+}
+
+#[test]
+fn an_output_limit_refusal_is_recounted_too() {
+    // Without max_tokens the output reserved is the context's rest after the prompt's
+    // count: an undercounting estimate reserves more output than the exact count would.
+    let limit = |kind| Denial::Limit {
+        level: "o".into(),
+        kind,
+        limit: 100,
+        remaining: 0,
+        retry_after_ms: 1,
+    };
+    assert!(depends_on_input(&limit(LimitKind::InputTokens)));
+    assert!(depends_on_input(&limit(LimitKind::OutputTokens)));
+    assert!(!depends_on_input(&limit(LimitKind::Requests)));
+    assert!(!depends_on_input(&limit(LimitKind::Concurrency)));
+}
+
+#[test]
+fn only_identity_leaves_a_body_readable() {
+    assert!(is_identity("identity") && is_identity(" Identity ") && is_identity(""));
+    assert!(!is_identity("gzip") && !is_identity("identity, gzip") && !is_identity("br"));
+}
+
+#[test]
+fn rollout_buckets_are_stable_and_spread() {
+    assert_eq!(rollout_bucket("abc"), rollout_bucket("abc"));
+    let ids: Vec<u32> = (0..10_000)
+        .map(|i| rollout_bucket(&format!("req-{i}")))
+        .collect();
+    let under_half = ids.iter().filter(|&&b| b < 50).count();
+    assert!((4_500..5_500).contains(&under_half), "{under_half}");
+    assert!(ids.iter().all(|&b| b < 100));
+}
