@@ -461,46 +461,7 @@ impl SidecarConfig {
             bail!("pools: at least one pool is needed");
         }
         for (i, pool) in self.pools.iter().enumerate() {
-            if pool.replicas.is_empty() && pool.discovery.is_none() {
-                bail!("pools[{i}].replicas: at least one replica (or a discovery) is needed");
-            }
-            if let Some(model) = self.pools[..i].iter().find(|p| p.model == pool.model) {
-                bail!("pools[{i}].model: {} has a pool already", model.model);
-            }
-            for (r, url) in pool.replicas.iter().enumerate() {
-                match reqwest::Url::parse(url) {
-                    // A replica's URL is its name in logs, metrics labels, `/ready` and the
-                    // ledger: a password in it would be in all of them.
-                    Ok(u) if !u.username().is_empty() || u.password().is_some() => bail!(
-                        "pools[{i}].replicas[{r}]: a URL with credentials in it (they would be \
-                         in every log line, metric and ledger record naming the replica): set \
-                         the pool's `credential` instead"
-                    ),
-                    Ok(u) if matches!(u.scheme(), "http" | "https") && u.has_host() => {}
-                    _ => bail!("pools[{i}].replicas[{r}]: not an http:// or https:// URL"),
-                }
-            }
-            if let Some(d) = &pool.discovery {
-                if d.dns.trim().is_empty() {
-                    bail!("pools[{i}].discovery.dns: a name is needed");
-                }
-                if d.port == 0 || d.interval_ms == 0 {
-                    bail!("pools[{i}].discovery: port and interval_ms must be above 0");
-                }
-            }
-            if pool.max_in_flight_without_kv.is_some() {
-                bail!(
-                    "pools[{i}].max_in_flight_without_kv was renamed max_concurrency_per_replica: \
-                     it now caps every replica, KV figures or not, and applies only when the \
-                     engine does not report its own limit"
-                );
-            }
-            if pool.max_concurrency_per_replica == Some(0) {
-                bail!("pools[{i}].max_concurrency_per_replica: at least 1");
-            }
-            if pool.sidecars.sidecars() == 0 {
-                bail!("pools[{i}].sidecars: at least 1 (this one)");
-            }
+            self.check_pool(i, pool)?;
         }
         let relay = &self.relay;
         if [
@@ -520,6 +481,51 @@ impl SidecarConfig {
         }
         if self.signing.is_none() {
             bail!("signing: required (secret_file or secret_env with the filter's signing secret)");
+        }
+        Ok(())
+    }
+
+    /// The checks of `pool`, the `i`th (its model unique among those before it).
+    fn check_pool(&self, i: usize, pool: &PoolConfig) -> anyhow::Result<()> {
+        if pool.replicas.is_empty() && pool.discovery.is_none() {
+            bail!("pools[{i}].replicas: at least one replica (or a discovery) is needed");
+        }
+        if let Some(model) = self.pools[..i].iter().find(|p| p.model == pool.model) {
+            bail!("pools[{i}].model: {} has a pool already", model.model);
+        }
+        for (r, url) in pool.replicas.iter().enumerate() {
+            match reqwest::Url::parse(url) {
+                // A replica's URL is its name in logs, metrics labels, `/ready` and the
+                // ledger: a password in it would be in all of them.
+                Ok(u) if !u.username().is_empty() || u.password().is_some() => bail!(
+                    "pools[{i}].replicas[{r}]: a URL with credentials in it (they would be \
+                     in every log line, metric and ledger record naming the replica): set \
+                     the pool's `credential` instead"
+                ),
+                Ok(u) if matches!(u.scheme(), "http" | "https") && u.has_host() => {}
+                _ => bail!("pools[{i}].replicas[{r}]: not an http:// or https:// URL"),
+            }
+        }
+        if let Some(d) = &pool.discovery {
+            if d.dns.trim().is_empty() {
+                bail!("pools[{i}].discovery.dns: a name is needed");
+            }
+            if d.port == 0 || d.interval_ms == 0 {
+                bail!("pools[{i}].discovery: port and interval_ms must be above 0");
+            }
+        }
+        if pool.max_in_flight_without_kv.is_some() {
+            bail!(
+                "pools[{i}].max_in_flight_without_kv was renamed max_concurrency_per_replica: \
+                 it now caps every replica, KV figures or not, and applies only when the \
+                 engine does not report its own limit"
+            );
+        }
+        if pool.max_concurrency_per_replica == Some(0) {
+            bail!("pools[{i}].max_concurrency_per_replica: at least 1");
+        }
+        if pool.sidecars.sidecars() == 0 {
+            bail!("pools[{i}].sidecars: at least 1 (this one)");
         }
         Ok(())
     }

@@ -29,37 +29,47 @@ pub async fn serve(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let refuse = |e: &ApiError| error_response(e, ErrorShape::OpenAi, RETRY_AFTER_S);
-    let signed = match trust.check_call(&headers, now_ms()) {
-        Ok(signed) => signed,
-        Err(refusal) => {
-            metrics.reject("untrusted", "", refusal.status);
-            return refuse(&refusal);
-        }
-    };
+    match checked(trust, metrics, &headers, body).await {
+        Ok(request) => renewed(store, metrics, &request).await,
+        Err(refusal) => refuse(&refusal),
+    }
+}
+
+/// A refusal of a renewal, with a short `Retry-After`.
+fn refuse(error: &ApiError) -> Response {
+    error_response(error, ErrorShape::OpenAi, RETRY_AFTER_S)
+}
+
+/// The renewal, checked in the order the module doc gives (an untrusted caller is counted).
+async fn checked(
+    trust: &Trust,
+    metrics: &Metrics,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<LeaseRequest, ApiError> {
+    let untrusted = |refusal: &ApiError| metrics.reject("untrusted", "", refusal.status);
+    let signed = trust.check_call(headers, now_ms()).inspect_err(untrusted)?;
     let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
-        return refuse(&ApiError::payload_too_large(MAX_BODY_BYTES));
+        return Err(ApiError::payload_too_large(MAX_BODY_BYTES));
     };
-    if let Err(refusal) = trust.accept(&signed, &body, now_ms()) {
-        metrics.reject("untrusted", "", refusal.status);
-        return refuse(&refusal);
-    }
+    trust
+        .accept(&signed, &body, now_ms())
+        .inspect_err(untrusted)?;
     let request: LeaseRequest =
-        match serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body)) {
-            Ok(request) => request,
-            Err(e) => {
-                return refuse(
-                    &ApiError::bad_request(format!("not a lease request: {}", e.inner()))
-                        .with_code("invalid_lease_request")
-                        .with_param(&e.path().to_string()),
-                );
-            }
-        };
-    if let Err(refusal) = asks::check(&request) {
-        return refuse(&refusal);
-    }
+        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body))
+            .map_err(|e| {
+                ApiError::bad_request(format!("not a lease request: {}", e.inner()))
+                    .with_code("invalid_lease_request")
+                    .with_param(&e.path().to_string())
+            })?;
+    asks::check(&request)?;
+    Ok(request)
+}
+
+/// The leases the store grants (counted per tenant and window), or a quick 503 when it fails.
+async fn renewed(store: &Store, metrics: &Metrics, request: &LeaseRequest) -> Response {
     let started = Instant::now();
-    let grants = store.renew(&request).await;
+    let grants = store.renew(request).await;
     metrics
         .quota
         .store_latency

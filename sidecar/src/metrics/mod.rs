@@ -87,65 +87,85 @@ pub struct GenAi {
     pub time_per_output_token: Histogram,
 }
 
-impl Metrics {
-    /// The metrics and the registry `/metrics` serves; each also recorded into `meter`'s
-    /// instruments when OTLP export is on.
-    pub fn new(config: &MetricsConfig, meter: Option<&Meter>) -> (Metrics, Registry) {
-        let mut root = Registry::default();
-        let (gen_ai, gen_ai_families) = {
-            let mut m = Maker {
-                registry: &mut root,
-                meter,
-                prefix: "",
-                families: Vec::new(),
-            };
-            let gen_ai = GenAi {
-                token_usage: m.histogram(
-                    "gen_ai.client.token.usage",
-                    "Number of input and output tokens used, per request",
-                    HistogramUnit::Annotation("{token}"),
-                    &gen_ai::TOKEN_USAGE,
-                ),
-                request_duration: m.histogram(
-                    "gen_ai.server.request.duration",
-                    "Generative AI server request duration, arrival to the last byte",
-                    HistogramUnit::Seconds,
-                    &gen_ai::DURATION,
-                ),
-                time_to_first_token: m.histogram(
-                    "gen_ai.server.time_to_first_token",
-                    "Time to generate first token for successful responses",
-                    HistogramUnit::Seconds,
-                    &gen_ai::TIME_TO_FIRST_TOKEN,
-                ),
-                time_per_output_token: m.histogram(
-                    "gen_ai.server.time_per_output_token",
-                    "Time per output token generated after the first token for successful responses",
-                    HistogramUnit::Seconds,
-                    &gen_ai::TIME_PER_OUTPUT_TOKEN,
-                ),
-            };
-            (gen_ai, m.families)
-        };
-        let ledger = LedgerGauges::default();
-        let quota = QuotaMetrics::default();
-        let weir = root.sub_registry_with_prefix("weir");
-        ledger.register(weir);
-        quota.register(weir);
-        let mut m = Maker {
-            registry: weir,
-            meter,
-            prefix: "weir.",
-            families: Vec::new(),
-        };
-        let latency = |m: &mut Maker, name: &str, help: &str| {
-            m.histogram(name, help, HistogramUnit::Seconds, &buckets::LATENCY)
-        };
-        let metrics = Metrics {
-            depth: config.tenant_depth,
-            fairness_window_ms: config.fairness_window_ms,
+impl GenAi {
+    fn register(m: &mut Maker) -> GenAi {
+        GenAi {
+            token_usage: m.histogram(
+                "gen_ai.client.token.usage",
+                "Number of input and output tokens used, per request",
+                HistogramUnit::Annotation("{token}"),
+                &gen_ai::TOKEN_USAGE,
+            ),
+            request_duration: m.histogram(
+                "gen_ai.server.request.duration",
+                "Generative AI server request duration, arrival to the last byte",
+                HistogramUnit::Seconds,
+                &gen_ai::DURATION,
+            ),
+            time_to_first_token: m.histogram(
+                "gen_ai.server.time_to_first_token",
+                "Time to generate first token for successful responses",
+                HistogramUnit::Seconds,
+                &gen_ai::TIME_TO_FIRST_TOKEN,
+            ),
+            time_per_output_token: m.histogram(
+                "gen_ai.server.time_per_output_token",
+                "Time per output token generated after the first token for successful responses",
+                HistogramUnit::Seconds,
+                &gen_ai::TIME_PER_OUTPUT_TOKEN,
+            ),
+        }
+    }
+}
+
+/// A latency histogram, in seconds (queue wait, TTFT, ITL).
+fn latency(m: &mut Maker, name: &str, help: &str) -> Histogram {
+    m.histogram(name, help, HistogramUnit::Seconds, &buckets::LATENCY)
+}
+
+/// The families under `weir_`, by group, in the order they are registered.
+struct Weir {
+    queues: Queues,
+    service: Service,
+    replicas: Replicas,
+    output_prediction_ratio: Histogram,
+}
+
+impl Weir {
+    fn register(m: &mut Maker) -> Weir {
+        Weir {
+            queues: Queues::register(m),
+            service: Service::register(m),
+            replicas: Replicas::register(m),
+            output_prediction_ratio: m.histogram(
+                "output_prediction_ratio",
+                "Completed answers' output over the output predicted for them, per pool (its model)",
+                HistogramUnit::Annotation("1"),
+                &buckets::PREDICTION_RATIO,
+            ),
+        }
+    }
+}
+
+/// Queues and fairness: what waits per tenant, the scheduler's counters, how fair the last
+/// window was per pool, and how long its queue takes.
+struct Queues {
+    queue_depth: IntGauge,
+    queue_wait: Histogram,
+    vtc_counter: Gauge,
+    backlogged_ratio: Gauge,
+    fairness_index: Gauge,
+    fairness_backlogged: IntGauge,
+    fairness_gap: Gauge,
+    fairness_gap_bound: Gauge,
+    projected_wait: Gauge,
+}
+
+impl Queues {
+    fn register(m: &mut Maker) -> Queues {
+        Queues {
             queue_depth: m.int_gauge("queue_depth", "Requests waiting per tenant"),
-            queue_wait: latency(&mut m, "queue_wait", "Time from arrival to dispatch"),
+            queue_wait: latency(m, "queue_wait", "Time from arrival to dispatch"),
             vtc_counter: m.gauge(
                 "vtc_counter",
                 "Virtual token counter per tenant and pool (fairness debt)",
@@ -174,6 +194,28 @@ impl Metrics {
                 "projected_wait_seconds",
                 "How long a pool's queue takes to dispatch at the current rate (what Retry-After is drawn from)",
             ),
+        }
+    }
+}
+
+/// What tenants are served: KV held, latencies, tokens, spend, refusals, preemptions and the
+/// prompt estimate's error.
+struct Service {
+    active_kv_tokens: IntGauge,
+    replica_tenant_kv: IntGauge,
+    ttft: Histogram,
+    itl: Histogram,
+    tokens: Counter,
+    goodput_tokens: Counter,
+    spend: Counter,
+    rejections: Counter,
+    preemptions: Counter,
+    estimate_error: Histogram,
+}
+
+impl Service {
+    fn register(m: &mut Maker) -> Service {
+        Service {
             active_kv_tokens: m.int_gauge(
                 "active_kv_tokens",
                 "KV tokens reserved by a tenant's running requests",
@@ -182,8 +224,8 @@ impl Metrics {
                 "replica_tenant_kv_tokens",
                 "KV tokens a tenant's running requests hold on a replica",
             ),
-            ttft: latency(&mut m, "ttft", "Time to first token, arrival to first chunk"),
-            itl: latency(&mut m, "itl", "Time between streamed chunks"),
+            ttft: latency(m, "ttft", "Time to first token, arrival to first chunk"),
+            itl: latency(m, "itl", "Time between streamed chunks"),
             tokens: m.counter("tokens", "Tokens served per tenant and direction"),
             goodput_tokens: m.counter(
                 "goodput_tokens",
@@ -207,6 +249,29 @@ impl Metrics {
                 HistogramUnit::Annotation("1"),
                 &buckets::ESTIMATE_RATIO,
             ),
+        }
+    }
+}
+
+/// Per replica: what the engine reports, what weir holds on it, its limits and isolation mode.
+struct Replicas {
+    replica_kv_usage: Gauge,
+    replica_running: IntGauge,
+    replica_waiting: IntGauge,
+    replica_healthy: IntGauge,
+    replica_reserved_kv: IntGauge,
+    replica_in_flight: IntGauge,
+    replica_limit: IntGauge,
+    replica_adaptive_limit: Gauge,
+    replica_engine_limit: IntGauge,
+    replica_ttfb_floor: Gauge,
+    replica_first_byte_timeouts: Counter,
+    replica_cache_isolation: IntGauge,
+}
+
+impl Replicas {
+    fn register(m: &mut Maker) -> Replicas {
+        Replicas {
             replica_kv_usage: m.gauge("replica_kv_usage", "Engine-reported KV usage (0-1)"),
             replica_running: m.int_gauge("replica_running", "Engine-reported running requests"),
             replica_waiting: m.int_gauge("replica_waiting", "Engine-reported waiting requests"),
@@ -246,24 +311,96 @@ impl Metrics {
                 "replica_cache_isolation",
                 "1 for the replica's prefix-cache isolation mode (unprobed, salt, cache_off, none, shared), 0 for the others",
             ),
-            output_prediction_ratio: m.histogram(
-                "output_prediction_ratio",
-                "Completed answers' output over the output predicted for them, per pool (its model)",
-                HistogramUnit::Annotation("1"),
-                &buckets::PREDICTION_RATIO,
-            ),
+        }
+    }
+}
+
+impl Metrics {
+    /// The metrics and the registry `/metrics` serves; each also recorded into `meter`'s
+    /// instruments when OTLP export is on. Families are registered group by group, in the
+    /// order `/metrics` lists them.
+    pub fn new(config: &MetricsConfig, meter: Option<&Meter>) -> (Metrics, Registry) {
+        let mut root = Registry::default();
+        let (gen_ai, mut families) = {
+            let mut m = Maker {
+                registry: &mut root,
+                meter,
+                prefix: "",
+                families: Vec::new(),
+            };
+            (GenAi::register(&mut m), m.families)
+        };
+        let ledger = LedgerGauges::default();
+        let quota = QuotaMetrics::default();
+        let weir = root.sub_registry_with_prefix("weir");
+        ledger.register(weir);
+        quota.register(weir);
+        let mut m = Maker {
+            registry: weir,
+            meter,
+            prefix: "weir.",
+            families: Vec::new(),
+        };
+        let weir = Weir::register(&mut m);
+        families.extend(m.families);
+        let metrics = Metrics::assemble(config, weir, gen_ai, (ledger, quota), families);
+        (metrics, root)
+    }
+
+    /// The metrics from their groups, in the struct's order.
+    fn assemble(
+        config: &MetricsConfig,
+        weir: Weir,
+        gen_ai: GenAi,
+        (ledger, quota): (LedgerGauges, QuotaMetrics),
+        families: Vec<String>,
+    ) -> Metrics {
+        let Weir {
+            queues,
+            service,
+            replicas,
+            output_prediction_ratio,
+        } = weir;
+        Metrics {
+            depth: config.tenant_depth,
+            fairness_window_ms: config.fairness_window_ms,
+            queue_depth: queues.queue_depth,
+            queue_wait: queues.queue_wait,
+            vtc_counter: queues.vtc_counter,
+            backlogged_ratio: queues.backlogged_ratio,
+            fairness_index: queues.fairness_index,
+            fairness_backlogged: queues.fairness_backlogged,
+            fairness_gap: queues.fairness_gap,
+            fairness_gap_bound: queues.fairness_gap_bound,
+            projected_wait: queues.projected_wait,
+            active_kv_tokens: service.active_kv_tokens,
+            replica_tenant_kv: service.replica_tenant_kv,
+            ttft: service.ttft,
+            itl: service.itl,
+            tokens: service.tokens,
+            goodput_tokens: service.goodput_tokens,
+            spend: service.spend,
+            rejections: service.rejections,
+            preemptions: service.preemptions,
+            estimate_error: service.estimate_error,
+            replica_kv_usage: replicas.replica_kv_usage,
+            replica_running: replicas.replica_running,
+            replica_waiting: replicas.replica_waiting,
+            replica_healthy: replicas.replica_healthy,
+            replica_reserved_kv: replicas.replica_reserved_kv,
+            replica_in_flight: replicas.replica_in_flight,
+            replica_limit: replicas.replica_limit,
+            replica_adaptive_limit: replicas.replica_adaptive_limit,
+            replica_engine_limit: replicas.replica_engine_limit,
+            replica_ttfb_floor: replicas.replica_ttfb_floor,
+            replica_first_byte_timeouts: replicas.replica_first_byte_timeouts,
+            replica_cache_isolation: replicas.replica_cache_isolation,
+            output_prediction_ratio,
             gen_ai,
             ledger,
             quota,
-            families: Arc::new(Vec::new()),
-        };
-        let mut families = gen_ai_families;
-        families.extend(m.families);
-        let metrics = Metrics {
             families: Arc::new(families),
-            ..metrics
-        };
-        (metrics, root)
+        }
     }
 
     /// The label a tenant's series carry: its path at the configured depth.

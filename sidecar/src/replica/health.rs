@@ -109,121 +109,164 @@ async fn check<E: From<ReplicaEvent> + Send + 'static>(
     url: String,
     mut link: watch::Receiver<Arc<Link>>,
 ) {
-    let mut current = link.borrow_and_update().clone();
-    let prober = |l: &Link| {
-        Prober::new(
-            l.upstream.clone(),
-            url.clone(),
-            l.model.clone(),
-            l.cache_isolation,
-        )
+    let current = link.borrow_and_update().clone();
+    let mut check = Check {
+        isolation: prober(&current, &url),
+        events,
+        pool,
+        replica,
+        url,
+        link,
+        current,
+        joined: None,
+        warned: false,
     };
-    let mut isolation = prober(&current);
     let mut tick = tokio::time::interval(PROBE_EVERY);
     // An isolation probe takes a while: no burst of catch-up reads after it.
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Once joined, the dialect it joined as: what the dispatcher holds of it (`ReplicaEvent::Joined`).
-    let mut joined: Option<Option<Dialect>> = None;
-    // Odd engine output is logged once per replica, not ten times a second.
-    let mut warned = false;
     loop {
         tick.tick().await;
-        if link.has_changed().unwrap_or(false) {
-            let next = link.borrow_and_update().clone();
-            if current.rejoin_under(&next) {
-                tracing::info!(replica = %url, "pool settings changed: the replica joins again");
-                isolation = prober(&next);
-                joined = None;
-            } else {
-                isolation.set_upstream(next.upstream.clone());
-            }
-            current = next;
+        if check.round().await.is_err() {
+            return;
         }
-        let upstream = &current.upstream;
-        let sample = match get_text(upstream, &format!("{url}/metrics")).await {
-            None => {
-                joined = None;
-                None
-            }
-            Some(text) => 'read: {
-                let dialect = current.engine.dialect(&text);
-                if joined.is_some_and(|joined_as| swapped(joined_as, dialect)) {
-                    // Another engine answers at this address (a rolling update behind one
-                    // URL): its limits, its dialect (`Connection: close` for llama.cpp's
-                    // streams) and its cache isolation are not the last one's. Out for this
-                    // read, it joins again at the next, probed before it gets work, as after
-                    // an outage.
-                    tracing::warn!(replica = %url, "another engine answers: the replica joins again");
-                    joined = None;
-                    break 'read None;
-                }
-                if joined.is_none() {
-                    let limits = read_limits(upstream, &url, dialect).await;
-                    tracing::info!(
-                        replica = %url,
-                        engine = dialect.map_or("unknown", Dialect::name),
-                        concurrency = ?limits.max_concurrency,
-                        kv_tokens = ?limits.kv_tokens,
-                        "replica joined"
-                    );
-                    if events
-                        .send(
-                            ReplicaEvent::Joined {
-                                pool,
-                                replica,
-                                limits,
-                                dialect,
-                            }
-                            .into(),
-                        )
-                        .is_err()
-                    {
-                        return;
-                    }
-                    joined = Some(dialect);
-                }
-                Some(match dialect {
-                    Some(dialect) => dialect.parse(&text, |line| {
-                        if !std::mem::replace(&mut warned, true) {
-                            tracing::warn!(replica = %url, "ignoring a metrics line weir cannot read: {line:.200}");
-                        }
-                    }),
-                    None => {
-                        if !std::mem::replace(&mut warned, true) {
-                            tracing::warn!(replica = %url, "no metrics of a known engine: admitted by its concurrency limit alone");
-                        }
-                        EngineSample::default()
-                    }
-                })
-            }
-        };
+    }
+}
+
+/// The dispatcher is gone (its events' receiver dropped): the check ends.
+struct Gone;
+
+/// One replica's check, between its reads.
+struct Check<E> {
+    events: mpsc::UnboundedSender<E>,
+    pool: usize,
+    replica: ReplicaId,
+    url: String,
+    link: watch::Receiver<Arc<Link>>,
+    /// The pool's settings the replica is read under.
+    current: Arc<Link>,
+    isolation: Prober,
+    /// Once joined, the dialect it joined as: what the dispatcher holds of it (`ReplicaEvent::Joined`).
+    joined: Option<Option<Dialect>>,
+    /// Odd engine output is logged once per replica, not ten times a second.
+    warned: bool,
+}
+
+/// The isolation prober of the replica at `url` under `link`'s settings.
+fn prober(link: &Link, url: &str) -> Prober {
+    Prober::new(
+        link.upstream.clone(),
+        url.to_owned(),
+        link.model.clone(),
+        link.cache_isolation,
+    )
+}
+
+impl<E: From<ReplicaEvent>> Check<E> {
+    /// One read: the pool's settings followed, the sample reported, and the isolation probe
+    /// stepped on.
+    async fn round(&mut self) -> Result<(), Gone> {
+        self.follow_link();
+        let sample = self.sample().await?;
         let healthy = sample.is_some();
-        if events
-            .send(
-                ReplicaEvent::Sample {
-                    pool,
-                    replica,
-                    sample,
-                }
-                .into(),
-            )
-            .is_err()
-        {
+        let (pool, replica) = (self.pool, self.replica);
+        self.send(ReplicaEvent::Sample {
+            pool,
+            replica,
+            sample,
+        })?;
+        if let Some(isolation) = self.isolation.after_sample(healthy).await {
+            self.send(ReplicaEvent::Isolated {
+                pool,
+                replica,
+                isolation,
+            })?;
+        }
+        Ok(())
+    }
+
+    fn send(&self, event: ReplicaEvent) -> Result<(), Gone> {
+        self.events.send(event.into()).map_err(|_| Gone)
+    }
+
+    /// Takes the pool's new settings, if a reload changed them: a new dialect or isolation
+    /// policy makes the replica join again, a new CA or credential takes effect at this read.
+    fn follow_link(&mut self) {
+        if !self.link.has_changed().unwrap_or(false) {
             return;
         }
-        if let Some(isolation) = isolation.after_sample(healthy).await
-            && events
-                .send(
-                    ReplicaEvent::Isolated {
-                        pool,
-                        replica,
-                        isolation,
-                    }
-                    .into(),
-                )
-                .is_err()
+        let next = self.link.borrow_and_update().clone();
+        if self.current.rejoin_under(&next) {
+            tracing::info!(replica = %self.url, "pool settings changed: the replica joins again");
+            self.isolation = prober(&next, &self.url);
+            self.joined = None;
+        } else {
+            self.isolation.set_upstream(next.upstream.clone());
+        }
+        self.current = next;
+    }
+
+    /// The engine's figures from its `/metrics`, `None` when it did not answer (or another
+    /// engine did); a replica that joins is announced first.
+    async fn sample(&mut self) -> Result<Option<EngineSample>, Gone> {
+        let url = format!("{}/metrics", self.url);
+        let Some(text) = get_text(&self.current.upstream, &url).await else {
+            self.joined = None;
+            return Ok(None);
+        };
+        let dialect = self.current.engine.dialect(&text);
+        if self
+            .joined
+            .is_some_and(|joined_as| swapped(joined_as, dialect))
         {
-            return;
+            // Another engine answers at this address (a rolling update behind one URL): its
+            // limits, its dialect (`Connection: close` for llama.cpp's streams) and its cache
+            // isolation are not the last one's. Out for this read, it joins again at the
+            // next, probed before it gets work, as after an outage.
+            tracing::warn!(replica = %self.url, "another engine answers: the replica joins again");
+            self.joined = None;
+            return Ok(None);
+        }
+        if self.joined.is_none() {
+            self.join(dialect).await?;
+        }
+        Ok(Some(self.parse(dialect, &text)))
+    }
+
+    /// The replica joins: its engine's limits read and sent to the dispatcher.
+    async fn join(&mut self, dialect: Option<Dialect>) -> Result<(), Gone> {
+        let limits = read_limits(&self.current.upstream, &self.url, dialect).await;
+        tracing::info!(
+            replica = %self.url,
+            engine = dialect.map_or("unknown", Dialect::name),
+            concurrency = ?limits.max_concurrency,
+            kv_tokens = ?limits.kv_tokens,
+            "replica joined"
+        );
+        self.send(ReplicaEvent::Joined {
+            pool: self.pool,
+            replica: self.replica,
+            limits,
+            dialect,
+        })?;
+        self.joined = Some(dialect);
+        Ok(())
+    }
+
+    /// The sample in the engine's metrics `text`, read in its `dialect`.
+    fn parse(&mut self, dialect: Option<Dialect>, text: &str) -> EngineSample {
+        let (url, warned) = (&self.url, &mut self.warned);
+        match dialect {
+            Some(dialect) => dialect.parse(text, |line| {
+                if !std::mem::replace(warned, true) {
+                    tracing::warn!(replica = %url, "ignoring a metrics line weir cannot read: {line:.200}");
+                }
+            }),
+            None => {
+                if !std::mem::replace(warned, true) {
+                    tracing::warn!(replica = %url, "no metrics of a known engine: admitted by its concurrency limit alone");
+                }
+                EngineSample::default()
+            }
         }
     }
 }
