@@ -29,7 +29,8 @@ pub mod path;
 pub mod price;
 pub mod signature;
 
-// layer: requests — each API's request, the prompt, the fields they share, estimates, metering
+// layer: requests — each API's request, the prompt, the fields they share, estimates, metering,
+// the body the engine receives
 pub mod embeddings;
 pub mod estimate;
 pub mod fields;
@@ -39,6 +40,7 @@ pub mod openai;
 pub mod prompt;
 pub mod request;
 pub mod responses;
+pub mod rewrite;
 
 // layer: config — tenants, their limits and policies, output prediction
 pub mod config;

@@ -114,10 +114,7 @@ impl InferenceRequest {
 
     /// Whether the API asks for usage with `stream_options` (the others always report it).
     pub fn usage_is_optional(&self) -> bool {
-        matches!(
-            self.endpoint,
-            Endpoint::ChatCompletions | Endpoint::Completions
-        )
+        self.endpoint.usage_is_optional()
     }
 
     /// The output limit the API itself defines, if the request sets it: what the engine is
