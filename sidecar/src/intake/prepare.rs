@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use weir_core::config::Priority;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
-use weir_core::fields::ANSWER_COUNT_FIELDS;
+use weir_core::request::fields::ANSWER_COUNT_FIELDS;
 use weir_core::rewrite::Rewrite;
 use weir_core::tokens::Encoding;
 
@@ -88,7 +88,7 @@ pub async fn prepare(
     // nor outside a rollout's share): as the last hop, the sidecar refuses them on every route,
     // or a tenant who learned another's response id would read that conversation.
     if endpoint == Endpoint::Responses {
-        weir_core::responses::check_engine_state(&body)
+        weir_core::request::responses::check_engine_state(&body)
             .map_err(|error| refuse("engine_state", &who.tenant, error, None))?;
     }
     let model = value["model"].as_str().unwrap_or_default().to_owned();
