@@ -106,21 +106,9 @@ pub async fn prepare(
     let affinity = affinity(endpoint, &value, &who.tenant, affinity_prefix_bytes);
     let claim = claim(app, &who, endpoint, &body, pool)?;
     let stream = value["stream"].as_bool().unwrap_or(false);
-    let hide_usage = rewrite(
-        &mut value,
-        endpoint,
-        stream,
-        &app.cache_salt_key,
-        &who.tenant,
-    )
-    .map_err(|e| {
-        refuse(
-            "internal",
-            &who.tenant,
-            ApiError::internal(e.to_string()),
-            None,
-        )
-    })?;
+    let salt_key = &app.cache_salt_key;
+    let hide_usage = rewrite(&mut value, endpoint, stream, salt_key, &who.tenant)
+        .map_err(|error| refuse("internal", &who.tenant, error, None))?;
     let sequences = engine_sequences(endpoint, &value);
     let preemptible =
         who.priority == Priority::Batch && resume::resumable(endpoint, &value, stream);
@@ -205,7 +193,7 @@ fn rewrite(
     stream: bool,
     salt_key: &[u8],
     tenant: &str,
-) -> Result<bool, serde_json::Error> {
+) -> Result<bool, ApiError> {
     let salt = endpoint.generates().then(|| cache_salt(salt_key, tenant));
     let ask_usage = stream && endpoint.usage_is_optional() && leaves_usage_out(value);
     let Some(fields) = value.as_object_mut() else {
@@ -216,7 +204,9 @@ fn rewrite(
         ask_usage,
         output_limit: None,
     };
-    rewrite.apply(fields)?;
+    rewrite
+        .apply(fields)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
     Ok(ask_usage)
 }
 
