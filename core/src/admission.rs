@@ -12,10 +12,12 @@
 use crate::config::{Config, Tenant};
 use crate::endpoint::Endpoint;
 use crate::error::ApiError;
-use crate::estimate::{self, Counting, Method};
+use crate::estimate::{self, Counting, Estimate, Method};
 use crate::json::{self, TopLevel};
 use crate::prediction::OutputHistory;
 use crate::request::InferenceRequest;
+use crate::rewrite::Rewrite;
+use crate::tokens::Encoding;
 use crate::trusted;
 
 /// Output tokens reserved when neither the request, the tenant nor the model bounds the answer.
@@ -84,6 +86,51 @@ pub fn admit(
     counting: Counting,
     history: impl FnOnce(&str) -> OutputHistory,
 ) -> Result<Admitted, Rejection> {
+    let (fields, req) = read(config, endpoint, body)?;
+    check_model(config, tenant, &req.model)?;
+    let limits = OutputLimits::of(&req, tenant)?;
+    let (encoding, model_context) = config.model(&req.model);
+    let context_cap = [model_context, tenant.tightest(|l| l.max_context_tokens)]
+        .into_iter()
+        .flatten()
+        .min();
+    let estimate = count_prompt(config, &req, encoding, counting, context_cap, &limits)?;
+    let rest_of_context = context_cap.map(|cap| cap - estimate.longest);
+    let (reserved_output, predicted) =
+        reserve_output(config, tenant, &req, &limits, rest_of_context, history)?;
+
+    let stream = req.is_streaming();
+    let ask_usage = stream && req.usage_is_optional() && !req.wants_stream_usage();
+    let rewrite = Rewrite {
+        cache_salt: None,
+        ask_usage,
+        output_limit: limits.filled_in,
+    };
+    let rewritten_body = (rewrite.body(fields))
+        .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
+    Ok(Admitted {
+        endpoint,
+        model: req.model.clone(),
+        prompt_tokens: estimate.tokens,
+        method: estimate.method,
+        recountable: estimate.recountable,
+        reserved_output,
+        predicted,
+        unread_output: unread_output(limits.per_answer, req.answers()),
+        answers: req.answers(),
+        stream,
+        hide_usage_event: ask_usage,
+        rewritten_body,
+    })
+}
+
+/// Reads a body: within the size bound, one meaning only (no repeated keys), a JSON object,
+/// a valid request of `endpoint`'s API that brings no prompt template or adapters of its own.
+fn read(
+    config: &Config,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(TopLevel, InferenceRequest), Rejection> {
     if body.len() > config.max_body_bytes {
         return Err(reject(
             "body_too_large",
@@ -106,91 +153,133 @@ pub fn admit(
     req.validate().map_err(|e| reject("invalid_request", e))?;
     refuse_request_templates(&fields)?;
     refuse_request_adapters(&fields)?;
+    Ok((fields, req))
+}
 
-    if !config.serves(&req.model) {
-        return Err(reject(
-            "model_not_found",
-            ApiError::model_not_found(&req.model),
-        ));
+/// Refuses a model the gateway does not serve, or that the tenant may not use.
+fn check_model(config: &Config, tenant: &Tenant, model: &str) -> Result<(), Rejection> {
+    if !config.serves(model) {
+        return Err(reject("model_not_found", ApiError::model_not_found(model)));
     }
-    if !tenant.may_use(&req.model) {
+    if !tenant.may_use(model) {
         return Err(reject(
             "model_not_allowed",
             ApiError::new(
                 403,
-                format!("model '{}' is not allowed for this API key", req.model),
+                format!("model '{model}' is not allowed for this API key"),
             )
             .with_param("model")
             .with_code("model_not_allowed"),
         ));
     }
+    Ok(())
+}
 
-    let generates = endpoint.generates();
-    let output_cap = tenant.tightest(|l| l.max_output_tokens);
-    if let (Some(cap), true) = (output_cap, generates) {
-        check_output_limits(&req, cap)?;
+/// How long a request's answers may be, as its own limits and the tenant's say.
+struct OutputLimits {
+    /// The API's own limit field and the cap weir fills in, when the request sets none.
+    filled_in: Option<(&'static str, u64)>,
+    /// The largest limit the request sets, whichever engine reads it.
+    requested: Option<u64>,
+    /// Most output one answer may produce: the larger of those two; 0 for embeddings; `None`
+    /// when nothing bounds it.
+    per_answer: Option<u64>,
+}
+
+impl OutputLimits {
+    /// The request's limits, refused when any is over the key's cap.
+    fn of(req: &InferenceRequest, tenant: &Tenant) -> Result<OutputLimits, Rejection> {
+        let generates = req.endpoint.generates();
+        let output_cap = tenant.tightest(|l| l.max_output_tokens);
+        if let (Some(cap), true) = (output_cap, generates) {
+            check_output_limits(req, cap)?;
+        }
+        // weir fills in the API's own limit only when the request sets none; a request with
+        // only another engine's (`n_predict`) still gets it, for engines that ignore that one.
+        let filled_in = match (req.max_output_tokens(), req.fill_in_field()) {
+            (None, Some(field)) => tenant
+                .default_max_tokens
+                .or(output_cap)
+                .map(|cap| (field, cap)),
+            _ => None,
+        };
+        let requested = req.largest_output_limit().map(u64::from);
+        let per_answer = if generates {
+            requested.max(filled_in.map(|(_, cap)| cap))
+        } else {
+            Some(0)
+        };
+        Ok(OutputLimits {
+            filled_in,
+            requested,
+            per_answer,
+        })
     }
-    // weir fills in the API's own limit only when the request sets none; a request with only
-    // another engine's (`n_predict`) still gets it, for engines that ignore that one.
-    let filled_in = match (req.max_output_tokens(), req.fill_in_field()) {
-        (None, Some(field)) => tenant
-            .default_max_tokens
-            .or(output_cap)
-            .map(|cap| (field, cap)),
-        _ => None,
-    };
-    let requested = req.largest_output_limit().map(u64::from);
+}
 
-    let (encoding, model_context) = config.model(&req.model);
-    let context_cap = [model_context, tenant.tightest(|l| l.max_context_tokens)]
-        .into_iter()
-        .flatten()
-        .min();
-    let per_answer = if generates {
-        requested.max(filled_in.map(|(_, cap)| cap))
-    } else {
-        Some(0)
-    };
-    let at_least = u64::from(generates);
+/// Counts the prompt, refusing it when it and the answer's limit (at least one token where the
+/// API generates) overflow the context. An estimate decides the context check only where the
+/// prompt's bytes (its most tokens) fit too; otherwise it is counted exactly, when short
+/// enough for that.
+fn count_prompt(
+    config: &Config,
+    req: &InferenceRequest,
+    encoding: Encoding,
+    counting: Counting,
+    context_cap: Option<u64>,
+    limits: &OutputLimits,
+) -> Result<Estimate, Rejection> {
+    let at_least = u64::from(req.endpoint.generates());
+    let out = limits.per_answer.unwrap_or(at_least);
     let exact_below = config.estimator.exact_below_bytes;
-    let mut estimate = estimate::prompt_tokens(&req, encoding, exact_below, counting);
-    // An estimate decides the context check only where the prompt's bytes (its most tokens)
-    // fit too; otherwise it is counted exactly, when short enough for that.
-    let out = per_answer.unwrap_or(at_least);
+    let mut estimate = estimate::prompt_tokens(req, encoding, exact_below, counting);
     if estimate.recountable
         && context_cap.is_some_and(|cap| estimate.longest_bound.saturating_add(out) > cap)
     {
-        estimate = estimate::prompt_tokens(&req, encoding, exact_below, Counting::Exact);
+        estimate = estimate::prompt_tokens(req, encoding, exact_below, Counting::Exact);
     }
     if let Some(cap) = context_cap
-        && estimate
-            .longest
-            .saturating_add(per_answer.unwrap_or(at_least))
-            > cap
+        && estimate.longest.saturating_add(out) > cap
     {
         return Err(reject(
             "context_length_exceeded",
-            ApiError::context_length_exceeded(cap, estimate.longest, per_answer.unwrap_or(0)),
+            ApiError::context_length_exceeded(
+                cap,
+                estimate.longest,
+                limits.per_answer.unwrap_or(0),
+            ),
         ));
     }
-    let rest_of_context = context_cap.map(|cap| cap - estimate.longest);
-    // Neither the caller nor its policy's `default_max_tokens` says how long the answer may be:
-    // reserve what this tenant's answers on this model have recently needed, never more than the
-    // rest of the context or the key's `max_output_tokens` (which is still filled in above).
-    let predicted = generates
-        && requested.is_none()
+    Ok(estimate)
+}
+
+/// The output tokens to reserve for all of a request's answers, and whether that is a
+/// prediction. Neither the caller nor its policy's `default_max_tokens` says how long the
+/// answer may be: reserve what this tenant's answers on this model have recently needed,
+/// never more than the rest of the context or the key's `max_output_tokens` (which is still
+/// filled in). Otherwise, the most weir can bound the answer to.
+fn reserve_output(
+    config: &Config,
+    tenant: &Tenant,
+    req: &InferenceRequest,
+    limits: &OutputLimits,
+    rest_of_context: Option<u64>,
+    history: impl FnOnce(&str) -> OutputHistory,
+) -> Result<(u64, bool), Rejection> {
+    let predicted = req.endpoint.generates()
+        && limits.requested.is_none()
         && tenant.default_max_tokens.is_none()
         && config.prediction.enabled;
-    let per_answer_limit = per_answer;
-    // What is reserved without a prediction: the most weir can bound the answer to.
-    let bounded = per_answer
-        .or(rest_of_context)
-        .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION);
     let per_answer = if predicted {
-        let cap = [per_answer, rest_of_context].into_iter().flatten().min();
+        let cap = [limits.per_answer, rest_of_context]
+            .into_iter()
+            .flatten()
+            .min();
         history(&req.model).predict(&config.prediction, cap)
     } else {
-        bounded
+        (limits.per_answer)
+            .or(rest_of_context)
+            .unwrap_or(UNBOUNDED_OUTPUT_RESERVATION)
     };
     let reserved_output = per_answer.saturating_mul(req.answers());
     if reserved_output > trusted::MAX_TOKENS {
@@ -203,25 +292,7 @@ pub fn admit(
             )),
         ));
     }
-
-    let stream = req.is_streaming();
-    let ask_usage = stream && req.usage_is_optional() && !req.wants_stream_usage();
-    let rewritten_body = rewrite(fields, ask_usage, filled_in)
-        .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
-    Ok(Admitted {
-        endpoint,
-        model: req.model.clone(),
-        prompt_tokens: estimate.tokens,
-        method: estimate.method,
-        recountable: estimate.recountable,
-        reserved_output,
-        predicted,
-        unread_output: unread_output(per_answer_limit, req.answers()),
-        answers: req.answers(),
-        stream,
-        hide_usage_event: ask_usage,
-        rewritten_body,
-    })
+    Ok((reserved_output, predicted))
 }
 
 /// Body fields that make the engine render the prompt from a template the request brings
@@ -287,45 +358,10 @@ fn check_output_limits(req: &InferenceRequest, cap: u64) -> Result<(), Rejection
     }
 }
 
-/// Body fields by which a request steers the engine itself, across the tenant boundary, and
-/// that only weir may set: vLLM's `cache_salt` (prefix-cache scope; the sidecar sets a
-/// per-tenant one), `priority` (reorders the engine's own queue: queueing belongs to weir),
-/// `kv_transfer_params` (KV blocks to pull from a prefill instance, another tenant's if
-/// guessed) and `request_id` (the engine's id for the request; a collision mixes or aborts
-/// another tenant's).
-pub const ENGINE_CONTROL_FIELDS: [&str; 4] =
-    ["cache_salt", "priority", "kv_transfer_params", "request_id"];
-
-/// Strips the [`ENGINE_CONTROL_FIELDS`], asks the engine for stream usage, and fills in the
-/// output limit; returns the new body if anything changed.
-fn rewrite(
-    mut fields: TopLevel,
-    ask_usage: bool,
-    output_limit: Option<(&str, u64)>,
-) -> Result<Option<Vec<u8>>, serde_json::Error> {
-    let mut changed = false;
-    for field in ENGINE_CONTROL_FIELDS {
-        changed |= fields.remove(field);
-    }
-    if ask_usage {
-        let mut options = fields
-            .get("stream_options")
-            .and_then(|o| TopLevel::parse(o.get().as_bytes()).ok())
-            .unwrap_or_default();
-        options.set("include_usage", true)?;
-        fields.set_raw("stream_options", options.to_raw()?);
-        changed = true;
-    }
-    if let Some((field, n)) = output_limit {
-        fields.set(field, n)?;
-        changed = true;
-    }
-    changed.then(|| fields.to_vec()).transpose()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rewrite::ENGINE_CONTROL_FIELDS;
     use serde_json::Value;
 
     fn config(key_limits: &str, policy: &str) -> Config {

@@ -62,4 +62,10 @@ impl Endpoint {
     pub fn generates(self) -> bool {
         self != Endpoint::Embeddings
     }
+
+    /// Whether a stream reports its usage only when asked (`stream_options.include_usage`);
+    /// the other APIs always report it.
+    pub fn usage_is_optional(self) -> bool {
+        matches!(self, Endpoint::ChatCompletions | Endpoint::Completions)
+    }
 }

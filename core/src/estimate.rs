@@ -7,8 +7,8 @@
 //! the tests below and by `cargo xtask bench`; the engine's reported usage replaces it at
 //! settlement either way.
 
-use crate::prompt::Prompt;
 use crate::request::InferenceRequest;
+use crate::request::prompt::Prompt;
 use crate::tokens::Encoding;
 
 /// Framing tokens per chat message, and for priming the reply (see [`crate::tokens`]).

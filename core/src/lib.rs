@@ -29,16 +29,12 @@ pub mod path;
 pub mod price;
 pub mod signature;
 
-// layer: requests — each API's request, the prompt, the fields they share, estimates, metering
-pub mod embeddings;
+// layer: requests — a request, whatever its API (a module per API, the prompt, the fields they
+// share), estimates, metering, the body the engine receives
 pub mod estimate;
-pub mod fields;
-pub mod messages;
 pub mod meter;
-pub mod openai;
-pub mod prompt;
 pub mod request;
-pub mod responses;
+pub mod rewrite;
 
 // layer: config — tenants, their limits and policies, output prediction
 pub mod config;

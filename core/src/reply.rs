@@ -9,6 +9,7 @@
 //! name: `x-ratelimit-{limit,remaining}-concurrent-requests`.
 
 use crate::error::{ApiError, ErrorShape};
+use crate::fleet::Window;
 use crate::fleet_config::Measure;
 use crate::price;
 use crate::reservation::{Denial, LimitKind, Standing};
@@ -36,9 +37,40 @@ impl Reply {
     /// 429 for a reservation that did not fit, with `Retry-After` (unless no wait would make it
     /// fit) and the refused limit's rate-limit headers.
     pub fn denied(denial: &Denial, shape: ErrorShape, now_ms: u64) -> Reply {
-        let mut code = "rate_limit_exceeded";
-        let mut budget = None;
-        let (message, retry_after_ms, standing) = match denial {
+        let refusal = Refusal::of(denial, now_ms);
+        let error = ApiError::rate_limited(refusal.message)
+            .with_type(openai_type(denial))
+            .with_code(refusal.code);
+        let mut reply = Reply::error(&error, shape);
+        if let Some(budget) = refusal.budget {
+            reply.headers.push((BUDGET_HEADER, budget));
+        }
+        if let Some(retry_after_ms) = refusal.retry_after_ms {
+            let seconds = retry_after_ms.div_ceil(1_000).max(1);
+            reply.headers.push(("retry-after", seconds.to_string()));
+        }
+        reply
+            .headers
+            .extend(quota_headers(refusal.standing.as_slice(), shape, now_ms));
+        reply
+    }
+}
+
+/// What a 429 tells the client about its denial.
+struct Refusal {
+    code: &'static str,
+    message: String,
+    /// When a retry could fit; `None` when no wait would make it.
+    retry_after_ms: Option<u64>,
+    /// The refused limit, for its rate-limit headers.
+    standing: Option<Standing>,
+    /// The spent budget, for [`BUDGET_HEADER`].
+    budget: Option<String>,
+}
+
+impl Refusal {
+    fn of(denial: &Denial, now_ms: u64) -> Refusal {
+        match denial {
             Denial::Limit {
                 level,
                 kind,
@@ -52,95 +84,130 @@ impl Reply {
                 limit,
                 remaining,
                 retry_after_ms,
-            } => {
-                let message = format!(
-                    "Rate limit reached for {} on {level}: limit {limit}, remaining {remaining}. \
-                     Retry after {}.",
-                    kind.name(),
-                    duration(*retry_after_ms)
-                );
-                let standing = Standing {
+            } => Refusal::limit_reached(
+                level,
+                Standing {
                     kind: *kind,
                     limit: *limit,
                     remaining: *remaining,
                     reset_ms: *retry_after_ms,
-                };
-                (message, Some(*retry_after_ms), Some(standing))
-            }
+                },
+            ),
             Denial::TooLarge {
                 level,
                 kind,
                 limit,
                 requested,
-            } => {
-                code = "request_too_large";
-                let message = format!(
-                    "Request too large for {} on {level}: limit {limit}, requested {requested}. \
-                     Reduce the prompt to run it: no wait makes it fit.",
-                    kind.name()
-                );
-                (message, None, None)
-            }
+            } => Refusal::too_large(level, *kind, *limit, *requested),
             Denial::QuotaUnavailable {
                 level,
                 kind,
                 retry_after_ms,
-            } => {
-                code = "quota_unavailable";
-                let message = format!(
-                    "The fleet-wide {} on {level} cannot be checked: the quota store is \
-                     unreachable and this limit fails closed. Retry after {}.",
-                    kind.name(),
-                    duration(*retry_after_ms)
-                );
-                (message, Some(*retry_after_ms), None)
-            }
+            } => Refusal::quota_unavailable(level, *kind, *retry_after_ms),
             Denial::BudgetExceeded {
                 level,
                 window,
                 measure,
                 limit,
                 resets_ms,
-            } => {
-                code = "budget_exceeded";
-                let amount = match measure {
-                    Measure::Spend => format!("{}", *limit as f64 / price::MICROS),
-                    _ => format!("{limit} tokens"),
-                };
-                let resets = rfc3339(*resets_ms);
-                budget = Some(format!(
-                    "level={level}; window={}; measure={}; limit={limit}; resets={resets}",
-                    window.name(),
-                    measure.name()
-                ));
-                let message = format!(
-                    "The {} {} budget of {amount} on {level} is exhausted; it resets at {resets}.",
-                    window.name(),
-                    measure.name(),
-                );
-                (message, Some(resets_ms.saturating_sub(now_ms)), None)
-            }
-            Denial::Contended => (
-                "Quota counters are busy; retry shortly.".to_owned(),
-                Some(1_000),
-                None,
-            ),
+            } => Refusal::budget_exceeded(level, *window, *measure, *limit, *resets_ms, now_ms),
+            Denial::Contended => Refusal {
+                code: "rate_limit_exceeded",
+                message: "Quota counters are busy; retry shortly.".to_owned(),
+                retry_after_ms: Some(1_000),
+                standing: None,
+                budget: None,
+            },
+        }
+    }
+
+    /// A limit with too little left now: retry once the request would fit.
+    fn limit_reached(level: &str, standing: Standing) -> Refusal {
+        let Standing {
+            kind,
+            limit,
+            remaining,
+            reset_ms,
+        } = standing;
+        let message = format!(
+            "Rate limit reached for {} on {level}: limit {limit}, remaining {remaining}. \
+             Retry after {}.",
+            kind.name(),
+            duration(reset_ms)
+        );
+        Refusal {
+            code: "rate_limit_exceeded",
+            message,
+            retry_after_ms: Some(reset_ms),
+            standing: Some(standing),
+            budget: None,
+        }
+    }
+
+    /// A request larger than the limit itself: no wait makes it fit.
+    fn too_large(level: &str, kind: LimitKind, limit: u64, requested: u64) -> Refusal {
+        let message = format!(
+            "Request too large for {} on {level}: limit {limit}, requested {requested}. \
+             Reduce the prompt to run it: no wait makes it fit.",
+            kind.name()
+        );
+        Refusal {
+            code: "request_too_large",
+            message,
+            retry_after_ms: None,
+            standing: None,
+            budget: None,
+        }
+    }
+
+    /// A fleet-wide limit that fails closed while the quota store is unreachable.
+    fn quota_unavailable(level: &str, kind: LimitKind, retry_after_ms: u64) -> Refusal {
+        let message = format!(
+            "The fleet-wide {} on {level} cannot be checked: the quota store is \
+             unreachable and this limit fails closed. Retry after {}.",
+            kind.name(),
+            duration(retry_after_ms)
+        );
+        Refusal {
+            code: "quota_unavailable",
+            message,
+            retry_after_ms: Some(retry_after_ms),
+            standing: None,
+            budget: None,
+        }
+    }
+
+    /// A spent budget: retry when its window resets.
+    fn budget_exceeded(
+        level: &str,
+        window: Window,
+        measure: Measure,
+        limit: u64,
+        resets_ms: u64,
+        now_ms: u64,
+    ) -> Refusal {
+        let amount = match measure {
+            Measure::Spend => format!("{}", limit as f64 / price::MICROS),
+            _ => format!("{limit} tokens"),
         };
-        let error = ApiError::rate_limited(message)
-            .with_type(openai_type(denial))
-            .with_code(code);
-        let mut reply = Reply::error(&error, shape);
-        if let Some(budget) = budget {
-            reply.headers.push((BUDGET_HEADER, budget));
+        let resets = rfc3339(resets_ms);
+        let budget = format!(
+            "level={level}; window={}; measure={}; limit={limit}; resets={resets}",
+            window.name(),
+            measure.name()
+        );
+        let message = format!(
+            "The {} {} budget of {amount} on {level} is exhausted; it resets at {resets}.",
+            window.name(),
+            measure.name(),
+        );
+        Refusal {
+            code: "budget_exceeded",
+            message,
+            retry_after_ms: Some(resets_ms.saturating_sub(now_ms)),
+            standing: None,
+            budget: Some(budget),
         }
-        if let Some(retry_after_ms) = retry_after_ms {
-            let seconds = retry_after_ms.div_ceil(1_000).max(1);
-            reply.headers.push(("retry-after", seconds.to_string()));
-        }
-        reply
-            .headers
-            .extend(quota_headers(standing.as_slice(), shape, now_ms));
-        reply
     }
 }
 
@@ -177,84 +244,87 @@ fn tightest(standing: &[Standing], kinds: &[LimitKind]) -> Option<Standing> {
         .copied()
 }
 
+/// A family of rate-limit headers — its limit, remaining and reset header names — and the
+/// limits whose tightest it reports.
+type Family = ([&'static str; 3], &'static [LimitKind]);
+
+const OPENAI_FAMILIES: [Family; 2] = [
+    (
+        [
+            "x-ratelimit-limit-requests",
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-requests",
+        ],
+        &[LimitKind::Requests],
+    ),
+    (
+        [
+            "x-ratelimit-limit-tokens",
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+        ],
+        &[LimitKind::InputTokens, LimitKind::OutputTokens],
+    ),
+];
+
+const ANTHROPIC_FAMILIES: [Family; 4] = [
+    (
+        [
+            "anthropic-ratelimit-requests-limit",
+            "anthropic-ratelimit-requests-remaining",
+            "anthropic-ratelimit-requests-reset",
+        ],
+        &[LimitKind::Requests],
+    ),
+    (
+        [
+            "anthropic-ratelimit-tokens-limit",
+            "anthropic-ratelimit-tokens-remaining",
+            "anthropic-ratelimit-tokens-reset",
+        ],
+        &[LimitKind::InputTokens, LimitKind::OutputTokens],
+    ),
+    (
+        [
+            "anthropic-ratelimit-input-tokens-limit",
+            "anthropic-ratelimit-input-tokens-remaining",
+            "anthropic-ratelimit-input-tokens-reset",
+        ],
+        &[LimitKind::InputTokens],
+    ),
+    (
+        [
+            "anthropic-ratelimit-output-tokens-limit",
+            "anthropic-ratelimit-output-tokens-remaining",
+            "anthropic-ratelimit-output-tokens-reset",
+        ],
+        &[LimitKind::OutputTokens],
+    ),
+];
+
 /// The rate-limit headers for where the limits on a key's path stand.
 pub fn quota_headers(
     standing: &[Standing],
     shape: ErrorShape,
     now_ms: u64,
 ) -> Vec<(&'static str, String)> {
-    use LimitKind::{Concurrency, InputTokens, OutputTokens, Requests};
+    let families: &[Family] = match shape {
+        ErrorShape::OpenAi => &OPENAI_FAMILIES,
+        ErrorShape::Anthropic => &ANTHROPIC_FAMILIES,
+    };
     let mut headers = Vec::new();
-    let mut family = |names: [&'static str; 3], kinds: &[LimitKind]| {
+    for &([limit, remaining, reset], kinds) in families {
         if let Some(s) = tightest(standing, kinds) {
-            let reset = match shape {
+            let reset_at = match shape {
                 ErrorShape::OpenAi => duration(s.reset_ms),
                 ErrorShape::Anthropic => rfc3339(now_ms.saturating_add(s.reset_ms)),
             };
-            headers.push((names[0], s.limit.to_string()));
-            headers.push((names[1], s.remaining.to_string()));
-            headers.push((names[2], reset));
-        }
-    };
-    match shape {
-        ErrorShape::OpenAi => {
-            family(
-                [
-                    "x-ratelimit-limit-requests",
-                    "x-ratelimit-remaining-requests",
-                    "x-ratelimit-reset-requests",
-                ],
-                &[Requests],
-            );
-            family(
-                [
-                    "x-ratelimit-limit-tokens",
-                    "x-ratelimit-remaining-tokens",
-                    "x-ratelimit-reset-tokens",
-                ],
-                &[InputTokens, OutputTokens],
-            );
-        }
-        ErrorShape::Anthropic => {
-            for (names, kinds) in [
-                (
-                    [
-                        "anthropic-ratelimit-requests-limit",
-                        "anthropic-ratelimit-requests-remaining",
-                        "anthropic-ratelimit-requests-reset",
-                    ],
-                    &[Requests][..],
-                ),
-                (
-                    [
-                        "anthropic-ratelimit-tokens-limit",
-                        "anthropic-ratelimit-tokens-remaining",
-                        "anthropic-ratelimit-tokens-reset",
-                    ],
-                    &[InputTokens, OutputTokens][..],
-                ),
-                (
-                    [
-                        "anthropic-ratelimit-input-tokens-limit",
-                        "anthropic-ratelimit-input-tokens-remaining",
-                        "anthropic-ratelimit-input-tokens-reset",
-                    ],
-                    &[InputTokens][..],
-                ),
-                (
-                    [
-                        "anthropic-ratelimit-output-tokens-limit",
-                        "anthropic-ratelimit-output-tokens-remaining",
-                        "anthropic-ratelimit-output-tokens-reset",
-                    ],
-                    &[OutputTokens][..],
-                ),
-            ] {
-                family(names, kinds);
-            }
+            headers.push((limit, s.limit.to_string()));
+            headers.push((remaining, s.remaining.to_string()));
+            headers.push((reset, reset_at));
         }
     }
-    if let Some(s) = tightest(standing, &[Concurrency]) {
+    if let Some(s) = tightest(standing, &[LimitKind::Concurrency]) {
         headers.push(("x-ratelimit-limit-concurrent-requests", s.limit.to_string()));
         headers.push((
             "x-ratelimit-remaining-concurrent-requests",

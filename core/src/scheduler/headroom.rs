@@ -410,20 +410,27 @@ fn turn_start(org: u64, want: u64, part: f64) -> Start {
     }
 }
 
+/// Per org, what its keys hold and queue and whether any is active (with the org's weight);
+/// and how many keys are active.
+fn org_holdings(shares: &Shares) -> (HashMap<&str, Org>, usize) {
+    let mut orgs: HashMap<&str, Org> = HashMap::new();
+    let mut active_keys = 0;
+    for k in shares.keys.values() {
+        let org = orgs.entry(&k.org).or_default();
+        org.held.add(k.held);
+        org.queued = org.queued.saturating_add(k.queued);
+        if k.seen.is_some() {
+            active_keys += 1;
+            org.active = true;
+            org.weight = shares.org_weights.get(&k.org).copied().unwrap_or(1.0);
+        }
+    }
+    (orgs, active_keys)
+}
+
 impl<'a> Headroom<'a> {
     fn new(shares: &'a Shares, room: Room, fraction: f64) -> Self {
-        let mut orgs: HashMap<&str, Org> = HashMap::new();
-        let mut active_keys = 0;
-        for k in shares.keys.values() {
-            let org = orgs.entry(&k.org).or_default();
-            org.held.add(k.held);
-            org.queued = org.queued.saturating_add(k.queued);
-            if k.seen.is_some() {
-                active_keys += 1;
-                org.active = true;
-                org.weight = shares.org_weights.get(&k.org).copied().unwrap_or(1.0);
-            }
-        }
+        let (orgs, active_keys) = org_holdings(shares);
         let mut h = Headroom {
             shares,
             room,
@@ -438,18 +445,31 @@ impl<'a> Headroom<'a> {
             least_past: [None; 2],
             least_past_keys: HashMap::new(),
         };
-        for k in shares.keys.values().filter(|k| k.seen.is_some()) {
-            if let Some(o) = h.orgs.get_mut(k.org.as_str()) {
+        h.count_active_keys();
+        h.least_past_keys = h.keys_past_their_parts();
+        h.weigh_orgs_against_their_parts();
+        h
+    }
+
+    /// Per org, its active keys holding no slot and no KV, and their weights summed.
+    fn count_active_keys(&mut self) {
+        for k in self.shares.keys.values().filter(|k| k.seen.is_some()) {
+            if let Some(o) = self.orgs.get_mut(k.org.as_str()) {
                 o.idle_keys += usize::from(k.held.slots == 0);
                 o.idle_kv_keys += usize::from(k.held.kv == 0);
                 o.key_weights += k.weight;
             }
         }
-        // Per org, its keys past their part of slots and of KV, by weighted holding.
+    }
+
+    /// Per org, [`LeastPast`] of its keys past their part of slots and of KV, by weighted
+    /// holding.
+    fn keys_past_their_parts(&self) -> HashMap<&'a str, (LeastPast<'a>, LeastPast<'a>)> {
         type Past<'k> = Vec<(&'k str, f64)>;
+        let shares = self.shares;
         let mut past_keys: HashMap<&str, (Past, Past)> = HashMap::new();
         for (name, k) in shares.keys.iter().filter(|(_, k)| k.seen.is_some()) {
-            let (slots, kv) = h.key_part(name);
+            let (slots, kv) = self.key_part(name);
             let entry = past_keys.entry(&k.org).or_default();
             let w = k.weight.max(f64::MIN_POSITIVE);
             if k.held.slots as f64 > slots {
@@ -459,16 +479,21 @@ impl<'a> Headroom<'a> {
                 entry.1.push((name, k.held.kv as f64 / w));
             }
         }
-        h.least_past_keys = past_keys
+        past_keys
             .into_iter()
             .map(|(org, (slots, kv))| (org, (two_least(slots), two_least(kv))))
-            .collect();
+            .collect()
+    }
+
+    /// Each org against its parts: active orgs idle and below their parts, each one's reserve
+    /// (applied once all are read) and average use, and the two least floods.
+    fn weigh_orgs_against_their_parts(&mut self) {
+        let shares = self.shares;
         let (mut idle, mut below_slots, mut below_kv) = (0, 0, 0);
         let mut past: Vec<(&str, u64)> = Vec::new();
-        // Per org, its reserve and its average use, applied once the orgs are read.
         let mut usages: Vec<(&str, u64, f64)> = Vec::new();
-        for (name, o) in &h.orgs {
-            let (slots, kv) = h.org_part(name);
+        for (name, o) in &self.orgs {
+            let (slots, kv) = self.org_part(name);
             let usage = shares.usage.get(*name);
             let mean = usage
                 .filter(|_| shares.window_ms > 0)
@@ -478,12 +503,7 @@ impl<'a> Headroom<'a> {
                 idle += usize::from(o.held.slots == 0);
                 below_slots += usize::from((o.held.slots as f64) < slots);
                 below_kv += usize::from((o.held.kv as f64) < kv);
-                // Up to its share of the slots rounded up: with more orgs than a pool has
-                // slots twice over, a part of one would keep a quiet tenant no second request.
-                let cap = (h.room.slots as f64 * h.org_share(name)).ceil().max(1.0);
-                let peak = usage.map_or(0, Usage::peak);
-                let wants = (peak.saturating_add(1) as f64).min(cap) as u64;
-                reserve = wants.saturating_sub(o.held.slots);
+                reserve = self.org_reserve(name, o, usage);
             }
             usages.push((name, reserve, mean));
             if o.held.slots as f64 > slots {
@@ -491,15 +511,26 @@ impl<'a> Headroom<'a> {
             }
         }
         for (name, reserve, mean) in usages {
-            h.reserved = h.reserved.saturating_add(reserve);
-            if let Some(o) = h.orgs.get_mut(name) {
+            self.reserved = self.reserved.saturating_add(reserve);
+            if let Some(o) = self.orgs.get_mut(name) {
                 (o.reserve, o.mean) = (reserve, mean);
             }
         }
         past.sort_unstable_by_key(|&(name, held)| (held, name));
-        h.least_past = [past.first().copied(), past.get(1).copied()];
-        (h.idle_orgs, h.below_slots, h.below_kv) = (idle, below_slots, below_kv);
-        h
+        self.least_past = [past.first().copied(), past.get(1).copied()];
+        (self.idle_orgs, self.below_slots, self.below_kv) = (idle, below_slots, below_kv);
+    }
+
+    /// The slots an active org is held in reserve beyond what it holds: its recent peak and
+    /// one more, up to its share of the slots rounded up (with more orgs than a pool has slots
+    /// twice over, a part of one would keep a quiet tenant no second request).
+    fn org_reserve(&self, name: &str, o: &Org, usage: Option<&Usage>) -> u64 {
+        let cap = (self.room.slots as f64 * self.org_share(name))
+            .ceil()
+            .max(1.0);
+        let peak = usage.map_or(0, Usage::peak);
+        let wants = (peak.saturating_add(1) as f64).min(cap) as u64;
+        wants.saturating_sub(o.held.slots)
     }
 
     /// A key's fair part: its org's, split among the org's active keys by weight.

@@ -6,14 +6,14 @@
 
 use axum::body::Body;
 use axum::http::HeaderMap;
-use serde_json::{Value, json};
+use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::sync::oneshot;
-use weir_core::admission::ENGINE_CONTROL_FIELDS;
 use weir_core::config::Priority;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
-use weir_core::fields::ANSWER_COUNT_FIELDS;
+use weir_core::request::fields::ANSWER_COUNT_FIELDS;
+use weir_core::rewrite::Rewrite;
 use weir_core::tokens::Encoding;
 
 use crate::dispatch::{Assignment, Job, Refusal};
@@ -88,13 +88,13 @@ pub async fn prepare(
     // nor outside a rollout's share): as the last hop, the sidecar refuses them on every route,
     // or a tenant who learned another's response id would read that conversation.
     if endpoint == Endpoint::Responses {
-        weir_core::responses::check_engine_state(&body)
+        weir_core::request::responses::check_engine_state(&body)
             .map_err(|error| refuse("engine_state", &who.tenant, error, None))?;
     }
     let model = value["model"].as_str().unwrap_or_default().to_owned();
     let Some(&Route {
         pool,
-        affinity_prefix_bytes: prefix_bytes,
+        affinity_prefix_bytes,
         encoding,
         ..
     }) = app.pools.load().iter().find(|r| r.model == model)
@@ -103,35 +103,16 @@ pub async fn prepare(
         return Err(refuse("model_not_found", &who.tenant, error, None));
     };
     let demand = demand::of(endpoint, &body, encoding, *app.exact_below_bytes.load());
-    let prompt: String = prompt_fields(endpoint)
-        .iter()
-        .map(|f| value[*f].to_string())
-        .collect();
-    let affinity = affinity_key(
-        &who.tenant,
-        &prompt.as_bytes()[..prompt.len().min(prefix_bytes)],
-    );
+    let affinity = affinity(endpoint, &value, &who.tenant, affinity_prefix_bytes);
     let claim = claim(app, &who, endpoint, &body, pool)?;
     let stream = value["stream"].as_bool().unwrap_or(false);
-    let hide_usage = rewrite(
-        &mut value,
-        endpoint,
-        stream,
-        &app.cache_salt_key,
-        &who.tenant,
-    );
+    let salt_key = &app.cache_salt_key;
+    let hide_usage = rewrite(&mut value, endpoint, stream, salt_key, &who.tenant)
+        .map_err(|error| refuse("internal", &who.tenant, error, None))?;
     let sequences = engine_sequences(endpoint, &value);
     let preemptible =
         who.priority == Priority::Batch && resume::resumable(endpoint, &value, stream);
-    // Held for the output it will likely produce, not the most it may (the hold grows if it
-    // runs past: see the relay).
-    let predicted = app
-        .predictions
-        .predict(&who.tenant, pool)
-        .saturating_mul(sequences);
-    let output_held = demand
-        .output_tokens
-        .map_or(predicted, |cap| cap.min(predicted));
+    let output_held = output_held(app, &who.tenant, pool, &demand, sequences);
     let kv_need = demand.input_tokens.saturating_add(output_held);
     Ok(Prepared {
         who,
@@ -150,6 +131,27 @@ pub async fn prepare(
         affinity,
         deadline_ms,
     })
+}
+
+/// The tenant's prefix affinity: its first `prefix_bytes` of the prompt, as sent.
+fn affinity(endpoint: Endpoint, value: &Value, tenant: &str, prefix_bytes: usize) -> u64 {
+    let prompt: String = prompt_fields(endpoint)
+        .iter()
+        .map(|f| value[*f].to_string())
+        .collect();
+    affinity_key(tenant, &prompt.as_bytes()[..prompt.len().min(prefix_bytes)])
+}
+
+/// The output tokens a request's KV hold is sized for: what its `sequences` will likely
+/// produce, not the most they may (the hold grows if it runs past: see the relay).
+fn output_held(app: &App, tenant: &str, pool: usize, demand: &Demand, sequences: u64) -> u64 {
+    let predicted = app
+        .predictions
+        .predict(tenant, pool)
+        .saturating_mul(sequences);
+    demand
+        .output_tokens
+        .map_or(predicted, |cap| cap.min(predicted))
 }
 
 impl Prepared {
@@ -176,23 +178,48 @@ impl Prepared {
     }
 }
 
-/// The body as the engine gets it: engine control stripped, the tenant's `cache_salt` set where
-/// the model generates (embedding models have no prefix cache to scope; vLLM ignores the field
-/// there), and a stream's usage asked for where the caller did not. True when weir asked for
-/// the usage chunk.
+/// The body as the engine gets it ([`Rewrite`]): engine control stripped, the tenant's
+/// `cache_salt` set where the model generates (embedding models have no prefix cache to scope;
+/// vLLM ignores the field there), and a stream's usage asked for where the caller did not. True
+/// when weir asked for the usage chunk.
+///
+/// The filter strips engine control from the requests it meters, but forwards off-mode and
+/// out-of-rollout bodies as they came; the sidecar is the last hop before the engine, so it
+/// rewrites every request. It asks for usage on those too, so the ledger bills the engine's
+/// counts rather than a guess from the body's size; the chunk is then hidden from the caller.
 fn rewrite(
     value: &mut Value,
     endpoint: Endpoint,
     stream: bool,
     salt_key: &[u8],
     tenant: &str,
-) -> bool {
-    strip_engine_control(value);
-    if endpoint.generates() {
-        value["cache_salt"] = json!(cache_salt(salt_key, tenant));
+) -> Result<bool, ApiError> {
+    let salt = endpoint.generates().then(|| cache_salt(salt_key, tenant));
+    let ask_usage = stream && endpoint.usage_is_optional() && leaves_usage_out(value);
+    let Some(fields) = value.as_object_mut() else {
+        return Ok(false);
+    };
+    let rewrite = Rewrite {
+        cache_salt: salt.as_deref(),
+        ask_usage,
+        output_limit: None,
+    };
+    rewrite
+        .apply(fields)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(ask_usage)
+}
+
+/// Whether a body leaves a stream's usage out: it sets no `stream_options`, or options without
+/// `include_usage: true`. Options that are not an object are left as they came.
+fn leaves_usage_out(value: &Value) -> bool {
+    match value.get("stream_options") {
+        None => true,
+        Some(Value::Object(options)) => {
+            options.get("include_usage").and_then(Value::as_bool) != Some(true)
+        }
+        Some(_) => false,
     }
-    let usage_is_optional = matches!(endpoint, Endpoint::ChatCompletions | Endpoint::Completions);
-    stream && usage_is_optional && ask_stream_usage(value)
 }
 
 /// The fields a request's prompt starts with, for prefix affinity.
@@ -269,40 +296,10 @@ fn engine_sequences(endpoint: Endpoint, body: &Value) -> u64 {
     prompts.saturating_mul(answers).max(1)
 }
 
-/// Removes the body fields by which a request would steer the engine across the tenant
-/// boundary ([`ENGINE_CONTROL_FIELDS`]). The filter strips them from the requests it meters, but
-/// forwards off-mode and out-of-rollout bodies as they came; the sidecar is the last hop before
-/// the engine, so it strips them from every request.
-fn strip_engine_control(value: &mut Value) {
-    if let Some(fields) = value.as_object_mut() {
-        for field in ENGINE_CONTROL_FIELDS {
-            fields.remove(field);
-        }
-    }
-}
-
-/// Asks the engine for a stream's usage chunk when the body does not (requests the filter did
-/// not meter: off mode, out of the rollout), so the ledger bills the engine's counts rather
-/// than a guess from the body's size. True when weir asked: the chunk is then hidden from the
-/// caller, who did not ask for it.
-fn ask_stream_usage(value: &mut Value) -> bool {
-    let Some(fields) = value.as_object_mut() else {
-        return false;
-    };
-    let options = fields.entry("stream_options").or_insert_with(|| json!({}));
-    let Some(options) = options.as_object_mut() else {
-        return false;
-    };
-    if options.get("include_usage").and_then(Value::as_bool) == Some(true) {
-        return false;
-    }
-    options.insert("include_usage".into(), Value::Bool(true));
-    true
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn a_batch_is_as_many_sequences_as_it_has_prompts_or_inputs() {

@@ -1,8 +1,8 @@
 //! What a request puts into the engine's prompt, as the tokenizer sees it, and the reading of
 //! the request fields that carry it.
 //!
-//! Each API's request model ([`crate::openai`], [`crate::responses`], [`crate::messages`],
-//! [`crate::embeddings`]) reads its own fields and hands the rest to [`extra_texts`], which
+//! Each API's request model ([`crate::request::completions`], [`crate::request::responses`], [`crate::request::messages`],
+//! [`crate::request::embeddings`]) reads its own fields and hands the rest to [`extra_texts`], which
 //! keeps the text of every field not known to stay out of the prompt: a field weir does not
 //! know, or one invented by a client, is counted rather than becoming a way around the estimate.
 //! Fields are read as raw JSON text ([`RawObject`]), never as a tree: a few MB of small JSON

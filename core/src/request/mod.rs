@@ -4,17 +4,28 @@
 //!
 //! The body is read once as raw top-level fields ([`RawObject`]); each field is then read from
 //! its own text, so nothing builds a tree of the body and a field is never read twice.
+//!
+//! Each API reads its own fields in a module of its own ([`completions`] for Chat Completions
+//! and Completions, [`responses`], [`messages`], [`embeddings`]); beside them, the fields every
+//! API shares ([`fields`]) and what a prompt is made of ([`prompt`]).
+
+pub mod completions;
+pub mod embeddings;
+pub mod fields;
+pub mod messages;
+pub mod prompt;
+pub mod responses;
 
 use serde::Deserialize;
 
-use crate::embeddings::EmbeddingsRequest;
 use crate::endpoint::Endpoint;
 use crate::error::ApiError;
-use crate::fields::{ANSWER_COUNT_FIELDS, OUTPUT_LIMIT_FIELDS, field};
-use crate::messages::MessagesRequest;
-use crate::openai::CompletionRequest;
-use crate::prompt::{Prompt, RawObject};
-use crate::responses::ResponsesRequest;
+use crate::request::completions::CompletionRequest;
+use crate::request::embeddings::EmbeddingsRequest;
+use crate::request::fields::{ANSWER_COUNT_FIELDS, OUTPUT_LIMIT_FIELDS, field};
+use crate::request::messages::MessagesRequest;
+use crate::request::prompt::{Prompt, RawObject};
+use crate::request::responses::ResponsesRequest;
 use crate::tokens::{Encoding, TokenId, TokenizerUnavailable};
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -114,10 +125,7 @@ impl InferenceRequest {
 
     /// Whether the API asks for usage with `stream_options` (the others always report it).
     pub fn usage_is_optional(&self) -> bool {
-        matches!(
-            self.endpoint,
-            Endpoint::ChatCompletions | Endpoint::Completions
-        )
+        self.endpoint.usage_is_optional()
     }
 
     /// The output limit the API itself defines, if the request sets it: what the engine is

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use crate::error::ApiError;
-use crate::prompt::RawObject;
+use crate::request::prompt::RawObject;
 
 /// Every output limit an engine may read, whichever API it serves: OpenAI's
 /// `max_completion_tokens` and `max_tokens` (older engines and TGI read only the latter), the

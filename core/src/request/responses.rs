@@ -13,9 +13,9 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::error::ApiError;
-use crate::fields::{COMMON_FIELDS, field};
-use crate::openai::MessageContent;
-use crate::prompt::{
+use crate::request::completions::MessageContent;
+use crate::request::fields::{COMMON_FIELDS, field};
+use crate::request::prompt::{
     OUTSIDE_PROMPT, Prompt, RawObject, borrowed, extra_texts, raw_array, raw_object,
 };
 use crate::tokens::ChatTurn;

@@ -6,8 +6,8 @@
 use serde::Deserialize;
 
 use crate::error::ApiError;
-use crate::fields::{COMMON_FIELDS, field};
-use crate::prompt::{
+use crate::request::fields::{COMMON_FIELDS, field};
+use crate::request::prompt::{
     OUTSIDE_PROMPT, Prompt, RawObject, borrowed, extra_texts, raw_array, raw_object,
 };
 use crate::tokens::ChatTurn;

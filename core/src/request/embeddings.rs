@@ -5,9 +5,9 @@
 use serde::Deserialize;
 
 use crate::error::ApiError;
-use crate::fields::{COMMON_FIELDS, field};
-use crate::openai::MAX_BATCH;
-use crate::prompt::{OUTSIDE_PROMPT, Prompt, RawObject, Sequence, borrowed, extra_texts};
+use crate::request::completions::MAX_BATCH;
+use crate::request::fields::{COMMON_FIELDS, field};
+use crate::request::prompt::{OUTSIDE_PROMPT, Prompt, RawObject, Sequence, borrowed, extra_texts};
 use crate::tokens::TokenId;
 
 #[derive(Clone, Debug, Default)]

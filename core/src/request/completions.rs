@@ -4,7 +4,7 @@
 //! the request that can carry text into the prompt — `tools`, `tool_choice`, `functions`,
 //! `response_format`, guided decoding, `chat_template_kwargs`, `documents`, `suffix`, tool calls
 //! in messages, unknown fields — is kept as its rendered text and counted (see
-//! [`crate::prompt`]). A completions `prompt` may be a batch: each prompt is its own sequence.
+//! [`crate::request::prompt`]). A completions `prompt` may be a batch: each prompt is its own sequence.
 
 use std::borrow::Cow;
 
@@ -13,8 +13,8 @@ use serde_json::Value;
 
 use crate::endpoint::Endpoint;
 use crate::error::ApiError;
-use crate::fields::{COMMON_FIELDS, field};
-use crate::prompt::{
+use crate::request::fields::{COMMON_FIELDS, field};
+use crate::request::prompt::{
     OUTSIDE_PROMPT, Prompt, RawObject, Sequence, borrowed, extra_texts, raw_array, raw_object,
 };
 use crate::tokens::{ChatTurn, TokenId};
