@@ -3,8 +3,8 @@
 
 use tokio::sync::oneshot;
 use weir_core::config::Priority;
-use weir_core::scheduler::Verdict;
 use weir_core::scheduler::headroom::Start;
+use weir_core::scheduler::{Scheduler, Verdict};
 
 use crate::replica::limiter::Ticket;
 use crate::replica::pool::{Pool, ReplicaId};
@@ -70,25 +70,7 @@ impl Dispatcher {
             return;
         }
         let waited = |since: u64| now.saturating_sub(since) >= after;
-        if !scheduler
-            .oldest_ms(Priority::Interactive)
-            .is_some_and(waited)
-        {
-            return;
-        }
-        let mut wanted = None;
-        scheduler.pop_where(now, |_, job| {
-            if wanted.is_none()
-                && job.priority == Priority::Interactive
-                && waited(job.arrived_ms)
-                && !job.reply.is_closed()
-                && !p.fits_for(job.kv_need, job.sequences, Start::Alone)
-            {
-                wanted = Some((job.kv_need, job.sequences));
-            }
-            Verdict::Skip
-        });
-        let Some((kv_need, sequences)) = wanted else {
+        let Some((kv_need, sequences)) = wanted(scheduler, p, now, waited) else {
             return;
         };
         let victims = victims(p, running, kv_need, sequences, waited);
@@ -133,6 +115,35 @@ impl Dispatcher {
             self.update_depth(&t);
         }
     }
+}
+
+/// The first interactive request in fair order that has waited `waited` and fits no replica
+/// of `p`: what it needs (KV tokens, sequences), for which streams are preempted.
+fn wanted(
+    scheduler: &mut Scheduler<Job>,
+    p: &Pool,
+    now: u64,
+    waited: impl Fn(u64) -> bool,
+) -> Option<(u64, u64)> {
+    if !scheduler
+        .oldest_ms(Priority::Interactive)
+        .is_some_and(&waited)
+    {
+        return None;
+    }
+    let mut wanted = None;
+    scheduler.pop_where(now, |_, job| {
+        if wanted.is_none()
+            && job.priority == Priority::Interactive
+            && waited(job.arrived_ms)
+            && !job.reply.is_closed()
+            && !p.fits_for(job.kv_need, job.sequences, Start::Alone)
+        {
+            wanted = Some((job.kv_need, job.sequences));
+        }
+        Verdict::Skip
+    });
+    wanted
 }
 
 /// The streams to preempt for an interactive request of `kv_need` KV tokens and `sequences`
