@@ -17,7 +17,8 @@ pub mod store;
 pub mod tokens;
 pub mod trusted;
 
-// layer: vocabulary — endpoints and paths, prices and signatures, fleet terms, buckets, leases
+// layer: vocabulary — endpoints and paths, prices and signatures, fleet terms, buckets, leases,
+// outcomes
 pub mod bucket;
 pub mod endpoint;
 pub mod fairness;
@@ -25,6 +26,7 @@ pub mod fleet;
 pub mod fleet_config;
 pub mod kv_profile;
 pub mod lease;
+pub mod outcome;
 pub mod path;
 pub mod price;
 pub mod signature;

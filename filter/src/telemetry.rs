@@ -3,15 +3,16 @@
 
 use proxy_wasm::types::MetricType;
 use weir_core::config::Mode;
+use weir_core::outcome;
 
 use crate::exchange::Host;
 use crate::host::Metrics;
 
 pub const OUTCOMES: [&str; 5] = [
-    "ok",
+    outcome::OK,
     "rejected",
-    "upstream_error",
-    "cancelled",
+    outcome::UPSTREAM_ERROR,
+    outcome::CANCELLED,
     "passthrough",
 ];
 

@@ -17,6 +17,7 @@ use super::respond::is_identity;
 use super::{Exchange, Headers, Host, Side, Stage};
 use crate::host::staged;
 use crate::telemetry;
+use weir_core::outcome;
 
 /// The caller's deduplication header (IETF httpapi `Idempotency-Key`).
 const IDEMPOTENCY_KEY_HEADER: &str = "idempotency-key";
@@ -62,7 +63,7 @@ impl Exchange {
             return self.send_headers(host);
         }
         self.shadow = mode == Mode::Shadow;
-        self.outcome = "ok";
+        self.outcome = outcome::OK;
         self.enforce_headers(host, &headers, idempotency_key, end_of_stream)
     }
 

@@ -9,6 +9,7 @@ use weir_core::trusted;
 
 use super::{Exchange, Headers, Host, Meter, Side, Stage};
 use crate::telemetry;
+use weir_core::outcome;
 
 /// Set on a response the sidecar (or a hosted API) answered from completed work.
 const REPLAYED_HEADER: &str = "idempotent-replayed";
@@ -119,11 +120,7 @@ impl Exchange {
     }
 
     fn completed_outcome(&self) -> &'static str {
-        if self.upstream_status >= 400 {
-            "upstream_error"
-        } else {
-            "ok"
-        }
+        outcome::of_answer(self.upstream_status)
     }
 }
 

@@ -13,6 +13,7 @@ use weir_core::reservation::{self, Demand};
 use super::{Exchange, Host, Meter, Stage};
 use crate::Gateway;
 use crate::telemetry::{self, AccessRecord};
+use weir_core::outcome;
 
 impl Exchange {
     /// Replaces the reservation with what was used: the engine's count when it reported one,
@@ -31,7 +32,7 @@ impl Exchange {
         if self.replayed {
             // The same completed work is never charged twice, to quota either.
             self.usage = Demand::default();
-        } else if outcome == "ok" && measured {
+        } else if outcome::completed(outcome) && measured {
             self.learn_output(host);
         }
         if let Some(r) = self.reservation.take() {
@@ -167,7 +168,7 @@ impl Exchange {
             self.stage,
             Stage::AwaitingBody | Stage::Forwarded | Stage::Responding
         ) {
-            self.finish(host, "cancelled");
+            self.finish(host, outcome::CANCELLED);
         }
         host.add(&telemetry::request_metric(self.outcome), 1);
         if let Some(tenant) = &self.tenant {

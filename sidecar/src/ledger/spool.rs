@@ -70,7 +70,7 @@ pub fn history(conn: &Connection, tenant: &str, key: &str) -> anyhow::Result<Key
         let r: UsageRecord = serde_json::from_str(&json?)?;
         past = past.and(KeyHistory {
             attempts: r.attempt,
-            completed: r.outcome == "ok",
+            completed: weir_core::outcome::completed(&r.outcome),
         });
     }
     Ok(past)

@@ -13,6 +13,7 @@ use crate::relay::engine::{JSON, retry_after_of, status_of};
 use crate::relay::flight::Flight;
 use crate::relay::grace::cut;
 use crate::relay::refusal::{cut_short, failed_mid_response, timed_out, too_large};
+use weir_core::outcome;
 
 /// Most of a non-streamed answer the meter copies to parse whole (for a count where the engine
 /// reports no usage, as the filter does); past it the rest is scanned for the usage as it
@@ -75,11 +76,7 @@ fn relayed(
         flight.hold.assignment.answered();
     }
     let usage = metered(flight, &bytes);
-    let outcome = if status.is_success() {
-        "ok"
-    } else {
-        "upstream_error"
-    };
+    let outcome = outcome::of_answer(status.as_u16());
     flight.finish_with(outcome, usage, (status.as_u16(), JSON));
     // An engine's own error answer, in the provider's values as weir's own are.
     let shape = flight.endpoint.error_shape();

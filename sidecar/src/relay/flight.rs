@@ -23,6 +23,7 @@ use crate::relay::hold::Hold;
 use crate::relay::learn::Learning;
 use crate::relay::meter::{Bill, Meter};
 use crate::relay::resume::Splice;
+use weir_core::outcome;
 
 /// What a flight knows of the attempt it carries.
 pub struct Attempt {
@@ -176,6 +177,6 @@ impl Flight {
 impl Drop for Flight {
     fn drop(&mut self) {
         // Dropped unfinished: the client went away mid-stream.
-        self.finish("cancelled", None);
+        self.finish(outcome::CANCELLED, None);
     }
 }

@@ -6,6 +6,7 @@
 use axum::body::Bytes;
 use weir_core::endpoint::Endpoint;
 use weir_core::meter::{BodyUsage, StreamMeter};
+use weir_core::outcome;
 
 /// What the attempt is billed, and where the figures came from.
 #[derive(Clone, Copy, Debug)]
@@ -74,13 +75,7 @@ impl Meter {
     /// billed for what streamed but are not completed work, so the key's retry runs instead of
     /// replaying a failure or a truncated answer.
     pub(super) fn ended_outcome(&self) -> &'static str {
-        if self.stream.error_events() > 0 {
-            "upstream_error"
-        } else if !self.stream.saw_done() {
-            "failed"
-        } else {
-            "ok"
-        }
+        outcome::of_stream(self.stream.error_events(), self.stream.saw_done())
     }
 
     /// The bill: the engine's usage where it reported one (`body_usage` for an answer read

@@ -17,6 +17,7 @@ use crate::relay::flight::Flight;
 use crate::relay::grace::cut;
 use crate::relay::resume::{continued, segment_id};
 use crate::relay::stream_end::Ending;
+use weir_core::outcome;
 
 /// Resolves with the dispatcher's word when it preempts the stream (never, if it does not).
 pub(super) async fn preempted(preemption: &mut Option<oneshot::Receiver<Requeued>>) -> Requeued {
@@ -49,7 +50,7 @@ async fn unless_ended<T>(
 ) -> Result<T, (&'static str, Option<Ending>)> {
     tokio::select! {
         t = work => Ok(t),
-        () = tx.closed() => Err(("cancelled", None)),
+        () = tx.closed() => Err((outcome::CANCELLED, None)),
         () = tokio::time::sleep_until(deadline) => Err(("stream_deadline", Some(Ending::Deadline))),
         () = cut(app) => Err(("shutdown", Some(Ending::Shutdown))),
     }

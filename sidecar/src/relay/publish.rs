@@ -6,6 +6,7 @@ use crate::relay::flight::Flight;
 use crate::relay::meter::Bill;
 use crate::replica::engine::Dialect;
 use crate::support::clock::now_ms;
+use weir_core::outcome;
 
 impl Flight {
     /// The settled attempt's figures: weir's per-tenant counters and the GenAI conventions'
@@ -18,7 +19,7 @@ impl Flight {
             .inc_by(&[("tenant", tenant), ("direction", "in")], prompt);
         m.tokens
             .inc_by(&[("tenant", tenant), ("direction", "out")], completion);
-        let ok = outcome == "ok";
+        let ok = outcome::completed(outcome);
         if ok && now_ms() <= figures.deadline_ms {
             let labels: Labels = &[("pool", &self.model), ("tier", &self.who.tier)];
             m.goodput_tokens.inc_by(labels, prompt + completion);

@@ -22,6 +22,7 @@ use crate::relay::grace::cut;
 use crate::relay::preemption::{Resumed, preempted, resumed};
 use crate::relay::stream_end::Ending;
 use crate::relay::watch::{Lapse, Watch};
+use weir_core::outcome;
 
 /// Most bytes the pump holds for a client that has not taken the last chunk yet. What the
 /// replica sends meanwhile goes out as one chunk, one write for many events (the slower the
@@ -107,7 +108,7 @@ pub(super) async fn pump(
         let reading = p.pending.len() < MAX_PENDING_BYTES;
         let next = tokio::select! {
             biased;
-            () = &mut closed => p.settled("cancelled"),
+            () = &mut closed => p.settled(outcome::CANCELLED),
             () = &mut cut => p.closed("shutdown", Ending::Shutdown),
             () = &mut deadline => p.closed("stream_deadline", Ending::Deadline),
             () = &mut timer => p.lapsed(reading, timer.as_mut()),
@@ -231,7 +232,7 @@ impl Pumping {
         match deliver(tx, chunk, self.stall).await {
             Delivery::Taken => true,
             Delivery::ClientGone => {
-                self.flight.finish("cancelled", None);
+                self.flight.finish(outcome::CANCELLED, None);
                 false
             }
             Delivery::ClientStalled => {

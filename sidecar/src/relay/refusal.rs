@@ -12,6 +12,7 @@ use weir_core::meter::BodyUsage;
 use crate::dispatch::Event;
 use crate::relay::flight::Flight;
 use crate::support::respond::{error_response, error_response_with};
+use weir_core::outcome;
 
 impl Flight {
     /// An error reply to the caller, in its API's shape. An attempt that used the engine (a
@@ -54,7 +55,7 @@ impl Flight {
             pool: self.hold.assignment.pool,
             replica: self.hold.assignment.replica,
         });
-        self.finish("failed", body_usage);
+        self.finish(outcome::FAILED, body_usage);
     }
 }
 
@@ -147,7 +148,7 @@ pub(super) fn refused_by_engine(
 fn credential_refused(flight: &mut Flight, status: StatusCode) -> Response {
     tracing::warn!(replica = %flight.hold.assignment.url, %status, "the engine refused the pool's credential");
     (flight.app.metrics).reject("engine_unauthorized", &flight.who.tenant, 502);
-    flight.finish("upstream_error", None);
+    flight.finish(outcome::UPSTREAM_ERROR, None);
     flight.refusal(
         ApiError::new(
             502,
@@ -163,7 +164,7 @@ fn credential_refused(flight: &mut Flight, status: StatusCode) -> Response {
 /// organization and what it used: the figures the filter keeps out of rate-limit headers).
 fn throttled(flight: &mut Flight, retry_after: Option<HeaderValue>) -> Response {
     (flight.app.metrics).reject("engine_rate_limited", &flight.who.tenant, 429);
-    flight.finish("upstream_error", None);
+    flight.finish(outcome::UPSTREAM_ERROR, None);
     let mut resp = flight.refusal(
         ApiError::rate_limited("the engine is rate limiting the gateway's requests; retry later")
             .with_code("engine_rate_limited"),

@@ -8,6 +8,7 @@ use weir_core::meter::BodyUsage;
 use crate::relay::engine::EVENT_STREAM;
 use crate::relay::flight::Flight;
 use crate::relay::meter::Bill;
+use weir_core::outcome;
 
 impl Flight {
     /// Settles once: gives the KV back, charges what was left, writes the ledger record,
@@ -30,13 +31,14 @@ impl Flight {
         let bill = self.meter.bill(body_usage, self.input_tokens);
         self.settled = Some(bill);
         self.give_back(&bill);
-        if outcome == "ok" && bill.ran && self.learning.uncapped {
+        if outcome::completed(outcome) && bill.ran && self.learning.uncapped {
             let at = (self.who.tenant.as_str(), self.hold.assignment.pool);
             (self.learning).teach(&self.app, at, &self.model, bill.completion);
         }
         self.publish(outcome, &bill);
         let attempt = self.capture.attempt();
-        self.capture.settle(outcome == "ok", status, content_type);
+        self.capture
+            .settle(outcome::completed(outcome), status, content_type);
         self.record(outcome, &bill, attempt);
     }
 
