@@ -210,15 +210,14 @@ fn rewrite(
     Ok(ask_usage)
 }
 
-/// Whether a body leaves a stream's usage out: it sets no `stream_options`, or options without
-/// `include_usage: true`. Options that are not an object are left as they came.
+/// Whether a body leaves a stream's usage out: options without `include_usage: true`, or none
+/// (`null`, or not an object, which the rewrite replaces, as the filter's does).
 fn leaves_usage_out(value: &Value) -> bool {
     match value.get("stream_options") {
-        None => true,
         Some(Value::Object(options)) => {
             options.get("include_usage").and_then(Value::as_bool) != Some(true)
         }
-        Some(_) => false,
+        _ => true,
     }
 }
 
@@ -326,5 +325,24 @@ mod tests {
         assert_ne!(a, cache_salt(b"secret-0123456789", "globex/p/k"));
         assert_ne!(a, cache_salt(b"other-secret-0123", "acme/p/k"));
         assert_eq!(a.len(), 32);
+    }
+
+    #[test]
+    fn a_stream_without_usage_options_is_asked_for_its_usage_as_the_filter_asks() {
+        for options in [
+            json!(null),
+            json!("x"),
+            json!({}),
+            json!({"include_usage": false}),
+        ] {
+            assert!(
+                leaves_usage_out(&json!({"stream_options": options})),
+                "{options}"
+            );
+        }
+        assert!(leaves_usage_out(&json!({})));
+        assert!(!leaves_usage_out(
+            &json!({"stream_options": {"include_usage": true}})
+        ));
     }
 }
