@@ -379,11 +379,11 @@ impl Asker<'_> {
     /// out): what an org past its part, and a key past its part within its org, leave the
     /// headroom for.
     fn others(&self, orgs: usize, keys: usize, org_below: bool, key_below: bool) -> (usize, usize) {
-        let in_org = self
-            .o
-            .map_or(0, |_| keys - usize::from(self.active && key_below));
+        let in_org = self.o.map_or(0, |_| {
+            keys.saturating_sub(usize::from(self.active && key_below))
+        });
         (
-            orgs - usize::from(self.o.is_some_and(|o| o.active) && org_below),
+            orgs.saturating_sub(usize::from(self.o.is_some_and(|o| o.active) && org_below)),
             in_org,
         )
     }
@@ -673,7 +673,7 @@ impl<'a> Headroom<'a> {
             // other org its reserve too).
             let held_back_org = org_past && orgs_below > 0;
             let reserves = if held_back_org {
-                self.reserved - o.map_or(0, |o| o.reserve)
+                (self.reserved).saturating_sub(o.map_or(0, |o| o.reserve))
             } else {
                 self.idle_orgs as u64
             };

@@ -345,4 +345,18 @@ mod tests {
             &json!({"stream_options": {"include_usage": true}})
         ));
     }
+
+    #[test]
+    fn a_stream_with_options_that_are_not_an_object_still_asks_for_usage() {
+        for options in [json!(null), json!(false), json!("x"), json!([])] {
+            let mut body = json!({"model": "m", "stream": true, "stream_options": options});
+            let hide = rewrite(&mut body, Endpoint::ChatCompletions, true, b"k", "t").ok();
+            assert_eq!(
+                hide,
+                Some(true),
+                "{options}: weir asks, and hides the chunk"
+            );
+            assert_eq!(body["stream_options"]["include_usage"], true, "{options}");
+        }
+    }
 }
