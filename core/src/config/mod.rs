@@ -15,11 +15,15 @@
 
 mod resolution;
 mod rfc3339;
+mod runs;
 mod schema;
 mod validation;
 
 pub use resolution::{Directory, KeyRefusal, Level, Tenant};
 pub use rfc3339::parse_rfc3339;
+pub use runs::{
+    OnBlockedOffered, RUN_BUDGETS, RunBudgets, RunPolicy, ToolClass, ToolPolicy, ToolRule, Tools,
+};
 pub use schema::*;
 
 use crate::parse_error;

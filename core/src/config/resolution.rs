@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::rfc3339::parse_rfc3339;
+use super::runs::{RunBudgets, Tools};
 use super::schema::{Config, Limits, Mode, Policy, Priority, RouteConfig, UnknownModels};
 use crate::fleet_config::{FleetConfig, LeaseTerms};
 use crate::tokens::Encoding;
@@ -45,6 +46,10 @@ pub struct Tenant {
     pub expires_ms: Option<u64>,
     /// How leases of its fleet-wide limits are sized, when the config has a `fleet` section.
     pub lease_terms: Option<LeaseTerms>,
+    /// What one of its runs may use: the tightest budget of each measure along its path.
+    pub run_budgets: RunBudgets,
+    /// Its tool policy, its path's levels combined.
+    pub tools: Tools,
 }
 
 impl Tenant {
@@ -131,6 +136,8 @@ impl Config {
             disabled: false,
             expires_ms: None,
             lease_terms: None,
+            run_budgets: RunBudgets::default(),
+            tools: Tools::default(),
         }
     }
 
@@ -233,5 +240,9 @@ pub(super) fn resolve(chain: &Chain<'_>) -> Tenant {
         disabled: false,
         expires_ms: None,
         lease_terms: None,
+        run_budgets: (chain.iter())
+            .filter_map(|c| c.2.runs.as_ref())
+            .fold(RunBudgets::default(), |run, r| run.tightest(r.budgets)),
+        tools: Tools::combine(chain.iter().filter_map(|c| c.2.tools.as_ref())),
     }
 }

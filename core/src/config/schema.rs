@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
+use super::runs::{RunPolicy, ToolPolicy};
+
 use crate::fleet_config::{BudgetConfig, FailMode, FleetConfig};
 use crate::path::AllowedPaths;
 use crate::prediction::PredictionConfig;
@@ -242,6 +244,10 @@ pub struct Policy {
     /// `max_tokens` assumed when a request sets none. Unset: the request's output is capped only
     /// by the model's context and `max_output_tokens` limits, and that is what is reserved.
     pub default_max_tokens: Option<u64>,
+    /// Bounds on an agent's runs; every level's apply (the tightest of each).
+    pub runs: Option<RunPolicy>,
+    /// The tools a model may be offered and may call; every level's apply.
+    pub tools: Option<ToolPolicy>,
 }
 
 #[derive(Clone, Debug, Deserialize)]

@@ -525,3 +525,102 @@ fn limits_that_refuse_every_request_are_refused() {
         .is_ok()
     );
 }
+
+/// One key under an org, with `org` and `key` as the two levels' policies.
+fn agent_config(org: &str, key: &str) -> String {
+    format!(
+        r#"{{"orgs": [{{"id": "agentco", "policy": {org}, "workspaces": [{{"id": "w",
+            "projects": [{{"id": "p", "keys": [{{"id": "k", "sha256": "{h}", "policy": {key}}}]}}]}}]}}]}}"#,
+        h = hash('c')
+    )
+}
+
+#[test]
+fn a_key_s_runs_and_tools_combine_the_policies_along_its_path() {
+    let org = r#"{"runs": {"budgets": {"model_calls": 100, "output_tokens": 5000}},
+                  "tools": {"blocked": ["shell_*"], "classes": {"send_email": "side_effect"}}}"#;
+    let key = r#"{"runs": {"idle_ttl_ms": 60000, "budgets": {"model_calls": 10, "tool_calls": 5}},
+                  "tools": {"allowed": ["search_*", "send_email", "shell_ls"],
+                            "classes": {"send_*": "approval"}, "on_blocked_offered": "remove"}}"#;
+    let config = Config::parse(agent_config(org, key).as_bytes()).unwrap();
+    let directory = config.directory();
+    let tenant = directory.lookup(&hash('c')).unwrap();
+    let budgets = tenant.run_budgets;
+    assert_eq!(budgets.model_calls, Some(10));
+    assert_eq!(budgets.tool_calls, Some(5));
+    assert_eq!(budgets.output_tokens, Some(5000));
+    let tools = &tenant.tools;
+    assert_eq!(
+        tools.rule("search_web"),
+        ToolRule::Allowed(ToolClass::ReadOnly)
+    );
+    assert_eq!(
+        tools.rule("send_email"),
+        ToolRule::Allowed(ToolClass::Approval)
+    );
+    assert_eq!(tools.rule("shell_ls"), ToolRule::Blocked);
+    assert_eq!(tools.rule("deploy"), ToolRule::Blocked);
+    assert_eq!(tools.on_blocked_offered, OnBlockedOffered::Remove);
+    // A key with no such policy anywhere on its path has none.
+    let plain = Config::parse(agent_config("{}", "{}").as_bytes()).unwrap();
+    let directory = plain.directory();
+    let tenant = directory.lookup(&hash('c')).unwrap();
+    assert_eq!(tenant.run_budgets, RunBudgets::default());
+    assert!(tenant.tools.is_empty());
+}
+
+#[test]
+fn a_run_or_tool_policy_that_cannot_hold_is_refused_with_its_field() {
+    let cases = [
+        (
+            r#"{"runs": {"budgets": {"model_calls": 0}}}"#,
+            "orgs[0].policy.runs.budgets",
+        ),
+        (
+            r#"{"runs": {"idle_ttl_ms": 0}}"#,
+            "orgs[0].policy.runs.idle_ttl_ms",
+        ),
+        (
+            r#"{"runs": {"fleet_wide": {"model_calls": "fail_open"}}}"#,
+            "orgs[0].policy.runs.fleet_wide.model_calls",
+        ),
+        (
+            r#"{"runs": {"fleet_wide": {"requests": "fail_closed"}}}"#,
+            "orgs[0].policy.runs.fleet_wide.requests",
+        ),
+        (
+            r#"{"tools": {"allowed": []}}"#,
+            "orgs[0].policy.tools.allowed",
+        ),
+        (
+            r#"{"tools": {"blocked": ["ok", "rm -rf"]}}"#,
+            "orgs[0].policy.tools.blocked[1]",
+        ),
+        (
+            r#"{"tools": {"classes": {"a?": "approval"}}}"#,
+            "orgs[0].policy.tools.classes.a?",
+        ),
+    ];
+    for (org, field) in cases {
+        let error = error_of(&agent_config(org, "{}"));
+        assert_eq!(error.field, field, "{org}: {error}");
+    }
+    let error = error_of(&agent_config(
+        r#"{"tools": {"classes": {"x": "risky"}}}"#,
+        "{}",
+    ));
+    assert!(
+        error.field.starts_with("orgs[0].policy.tools.classes"),
+        "{error}"
+    );
+    assert!(
+        Config::parse(
+            agent_config(
+                r#"{"runs": {"fleet_wide": {"model_calls": "fail_closed"}}}"#,
+                "{}"
+            )
+            .as_bytes()
+        )
+        .is_ok()
+    );
+}

@@ -6,9 +6,11 @@ use std::collections::HashSet;
 
 use super::resolution::{LevelConfig, Tenant, resolve};
 use super::rfc3339::parse_rfc3339;
+use super::runs::{self, RUN_BUDGETS, RunPolicy, ToolPolicy};
 use super::schema::{Config, FLEET_WIDE_LIMITS, Key, Limits, Policy, TIERS, UnknownModels};
 use super::{ConfigError, invalid};
 use crate::fleet;
+use crate::fleet_config::FailMode;
 use crate::trusted;
 
 impl Config {
@@ -286,6 +288,77 @@ fn check_policy(at: &str, policy: &Policy, tiers: &[&str]) -> Result<(), ConfigE
             format!("{at}.policy.models"),
             "an empty list allows no model; leave it out to allow every model".to_owned(),
         ));
+    }
+    if let Some(runs) = &policy.runs {
+        check_runs(&format!("{at}.policy.runs"), runs)?;
+    }
+    if let Some(tools) = &policy.tools {
+        check_tools(&format!("{at}.policy.tools"), tools)?;
+    }
+    Ok(())
+}
+
+/// A level's run policy: budgets that admit something, fleet-wide ones that exist and never
+/// fail open (a run's budget is a promise to whoever pays for it).
+fn check_runs(at: &str, runs: &RunPolicy) -> Result<(), ConfigError> {
+    if runs.idle_ttl_ms == Some(0) {
+        return Err(invalid(
+            format!("{at}.idle_ttl_ms"),
+            "must be above 0".to_owned(),
+        ));
+    }
+    let b = &runs.budgets;
+    if b.parallel_calls == Some(0) || b.model_calls == Some(0) {
+        return Err(invalid(
+            format!("{at}.budgets"),
+            "a model_calls or parallel_calls budget of 0 admits no call; leave it out for none"
+                .to_owned(),
+        ));
+    }
+    for (name, fail) in &runs.fleet_wide {
+        if !RUN_BUDGETS.contains(&name.as_str()) {
+            return Err(invalid(
+                format!("{at}.fleet_wide.{name}"),
+                format!("not a run budget (one of {})", RUN_BUDGETS.join(", ")),
+            ));
+        }
+        if *fail == FailMode::FailOpen {
+            return Err(invalid(
+                format!("{at}.fleet_wide.{name}"),
+                "a run's budget fails closed while the quota store is unreachable".to_owned(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A level's tool policy: every name or pattern well formed, and an allow-list that allows
+/// something.
+fn check_tools(at: &str, tools: &ToolPolicy) -> Result<(), ConfigError> {
+    if tools.allowed.as_ref().is_some_and(Vec::is_empty) {
+        return Err(invalid(
+            format!("{at}.allowed"),
+            "an empty list allows no tool; block tools by name in 'blocked' instead".to_owned(),
+        ));
+    }
+    let lists = [
+        ("allowed", tools.allowed.as_deref()),
+        ("blocked", Some(&tools.blocked[..])),
+    ];
+    for (list, names) in lists {
+        for (i, name) in names.unwrap_or_default().iter().enumerate() {
+            if let Some(why) = runs::malformed(name) {
+                return Err(invalid(
+                    format!("{at}.{list}[{i}]"),
+                    format!("'{name}' {why}"),
+                ));
+            }
+        }
+    }
+    for name in tools.classes.keys() {
+        if let Some(why) = runs::malformed(name) {
+            return Err(invalid(format!("{at}.classes.{name}"), why.to_owned()));
+        }
     }
     Ok(())
 }
