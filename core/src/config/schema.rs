@@ -179,6 +179,9 @@ pub struct Limits {
     pub max_output_tokens: Option<u64>,
     /// Enforced by the sidecar: KV tokens a tenant may hold at once.
     pub active_kv_tokens: Option<u64>,
+    /// Calls a minute that repeat one already sent (its idempotency key, or its request id and
+    /// body): past it they are refused with a growing `Retry-After`; first attempts still flow.
+    pub retries_per_minute: Option<u64>,
     /// Which of this level's per-minute limits hold across the whole fleet (by limit name),
     /// and what each does while the quota store is unreachable.
     #[serde(default)]
@@ -313,6 +316,10 @@ pub struct Key {
     pub limits: Limits,
     #[serde(default)]
     pub policy: Policy,
+    /// The tenant paths (an org, or a level under it, of the key's own org) whose pending tool
+    /// calls this key may approve or reject.
+    #[serde(default)]
+    pub approves: Vec<String>,
 }
 
 /// One key hash, or several for one key being rotated.
@@ -409,6 +416,10 @@ pub struct RouteConfig {
     /// it (no caller can pick its side); the rest are treated as `off`.
     #[serde(default = "default_rollout")]
     pub rollout_percent: u8,
+    /// The request header that names a call's agent run (an agent framework's own, say); unset,
+    /// `x-weir-run-id`.
+    #[serde(default)]
+    pub run_id_header: Option<String>,
 }
 
 fn default_rollout() -> u8 {
@@ -420,6 +431,7 @@ impl Default for RouteConfig {
         RouteConfig {
             mode: Mode::Enforce,
             rollout_percent: default_rollout(),
+            run_id_header: None,
         }
     }
 }
@@ -428,6 +440,7 @@ fn ignored() -> RouteConfig {
     RouteConfig {
         mode: Mode::Ignore,
         rollout_percent: default_rollout(),
+        run_id_header: None,
     }
 }
 

@@ -624,3 +624,50 @@ fn a_run_or_tool_policy_that_cannot_hold_is_refused_with_its_field() {
         .is_ok()
     );
 }
+
+#[test]
+fn an_approver_key_approves_only_within_its_own_org_and_a_run_header_is_a_plain_header() {
+    let with_approves = |approves: &str| {
+        format!(
+            r#"{{"orgs": [{{"id": "agentco", "workspaces": [{{"id": "w", "projects": [{{"id": "p",
+                "keys": [{{"id": "ops", "sha256": "{h}", "approves": {approves},
+                           "limits": {{"retries_per_minute": 30}}}}]}}]}}]}}]}}"#,
+            h = hash('d')
+        )
+    };
+    for ok in [
+        r#"["agentco"]"#,
+        r#"["agentco/w", "agentco/w/p/agent"]"#,
+        "[]",
+    ] {
+        assert!(Config::parse(with_approves(ok).as_bytes()).is_ok(), "{ok}");
+    }
+    for bad in [
+        r#"["globex"]"#,
+        r#"["agentcox"]"#,
+        r#"["agentco//p"]"#,
+        r#"["agentco/a/b/c/d"]"#,
+    ] {
+        let error = error_of(&with_approves(bad));
+        assert_eq!(
+            error.field, "orgs[0].workspaces[0].projects[0].keys[0].approves[0]",
+            "{bad}"
+        );
+    }
+    let route = |header: &str| {
+        format!(
+            r#"{{"routes": {{"by_name": {{"llm": {{"mode": "enforce", "run_id_header": "{header}"}}}}}}}}"#
+        )
+    };
+    for ok in ["x-langgraph-thread-id", "x-weir-run-id", "run_id"] {
+        let config = Config::parse(route(ok).as_bytes()).unwrap();
+        assert_eq!(
+            config.routes.by_name["llm"].run_id_header.as_deref(),
+            Some(ok)
+        );
+    }
+    for bad in ["X-Run", "x-weir-tenant", "", "run id"] {
+        let error = error_of(&route(bad));
+        assert_eq!(error.field, "routes.by_name.llm.run_id_header", "{bad}");
+    }
+}

@@ -53,6 +53,9 @@ impl Config {
                     "must be between 0 and 100",
                 ));
             }
+            if let Some(header) = &route.run_id_header {
+                check_run_id_header(&format!("{p}.run_id_header"), header)?;
+            }
         }
         Ok(())
     }
@@ -98,6 +101,7 @@ impl Config {
                         let level = (&key.id, &key.limits, &key.policy);
                         check_level(&at, level, &mut seen_ids, &project_path, &tiers)?;
                         check_key(&at, key, &mut seen_hashes)?;
+                        check_approves(&at, &key.approves, &org.id)?;
                         let chain = [
                             (&org.id, &org.limits, &org.policy),
                             (&ws.id, &ws.limits, &ws.policy),
@@ -328,6 +332,41 @@ fn check_runs(at: &str, runs: &RunPolicy) -> Result<(), ConfigError> {
                 "a run's budget fails closed while the quota store is unreachable".to_owned(),
             ));
         }
+    }
+    Ok(())
+}
+
+/// A key's approver scopes: tenant paths within its own org, so no key approves another
+/// org's tool calls.
+fn check_approves(at: &str, approves: &[String], org: &str) -> Result<(), ConfigError> {
+    for (i, path) in approves.iter().enumerate() {
+        let mut levels = path.split('/');
+        let well_formed = levels.clone().count() <= 4 && !path.split('/').any(str::is_empty);
+        if !well_formed || levels.next() != Some(org) {
+            return Err(invalid(
+                format!("{at}.approves[{i}]"),
+                format!("'{path}': a tenant path within the key's own org ('{org}' or under it)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A route's run-id header: a lowercase header name a client may set, never one of weir's own
+/// (`x-weir-*` headers are stripped from every request before anything reads them).
+fn check_run_id_header(at: &str, header: &str) -> Result<(), ConfigError> {
+    let token = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_';
+    if header.is_empty() || header.len() > 64 || !header.chars().all(token) {
+        return Err(invalid(
+            at.to_owned(),
+            format!("'{header}': a lowercase header name (letters, digits, '-', '_')"),
+        ));
+    }
+    if header.starts_with("x-weir-") && header != "x-weir-run-id" {
+        return Err(invalid(
+            at.to_owned(),
+            format!("'{header}': weir's own headers are stripped before it is read"),
+        ));
     }
     Ok(())
 }
