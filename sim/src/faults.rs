@@ -45,9 +45,10 @@ pub const FAULT_HEADER: &str = "x-sim-fault";
 /// Faults of one answer's shape.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RequestFaults {
-    /// `split-tool-name`: a streamed tool call's name arrives over two events where the shape
-    /// carries it in deltas (chat), and its first arguments fragment over two events in every
-    /// shape — the cases a filter that inspects tool calls must reassemble.
+    /// `split-tool-name`: each streamed tool call's name arrives over two deltas where the shape
+    /// streams names (chat; Responses and Messages carry it whole when the item or block
+    /// opens), and the stream's first arguments fragment over two events in every shape — the
+    /// cases a filter that inspects tool calls must reassemble.
     pub split_tool_name: bool,
 }
 
