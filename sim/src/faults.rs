@@ -1,4 +1,7 @@
-//! Failure injection for reliability tests of whatever sits in front of the simulator.
+//! Failure injection for reliability tests of whatever sits in front of the simulator: faults
+//! of the whole process, chosen on the command line ([`FaultFlags`]), and faults of one answer's
+//! shape, asked for by the request itself ([`RequestFaults`], header `x-sim-fault`) so that one
+//! simulator serves a test's tricky answers and its plain ones side by side.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -34,6 +37,39 @@ pub struct FaultFlags {
     /// Switch at run time with `PUT /debug/faults/hang`.
     #[arg(long)]
     pub hang: bool,
+}
+
+/// The header a request names its own faults in, comma-separated.
+pub const FAULT_HEADER: &str = "x-sim-fault";
+
+/// Faults of one answer's shape.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RequestFaults {
+    /// `split-tool-name`: each streamed tool call's name arrives over two deltas where the shape
+    /// streams names (chat; Responses and Messages carry it whole when the item or block
+    /// opens), and the stream's first arguments fragment over two events in every shape — the
+    /// cases a filter that inspects tool calls must reassemble.
+    pub split_tool_name: bool,
+}
+
+impl RequestFaults {
+    /// The faults a request's headers ask for; an unknown one is refused, so that a typo does
+    /// not quietly test the plain answer.
+    pub fn of_headers(headers: &axum::http::HeaderMap) -> Result<Self, String> {
+        let mut faults = RequestFaults::default();
+        for value in headers.get_all(FAULT_HEADER) {
+            let value = value
+                .to_str()
+                .map_err(|_| format!("{FAULT_HEADER}: not text"))?;
+            for fault in value.split(',').map(str::trim).filter(|f| !f.is_empty()) {
+                match fault {
+                    "split-tool-name" => faults.split_tool_name = true,
+                    other => return Err(format!("{FAULT_HEADER}: unknown fault `{other}`")),
+                }
+            }
+        }
+        Ok(faults)
+    }
 }
 
 fn parse_millis(s: &str) -> Result<Duration, String> {
@@ -162,6 +198,19 @@ mod tests {
         assert!(faults.stall_before(0).is_none());
         assert!(!faults.drops_before(1_000_000));
         assert!(!faults.hangs());
+    }
+
+    #[test]
+    fn request_faults_are_read_from_the_header_and_unknown_ones_refused() {
+        let mut headers = axum::http::HeaderMap::new();
+        assert_eq!(
+            RequestFaults::of_headers(&headers),
+            Ok(RequestFaults::default())
+        );
+        headers.insert(FAULT_HEADER, " split-tool-name ,".parse().unwrap());
+        assert!(RequestFaults::of_headers(&headers).unwrap().split_tool_name);
+        headers.insert(FAULT_HEADER, "split-tool-nam".parse().unwrap());
+        assert!(RequestFaults::of_headers(&headers).is_err());
     }
 
     #[test]

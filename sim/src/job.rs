@@ -7,6 +7,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::Ordering;
 
 use axum::body::Bytes;
+use axum::http::HeaderMap;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
 use weir_core::request::InferenceRequest;
@@ -15,7 +16,7 @@ use weir_core::tokens::TokenId;
 use crate::app::App;
 use crate::dialect::{CacheScope, Refusal};
 use crate::engine::SeqSpec;
-use crate::faults::Verdict;
+use crate::faults::{RequestFaults, Verdict};
 use crate::framing::Framing;
 use crate::kv_cache::block_hashes;
 use crate::text::TextGen;
@@ -56,7 +57,13 @@ impl Job {
 }
 
 /// Parses, validates and sizes a request.
-pub async fn prepare(app: &App, endpoint: Endpoint, body: &Bytes) -> Result<Job, Refusal> {
+pub async fn prepare(
+    app: &App,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Result<Job, Refusal> {
+    let faults = RequestFaults::of_headers(headers).map_err(ApiError::bad_request)?;
     let req = InferenceRequest::parse(endpoint, body)?;
     req.validate()?;
     let model = app.dialect.served_model(&req.model, &app.settings.model)?;
@@ -84,7 +91,7 @@ pub async fn prepare(app: &App, endpoint: Endpoint, body: &Bytes) -> Result<Job,
         .next_id
         .fetch_add(prompts.len() as u64, Ordering::Relaxed);
     let head = ResponseHead::new(endpoint, first_id, &model);
-    let tool = ToolCall::of_request(endpoint, body, &head.key)?;
+    let calls = ToolCall::of_request(endpoint, body, &head.key)?;
     let params = match endpoint {
         Endpoint::Responses => Params::Responses(Box::new(Echo::of_request(body)?)),
         Endpoint::Embeddings => Params::Embeddings(Format::of_request(body, &prompts)?),
@@ -101,13 +108,18 @@ pub async fn prepare(app: &App, endpoint: Endpoint, body: &Bytes) -> Result<Job,
         Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Messages
     );
     let reasoning = if reasons { shape.reasoning_tokens } else { 0 };
-    // A tool is called only if some of the answer is not reasoning.
-    let tool = tool.filter(|_| choices.iter().any(|c| c.spec.output_len > reasoning));
+    // Tools are called only if some of the answer is not reasoning.
+    let calls = if choices.iter().any(|c| c.spec.output_len > reasoning) {
+        calls
+    } else {
+        Vec::new()
+    };
     let usage = (!shape.omit_usage).then(|| !req.usage_is_optional() || req.wants_stream_usage());
     Ok(Job {
         reply: Reply {
             head,
-            tool,
+            calls,
+            faults,
             usage,
             prompt_tokens: prompts.iter().map(|p| p.len() as u64).sum(),
             params,

@@ -19,7 +19,7 @@ use crate::driver::{EngineHandle, Events, SeqEvent};
 use crate::engine::{Finished, SeqId};
 use crate::job::{Choice, Job};
 use crate::shape::Field;
-use crate::tool_call::ToolCall;
+use crate::tool_call::{ToolCall, fragments};
 use crate::wire::{self, Answer, Finish, Outcome, Output, merged};
 
 /// How long an injected drop waits for earlier frames to be written out.
@@ -78,29 +78,38 @@ async fn faults_before(app: &App, accepted: u64, index: u32) -> Result<(), Dropp
     Ok(())
 }
 
-/// Which part of the answer a chunk belongs to.
+/// Which part of the answer a piece belongs to.
 #[derive(Clone, Copy)]
 enum Part {
     Reasoning,
     Text,
-    Arguments,
+    /// The arguments of the call with this index.
+    Arguments(u32),
 }
 
-/// A chunk of one choice's output, ready for the wire.
+/// A chunk of one choice's output, ready for the wire: one piece, or one per tool call it
+/// touches when the answer makes several.
 struct Chunk {
     choice: u32,
-    part: Part,
-    text: String,
+    pieces: Vec<(Part, String)>,
     finish: Option<Finish>,
 }
 
 impl Chunk {
-    fn output(&self) -> Output<'_> {
-        match self.part {
-            Part::Reasoning => Output::Reasoning(&self.text),
-            Part::Text => Output::Text(&self.text),
-            Part::Arguments => Output::Arguments(&self.text),
-        }
+    /// The chunk's outputs, the choice's finish on the last of its last chunk.
+    fn outputs(&self) -> impl Iterator<Item = (Output<'_>, Option<Finish>)> {
+        let last = self.pieces.len().saturating_sub(1);
+        self.pieces
+            .iter()
+            .enumerate()
+            .map(move |(i, (part, text))| {
+                let output = match *part {
+                    Part::Reasoning => Output::Reasoning(text),
+                    Part::Text => Output::Text(text),
+                    Part::Arguments(call) => Output::Arguments(call, text),
+                };
+                (output, self.finish.filter(|_| i == last))
+            })
     }
 }
 
@@ -109,7 +118,8 @@ impl Chunk {
 struct Progress {
     pending: String,
     pending_tokens: u32,
-    arguments_open: bool,
+    /// The tool call whose arguments are being filled.
+    open_call: Option<usize>,
     done: Option<Finished>,
 }
 
@@ -120,7 +130,7 @@ struct Run<'a> {
     progress: Vec<Progress>,
     accepted: u64,
     reasons: bool,
-    tool: Option<&'a ToolCall>,
+    calls: &'a [ToolCall],
 }
 
 impl<'a> Run<'a> {
@@ -129,7 +139,7 @@ impl<'a> Run<'a> {
         choices: Vec<Choice>,
         accepted: u64,
         reasons: bool,
-        tool: Option<&'a ToolCall>,
+        calls: &'a [ToolCall],
     ) -> Self {
         let progress = choices.iter().map(|_| Progress::default()).collect();
         Run {
@@ -138,7 +148,7 @@ impl<'a> Run<'a> {
             progress,
             accepted,
             reasons,
-            tool,
+            calls,
         }
     }
 
@@ -171,18 +181,29 @@ impl<'a> Run<'a> {
         } else {
             Field::Content
         };
-        let (part, text) = match (field, self.tool) {
-            (Field::Reasoning, _) => (Part::Reasoning, pending),
-            (Field::Content, None) => (Part::Text, pending),
-            (Field::Content, Some(tool)) => {
-                let first = !std::mem::replace(&mut progress.arguments_open, true);
-                (Part::Arguments, tool.fragment(&pending, first, last))
+        let pieces = match field {
+            Field::Reasoning => vec![(Part::Reasoning, pending)],
+            Field::Content if self.calls.is_empty() => vec![(Part::Text, pending)],
+            Field::Content => {
+                // The content is shared out over the calls in order, by token position.
+                let reasoning = if self.reasons {
+                    shape.reasoning_tokens
+                } else {
+                    0
+                };
+                let position = u64::from(index.saturating_sub(reasoning));
+                let content_len = u64::from(len.saturating_sub(reasoning)).max(1);
+                let target = position * self.calls.len() as u64 / content_len;
+                let target = usize::try_from(target).unwrap_or(usize::MAX);
+                fragments(self.calls, &mut progress.open_call, &pending, target, last)
+                    .into_iter()
+                    .map(|(call, text)| (Part::Arguments(call), text))
+                    .collect()
             }
         };
         Ok(Some(Chunk {
             choice: u32::try_from(c).unwrap_or(u32::MAX),
-            part,
-            text,
+            pieces,
             finish: last.then_some(choice.finish),
         }))
     }
@@ -271,7 +292,7 @@ async fn pump(
         reasons,
         ..
     } = job;
-    let mut run = Run::new(&app, choices, accepted, reasons, reply.tool.as_ref());
+    let mut run = Run::new(&app, choices, accepted, reasons, &reply.calls);
     let mut encoder = wire::encoder(&reply, app.dialect.wire());
     loop {
         let event = match early.take() {
@@ -294,7 +315,10 @@ async fn pump(
                 encoder.started(u32::try_from(c).unwrap_or(u32::MAX), cached_tokens)
             }
             SeqEvent::Token { index } => match run.token(c, index).await {
-                Ok(Some(chunk)) => encoder.output(chunk.choice, chunk.output(), chunk.finish),
+                Ok(Some(chunk)) => chunk
+                    .outputs()
+                    .map(|(output, finish)| encoder.output(chunk.choice, output, finish))
+                    .collect(),
                 Ok(None) => continue,
                 Err(Dropped) => {
                     // Let the tokens already sent reach the socket before the cut, so clients
@@ -353,7 +377,7 @@ async fn collect_response(
             ..Answer::default()
         })
         .collect();
-    let mut run = Run::new(&app, choices, accepted, reasons, reply.tool.as_ref());
+    let mut run = Run::new(&app, choices, accepted, reasons, &reply.calls);
     while let Some((seq, event)) = events.recv().await {
         let Some(c) = run.choice(seq) else {
             continue;
@@ -363,7 +387,7 @@ async fn collect_response(
             SeqEvent::Token { index } => match run.token(c, index).await {
                 Ok(Some(chunk)) => {
                     if let Some(answer) = answers.get_mut(c) {
-                        answer.push(chunk.output());
+                        chunk.outputs().for_each(|(output, _)| answer.push(output));
                     }
                 }
                 Ok(None) => {}

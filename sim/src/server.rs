@@ -58,7 +58,7 @@ async fn infer(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         let _held = app.faults.hold();
         std::future::pending::<()>().await;
     }
-    let job = match job::prepare(&app, endpoint, &bytes).await {
+    let job = match job::prepare(&app, endpoint, &headers, &bytes).await {
         Ok(job) => job,
         Err(refusal) => return app.refuse(shape, refusal),
     };

@@ -6,36 +6,13 @@
 
 mod common;
 
-use common::{Sim, chat};
+use common::{Sim, chat, data_chunks, named_events};
 use serde_json::{Value, json};
 use weir_sim::wire::embeddings::base64;
 
 /// A user message "hello" as the engine sees it: `<|im_start|>user<|im_sep|>hello<|im_end|>`
 /// and the assistant's priming `<|im_start|>assistant<|im_sep|>`.
 const HELLO_TOKENS: u64 = 8;
-
-/// The `(event, data)` pairs of a stream of named events (Responses, Messages).
-fn named_events(text: &str) -> Vec<(String, Value)> {
-    text.split("\n\n")
-        .filter(|f| !f.is_empty())
-        .map(|frame| {
-            let (event, data) = frame.split_once('\n').unwrap_or_else(|| panic!("{frame}"));
-            let event = event.strip_prefix("event: ").unwrap().to_owned();
-            let data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
-            (event, data)
-        })
-        .collect()
-}
-
-/// The JSON chunks of a chat or completions stream, which must end with `[DONE]`.
-fn data_chunks(text: &str) -> Vec<Value> {
-    let frames: Vec<&str> = text.split("\n\n").filter(|f| !f.is_empty()).collect();
-    assert_eq!(frames.last(), Some(&"data: [DONE]"), "{text}");
-    frames[..frames.len() - 1]
-        .iter()
-        .map(|f| serde_json::from_str(f.strip_prefix("data: ").unwrap()).unwrap())
-        .collect()
-}
 
 fn names(events: &[(String, Value)]) -> Vec<&str> {
     events.iter().map(|(e, _)| e.as_str()).collect()

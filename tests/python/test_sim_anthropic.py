@@ -80,3 +80,30 @@ def test_errors_raise_the_sdk_s_typed_exceptions(claude):
     with pytest.raises(anthropic.NotFoundError) as unknown:
         claude.messages.create(model="nope", max_tokens=4, messages=MESSAGES)
     assert unknown.value.body["error"]["type"] == "not_found_error"
+
+
+AGENT_TOOLS = TOOLS + [{"name": "get_time", "input_schema": {"type": "object"}}]
+CALL_BOTH = [{"role": "user", "content": "call get_weather, get_time"}]
+
+
+@pytest.mark.parametrize("fault", [None, "split-tool-name"])
+def test_parallel_tool_use_blocks_then_a_tool_result_ends_the_loop(claude, fault):
+    headers = {"x-sim-fault": fault} if fault else {}
+    with claude.messages.stream(model="tiny", max_tokens=400, messages=CALL_BOTH,
+                                tools=AGENT_TOOLS, extra_headers=headers) as stream:
+        final = stream.get_final_message()
+    blocks = [b for b in final.content if b.type == "tool_use"]
+    assert [b.name for b in blocks] == ["get_weather", "get_time"]
+    assert len({b.id for b in blocks}) == 2
+    assert set(blocks[0].input) == {"city"} and set(blocks[1].input) == {"query"}
+    assert final.stop_reason == "tool_use"
+    whole = claude.messages.create(model="tiny", max_tokens=400, messages=CALL_BOTH,
+                                   tools=AGENT_TOOLS)
+    assert [b.name for b in whole.content if b.type == "tool_use"] == ["get_weather", "get_time"]
+    results = [{"type": "tool_result", "tool_use_id": b.id, "content": "done"} for b in blocks]
+    history = CALL_BOTH + [{"role": "assistant", "content": final.content},
+                           {"role": "user", "content": results}]
+    answer = claude.messages.create(model="tiny", max_tokens=8, messages=history,
+                                    tools=AGENT_TOOLS)
+    assert [b.type for b in answer.content] == ["text"]
+    assert answer.stop_reason in ("end_turn", "max_tokens")

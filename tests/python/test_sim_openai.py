@@ -211,3 +211,63 @@ def test_prompt_batch_completions(client):
             texts[choice.index].append(choice.text)
     assert [len(t) for t in texts.values()] == [3, 3]
     assert (usage.prompt_tokens, usage.completion_tokens) == (5, 6)
+
+
+# --- Agent mode: parallel calls, a loop that ends, a name split over events --------------------
+
+AGENT_TOOLS = TOOLS + [{
+    "type": "function",
+    "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
+}]
+CALL_BOTH = [{"role": "user", "content": "call search, get_time"}]
+
+
+@pytest.mark.parametrize("fault", [None, "split-tool-name"])
+def test_the_stream_helper_parses_parallel_chat_calls(client, fault):
+    headers = {"x-sim-fault": fault} if fault else {}
+    with client.chat.completions.stream(model="tiny", messages=CALL_BOTH, tools=AGENT_TOOLS,
+                                        max_tokens=400, extra_headers=headers) as stream:
+        final = stream.get_final_completion()
+    calls = final.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["search", "get_time"]
+    assert len({c.id for c in calls}) == 2
+    assert [set(json.loads(c.function.arguments)) for c in calls] == [{"terms"}, {"query"}]
+    assert final.choices[0].finish_reason == "tool_calls"
+    whole = client.chat.completions.create(model="tiny", messages=CALL_BOTH, tools=AGENT_TOOLS,
+                                           max_tokens=400)
+    assert [c.function.name for c in whole.choices[0].message.tool_calls] == ["search", "get_time"]
+
+
+def test_a_tool_result_ends_the_chat_loop(client):
+    first = client.chat.completions.create(model="tiny", messages=CALL_BOTH, tools=AGENT_TOOLS,
+                                           max_tokens=400)
+    message = first.choices[0].message
+    results = [{"role": "tool", "tool_call_id": c.id, "content": "done"}
+               for c in message.tool_calls]
+    history = CALL_BOTH + [message.model_dump(exclude_none=True)] + results
+    second = client.chat.completions.create(model="tiny", messages=history, tools=AGENT_TOOLS,
+                                            max_tokens=8)
+    assert second.choices[0].message.tool_calls in (None, [])
+    assert second.choices[0].message.content
+    assert second.choices[0].finish_reason in ("stop", "length")
+
+
+def test_responses_parse_parallel_function_calls_streamed_and_not(client):
+    tools = [{"type": "function", "name": t["function"]["name"],
+              "parameters": t["function"]["parameters"]} for t in AGENT_TOOLS]
+    with client.responses.stream(model="tiny", input="call search, get_time", tools=tools,
+                                 max_output_tokens=400) as stream:
+        final = stream.get_final_response()
+    calls = [i for i in final.output if i.type == "function_call"]
+    assert [c.name for c in calls] == ["search", "get_time"]
+    assert len({c.call_id for c in calls}) == 2 and len({c.id for c in calls}) == 2
+    assert [set(json.loads(c.arguments)) for c in calls] == [{"terms"}, {"query"}]
+    whole = client.responses.create(model="tiny", input="call search, get_time", tools=tools,
+                                    max_output_tokens=400)
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "done"}
+               for c in whole.output if c.type == "function_call"]
+    assert len(outputs) == 2
+    history = [{"role": "user", "content": "call search, get_time"}]
+    history += [c.model_dump(exclude_none=True) for c in whole.output] + outputs
+    answer = client.responses.create(model="tiny", input=history, tools=tools, max_output_tokens=8)
+    assert [i.type for i in answer.output] == ["message"] and answer.output_text

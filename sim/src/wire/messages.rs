@@ -4,15 +4,18 @@
 //! `input_tokens` less the cached ones, which `cache_read_input_tokens` counts), then one
 //! content block per kind of output in the order generated — `thinking` (`thinking_delta`s and a
 //! `signature_delta`), `text` (`text_delta`s), `tool_use` (`input_json_delta`s) — each between
-//! `content_block_start` and `content_block_stop`, then `message_delta` with the stop reason
-//! (`end_turn`, `max_tokens`, `tool_use`) and the output tokens, and `message_stop`. An engine
-//! error mid-stream is an `error` event in Anthropic's envelope.
+//! `content_block_start` and `content_block_stop` (parallel calls are one `tool_use` block each),
+//! then `message_delta` with the stop reason (`end_turn`, `max_tokens`, `tool_use`) and the output
+//! tokens, and `message_stop`. An engine error mid-stream is an `error` event in Anthropic's
+//! envelope. The `split-tool-name` fault sends a call's first `input_json_delta` as two events
+//! (the name rides whole on `content_block_start`: the shape has no event to split it over).
 
 use serde::Serialize;
 use serde_json::{Value, json};
 use weir_core::error::{ApiError, ErrorShape};
 
 use super::{Answer, Encoder, Finish, Outcome, Output, Reply, named_event};
+use crate::tool_call::halves;
 
 /// The message object of `message_start` and of whole bodies.
 #[derive(Serialize)]
@@ -49,9 +52,9 @@ impl UsageBody {
 }
 
 fn stop_reason(reply: &Reply, finish: Finish) -> &'static str {
-    match (finish, &reply.tool) {
-        (Finish::Stop, Some(_)) => "tool_use",
-        (Finish::Stop, None) => "end_turn",
+    match (finish, reply.calls.is_empty()) {
+        (Finish::Stop, false) => "tool_use",
+        (Finish::Stop, true) => "end_turn",
         (Finish::Length, _) => "max_tokens",
     }
 }
@@ -66,7 +69,8 @@ fn signature(reply: &Reply) -> String {
 enum Kind {
     Thinking,
     Text,
-    ToolUse,
+    /// The call with this index.
+    ToolUse(u32),
 }
 
 impl Kind {
@@ -74,7 +78,7 @@ impl Kind {
         match output {
             Output::Reasoning(_) => Kind::Thinking,
             Output::Text(_) => Kind::Text,
-            Output::Arguments(_) => Kind::ToolUse,
+            Output::Arguments(call, _) => Kind::ToolUse(*call),
         }
     }
 
@@ -86,10 +90,10 @@ impl Kind {
                 "signature": if whole { signature(reply) } else { String::new() },
             }),
             Kind::Text => json!({"type": "text", "text": text}),
-            Kind::ToolUse => {
+            Kind::ToolUse(call) => {
                 let (id, name) = reply
-                    .tool
-                    .as_ref()
+                    .calls
+                    .get(call as usize)
                     .map_or(("", ""), |t| (t.id.as_str(), t.name.as_str()));
                 let input = if whole {
                     serde_json::from_str(text).unwrap_or_else(|_| json!({}))
@@ -105,7 +109,7 @@ impl Kind {
         match self {
             Kind::Thinking => json!({"type": "thinking_delta", "thinking": text}),
             Kind::Text => json!({"type": "text_delta", "text": text}),
-            Kind::ToolUse => json!({"type": "input_json_delta", "partial_json": text}),
+            Kind::ToolUse(_) => json!({"type": "input_json_delta", "partial_json": text}),
         }
     }
 }
@@ -137,11 +141,11 @@ pub fn body(reply: &Reply, answers: &[Answer], outcome: &Outcome) -> String {
         if !answer.reasoning.is_empty() {
             content.push(Kind::Thinking.block(reply, &answer.reasoning, true));
         }
-        if !answer.text.is_empty() || (answer.reasoning.is_empty() && answer.arguments.is_none()) {
+        if !answer.text.is_empty() || (answer.reasoning.is_empty() && answer.arguments.is_empty()) {
             content.push(Kind::Text.block(reply, &answer.text, true));
         }
-        if let Some(arguments) = &answer.arguments {
-            content.push(Kind::ToolUse.block(reply, arguments, true));
+        for (call, arguments) in (0u32..).zip(&answer.arguments) {
+            content.push(Kind::ToolUse(call).block(reply, arguments, true));
         }
     }
     let u = &outcome.done.usage;
@@ -161,6 +165,8 @@ pub struct MessagesStream<'a> {
     /// The block being streamed and its index.
     open: Option<(Kind, u32)>,
     next_index: u32,
+    /// Whether the `split-tool-name` fault split the arguments already.
+    split: bool,
 }
 
 impl<'a> MessagesStream<'a> {
@@ -170,6 +176,7 @@ impl<'a> MessagesStream<'a> {
             started: false,
             open: None,
             next_index: 0,
+            split: false,
         }
     }
 
@@ -230,12 +237,24 @@ impl Encoder for MessagesStream<'_> {
                 index
             }
         };
-        let (Output::Reasoning(t) | Output::Text(t) | Output::Arguments(t)) = output;
-        frames
-            + &Self::event(
+        let text = output.text();
+        let pieces = match kind {
+            Kind::ToolUse(_)
+                if self.reply.faults.split_tool_name
+                    && !std::mem::replace(&mut self.split, true) =>
+            {
+                let (head, rest) = halves(text);
+                vec![head, rest]
+            }
+            _ => vec![text],
+        };
+        for piece in pieces {
+            frames += &Self::event(
                 "content_block_delta",
-                json!({"index": index, "delta": kind.delta(t)}),
-            )
+                json!({"index": index, "delta": kind.delta(piece)}),
+            );
+        }
+        frames
     }
 
     fn close(&mut self, outcome: &Outcome) -> String {
@@ -266,6 +285,7 @@ impl Encoder for MessagesStream<'_> {
 mod tests {
     use super::*;
     use crate::engine::{Finished, Usage};
+    use crate::faults::RequestFaults;
     use crate::tool_call::ToolCall;
     use crate::wire::{Params, ResponseHead};
     use weir_core::endpoint::Endpoint;
@@ -279,11 +299,13 @@ mod tests {
                 created: 7,
                 model: "m".into(),
             },
-            tool: tool.then(|| ToolCall {
+            calls: Vec::from_iter(tool.then(|| ToolCall {
+                index: 0,
                 id: "toolu_1".into(),
                 name: "search".into(),
                 argument: "query".into(),
-            }),
+            })),
+            faults: RequestFaults::default(),
             usage: usage.then_some(true),
             prompt_tokens: 40,
             params: Params::Plain,
@@ -333,7 +355,7 @@ mod tests {
         frames += &s.output(0, Output::Text(" a"), None);
         frames += &s.output(
             0,
-            Output::Arguments("{\"query\": \"x\"}"),
+            Output::Arguments(0, "{\"query\": \"x\"}"),
             Some(Finish::Stop),
         );
         frames += &s.close(&outcome(Finish::Stop));
@@ -376,7 +398,7 @@ mod tests {
     fn bodies_parse_tool_input_and_omit_usage_when_asked() {
         let r = reply(true, false);
         let answer = Answer {
-            arguments: Some("{\"query\": \" a\"}".into()),
+            arguments: vec!["{\"query\": \" a\"}".into()],
             finish: Finish::Length,
             ..Answer::default()
         };

@@ -16,7 +16,8 @@ use weir_core::error::ApiError;
 
 pub use self::vllm::VllmWire;
 use crate::engine::{Finished, Usage};
-use crate::tool_call::ToolCall;
+use crate::faults::RequestFaults;
+use crate::tool_call::{ToolCall, halves};
 
 /// What every chunk and body of one request shares.
 pub struct ResponseHead {
@@ -92,8 +93,17 @@ impl Finish {
 pub enum Output<'a> {
     Reasoning(&'a str),
     Text(&'a str),
-    /// A fragment of the tool call's arguments (see [`ToolCall::fragment`]).
-    Arguments(&'a str),
+    /// A fragment of the arguments of the call with this index (see [`ToolCall::fragment`]).
+    Arguments(u32, &'a str),
+}
+
+impl<'a> Output<'a> {
+    /// The piece's text, whatever its part.
+    pub fn text(&self) -> &'a str {
+        match *self {
+            Output::Reasoning(t) | Output::Text(t) | Output::Arguments(_, t) => t,
+        }
+    }
 }
 
 /// A finished choice's output, for a whole body.
@@ -101,8 +111,8 @@ pub enum Output<'a> {
 pub struct Answer {
     pub reasoning: String,
     pub text: String,
-    /// The tool call's arguments, when the answer is one.
-    pub arguments: Option<String>,
+    /// Each tool call's arguments, by index; empty when the answer is text.
+    pub arguments: Vec<String>,
     pub finish: Finish,
 }
 
@@ -111,7 +121,15 @@ impl Answer {
         match output {
             Output::Reasoning(t) => self.reasoning.push_str(t),
             Output::Text(t) => self.text.push_str(t),
-            Output::Arguments(t) => self.arguments.get_or_insert_default().push_str(t),
+            Output::Arguments(call, t) => {
+                let call = call as usize;
+                if self.arguments.len() <= call {
+                    self.arguments.resize(call + 1, String::new());
+                }
+                if let Some(arguments) = self.arguments.get_mut(call) {
+                    arguments.push_str(t);
+                }
+            }
         }
     }
 }
@@ -155,8 +173,10 @@ pub fn merged(done: &[Finished]) -> Finished {
 /// Everything an answer's shape depends on besides what was generated.
 pub struct Reply {
     pub head: ResponseHead,
-    /// The tool call the answer makes, if any.
-    pub tool: Option<ToolCall>,
+    /// The tool calls the answer makes, in order; none for a text answer.
+    pub calls: Vec<ToolCall>,
+    /// The faults the request asked for in its shape.
+    pub faults: RequestFaults,
     /// `None` when `--omit-usage` hides usage; else whether the client asked for it
     /// (`stream_options.include_usage`; the APIs other than chat and completions always
     /// report it).
@@ -177,9 +197,9 @@ pub enum Params {
 impl Reply {
     /// A chat or completions finish reason: a tool call that ends naturally is `tool_calls`.
     pub fn finish_reason(&self, finish: Finish) -> &'static str {
-        match (finish, &self.tool) {
-            (Finish::Stop, Some(_)) => "tool_calls",
-            (Finish::Stop, None) => "stop",
+        match (finish, self.calls.is_empty()) {
+            (Finish::Stop, false) => "tool_calls",
+            (Finish::Stop, true) => "stop",
             (Finish::Length, _) => "length",
         }
     }
@@ -211,7 +231,8 @@ pub fn encoder<'a>(reply: &'a Reply, wire: &'a dyn Wire) -> Box<dyn Encoder + 'a
             reply,
             wire,
             opened: false,
-            calling: false,
+            calling: Vec::new(),
+            split: false,
         }),
     }
 }
@@ -233,10 +254,12 @@ pub fn body(reply: &Reply, wire: &dyn Wire, answers: &[Answer], outcome: &Outcom
 pub enum Delta<'a> {
     Content(&'a str),
     Reasoning(&'a str),
-    /// The opening of the tool call: its id and name.
-    ToolCall(&'a ToolCall),
-    /// A fragment of the tool call's arguments.
-    Arguments(&'a str),
+    /// The opening of a tool call: its id and its name, or the name's first part.
+    ToolCall(&'a ToolCall, &'a str),
+    /// The rest of a tool call's name (the `split-tool-name` fault).
+    ToolName(&'a ToolCall, &'a str),
+    /// A fragment of the arguments of the call with this index.
+    Arguments(u32, &'a str),
 }
 
 /// How one engine lays out chat and completions answers.
@@ -264,7 +287,10 @@ struct CompletionStream<'a> {
     reply: &'a Reply,
     wire: &'a dyn Wire,
     opened: bool,
-    calling: bool,
+    /// The `(choice, call)` pairs whose call was opened.
+    calling: Vec<(u32, u32)>,
+    /// Whether the `split-tool-name` fault split the arguments already.
+    split: bool,
 }
 
 impl Encoder for CompletionStream<'_> {
@@ -272,20 +298,56 @@ impl Encoder for CompletionStream<'_> {
         let reason = finish.map(|f| self.reply.finish_reason(f));
         let mut frames = String::new();
         let mut first = !std::mem::replace(&mut self.opened, true);
-        let delta = match (output, &self.reply.tool) {
-            (Output::Reasoning(t), _) => Delta::Reasoning(t),
-            (Output::Arguments(t), Some(tool)) => {
-                if !std::mem::replace(&mut self.calling, true) {
-                    let opening = Delta::ToolCall(tool);
-                    frames += &self
-                        .wire
-                        .token_frames(self.reply, choice, opening, first, None);
-                    first = false;
-                }
-                Delta::Arguments(t)
-            }
-            (Output::Text(t) | Output::Arguments(t), _) => Delta::Content(t),
+        let call = match output {
+            Output::Arguments(index, _) => self.reply.calls.get(index as usize),
+            _ => None,
         };
+        let delta = match (output, call) {
+            (Output::Reasoning(t), _) => Delta::Reasoning(t),
+            (Output::Arguments(index, t), Some(call)) => {
+                if !self.calling.contains(&(choice, index)) {
+                    self.calling.push((choice, index));
+                    let (head, rest) = match self.reply.faults.split_tool_name {
+                        true => halves(&call.name),
+                        false => (call.name.as_str(), ""),
+                    };
+                    let mut openings = vec![Delta::ToolCall(call, head)];
+                    if !rest.is_empty() {
+                        openings.push(Delta::ToolName(call, rest));
+                    }
+                    for opening in openings {
+                        frames += &self
+                            .wire
+                            .token_frames(self.reply, choice, opening, first, None);
+                        first = false;
+                    }
+                }
+                Delta::Arguments(index, t)
+            }
+            (Output::Text(t) | Output::Arguments(_, t), _) => Delta::Content(t),
+        };
+        if let Delta::Arguments(index, t) = delta
+            && self.reply.faults.split_tool_name
+            && !std::mem::replace(&mut self.split, true)
+        {
+            // The first arguments fragment of the stream, over two events.
+            let (head, rest) = halves(t);
+            frames += &self.wire.token_frames(
+                self.reply,
+                choice,
+                Delta::Arguments(index, head),
+                first,
+                None,
+            );
+            return frames
+                + &self.wire.token_frames(
+                    self.reply,
+                    choice,
+                    Delta::Arguments(index, rest),
+                    false,
+                    reason,
+                );
+        }
         frames += &self
             .wire
             .token_frames(self.reply, choice, delta, first, reason);
@@ -346,10 +408,11 @@ mod tests {
     fn answers_gather_their_pieces() {
         let mut answer = Answer::default();
         answer.push(Output::Reasoning("r"));
-        answer.push(Output::Arguments("{\"q\": \"a"));
-        answer.push(Output::Arguments("b\"}"));
+        answer.push(Output::Arguments(0, "{\"q\": \"a"));
+        answer.push(Output::Arguments(1, "{}"));
+        answer.push(Output::Arguments(0, "b\"}"));
         assert_eq!(answer.reasoning, "r");
-        assert_eq!(answer.arguments.as_deref(), Some("{\"q\": \"ab\"}"));
+        assert_eq!(answer.arguments, ["{\"q\": \"ab\"}", "{}"]);
         assert!(answer.text.is_empty());
     }
 }

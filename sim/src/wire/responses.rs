@@ -5,8 +5,11 @@
 //! of output in the order generated — reasoning (`response.reasoning_text.delta`), a message
 //! (`response.output_text.delta`), a function call (`response.function_call_arguments.delta`),
 //! each opened with `response.output_item.added` (and its content part) and closed with its
-//! `.done` events — and `response.completed` with the whole response and its usage. A response
-//! cut by `max_output_tokens` completes with `status: "incomplete"`.
+//! `.done` events; parallel calls are one `function_call` item each — and `response.completed`
+//! with the whole response and its usage. A response cut by `max_output_tokens` completes with
+//! `status: "incomplete"`. The `split-tool-name` fault sends a call's first arguments fragment
+//! as two `response.function_call_arguments.delta` events (the name itself rides whole on
+//! `response.output_item.added`: the shape has no event to split it over).
 
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
@@ -15,6 +18,7 @@ use weir_core::error::ApiError;
 
 use super::{Answer, Encoder, Finish, Outcome, Output, Params, Reply, named_event};
 use crate::engine::Usage;
+use crate::tool_call::halves;
 
 /// The request fields a response echoes.
 #[derive(Debug, Default, Deserialize)]
@@ -160,7 +164,8 @@ fn response<'a>(
 enum Kind {
     Reasoning,
     Message,
-    FunctionCall,
+    /// The call with this index.
+    FunctionCall(u32),
 }
 
 impl Kind {
@@ -168,17 +173,18 @@ impl Kind {
         match output {
             Output::Reasoning(_) => Kind::Reasoning,
             Output::Text(_) => Kind::Message,
-            Output::Arguments(_) => Kind::FunctionCall,
+            Output::Arguments(call, _) => Kind::FunctionCall(*call),
         }
     }
 
     fn item_id(self, reply: &Reply) -> String {
-        let prefix = match self {
-            Kind::Reasoning => "rs",
-            Kind::Message => "msg",
-            Kind::FunctionCall => "fc",
-        };
-        format!("{prefix}_{}", reply.head.key)
+        let key = &reply.head.key;
+        match self {
+            Kind::Reasoning => format!("rs_{key}"),
+            Kind::Message => format!("msg_{key}"),
+            Kind::FunctionCall(0) => format!("fc_{key}"),
+            Kind::FunctionCall(call) => format!("fc_{key}_{call}"),
+        }
     }
 
     /// The item's content part with its text so far (function calls have none).
@@ -203,10 +209,10 @@ impl Kind {
                 "id": id, "type": "message", "role": "assistant", "status": status,
                 "content": content,
             }),
-            Kind::FunctionCall => {
+            Kind::FunctionCall(call) => {
                 let (call_id, name) = reply
-                    .tool
-                    .as_ref()
+                    .calls
+                    .get(call as usize)
                     .map_or(("", ""), |t| (t.id.as_str(), t.name.as_str()));
                 json!({
                     "id": id, "type": "function_call", "call_id": call_id, "name": name,
@@ -223,11 +229,11 @@ fn items(reply: &Reply, answer: &Answer) -> Vec<Value> {
     if !answer.reasoning.is_empty() {
         items.push(Kind::Reasoning.item(reply, &answer.reasoning, true));
     }
-    if !answer.text.is_empty() || (answer.reasoning.is_empty() && answer.arguments.is_none()) {
+    if !answer.text.is_empty() || (answer.reasoning.is_empty() && answer.arguments.is_empty()) {
         items.push(Kind::Message.item(reply, &answer.text, true));
     }
-    if let Some(arguments) = &answer.arguments {
-        items.push(Kind::FunctionCall.item(reply, arguments, true));
+    for (call, arguments) in (0u32..).zip(&answer.arguments) {
+        items.push(Kind::FunctionCall(call).item(reply, arguments, true));
     }
     items
 }
@@ -253,6 +259,8 @@ pub struct ResponsesStream<'a> {
     open: Option<Open>,
     /// Items already streamed whole.
     done: Vec<Value>,
+    /// Whether the `split-tool-name` fault split the arguments already.
+    split: bool,
 }
 
 impl<'a> ResponsesStream<'a> {
@@ -263,6 +271,7 @@ impl<'a> ResponsesStream<'a> {
             created: false,
             open: None,
             done: Vec::new(),
+            split: false,
         }
     }
 
@@ -299,7 +308,7 @@ impl<'a> ResponsesStream<'a> {
             "response.output_item.added",
             json!({"output_index": output_index, "item": kind.item(self.reply, "", false)}),
         );
-        if kind != Kind::FunctionCall {
+        if !matches!(kind, Kind::FunctionCall(_)) {
             frames += &self.event(
                 "response.content_part.added",
                 json!({
@@ -332,7 +341,21 @@ impl<'a> ResponsesStream<'a> {
                     "delta": delta, "logprobs": [],
                 }),
             ),
-            Kind::FunctionCall => self.event(
+            Kind::FunctionCall(_)
+                if self.reply.faults.split_tool_name
+                    && !std::mem::replace(&mut self.split, true) =>
+            {
+                let (head, rest) = halves(delta);
+                [head, rest]
+                    .map(|part| {
+                        self.event(
+                            "response.function_call_arguments.delta",
+                            json!({"item_id": item_id, "output_index": output_index, "delta": part}),
+                        )
+                    })
+                    .concat()
+            }
+            Kind::FunctionCall(_) => self.event(
                 "response.function_call_arguments.delta",
                 json!({"item_id": item_id, "output_index": output_index, "delta": delta}),
             ),
@@ -356,12 +379,12 @@ impl<'a> ResponsesStream<'a> {
                     "text": text, "logprobs": [],
                 }),
             ),
-            Kind::FunctionCall => self.event(
+            Kind::FunctionCall(_) => self.event(
                 "response.function_call_arguments.done",
                 json!({"item_id": item_id, "output_index": output_index, "arguments": text}),
             ),
         };
-        if kind != Kind::FunctionCall {
+        if !matches!(kind, Kind::FunctionCall(_)) {
             frames += &self.event(
                 "response.content_part.done",
                 json!({
@@ -392,8 +415,7 @@ impl Encoder for ResponsesStream<'_> {
             frames += &self.close_item();
             frames += &self.open_item(kind);
         }
-        let (Output::Reasoning(t) | Output::Text(t) | Output::Arguments(t)) = output;
-        frames + &self.delta(kind, t)
+        frames + &self.delta(kind, output.text())
     }
 
     fn close(&mut self, outcome: &Outcome) -> String {
@@ -413,6 +435,7 @@ impl Encoder for ResponsesStream<'_> {
 mod tests {
     use super::*;
     use crate::engine::Finished;
+    use crate::faults::RequestFaults;
     use crate::tool_call::ToolCall;
     use crate::wire::ResponseHead;
     use weir_core::endpoint::Endpoint;
@@ -426,11 +449,13 @@ mod tests {
                 created: 7,
                 model: "m".into(),
             },
-            tool: tool.then(|| ToolCall {
+            calls: Vec::from_iter(tool.then(|| ToolCall {
+                index: 0,
                 id: "call_1".into(),
                 name: "search".into(),
                 argument: "query".into(),
-            }),
+            })),
+            faults: RequestFaults::default(),
             usage: usage.then_some(true),
             prompt_tokens: 9,
             params: Params::Responses(Box::default()),
@@ -479,7 +504,7 @@ mod tests {
         let mut frames = s.started(0, 0);
         frames += &s.output(0, Output::Reasoning("hm"), None);
         frames += &s.output(0, Output::Text(" a"), None);
-        frames += &s.output(0, Output::Arguments("{}"), Some(Finish::Stop));
+        frames += &s.output(0, Output::Arguments(0, "{}"), Some(Finish::Stop));
         frames += &s.close(&outcome(Finish::Stop));
         let events = events(&frames);
         let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();

@@ -183,8 +183,8 @@ impl ResponseHead {
     ) -> String {
         if self.endpoint != Endpoint::ChatCompletions {
             let text = match delta {
-                Delta::Content(t) | Delta::Reasoning(t) | Delta::Arguments(t) => t,
-                Delta::ToolCall(_) => "",
+                Delta::Content(t) | Delta::Reasoning(t) | Delta::Arguments(_, t) => t,
+                Delta::ToolCall(..) | Delta::ToolName(..) => "",
             };
             return self.chunk(Choice::Text {
                 index,
@@ -217,12 +217,16 @@ impl ResponseHead {
                 reasoning_content: Some(t),
                 ..ChatDelta::default()
             },
-            Delta::ToolCall(call) => ChatDelta {
-                tool_calls: Some([call.opening_delta()]),
+            Delta::ToolCall(call, name) => ChatDelta {
+                tool_calls: Some([call.opening_delta(name)]),
                 ..ChatDelta::default()
             },
-            Delta::Arguments(t) => ChatDelta {
-                tool_calls: Some([ToolCallDelta::arguments(t)]),
+            Delta::ToolName(call, rest) => ChatDelta {
+                tool_calls: Some([call.name_delta(rest)]),
+                ..ChatDelta::default()
+            },
+            Delta::Arguments(index, t) => ChatDelta {
+                tool_calls: Some([ToolCallDelta::arguments(index, t)]),
                 ..ChatDelta::default()
             },
         };
@@ -253,10 +257,10 @@ impl ResponseHead {
                             role: "assistant",
                             reasoning_content: (!answer.reasoning.is_empty())
                                 .then_some(answer.reasoning.as_str()),
-                            content: answer.arguments.is_none().then_some(answer.text.as_str()),
+                            content: answer.arguments.is_empty().then_some(answer.text.as_str()),
                             refusal: (),
                             tool_calls: reply
-                                .tool
+                                .calls
                                 .iter()
                                 .zip(&answer.arguments)
                                 .map(|(call, arguments)| call.message(arguments))
@@ -283,6 +287,7 @@ impl ResponseHead {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::faults::RequestFaults;
     use crate::wire::Params;
 
     fn reply(endpoint: Endpoint) -> Reply {
@@ -294,7 +299,8 @@ mod tests {
                 created: 7,
                 model: "m".into(),
             },
-            tool: None,
+            calls: Vec::new(),
+            faults: RequestFaults::default(),
             usage: Some(false),
             prompt_tokens: 0,
             params: Params::Plain,
@@ -350,24 +356,26 @@ mod tests {
     #[test]
     fn tool_calls_open_with_the_name_then_stream_arguments() {
         let mut r = reply(Endpoint::ChatCompletions);
-        r.tool = Some(crate::tool_call::ToolCall {
+        r.calls = vec![crate::tool_call::ToolCall {
+            index: 0,
             id: "chatcmpl-tool-1".into(),
             name: "search".into(),
             argument: "query".into(),
-        });
-        let call = r.tool.as_ref().unwrap();
-        let open = VllmWire.token_frames(&r, 0, Delta::ToolCall(call), false, None);
+        }];
+        let call = &r.calls[0];
+        let open = VllmWire.token_frames(&r, 0, Delta::ToolCall(call, "search"), false, None);
         assert!(
             open.contains("\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"chatcmpl-tool-1\",\"type\":\"function\",\"function\":{\"name\":\"search\",\"arguments\":\"\"}}]}"),
             "{open}"
         );
-        let args = VllmWire.token_frames(&r, 0, Delta::Arguments("{\""), false, Some("tool_calls"));
+        let args =
+            VllmWire.token_frames(&r, 0, Delta::Arguments(0, "{\""), false, Some("tool_calls"));
         assert!(
             args.contains("\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"\"}}]},\"logprobs\":null,\"finish_reason\":\"tool_calls\""),
             "{args}"
         );
         let answer = Answer {
-            arguments: Some("{}".into()),
+            arguments: vec!["{}".into()],
             ..Answer::default()
         };
         let v: serde_json::Value =

@@ -136,3 +136,27 @@ pub fn chat(model: &str, content: &str, extra: serde_json::Value) -> String {
     }
     body.to_string()
 }
+
+/// The `(event, data)` pairs of a stream of named events (Responses, Messages).
+pub fn named_events(text: &str) -> Vec<(String, serde_json::Value)> {
+    text.split("\n\n")
+        .filter(|f| !f.is_empty())
+        .map(|frame| {
+            let (event, data) = frame.split_once('\n').unwrap_or_else(|| panic!("{frame}"));
+            let event = event.strip_prefix("event: ").unwrap().to_owned();
+            let data: serde_json::Value =
+                serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            (event, data)
+        })
+        .collect()
+}
+
+/// The JSON chunks of a chat or completions stream, which must end with `[DONE]`.
+pub fn data_chunks(text: &str) -> Vec<serde_json::Value> {
+    let frames: Vec<&str> = text.split("\n\n").filter(|f| !f.is_empty()).collect();
+    assert_eq!(frames.last(), Some(&"data: [DONE]"), "{text}");
+    frames[..frames.len() - 1]
+        .iter()
+        .map(|f| serde_json::from_str(f.strip_prefix("data: ").unwrap()).unwrap())
+        .collect()
+}

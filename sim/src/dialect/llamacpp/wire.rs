@@ -184,8 +184,8 @@ impl Wire for LlamaCppWire {
         let head = &reply.head;
         if head.endpoint != Endpoint::ChatCompletions {
             let text = match delta {
-                Delta::Content(t) | Delta::Reasoning(t) | Delta::Arguments(t) => t,
-                Delta::ToolCall(_) => "",
+                Delta::Content(t) | Delta::Reasoning(t) | Delta::Arguments(_, t) => t,
+                Delta::ToolCall(..) | Delta::ToolName(..) => "",
             };
             let piece = Choice::Text {
                 text,
@@ -217,12 +217,16 @@ impl Wire for LlamaCppWire {
                 reasoning_content: Some(t),
                 ..ChunkDelta::default()
             },
-            Delta::ToolCall(call) => ChunkDelta {
-                tool_calls: Some([call.opening_delta()]),
+            Delta::ToolCall(call, name) => ChunkDelta {
+                tool_calls: Some([call.opening_delta(name)]),
                 ..ChunkDelta::default()
             },
-            Delta::Arguments(t) => ChunkDelta {
-                tool_calls: Some([ToolCallDelta::arguments(t)]),
+            Delta::ToolName(call, rest) => ChunkDelta {
+                tool_calls: Some([call.name_delta(rest)]),
+                ..ChunkDelta::default()
+            },
+            Delta::Arguments(index, t) => ChunkDelta {
+                tool_calls: Some([ToolCallDelta::arguments(index, t)]),
                 ..ChunkDelta::default()
             },
         };
@@ -315,11 +319,11 @@ impl Wire for LlamaCppWire {
                         index,
                         message: Message {
                             role: "assistant",
-                            content: answer.arguments.is_none().then_some(answer.text.as_str()),
+                            content: answer.arguments.is_empty().then_some(answer.text.as_str()),
                             reasoning_content: (!answer.reasoning.is_empty())
                                 .then_some(answer.reasoning.as_str()),
                             tool_calls: reply
-                                .tool
+                                .calls
                                 .iter()
                                 .zip(&answer.arguments)
                                 .map(|(call, arguments)| call.message(arguments))
@@ -354,7 +358,8 @@ mod tests {
                 created: 7,
                 model: "tiny-llama".into(),
             },
-            tool: None,
+            calls: Vec::new(),
+            faults: crate::faults::RequestFaults::default(),
             usage,
             prompt_tokens: 33,
             params: Params::Plain,
