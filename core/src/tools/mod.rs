@@ -92,6 +92,9 @@ pub struct ToolCall {
     pub complete: bool,
     /// `arguments` stopped at [`MAX_ARGUMENT_BYTES`].
     pub truncated: bool,
+    /// `arguments` are a Messages block's opening `input`, which its first `input_json_delta`
+    /// replaces (as clients do).
+    input_from_start: bool,
 }
 
 impl ToolCall {

@@ -326,8 +326,13 @@ impl ToolScan {
                 else {
                     return;
                 };
-                // The block's `input` is `{}`: clients build it from the `input_json_delta`s.
-                self.open_named(i, block.id, block.name, "", effect);
+                // The block's `input` is `{}` as Anthropic sends it, and clients build it from
+                // the `input_json_delta`s; an engine that sends it whole there sends none.
+                let input = block.input.map_or("", |input| input.get().trim());
+                let input = if input == "{}" { "" } else { input };
+                if let Some(call) = self.open_named(i, block.id, block.name, input, effect) {
+                    call.input_from_start = !input.is_empty();
+                }
             }
             "content_block_delta" => {
                 let fragment = event
@@ -337,6 +342,9 @@ impl ToolScan {
                 if let (Some(call), Some(fragment)) =
                     (self.calls.iter_mut().find(|c| c.index == i), fragment)
                 {
+                    if std::mem::take(&mut call.input_from_start) {
+                        call.set_arguments("");
+                    }
                     call.push_arguments(&fragment);
                 }
             }

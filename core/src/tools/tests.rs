@@ -431,3 +431,19 @@ fn whole_bodies_give_their_calls_in_each_api() {
     assert_eq!(body_calls(Endpoint::Messages, b"not json"), None);
     assert_eq!(body_calls(Endpoint::Embeddings, b"{}"), Some(Vec::new()));
 }
+
+#[test]
+fn a_messages_block_opened_with_its_input_keeps_it_unless_deltas_follow() {
+    let start = |i: u32, input: &str| {
+        format!(
+            "data: {{\"type\":\"content_block_start\",\"index\":{i},\"content_block\":{{\"type\":\"tool_use\",\"id\":\"t{i}\",\"name\":\"x\",\"input\":{input}}}}}\n\n"
+        )
+    };
+    let mut scan = ToolScan::new(Endpoint::Messages);
+    scan.observe(start(0, "{\"a\":1}").as_bytes());
+    scan.observe(start(1, "{\"a\":1}").as_bytes());
+    scan.observe(b"data: {\"type\":\"content_block_delta\",\"index\":1,\"delta\":{\"type\":\"input_json_delta\",\"partial_json\":\"{\\\"b\\\":2}\"}}\n\n");
+    scan.observe(b"data: {\"type\":\"message_stop\"}\n\n");
+    let arguments: Vec<_> = scan.completed().map(|c| c.arguments.as_str()).collect();
+    assert_eq!(arguments, ["{\"a\":1}", "{\"b\":2}"]);
+}
