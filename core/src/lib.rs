@@ -37,6 +37,7 @@ pub mod estimate;
 pub mod meter;
 pub mod request;
 pub mod rewrite;
+pub mod tools;
 
 // layer: config — tenants, their limits and policies, output prediction
 pub mod config;

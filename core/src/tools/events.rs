@@ -1,0 +1,143 @@
+//! The fields of each API's events and bodies that carry tool calls, read with serde (every
+//! other field ignored; text borrowed from the event where it holds no escapes).
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+type Text<'a> = Option<Cow<'a, str>>;
+
+/// A Chat Completions chunk (the usage-only chunk has no `choices`).
+#[derive(Deserialize)]
+pub struct ChatChunk<'a> {
+    #[serde(default, borrow)]
+    pub choices: Option<Vec<ChatChoice<'a>>>,
+}
+
+#[derive(Deserialize)]
+pub struct ChatChoice<'a> {
+    #[serde(default)]
+    pub index: Option<u32>,
+    #[serde(default, borrow)]
+    pub delta: Option<ChatMessage<'a>>,
+    #[serde(default, borrow)]
+    pub message: Option<ChatMessage<'a>>,
+    #[serde(default, borrow)]
+    pub finish_reason: Text<'a>,
+}
+
+/// A chunk's `delta` or a body's `message`.
+#[derive(Deserialize)]
+pub struct ChatMessage<'a> {
+    #[serde(default, borrow)]
+    pub tool_calls: Option<Vec<ChatToolCall<'a>>>,
+}
+
+#[derive(Deserialize)]
+pub struct ChatToolCall<'a> {
+    #[serde(default)]
+    pub index: Option<u32>,
+    #[serde(default, borrow)]
+    pub id: Text<'a>,
+    #[serde(default, borrow)]
+    pub function: Option<ChatFunction<'a>>,
+}
+
+#[derive(Deserialize)]
+pub struct ChatFunction<'a> {
+    #[serde(default, borrow)]
+    pub name: Text<'a>,
+    #[serde(default, borrow)]
+    pub arguments: Text<'a>,
+}
+
+/// A Chat Completions body.
+#[derive(Deserialize)]
+pub struct ChatBody<'a> {
+    #[serde(default, borrow)]
+    pub choices: Option<Vec<ChatChoice<'a>>>,
+}
+
+/// A Responses stream event (only the fields tool calls use).
+#[derive(Deserialize)]
+pub struct ResponsesEvent<'a> {
+    #[serde(rename = "type", borrow)]
+    pub kind: Cow<'a, str>,
+    #[serde(default)]
+    pub output_index: Option<u32>,
+    #[serde(default, borrow)]
+    pub item: Option<ResponsesItem<'a>>,
+    /// `response.function_call_arguments.delta`'s fragment; other events' `delta` (text) is
+    /// read and ignored.
+    #[serde(default, borrow)]
+    pub delta: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    pub arguments: Text<'a>,
+}
+
+/// An output item (a Responses body's `output[]`, an event's `item`).
+#[derive(Deserialize)]
+pub struct ResponsesItem<'a> {
+    #[serde(rename = "type", default, borrow)]
+    pub kind: Text<'a>,
+    #[serde(default, borrow)]
+    pub call_id: Text<'a>,
+    #[serde(default, borrow)]
+    pub name: Text<'a>,
+    #[serde(default, borrow)]
+    pub arguments: Text<'a>,
+}
+
+/// A Responses body.
+#[derive(Deserialize)]
+pub struct ResponsesBody<'a> {
+    #[serde(default, borrow)]
+    pub output: Option<Vec<ResponsesItem<'a>>>,
+}
+
+/// A Messages stream event (only the fields tool calls use).
+#[derive(Deserialize)]
+pub struct MessagesEvent<'a> {
+    #[serde(rename = "type", borrow)]
+    pub kind: Cow<'a, str>,
+    #[serde(default)]
+    pub index: Option<u32>,
+    #[serde(default, borrow)]
+    pub content_block: Option<MessagesBlock<'a>>,
+    #[serde(default, borrow)]
+    pub delta: Option<MessagesDelta<'a>>,
+}
+
+/// A content block (a Messages body's `content[]`, an event's `content_block`).
+#[derive(Deserialize)]
+pub struct MessagesBlock<'a> {
+    #[serde(rename = "type", default, borrow)]
+    pub kind: Text<'a>,
+    #[serde(default, borrow)]
+    pub id: Text<'a>,
+    #[serde(default, borrow)]
+    pub name: Text<'a>,
+    #[serde(default, borrow)]
+    pub input: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+pub struct MessagesDelta<'a> {
+    #[serde(rename = "type", default, borrow)]
+    pub kind: Text<'a>,
+    #[serde(default, borrow)]
+    pub partial_json: Text<'a>,
+}
+
+/// A Messages body.
+#[derive(Deserialize)]
+pub struct MessagesBody<'a> {
+    #[serde(default, borrow)]
+    pub content: Option<Vec<MessagesBlock<'a>>>,
+}
+
+/// A JSON string's value, for a field read raw because other events give it another type.
+pub fn string_value(raw: &RawValue) -> Option<Cow<'_, str>> {
+    serde_json::from_str::<Cow<'_, str>>(raw.get()).ok()
+}

@@ -1,0 +1,128 @@
+//! The tool calls a model makes, seen in its answer as it streams ([`ToolScan`]) or whole
+//! ([`body_calls`]), in the shape of the API that was called.
+//!
+//! A stream is read one whole event at a time, framed as the meter frames it
+//! ([`crate::sse::event_end`]; the filter feeds the events `StreamMeter` takes). For each event
+//! the scan says what the caller does with it ([`ScanStep`]): forward it, hold it (it belongs
+//! to a call whose name is not final yet), or decide the calls whose names just became final,
+//! asking the tool policy for each, and then release or drop what it held.
+//!
+//! When a call's name is final:
+//! - Chat Completions sends a call over several deltas of `choices[].delta.tool_calls[index]`,
+//!   the name itself possibly split (clients concatenate the pieces). Its name is final at its
+//!   first non-empty `arguments`, at a delta of another index in its choice, at its choice's
+//!   `finish_reason`, or at `data: [DONE]` — until then its events, and every event after
+//!   them, are held, so the order of the stream is kept. Between events at most one call is
+//!   undecided (a delta of another index decides it).
+//! - Responses (`response.output_item.added` with a `function_call` item) and Messages
+//!   (`content_block_start` with a `tool_use` block) name a call whole in the event that opens
+//!   it, which is decided at once.
+//!
+//! A piece of a name arriving after its call was decided would make the client run a call
+//! other than the one decided; the scan reports it ([`ScanStep::Renamed`]) for the caller to
+//! end the stream. Held events are bounded by [`MAX_HELD_BYTES`], and the calls kept by
+//! [`MAX_CALLS`]; past either the scan says [`ScanStep::TooLarge`]. Arguments are kept (for
+//! approvals) up to [`MAX_ARGUMENT_BYTES`] per call, and the call is marked truncated past it.
+
+mod body;
+mod events;
+mod scan;
+#[cfg(test)]
+mod tests;
+
+pub use body::body_calls;
+pub use scan::ToolScan;
+
+/// Held events past this many bytes are too large to hold ([`ScanStep::TooLarge`]).
+pub use crate::meter::MAX_HELD_BYTES;
+
+/// Arguments kept per call; past this a call's arguments are truncated ([`ToolCall::truncated`]).
+pub const MAX_ARGUMENT_BYTES: usize = 64 * 1024;
+
+/// Calls kept per answer; a call past this makes the answer [`ScanStep::TooLarge`].
+pub const MAX_CALLS: usize = 128;
+
+/// A call whose name just became final: what the tool policy is asked about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallSeen {
+    /// The call's index: chat's `tool_calls[].index`, the Responses `output_index`, the
+    /// Messages content block `index`.
+    pub index: u32,
+    /// The id the client answers the call with (chat `id`, Responses `call_id`, Messages `id`).
+    pub id: String,
+    pub name: String,
+    /// The arguments seen up to the decision (often none yet).
+    pub arguments_so_far: String,
+}
+
+/// What the caller does with one event of the stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ScanStep {
+    /// Forward it (and nothing is held).
+    Forward,
+    /// Hold it, after those held already: it belongs to, or follows, a call whose name is not
+    /// final.
+    Hold,
+    /// These calls' names became final at this event (in the order they became so). If the
+    /// policy passes them all, the events held before are released, and this one too unless
+    /// `hold` (it opened a call still undecided: it is then held, alone); otherwise the held
+    /// events and this one are dropped.
+    Decide { calls: Vec<CallSeen>, hold: bool },
+    /// The events held, or the calls kept, passed their bound: the caller withholds the
+    /// calls undecided (`tool_call_too_large`). Once said, said for every later event.
+    TooLarge,
+    /// The event adds a piece to the name of the call with this index after it was decided.
+    Renamed { index: u32 },
+}
+
+/// A call the answer made, as far as it went.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The chat choice it belongs to (0 in the other APIs).
+    pub choice: u32,
+    pub index: u32,
+    pub id: String,
+    pub name: String,
+    /// The arguments as the client assembles them (the Messages `input` as JSON text).
+    pub arguments: String,
+    /// Its name was final and the caller was told so.
+    pub decided: bool,
+    /// The answer said the call ended (its item or block done, its choice finished, the
+    /// stream's last event), so `arguments` are whole unless `truncated`.
+    pub complete: bool,
+    /// `arguments` stopped at [`MAX_ARGUMENT_BYTES`].
+    pub truncated: bool,
+    /// `arguments` are a Messages block's opening `input`, which its first `input_json_delta`
+    /// replaces (as clients do).
+    input_from_start: bool,
+}
+
+impl ToolCall {
+    fn seen(&self) -> CallSeen {
+        CallSeen {
+            index: self.index,
+            id: self.id.clone(),
+            name: self.name.clone(),
+            arguments_so_far: self.arguments.clone(),
+        }
+    }
+
+    /// Adds a fragment of the arguments, up to the bound.
+    fn push_arguments(&mut self, fragment: &str) {
+        if self.truncated {
+            return;
+        }
+        if self.arguments.len() + fragment.len() > MAX_ARGUMENT_BYTES {
+            self.truncated = true;
+            return;
+        }
+        self.arguments.push_str(fragment);
+    }
+
+    /// Replaces the arguments with the whole that an event restated.
+    fn set_arguments(&mut self, whole: &str) {
+        self.arguments.clear();
+        self.truncated = false;
+        self.push_arguments(whole);
+    }
+}
