@@ -48,6 +48,7 @@ pub mod allowance;
 pub mod renewal;
 pub mod reply;
 pub mod reservation;
+pub mod run;
 
 // layer: decisions — a request admitted at the front door, the scheduler's order
 pub mod admission;
