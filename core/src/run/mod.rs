@@ -75,6 +75,19 @@ pub struct RunDenial {
     pub run_id: String,
 }
 
+impl RunDenial {
+    /// The error's message: `run r1: model_calls budget 10 reached`.
+    pub fn message(&self) -> String {
+        let (run, budget, limit) = (&self.run_id, self.budget.name(), self.limit);
+        format!("run {run}: {budget} budget {limit} reached")
+    }
+
+    /// The `x-weir-run-budget` header's value: `model_calls=10/10`.
+    pub fn header_value(&self) -> String {
+        format!("{}={}/{}", self.budget.name(), self.used, self.limit)
+    }
+}
+
 /// Why a call was not admitted to its run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RunRefusal {

@@ -453,3 +453,28 @@ fn only_tenants_with_a_run_budget_get_a_table() {
     assert_eq!(create(&store, [&t], TABLE), 0);
     assert_eq!(RunTable::default().slots, 256);
 }
+
+#[test]
+fn a_denial_names_its_budget_in_the_message_and_the_header() {
+    let d = RunDenial {
+        budget: Budget::ModelCalls,
+        limit: 10,
+        used: 10,
+        run_id: "r1".into(),
+    };
+    assert_eq!(d.message(), "run r1: model_calls budget 10 reached");
+    assert_eq!(d.header_value(), "model_calls=10/10");
+    let names: Vec<&str> = [
+        Budget::ModelCalls,
+        Budget::ToolCalls,
+        Budget::RuntimeMs,
+        Budget::InputTokens,
+        Budget::OutputTokens,
+        Budget::CostMicros,
+        Budget::ParallelCalls,
+        Budget::Retries,
+    ]
+    .map(Budget::name)
+    .to_vec();
+    assert_eq!(names, crate::config::RUN_BUDGETS.to_vec());
+}
