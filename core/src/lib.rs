@@ -43,13 +43,15 @@ pub mod tools;
 pub mod config;
 pub mod prediction;
 
-// layer: quota — allowances, reservations and their settlement, fleet renewals, denials' replies
+// layer: quota — allowances, reservations and their settlement, fleet renewals, denials' replies,
+// retries and runs
 pub mod active_set;
 pub mod allowance;
 pub mod renewal;
 pub mod reply;
 pub mod reservation;
 pub mod retry;
+pub mod run;
 
 // layer: decisions — a request admitted at the front door, the scheduler's order
 pub mod admission;
