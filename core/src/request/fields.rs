@@ -24,6 +24,16 @@ pub const OUTPUT_LIMIT_FIELDS: [&str; 4] = [
 /// is served, on every API: each of them multiplies a request's output past its reservation.
 pub const ANSWER_COUNT_FIELDS: [&str; 3] = ["n", "n_cmpl", "best_of"];
 
+/// Answers a body (as a JSON tree) asks for per prompt: the largest of its
+/// [`ANSWER_COUNT_FIELDS`], else 1.
+pub fn answers_asked(body: &serde_json::Value) -> u64 {
+    ANSWER_COUNT_FIELDS
+        .iter()
+        .filter_map(|f| body[*f].as_u64())
+        .max()
+        .unwrap_or(1)
+}
+
 /// Fields read here for every API; each API's model reads the rest.
 pub const COMMON_FIELDS: [&str; 13] = [
     "model",

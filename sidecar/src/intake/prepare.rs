@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use weir_core::config::Priority;
 use weir_core::endpoint::Endpoint;
 use weir_core::error::ApiError;
-use weir_core::request::fields::ANSWER_COUNT_FIELDS;
+use weir_core::request::fields::answers_asked;
 use weir_core::rewrite::Rewrite;
 use weir_core::tokens::Encoding;
 
@@ -272,7 +272,7 @@ fn cache_salt(key: &[u8], tenant: &str) -> String {
 /// How many sequences the engine runs for a request at once, each in a slot of its own: one per
 /// prompt of a completions batch and per input of an embeddings batch (vLLM and llama.cpp run
 /// each as a request of its own), times the answers asked for per prompt
-/// ([`ANSWER_COUNT_FIELDS`]: the filter refuses more than one where it meters, off-mode
+/// ([`answers_asked`]: the filter refuses more than one where it meters, off-mode
 /// requests come as sent). At least 1.
 fn engine_sequences(endpoint: Endpoint, body: &Value) -> u64 {
     let batch = match endpoint {
@@ -287,12 +287,7 @@ fn engine_sequences(endpoint: Endpoint, body: &Value) -> u64 {
         }
         _ => 1,
     };
-    let answers = ANSWER_COUNT_FIELDS
-        .iter()
-        .filter_map(|f| body[*f].as_u64())
-        .max()
-        .unwrap_or(1);
-    prompts.saturating_mul(answers).max(1)
+    prompts.saturating_mul(answers_asked(body)).max(1)
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ use axum::http::HeaderValue;
 use serde_json::{Map, Value, json};
 use weir_core::endpoint::Endpoint;
 use weir_core::meter::MAX_HELD_BYTES;
-use weir_core::request::fields::ANSWER_COUNT_FIELDS;
+use weir_core::request::fields::answers_asked;
 use weir_core::sse;
 use weir_core::tokens::Encoding;
 
@@ -52,9 +52,7 @@ const LIMITS: [(&str, u64); 3] = [
 
 /// Whether a request's stream can be continued after preemption (see the module doc).
 pub fn resumable(endpoint: Endpoint, body: &Value, stream: bool) -> bool {
-    let single = ANSWER_COUNT_FIELDS
-        .iter()
-        .all(|f| body[*f].as_u64().is_none_or(|n| n <= 1));
+    let single = answers_asked(body) <= 1;
     let plain = NOT_RESUMABLE
         .iter()
         .all(|f| body[*f].is_null() || body[*f] == Value::Bool(false));

@@ -165,7 +165,8 @@ impl Replica {
         self.fits_for(kv_need, 1, Start::Alone)
     }
 
-    /// The request of `ticket` is past its prefill: its first bytes came, or it ended.
+    /// The request of `ticket` is past its prefill (its first bytes came, or it ended): no
+    /// longer a flood prefilling here, nor a quiet request being answered.
     pub fn prefilled(&mut self, ticket: Ticket) {
         self.prefilling.retain(|&t| t != ticket);
         self.answering.retain(|&(t, _)| t != ticket);
