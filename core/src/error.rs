@@ -24,8 +24,12 @@ pub struct ApiError {
     /// OpenAI's `type` where the status alone does not decide it (a rate limit's measure).
     pub kind: Option<&'static str>,
     pub message: String,
-    pub param: Option<String>,
+    pub param: Option<Box<str>>,
     pub code: Option<&'static str>,
+    /// Fields of weir's own beside the provider's (a run budget's `budget`, `limit`, `used`):
+    /// in the error object, after the provider's fields. Boxed: most errors have none, and an
+    /// error travels in `Result`s.
+    pub extra: Option<Box<Vec<(&'static str, Value)>>>,
 }
 
 impl ApiError {
@@ -36,6 +40,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            extra: None,
         }
     }
 
@@ -82,7 +87,7 @@ impl ApiError {
     }
 
     pub fn with_param(mut self, param: &str) -> Self {
-        self.param = Some(param.to_owned());
+        self.param = Some(param.into());
         self
     }
 
@@ -93,6 +98,14 @@ impl ApiError {
 
     pub fn with_type(mut self, kind: &'static str) -> Self {
         self.kind = Some(kind);
+        self
+    }
+
+    /// Adds a field of weir's own to the error object.
+    pub fn with_extra(mut self, name: &'static str, value: impl Into<Value>) -> Self {
+        self.extra
+            .get_or_insert_default()
+            .push((name, value.into()));
         self
     }
 
@@ -107,24 +120,41 @@ impl ApiError {
 
     /// The OpenAI-shaped body.
     pub fn to_json(&self) -> Value {
-        json!({
-            "error": {
-                "message": self.message,
-                "type": self.openai_type(),
-                "param": self.param,
-                "code": self.code,
-            }
-        })
+        let mut error = json!({
+            "message": self.message,
+            "type": self.openai_type(),
+            "param": self.param,
+            "code": self.code,
+        });
+        self.add_extra(&mut error);
+        json!({ "error": error })
+    }
+
+    /// weir's own fields, and its `code` where the shape has none of its own.
+    fn add_extra(&self, error: &mut Value) {
+        let Some(object) = error.as_object_mut() else {
+            return;
+        };
+        if let Some(code) = self.code {
+            object.entry("code").or_insert_with(|| Value::from(code));
+        }
+        for (name, value) in self.extra.iter().flat_map(|e| e.iter()) {
+            object.entry(*name).or_insert_with(|| value.clone());
+        }
     }
 
     /// The body in the shape of the API that was called.
     pub fn to_json_in(&self, shape: ErrorShape) -> Value {
         match shape {
             ErrorShape::OpenAi => self.to_json(),
-            ErrorShape::Anthropic => json!({
-                "type": "error",
-                "error": {"type": anthropic_type(self.status), "message": self.message},
-            }),
+            ErrorShape::Anthropic => {
+                let mut error =
+                    json!({"type": anthropic_type(self.status), "message": self.message});
+                if self.extra.is_some() {
+                    self.add_extra(&mut error);
+                }
+                json!({"type": "error", "error": error})
+            }
         }
     }
 }

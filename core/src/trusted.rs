@@ -21,6 +21,17 @@ pub const PRIORITY: &str = "x-weir-priority";
 pub const REQUEST_ID: &str = "x-weir-request-id";
 /// The caller's `Idempotency-Key`, if it sent one: deduplication is scoped to (tenant, key).
 pub const IDEMPOTENCY_KEY: &str = "x-weir-idempotency-key";
+/// The run a call belongs to: the caller's run id (read from the route's `run_id_header`,
+/// this name by default, before the caller's `x-weir-*` headers are stripped), vouched on.
+pub const RUN_ID: &str = "x-weir-run-id";
+/// The agent of the key that makes the call, when the route names one (`agent_header`).
+pub const AGENT: &str = "x-weir-agent";
+/// On calls to weir's approvals API: the tenant subtrees the key approves for (`approves`),
+/// comma-separated.
+pub const APPROVES: &str = "x-weir-approves";
+/// The tool patterns whose calls wait for an approver (class `approval`), comma-separated: the
+/// sidecar holds such a call when its answer makes one.
+pub const TOOL_APPROVAL: &str = "x-weir-tool-approval";
 /// `v1:<expires_ms>:<hex HMAC-SHA256>` over every other `x-weir-*` header.
 pub const SIGNATURE: &str = "x-weir-signature";
 /// The tenant's cap on KV tokens held by its running requests (`active_kv_tokens`), if any.

@@ -291,7 +291,7 @@ mod tests {
     #[test]
     fn n_other_than_one_is_rejected() {
         let err = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#).err();
-        assert_eq!(err.and_then(|e| e.param), Some("n".to_owned()));
+        assert_eq!(err.and_then(|e| e.param).as_deref(), Some("n"));
         assert!(chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":1}"#).is_ok());
     }
 

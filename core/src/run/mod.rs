@@ -275,6 +275,45 @@ pub fn settle(store: &impl SharedStore, hold: &RunHold, actual: Counts, now_ms: 
     })
 }
 
+/// Counts one tool call the call's answer made, as it passes: refused, naming the budget, when
+/// the run has no tool call left (the caller withholds the call). A call taken counts as the
+/// call's own from then on ([`RunHold::reserved`]), so its settle keeps it.
+pub fn take_tool_call(
+    store: &impl SharedStore,
+    budgets: &RunBudgets,
+    hold: &mut RunHold,
+    now_ms: u64,
+) -> Result<(), RunDenial> {
+    let denial = |used| RunDenial {
+        budget: Budget::ToolCalls,
+        limit: budgets.tool_calls.unwrap_or(u64::MAX),
+        used,
+        run_id: hold.run_id.clone(),
+    };
+    let outcome = update(store, &hold.slot_key, |current| {
+        let mut slot = current.and_then(Slot::decode).ok_or(None)?;
+        let entry = (slot.entries.iter_mut())
+            .find(|e| e.digest == hold.digest && e.first_ms == hold.first_ms)
+            .ok_or(None)?;
+        let used = entry.counts.tool_calls;
+        if budgets.tool_calls.is_some_and(|limit| used >= limit) {
+            return Err(Some(used));
+        }
+        entry.counts.tool_calls = used.saturating_add(1);
+        entry.last_ms = now_ms;
+        Ok(slot.encode())
+    });
+    match outcome {
+        Update::Done(()) => {
+            hold.reserved.tool_calls = hold.reserved.tool_calls.saturating_add(1);
+            Ok(())
+        }
+        // The run is gone or the store fails: a budget never fails open.
+        Update::Refused(used) => Err(denial(used.unwrap_or(0))),
+        Update::Contended => Err(denial(0)),
+    }
+}
+
 /// Extends a call's lease while it lives (the filter's root tick), so a long call keeps its
 /// place among the run's calls in flight and keeps the run from ending under it. A lease that
 /// already lapsed is not taken again (its place may have gone to another call).

@@ -478,3 +478,30 @@ fn a_denial_names_its_budget_in_the_message_and_the_header() {
     .to_vec();
     assert_eq!(names, crate::config::RUN_BUDGETS.to_vec());
 }
+
+#[test]
+fn tool_calls_taken_past_the_budget_are_refused_and_settle_keeps_those_taken() {
+    let t = tenant("k", r#"{"tool_calls": 2}"#);
+    let store = ready(&t);
+    let r = run(&t, "tools");
+    let mut hold = reserve(&store, &t, &TABLE, &r, model_call(10), 1_000).unwrap();
+    let budgets = t.run_budgets;
+    assert_eq!(take_tool_call(&store, &budgets, &mut hold, 1_001), Ok(()));
+    assert_eq!(take_tool_call(&store, &budgets, &mut hold, 1_002), Ok(()));
+    let refused = take_tool_call(&store, &budgets, &mut hold, 1_003).unwrap_err();
+    assert_eq!(
+        (refused.budget, refused.limit, refused.used),
+        (Budget::ToolCalls, 2, 2)
+    );
+    let actual = Counts {
+        model_calls: 1,
+        tool_calls: hold.reserved.tool_calls,
+        ..Counts::default()
+    };
+    assert!(settle(&store, &hold, actual, 1_004));
+    // The next call finds both taken: a call of its own would cross the budget.
+    let mut next = model_call(10);
+    next.counts.tool_calls = 1;
+    let refused = denial(reserve(&store, &t, &TABLE, &r, next, 1_005).unwrap_err());
+    assert_eq!((refused.budget, refused.used), (Budget::ToolCalls, 2));
+}

@@ -126,3 +126,32 @@ impl ToolCall {
         self.push_arguments(whole);
     }
 }
+
+/// The id of an approval: `apr_` and 24 lowercase base-32 letters of
+/// SHA-256(attempt id ‖ 0 ‖ index ‖ 0 ‖ call id). The filter (which withholds the call) and the
+/// sidecar (which keeps it) compute it alike from what both see; weir's attempt id is random,
+/// so no caller can guess another's.
+pub fn approval_id(attempt_id: &str, index: u32, call_id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
+    let mut h = Sha256::new();
+    h.update(attempt_id.as_bytes());
+    h.update([0]);
+    h.update(index.to_string().as_bytes());
+    h.update([0]);
+    h.update(call_id.as_bytes());
+    let digest = h.finalize();
+    let mut id = String::from("apr_");
+    // Five bits per letter, from the digest's bits in order.
+    for i in 0..24usize {
+        let bit = i * 5;
+        let (byte, shift) = (bit / 8, bit % 8);
+        let pair = u16::from(digest.get(byte).copied().unwrap_or(0)) << 8
+            | u16::from(digest.get(byte + 1).copied().unwrap_or(0));
+        let letter = (pair >> (11 - shift)) & 31;
+        id.push(char::from(
+            ALPHABET.get(usize::from(letter)).copied().unwrap_or(b'a'),
+        ));
+    }
+    id
+}

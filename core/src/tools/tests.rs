@@ -447,3 +447,18 @@ fn a_messages_block_opened_with_its_input_keeps_it_unless_deltas_follow() {
     let arguments: Vec<_> = scan.completed().map(|c| c.arguments.as_str()).collect();
     assert_eq!(arguments, ["{\"a\":1}", "{\"b\":2}"]);
 }
+
+#[test]
+fn approval_ids_are_fixed_by_attempt_index_and_call() {
+    let id = super::approval_id("att-1", 0, "call_1");
+    assert!(id.starts_with("apr_") && id.len() == 28, "{id}");
+    assert!(
+        id[4..]
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || (b'2'..=b'7').contains(&b))
+    );
+    assert_eq!(id, super::approval_id("att-1", 0, "call_1"));
+    assert_ne!(id, super::approval_id("att-2", 0, "call_1"));
+    assert_ne!(id, super::approval_id("att-1", 1, "call_1"));
+    assert_ne!(id, super::approval_id("att-1", 0, "call_2"));
+}
