@@ -25,6 +25,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
 use weir_core::config::{Config, Directory, Tenant};
 use weir_core::reservation::{self, Reservation};
+use weir_core::run::{self, RunHold, RunTable};
 
 use crate::host::{Envoy, Metrics, SharedData};
 use crate::renewal::Renewal;
@@ -48,6 +49,9 @@ pub struct Gateway {
     /// Reservations this VM's live requests hold, by slot lease id: the root context renews
     /// their slot leases on every tick, so a slot lapses only when its VM is gone.
     pub in_flight: RefCell<HashMap<u64, Reservation>>,
+    /// What this VM's live calls hold of their runs, by call lease id: renewed with the slot
+    /// leases, so a long call keeps its place among its run's calls in flight.
+    pub runs_in_flight: RefCell<HashMap<u64, RunHold>>,
     /// The price table as every forwarded request vouches for it (`x-weir-price`), so the
     /// ledger prices each record at its model's entry; formatted once per configuration.
     pub price_header: Option<String>,
@@ -63,6 +67,7 @@ impl Gateway {
             signer,
             metrics,
             in_flight: RefCell::default(),
+            runs_in_flight: RefCell::default(),
         }
     }
 }
@@ -125,6 +130,11 @@ impl RootContext for Root {
             .map_or(slot_period, |r| r.period_ms().min(slot_period));
         self.set_tick_period(Duration::from_millis(period));
         reservation::initialize(&SharedData, gateway.directory.tenants(), host::now_ms());
+        run::create(
+            &SharedData,
+            gateway.directory.tenants(),
+            RunTable::default(),
+        );
         log::info!(
             "weir: configured with {} keys; trusted headers {}",
             gateway.directory.len(),
@@ -172,6 +182,11 @@ impl RootContext for Root {
             .values()
             .map(|r| reservation::renew(&SharedData, r, now))
             .sum();
+        if let Ok(runs) = gw.runs_in_flight.try_borrow() {
+            for hold in runs.values() {
+                run::renew(&SharedData, hold, gw.config.slot_lease_ms, now);
+            }
+        }
         gw.metrics
             .add(telemetry::SETTLE_CONFLICTS, conflicts as i64);
     }

@@ -48,6 +48,11 @@ pub struct Tenant {
     pub lease_terms: Option<LeaseTerms>,
     /// What one of its runs may use: the tightest budget of each measure along its path.
     pub run_budgets: RunBudgets,
+    /// How long one of its runs may sit idle before it has ended (the shortest along its
+    /// path; unset, the run table's default).
+    pub run_idle_ttl_ms: Option<u64>,
+    /// A call must name its run (some level sets `runs.require_run_id`).
+    pub run_required: bool,
     /// Its tool policy, its path's levels combined.
     pub tools: Tools,
 }
@@ -137,6 +142,8 @@ impl Config {
             expires_ms: None,
             lease_terms: None,
             run_budgets: RunBudgets::default(),
+            run_idle_ttl_ms: None,
+            run_required: false,
             tools: Tools::default(),
         }
     }
@@ -243,6 +250,14 @@ pub(super) fn resolve(chain: &Chain<'_>) -> Tenant {
         run_budgets: (chain.iter())
             .filter_map(|c| c.2.runs.as_ref())
             .fold(RunBudgets::default(), |run, r| run.tightest(r.budgets)),
+        run_idle_ttl_ms: (chain.iter())
+            .filter_map(|c| c.2.runs.as_ref()?.idle_ttl_ms)
+            .min(),
+        run_required: (chain.iter()).any(|c| {
+            c.2.runs
+                .as_ref()
+                .is_some_and(|r| r.require_run_id == Some(true))
+        }),
         tools: Tools::combine(chain.iter().filter_map(|c| c.2.tools.as_ref())),
     }
 }

@@ -25,6 +25,7 @@ pub mod table;
 mod tests;
 
 use crate::config::{RunBudgets, Tenant};
+use crate::error::ApiError;
 use crate::lease::Lease;
 use crate::reservation::SlotLease;
 use crate::store::{SharedStore, Update, update};
@@ -86,6 +87,47 @@ impl RunDenial {
     pub fn header_value(&self) -> String {
         format!("{}={}/{}", self.budget.name(), self.used, self.limit)
     }
+
+    /// The error a refused call gets: 429 `run_budget_exceeded`, naming the budget, its limit
+    /// and what was used (OpenAI's `type` and `code` both say `run_budget_exceeded`; in
+    /// Anthropic's shape the type is the status's, `rate_limit_error`).
+    pub fn error(&self) -> ApiError {
+        ApiError::rate_limited(self.message())
+            .with_type(RUN_BUDGET_EXCEEDED)
+            .with_code(RUN_BUDGET_EXCEEDED)
+            .with_extra("budget", self.budget.name())
+            .with_extra("limit", self.limit)
+            .with_extra("used", self.used)
+            .with_extra("run_id", self.run_id.clone())
+    }
+}
+
+/// The error code of a call refused by its run's budget.
+pub const RUN_BUDGET_EXCEEDED: &str = "run_budget_exceeded";
+
+impl RunRefusal {
+    /// The error a refused call gets, and the reason it is counted under.
+    pub fn error(&self) -> (ApiError, &'static str) {
+        match self {
+            RunRefusal::Budget(denial) => (denial.error(), RUN_BUDGET_EXCEEDED),
+            RunRefusal::Capacity => (
+                ApiError::rate_limited(
+                    "This key has as many runs active as it may have: end a run, or wait for \
+                     an idle one to expire.",
+                )
+                .with_code("run_capacity"),
+                "run_capacity",
+            ),
+            RunRefusal::Unavailable | RunRefusal::Contended => (
+                ApiError::new(
+                    503,
+                    "The run's state could not be read or updated; try again.",
+                )
+                .with_code("run_state_unavailable"),
+                "run_state_unavailable",
+            ),
+        }
+    }
 }
 
 /// Why a call was not admitted to its run.
@@ -119,6 +161,9 @@ pub struct RunHold {
     /// Which run of that id: a run that ended and began again has another start.
     pub first_ms: u64,
     pub reserved: Counts,
+    /// Tool calls the answer made and were counted ([`take_tool_call`]): the first
+    /// `reserved.tool_calls` were reserved at admission already.
+    pub tool_calls_taken: u64,
     pub call_id: u64,
     pub run_id: String,
 }
@@ -164,6 +209,7 @@ pub fn reserve(
             digest: run.digest,
             first_ms,
             reserved: demand.counts,
+            tool_calls_taken: 0,
             call_id: demand.call.id,
             run_id: run.run_id.clone(),
         }),
@@ -276,14 +322,20 @@ pub fn settle(store: &impl SharedStore, hold: &RunHold, actual: Counts, now_ms: 
 }
 
 /// Counts one tool call the call's answer made, as it passes: refused, naming the budget, when
-/// the run has no tool call left (the caller withholds the call). A call taken counts as the
-/// call's own from then on ([`RunHold::reserved`]), so its settle keeps it.
+/// the run has no tool call left (the caller withholds the call). The tool calls the call
+/// reserved at admission are taken first, without a store update; past them each is one CAS.
+/// What is taken is the call's own from then on, so its settle keeps it
+/// ([`RunHold::tool_calls_taken`]).
 pub fn take_tool_call(
     store: &impl SharedStore,
     budgets: &RunBudgets,
     hold: &mut RunHold,
     now_ms: u64,
 ) -> Result<(), RunDenial> {
+    if hold.tool_calls_taken < hold.reserved.tool_calls {
+        hold.tool_calls_taken = hold.tool_calls_taken.saturating_add(1);
+        return Ok(());
+    }
     let denial = |used| RunDenial {
         budget: Budget::ToolCalls,
         limit: budgets.tool_calls.unwrap_or(u64::MAX),
@@ -306,6 +358,7 @@ pub fn take_tool_call(
     match outcome {
         Update::Done(()) => {
             hold.reserved.tool_calls = hold.reserved.tool_calls.saturating_add(1);
+            hold.tool_calls_taken = hold.tool_calls_taken.saturating_add(1);
             Ok(())
         }
         // The run is gone or the store fails: a budget never fails open.

@@ -484,7 +484,10 @@ fn tool_calls_taken_past_the_budget_are_refused_and_settle_keeps_those_taken() {
     let t = tenant("k", r#"{"tool_calls": 2}"#);
     let store = ready(&t);
     let r = run(&t, "tools");
-    let mut hold = reserve(&store, &t, &TABLE, &r, model_call(10), 1_000).unwrap();
+    // The call offers tools: it reserves one tool call at admission.
+    let mut offering = model_call(10);
+    offering.counts.tool_calls = 1;
+    let mut hold = reserve(&store, &t, &TABLE, &r, offering, 1_000).unwrap();
     let budgets = t.run_budgets;
     assert_eq!(take_tool_call(&store, &budgets, &mut hold, 1_001), Ok(()));
     assert_eq!(take_tool_call(&store, &budgets, &mut hold, 1_002), Ok(()));
@@ -493,15 +496,59 @@ fn tool_calls_taken_past_the_budget_are_refused_and_settle_keeps_those_taken() {
         (refused.budget, refused.limit, refused.used),
         (Budget::ToolCalls, 2, 2)
     );
+    assert_eq!(hold.tool_calls_taken, 2);
     let actual = Counts {
         model_calls: 1,
-        tool_calls: hold.reserved.tool_calls,
+        tool_calls: hold.tool_calls_taken,
         ..Counts::default()
     };
     assert!(settle(&store, &hold, actual, 1_004));
-    // The next call finds both taken: a call of its own would cross the budget.
-    let mut next = model_call(10);
-    next.counts.tool_calls = 1;
-    let refused = denial(reserve(&store, &t, &TABLE, &r, next, 1_005).unwrap_err());
+    // The next call finds both taken: a call offering tools would cross the budget.
+    let refused = denial(reserve(&store, &t, &TABLE, &r, offering, 1_005).unwrap_err());
     assert_eq!((refused.budget, refused.used), (Budget::ToolCalls, 2));
+}
+
+#[test]
+fn an_unused_tool_call_reservation_is_given_back() {
+    let t = tenant("k", r#"{"tool_calls": 1}"#);
+    let store = ready(&t);
+    let r = run(&t, "tools");
+    let mut offering = model_call(10);
+    offering.counts.tool_calls = 1;
+    let hold = reserve(&store, &t, &TABLE, &r, offering, 1_000).unwrap();
+    let actual = Counts {
+        model_calls: 1,
+        tool_calls: hold.tool_calls_taken,
+        ..Counts::default()
+    };
+    assert!(settle(&store, &hold, actual, 1_001));
+    assert!(reserve(&store, &t, &TABLE, &r, offering, 1_002).is_ok());
+}
+
+#[test]
+fn a_run_denial_s_error_names_budget_limit_and_used_in_each_shape() {
+    use crate::error::ErrorShape;
+    let denial = RunDenial {
+        budget: Budget::ModelCalls,
+        limit: 10,
+        used: 10,
+        run_id: "r1".into(),
+    };
+    let error = denial.error();
+    assert_eq!(error.status, 429);
+    let openai = error.to_json_in(ErrorShape::OpenAi);
+    assert_eq!(
+        openai,
+        serde_json::json!({"error": {"message": "run r1: model_calls budget 10 reached",
+            "type": "run_budget_exceeded", "param": null, "code": "run_budget_exceeded",
+            "budget": "model_calls", "limit": 10, "used": 10, "run_id": "r1"}})
+    );
+    let anthropic = error.to_json_in(ErrorShape::Anthropic);
+    assert_eq!(
+        anthropic,
+        serde_json::json!({"type": "error", "error": {"type": "rate_limit_error",
+            "message": "run r1: model_calls budget 10 reached", "code": "run_budget_exceeded",
+            "budget": "model_calls", "limit": 10, "used": 10, "run_id": "r1"}})
+    );
+    assert_eq!(denial.header_value(), "model_calls=10/10");
 }

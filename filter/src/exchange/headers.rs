@@ -43,6 +43,9 @@ impl Exchange {
         // passed on untouched and never identifies an attempt.
         let attempt_id = host.unique_id();
         let (label, route) = staged("route", || self.route(host));
+        // Read before the strip above took effect: the default run-id header is weir's own.
+        let run_header = route.run_id_header.as_deref();
+        let run_id = headers.get(run_header.unwrap_or(super::run::DEFAULT_RUN_ID_HEADER));
         let mode = mode(&route, &attempt_id);
         if mode == Mode::Ignore {
             self.stage = Stage::Ignored;
@@ -64,7 +67,7 @@ impl Exchange {
         }
         self.shadow = mode == Mode::Shadow;
         self.outcome = outcome::OK;
-        self.enforce_headers(host, &headers, idempotency_key, end_of_stream)
+        self.enforce_headers(host, &headers, idempotency_key, run_id, end_of_stream)
     }
 
     /// A route that enforces (or shadows enforcement): the caller's key must be valid, and so
@@ -74,6 +77,7 @@ impl Exchange {
         host: &impl Host,
         headers: &Headers,
         idempotency_key: Result<Option<String>, ApiError>,
+        run_id: Option<&str>,
         end_of_stream: bool,
     ) -> Action {
         let tenant = match staged("authenticate", || self.authenticate(host, headers)) {
@@ -94,6 +98,9 @@ impl Exchange {
         }
         self.withhold_api_key(host);
         self.identify(tenant);
+        if let Err(error) = self.name_run(run_id) {
+            return self.refuse_with(host, &error, "invalid_run_id", Stage::Passthrough);
+        }
         self.route_to_api(host, headers, end_of_stream)
     }
 

@@ -39,6 +39,7 @@ mod admit;
 mod headers;
 pub mod port;
 mod respond;
+mod run;
 mod settle;
 #[cfg(test)]
 mod tests;
@@ -54,6 +55,7 @@ use weir_core::error::{ApiError, ErrorShape};
 use weir_core::meter::{BodyMeter, StreamMeter};
 use weir_core::reply::Reply;
 use weir_core::reservation::{Demand, Ledger, Reservation, Standing};
+use weir_core::run::{RunHold, RunKey};
 use weir_core::trusted;
 
 use crate::Gateway;
@@ -135,6 +137,12 @@ pub struct Exchange {
     /// Where the limits on the key's path stood when the request was let through: reported on
     /// the answer.
     standing: Vec<Standing>,
+    /// The run the call belongs to, when its key's runs have budgets (`run.rs`).
+    run_key: Option<RunKey>,
+    /// What the call holds of its run, from its admission to its settle.
+    run: Option<RunHold>,
+    /// The call repeats one its key made within the retry window.
+    retry: bool,
     /// The fault a test asked this request for (`filter/src/fault.rs`).
     #[cfg(feature = "fault-injection")]
     fault: Option<String>,
@@ -162,6 +170,9 @@ impl Exchange {
             replayed: false,
             shape: ErrorShape::OpenAi,
             standing: Vec::new(),
+            run_key: None,
+            run: None,
+            retry: false,
             #[cfg(feature = "fault-injection")]
             fault: None,
         }

@@ -35,6 +35,8 @@ impl Exchange {
         } else if outcome::completed(outcome) && measured {
             self.learn_output(host);
         }
+        let ran = !self.replayed && (self.upstream_status < 400 || total(self.usage) > 0);
+        self.settle_run(host, ran.then_some(self.usage));
         if let Some(r) = self.reservation.take() {
             if let Ok(mut in_flight) = self.gw.in_flight.try_borrow_mut() {
                 in_flight.remove(&r.slot.id);
@@ -141,6 +143,7 @@ impl Exchange {
 
     /// Gives back whatever the request holds, its request count too.
     pub(super) fn cancel_reservation(&mut self, host: &impl Host) {
+        self.settle_run(host, None);
         let Some(r) = self.reservation.take() else {
             return;
         };

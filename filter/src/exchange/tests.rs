@@ -799,3 +799,186 @@ fn rollout_buckets_are_stable_and_spread() {
     assert!((4_500..5_500).contains(&under_half), "{under_half}");
     assert!(ids.iter().all(|&b| b < 100));
 }
+
+/// A run's budgets held call by call: the run id taken from the caller, bound to its key,
+/// charged after the tenant's limits and settled on every exit.
+mod runs {
+    use super::*;
+    use weir_core::run;
+
+    const OTHER_KEY: &str = "sk-weir-test-other-0123";
+
+    /// Two keys of org `acme` whose runs are held to `budgets`, the tables created.
+    fn setup_runs(budgets: Value) -> (Rc<Gateway>, Mock) {
+        let config = json!({
+            "orgs": [{"id": "acme", "limits": {"input_tokens_per_minute": 100_000,
+                    "output_tokens_per_minute": 100_000, "concurrent_requests": 8},
+                "policy": {"runs": {"budgets": budgets}},
+                "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
+                    {"id": "k", "sha256": hash_key(KEY)},
+                    {"id": "k2", "sha256": hash_key(OTHER_KEY)}]}]}]}],
+            "routes": {"default": {"mode": "enforce"},
+                       "by_name": {"agents": {"mode": "enforce",
+                                              "run_id_header": "x-thread-id"}}},
+            "slot_lease_ms": LEASE_MS,
+        });
+        let config = Config::parse(config.to_string().as_bytes()).unwrap();
+        let gw = Rc::new(Gateway::new(config, None, Metrics::default()));
+        let host = Mock::new(None);
+        configured(&gw, &host);
+        run::create(
+            &host.store,
+            gw.directory.tenants(),
+            run::RunTable::default(),
+        );
+        (gw, host)
+    }
+
+    /// A call of run `run_id` (named in `header`) with `key`, its body whole: what the
+    /// filter answered, and the exchange.
+    fn call(gw: &Rc<Gateway>, host: &Mock, key: &str, header: &str, run_id: &str) -> Exchange {
+        *host.reply.borrow_mut() = None;
+        let mut x = Exchange::new(Rc::clone(gw));
+        *host.request_headers.borrow_mut() = pairs(&[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("authorization", &format!("Bearer {key}")),
+            (header, run_id),
+        ]);
+        x.on_headers(host, false);
+        if host.reply.borrow().is_none() {
+            body_arrives(&mut x, host, chat(Some(10)));
+        }
+        x
+    }
+
+    fn refused_budget(host: &Mock) -> Option<String> {
+        let (status, body) = host.replied()?;
+        assert_eq!(status, 429, "{body}");
+        assert_eq!(body["error"]["code"], "run_budget_exceeded", "{body}");
+        body["error"]["budget"].as_str().map(str::to_owned)
+    }
+
+    #[test]
+    fn the_call_that_would_cross_the_model_call_budget_is_refused_holding_nothing() {
+        let (gw, host) = setup_runs(json!({"model_calls": 2}));
+        let t = tenant(&gw);
+        for _ in 0..2 {
+            let mut x = call(&gw, &host, KEY, "x-weir-run-id", "r1");
+            assert!(host.replied().is_none(), "{:?}", host.replied());
+            // The run id goes on vouched, as the caller named it.
+            assert_eq!(
+                host.header(Side::Request, "x-weir-run-id").as_deref(),
+                Some("r1")
+            );
+            answered(&mut x, &host, 5, 5);
+            x.on_log(&host);
+        }
+        let before = host.remaining(&t, LimitKind::InputTokens);
+        let mut x = call(&gw, &host, KEY, "x-weir-run-id", "r1");
+        assert_eq!(refused_budget(&host).as_deref(), Some("model_calls"));
+        let (_, body) = host.replied().unwrap();
+        assert_eq!(
+            (
+                body["error"]["limit"].as_u64(),
+                body["error"]["used"].as_u64()
+            ),
+            (Some(2), Some(2))
+        );
+        let reply = host.reply.borrow().clone().unwrap();
+        let header = |n: &str| reply.1.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
+        assert_eq!(
+            header("x-weir-run-budget").as_deref(),
+            Some("model_calls=2/2")
+        );
+        assert_eq!(header("x-should-retry").as_deref(), Some("false"));
+        x.on_log(&host);
+        // The tenant's reservation went back with the refusal.
+        assert_eq!(host.remaining(&t, LimitKind::InputTokens), before);
+        assert_eq!(host.remaining(&t, LimitKind::Concurrency), 8);
+        assert_eq!(host.metric("weir.rejections.run_budget_exceeded"), 1);
+        // Another run of the key, and the same run id of another key, are untouched.
+        let mut x = call(&gw, &host, KEY, "x-weir-run-id", "r2");
+        assert!(host.replied().is_none());
+        answered(&mut x, &host, 5, 5);
+        x.on_log(&host);
+        let mut x = call(&gw, &host, OTHER_KEY, "x-weir-run-id", "r1");
+        assert!(host.replied().is_none(), "another key's r1 is another run");
+        answered(&mut x, &host, 5, 5);
+        x.on_log(&host);
+    }
+
+    #[test]
+    fn a_call_that_ends_without_its_answer_gives_its_place_back_at_the_log() {
+        let (gw, host) = setup_runs(json!({"parallel_calls": 1}));
+        let mut first = call(&gw, &host, KEY, "x-weir-run-id", "r");
+        assert!(host.replied().is_none());
+        assert_eq!(
+            gw.runs_in_flight.borrow().len(),
+            1,
+            "the tick renews its place"
+        );
+        // A second call of the run while the first is in flight passes the run's one place.
+        call(&gw, &host, KEY, "x-weir-run-id", "r").on_log(&host);
+        assert_eq!(refused_budget(&host).as_deref(), Some("parallel_calls"));
+        // The client goes away before any answer: the log settles the run.
+        first.on_log(&host);
+        assert!(gw.runs_in_flight.borrow().is_empty());
+        let mut third = call(&gw, &host, KEY, "x-weir-run-id", "r");
+        assert!(host.replied().is_none(), "{:?}", host.replied());
+        third.on_log(&host);
+    }
+
+    #[test]
+    fn an_upstream_refusal_or_a_replay_gives_the_model_call_back() {
+        let (gw, host) = setup_runs(json!({"model_calls": 1}));
+        let mut x = call(&gw, &host, KEY, "x-weir-run-id", "r");
+        *host.response_headers.borrow_mut() =
+            pairs(&[(":status", "429"), ("content-type", "application/json")]);
+        x.on_response_headers(&host, false);
+        let body = br#"{"error":{"message":"queue full","type":"requests"}}"#;
+        *host.response_body.borrow_mut() = body.to_vec();
+        x.on_response_body(&host, body.len(), true);
+        x.on_log(&host);
+        let mut x = call(&gw, &host, KEY, "x-weir-run-id", "r");
+        assert!(
+            host.replied().is_none(),
+            "the refused call ran no model: {:?}",
+            host.replied()
+        );
+        answered(&mut x, &host, 3, 3);
+        x.on_log(&host);
+        call(&gw, &host, KEY, "x-weir-run-id", "r").on_log(&host);
+        assert_eq!(refused_budget(&host).as_deref(), Some("model_calls"));
+    }
+
+    #[test]
+    fn a_route_s_run_id_header_names_the_run_and_bad_ids_are_refused() {
+        let (gw, host) = setup_runs(json!({"model_calls": 1}));
+        let mut host = host;
+        host.route_name = Some("agents".into());
+        let mut x = call(&gw, &host, KEY, "x-thread-id", "t1");
+        assert_eq!(
+            host.header(Side::Request, "x-weir-run-id").as_deref(),
+            Some("t1")
+        );
+        answered(&mut x, &host, 3, 3);
+        x.on_log(&host);
+        call(&gw, &host, KEY, "x-thread-id", "t1").on_log(&host);
+        assert_eq!(refused_budget(&host).as_deref(), Some("model_calls"));
+        // On that route weir's own header names nothing (and is stripped).
+        let mut x = call(&gw, &host, KEY, "x-weir-run-id", "t1");
+        assert!(host.replied().is_none());
+        assert_eq!(host.header(Side::Request, "x-weir-run-id"), None);
+        x.on_log(&host);
+        for bad in ["", "has space", &"x".repeat(129), "caf\u{e9}"] {
+            call(&gw, &host, KEY, "x-thread-id", bad).on_log(&host);
+            let (status, body) = host.replied().unwrap();
+            assert_eq!(
+                (status, body["error"]["code"].as_str()),
+                (400, Some("invalid_run_id")),
+                "{bad:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! The run a call belongs to: named by the caller (the route's run-id header), bound to the
+//! caller's key, charged once the body's tokens are reserved and settled with the request.
+//!
+//! A call is admitted to its run only after the tenant's own limits took it, and a run's
+//! refusal gives those back (`refuse` cancels the reservation): a call is charged to both or
+//! to neither. Its run is settled wherever the request is (`settle.rs::finish`, and
+//! `cancel_reservation` for a refusal after admission), so no exit keeps what the call
+//! reserved of its run; a VM that dies mid-call leaves only its call's lease, which lapses.
+
+use proxy_wasm::types::Action;
+use weir_core::admission::Admitted;
+use weir_core::error::ApiError;
+use weir_core::reply::Reply;
+use weir_core::reservation::{Demand, SlotLease};
+use weir_core::run::{self, Counts, RunDemand, RunKey, RunRefusal, RunTable};
+use weir_core::trusted;
+
+use super::{Exchange, Host, Stage};
+
+/// The header a caller names its run with when the route names no other.
+pub const DEFAULT_RUN_ID_HEADER: &str = trusted::RUN_ID;
+
+impl Exchange {
+    /// Takes the run id the caller sent (read before its `x-weir-*` headers were stripped),
+    /// binds it to the authenticated key and vouches it on. A malformed id, or none where a
+    /// level requires one, is refused.
+    pub(super) fn name_run(&mut self, run_id: Option<&str>) -> Result<(), ApiError> {
+        let Some(tenant) = self.tenant.clone() else {
+            return Ok(());
+        };
+        let Some(run_id) = run_id else {
+            if tenant.run_required && run::runs_enabled(&tenant) {
+                return Err(ApiError::bad_request(
+                    "This key's calls must name their run: send its id in the run-id header.",
+                )
+                .with_code("run_id_required"));
+            }
+            return Ok(());
+        };
+        let key = RunKey::new(tenant.path(), None, run_id).map_err(|_| {
+            ApiError::bad_request(format!(
+                "A run id is 1 to {} visible ASCII characters.",
+                run::identity::MAX_ID_LEN
+            ))
+            .with_code("invalid_run_id")
+        })?;
+        self.vouch(trusted::RUN_ID, key.run_id.clone());
+        if run::runs_enabled(&tenant) {
+            self.run_key = Some(key);
+        }
+        Ok(())
+    }
+
+    /// Admits the call to its run: one model call, its prompt, its output ceiling (never a
+    /// prediction, so an output budget is never passed), their cost, a tool call when it
+    /// offers tools, a retry when it repeats one. `None` lets the request go on; otherwise the
+    /// refusal's action (the tenant's reservation given back with it).
+    pub(super) fn charge_run(
+        &mut self,
+        host: &impl Host,
+        admitted: &Admitted,
+        offers_tools: bool,
+    ) -> Option<Action> {
+        let (Some(tenant), Some(key)) = (self.tenant.clone(), self.run_key.as_ref()) else {
+            return None;
+        };
+        let budgets = tenant.run_budgets;
+        let ceiling = admitted.unread_output;
+        let counts = Counts {
+            model_calls: 1,
+            tool_calls: u64::from(budgets.tool_calls.is_some() && offers_tools),
+            input_tokens: admitted.prompt_tokens,
+            output_tokens: ceiling,
+            cost_micros: self.cost(&admitted.model, admitted.prompt_tokens, 0, ceiling),
+            retries: u64::from(self.retry),
+        };
+        let demand = RunDemand {
+            counts,
+            call: SlotLease {
+                id: host.random_u64(),
+                ttl_ms: self.gw.config.slot_lease_ms,
+            },
+        };
+        let table = run_table(&tenant);
+        let now = host.now_ms();
+        let mut held = run::reserve(host.store(), &tenant, &table, key, demand, now);
+        if held == Err(RunRefusal::Contended) {
+            held = run::reserve(host.store(), &tenant, &table, key, demand, host.now_ms());
+        }
+        match held {
+            Ok(hold) => {
+                if let Ok(mut runs) = self.gw.runs_in_flight.try_borrow_mut() {
+                    runs.insert(hold.call_id, hold.clone());
+                }
+                self.run = Some(hold);
+                None
+            }
+            Err(refusal) => {
+                let (error, reason) = refusal.error();
+                let mut reply = Reply::error(&error, self.shape);
+                reply.headers.push(("x-should-retry", "false".into()));
+                if let RunRefusal::Budget(denial) = &refusal {
+                    reply
+                        .headers
+                        .push(("x-weir-run-budget", denial.header_value()));
+                }
+                let action = self.refuse(host, reply, reason, Stage::AwaitingBody);
+                (self.stage == Stage::Replied).then_some(action)
+            }
+        }
+    }
+
+    /// Ends the call's part in its run: what it reserved is replaced by what it used. `None`
+    /// when no model ran for it (refused, refused upstream before an engine took it, or
+    /// answered from completed work): its model call is given back; tool calls its answer
+    /// made stay counted.
+    pub(super) fn settle_run(&mut self, host: &impl Host, used: Option<Demand>) {
+        let Some(hold) = self.run.take() else {
+            return;
+        };
+        if let Ok(mut runs) = self.gw.runs_in_flight.try_borrow_mut() {
+            runs.remove(&hold.call_id);
+        }
+        let ran = used.is_some();
+        let u = used.unwrap_or_default();
+        let actual = Counts {
+            model_calls: u64::from(ran),
+            tool_calls: hold.tool_calls_taken,
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            cost_micros: u.cost_micros,
+            retries: if ran { hold.reserved.retries } else { 0 },
+        };
+        run::settle(host.store(), &hold, actual, host.now_ms());
+    }
+}
+
+/// The run table a tenant's runs live in: the shape every table is created with, with the
+/// tenant's idle time.
+pub fn run_table(tenant: &weir_core::config::Tenant) -> RunTable {
+    let mut table = RunTable::default();
+    if let Some(idle) = tenant.run_idle_ttl_ms {
+        table.idle_ttl_ms = idle;
+    }
+    table
+}
