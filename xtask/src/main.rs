@@ -182,7 +182,7 @@ fn run(what: &str, cmd: &mut Command) -> anyhow::Result<()> {
 }
 
 /// The demo keys of `envoy/weir.example.json` (their hashes are in the file).
-const DEMO_KEYS: [(&str, &str); 5] = [
+const DEMO_KEYS: [(&str, &str); 7] = [
     (
         "wk-demo-enterprise",
         "acme/prod/assistant: enterprise tier, weight 4",
@@ -202,6 +202,14 @@ const DEMO_KEYS: [(&str, &str); 5] = [
     (
         "wk-demo-noisy",
         "hooli/growth/bulk-summaries: the noisy neighbour",
+    ),
+    (
+        "wk-demo-agent",
+        "agentlab/default/agents: runs of 10 model calls and 5 tool calls; deploy_prod waits for approval, shell_exec is blocked",
+    ),
+    (
+        "wk-demo-approver",
+        "agentlab/default/agents: approves agentlab's tool calls",
     ),
 ];
 
@@ -378,6 +386,18 @@ fn up(
     println!(
         "    -d '{{\"model\": \"{}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
         engines[0].models[0].id
+    );
+    println!(
+        "\nAn agent run (its calls share one budget; the 11th is refused with run_budget_exceeded):\n  curl {}/v1/chat/completions -H 'authorization: Bearer wk-demo-agent' -H 'x-weir-run-id: run-1' \\",
+        stack.envoys[0].url
+    );
+    println!(
+        "    -H 'content-type: application/json' -d '{{\"model\": \"{}\", \"messages\": [{{\"role\": \"user\", \"content\": \"call deploy_prod\"}}], \"tools\": [{{\"type\": \"function\", \"function\": {{\"name\": \"deploy_prod\"}}}}]}}'",
+        engines[0].models[0].id
+    );
+    println!(
+        "  Approve the held call it names: curl -X POST {}/v1/weir/approvals/<approval_id>/approve -H 'authorization: Bearer wk-demo-approver'",
+        stack.envoys[0].url
     );
     println!("\nCtrl-C stops everything.");
 

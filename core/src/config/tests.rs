@@ -671,3 +671,29 @@ fn an_approver_key_approves_only_within_its_own_org_and_a_run_header_is_a_plain_
         assert_eq!(error.field, "routes.by_name.llm.run_id_header", "{bad}");
     }
 }
+
+/// The config `cargo xtask up` starts with: it loads, and the agent demo key's runs are held
+/// to what the README and the banner say.
+#[test]
+fn the_demo_config_loads_with_its_agent_key_s_runs_and_tools() {
+    let raw = include_str!("../../../envoy/weir.example.json");
+    let config = Config::parse(raw.as_bytes()).unwrap();
+    let directory = config.directory();
+    let agent = directory
+        .lookup(&crate::keys::hash_key("wk-demo-agent"))
+        .unwrap();
+    assert_eq!(agent.path(), "agentlab/default/agents/agent");
+    assert_eq!(
+        (agent.run_budgets.model_calls, agent.run_budgets.tool_calls),
+        (Some(10), Some(5))
+    );
+    assert_eq!(agent.tools.rule("shell_exec"), ToolRule::Blocked);
+    assert_eq!(
+        agent.tools.rule("deploy_prod"),
+        ToolRule::Allowed(ToolClass::Approval)
+    );
+    let approver = directory
+        .lookup(&crate::keys::hash_key("wk-demo-approver"))
+        .unwrap();
+    assert_eq!(approver.path(), "agentlab/default/agents/approver");
+}
