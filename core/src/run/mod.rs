@@ -160,10 +160,9 @@ pub struct RunHold {
     pub digest: [u8; 16],
     /// Which run of that id: a run that ended and began again has another start.
     pub first_ms: u64,
+    /// What the call holds of its run: its admission's demand, and the tool calls its answer
+    /// made ([`take_tool_call`]).
     pub reserved: Counts,
-    /// Tool calls the answer made and were counted ([`take_tool_call`]): the first
-    /// `reserved.tool_calls` were reserved at admission already.
-    pub tool_calls_taken: u64,
     pub call_id: u64,
     pub run_id: String,
 }
@@ -209,7 +208,6 @@ pub fn reserve(
             digest: run.digest,
             first_ms,
             reserved: demand.counts,
-            tool_calls_taken: 0,
             call_id: demand.call.id,
             run_id: run.run_id.clone(),
         }),
@@ -322,20 +320,14 @@ pub fn settle(store: &impl SharedStore, hold: &RunHold, actual: Counts, now_ms: 
 }
 
 /// Counts one tool call the call's answer made, as it passes: refused, naming the budget, when
-/// the run has no tool call left (the caller withholds the call). The tool calls the call
-/// reserved at admission are taken first, without a store update; past them each is one CAS.
-/// What is taken is the call's own from then on, so its settle keeps it
-/// ([`RunHold::tool_calls_taken`]).
+/// the run has no tool call left (the caller withholds the call). One CAS; what is taken is
+/// the call's own from then on (in [`RunHold::reserved`]), so its settle keeps it.
 pub fn take_tool_call(
     store: &impl SharedStore,
     budgets: &RunBudgets,
     hold: &mut RunHold,
     now_ms: u64,
 ) -> Result<(), RunDenial> {
-    if hold.tool_calls_taken < hold.reserved.tool_calls {
-        hold.tool_calls_taken = hold.tool_calls_taken.saturating_add(1);
-        return Ok(());
-    }
     let denial = |used| RunDenial {
         budget: Budget::ToolCalls,
         limit: budgets.tool_calls.unwrap_or(u64::MAX),
@@ -358,7 +350,6 @@ pub fn take_tool_call(
     match outcome {
         Update::Done(()) => {
             hold.reserved.tool_calls = hold.reserved.tool_calls.saturating_add(1);
-            hold.tool_calls_taken = hold.tool_calls_taken.saturating_add(1);
             Ok(())
         }
         // The run is gone or the store fails: a budget never fails open.

@@ -484,10 +484,7 @@ fn tool_calls_taken_past_the_budget_are_refused_and_settle_keeps_those_taken() {
     let t = tenant("k", r#"{"tool_calls": 2}"#);
     let store = ready(&t);
     let r = run(&t, "tools");
-    // The call offers tools: it reserves one tool call at admission.
-    let mut offering = model_call(10);
-    offering.counts.tool_calls = 1;
-    let mut hold = reserve(&store, &t, &TABLE, &r, offering, 1_000).unwrap();
+    let mut hold = reserve(&store, &t, &TABLE, &r, model_call(10), 1_000).unwrap();
     let budgets = t.run_budgets;
     assert_eq!(take_tool_call(&store, &budgets, &mut hold, 1_001), Ok(()));
     assert_eq!(take_tool_call(&store, &budgets, &mut hold, 1_002), Ok(()));
@@ -496,33 +493,19 @@ fn tool_calls_taken_past_the_budget_are_refused_and_settle_keeps_those_taken() {
         (refused.budget, refused.limit, refused.used),
         (Budget::ToolCalls, 2, 2)
     );
-    assert_eq!(hold.tool_calls_taken, 2);
+    assert_eq!(hold.reserved.tool_calls, 2);
     let actual = Counts {
         model_calls: 1,
-        tool_calls: hold.tool_calls_taken,
+        tool_calls: hold.reserved.tool_calls,
         ..Counts::default()
     };
     assert!(settle(&store, &hold, actual, 1_004));
-    // The next call finds both taken: a call offering tools would cross the budget.
-    let refused = denial(reserve(&store, &t, &TABLE, &r, offering, 1_005).unwrap_err());
+    // The next call's answer finds both taken.
+    let mut next = reserve(&store, &t, &TABLE, &r, model_call(10), 1_005).unwrap();
+    let refused = take_tool_call(&store, &budgets, &mut next, 1_006).unwrap_err();
     assert_eq!((refused.budget, refused.used), (Budget::ToolCalls, 2));
-}
-
-#[test]
-fn an_unused_tool_call_reservation_is_given_back() {
-    let t = tenant("k", r#"{"tool_calls": 1}"#);
-    let store = ready(&t);
-    let r = run(&t, "tools");
-    let mut offering = model_call(10);
-    offering.counts.tool_calls = 1;
-    let hold = reserve(&store, &t, &TABLE, &r, offering, 1_000).unwrap();
-    let actual = Counts {
-        model_calls: 1,
-        tool_calls: hold.tool_calls_taken,
-        ..Counts::default()
-    };
-    assert!(settle(&store, &hold, actual, 1_001));
-    assert!(reserve(&store, &t, &TABLE, &r, offering, 1_002).is_ok());
+    // A take refused is not the call's.
+    assert_eq!(next.reserved.tool_calls, 0);
 }
 
 #[test]

@@ -103,14 +103,3 @@ fn messages(body: &[u8]) -> Option<Vec<ToolCall>> {
             .collect(),
     )
 }
-
-/// Whether a request offers the model any tool (`tools`, a non-empty array, in each API that
-/// has tools): such a call reserves a tool call of its run.
-pub fn offers_tools(request: &[u8]) -> bool {
-    #[derive(serde::Deserialize)]
-    struct Offer<'a> {
-        #[serde(borrow, default)]
-        tools: Option<Vec<&'a serde_json::value::RawValue>>,
-    }
-    serde_json::from_slice::<Offer>(request).is_ok_and(|o| o.tools.is_some_and(|t| !t.is_empty()))
-}

@@ -30,7 +30,7 @@ mod scan;
 #[cfg(test)]
 mod tests;
 
-pub use body::{body_calls, offers_tools};
+pub use body::body_calls;
 pub use scan::ToolScan;
 
 /// Held events past this many bytes are too large to hold ([`ScanStep::TooLarge`]).

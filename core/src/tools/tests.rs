@@ -462,17 +462,3 @@ fn approval_ids_are_fixed_by_attempt_index_and_call() {
     assert_ne!(id, super::approval_id("att-1", 1, "call_1"));
     assert_ne!(id, super::approval_id("att-1", 0, "call_2"));
 }
-
-#[test]
-fn a_request_offers_tools_when_its_tools_are_a_non_empty_array() {
-    use super::offers_tools;
-    assert!(offers_tools(
-        br#"{"model":"m","tools":[{"type":"function","function":{"name":"a"}}]}"#
-    ));
-    assert!(!offers_tools(br#"{"model":"m","tools":[]}"#));
-    assert!(!offers_tools(
-        br#"{"model":"m","messages":[{"role":"user","content":"tools"}]}"#
-    ));
-    assert!(!offers_tools(br#"{"model":"m","tools":null}"#));
-    assert!(!offers_tools(b"not json"));
-}

@@ -114,8 +114,6 @@ impl Exchange {
                 return self.refuse(host, reply, rejection.reason, Stage::Passthrough);
             }
         };
-        // Read before the body goes to the charge (which may keep it while a lease is asked).
-        let offers_tools = self.run_key.is_some() && weir_core::tools::offers_tools(&body);
         // Shadow mode may have let the request on without a reservation (its headers' charge
         // was refused): it goes on holding none.
         if self.reservation.is_some() {
@@ -134,7 +132,7 @@ impl Exchange {
                 return action;
             }
         }
-        if let Some(action) = self.charge_run(host, &admitted, offers_tools) {
+        if let Some(action) = self.charge_run(host, &admitted) {
             return action;
         }
         self.forward(host, admitted, size)

@@ -52,23 +52,19 @@ impl Exchange {
     }
 
     /// Admits the call to its run: one model call, its prompt, its output ceiling (never a
-    /// prediction, so an output budget is never passed), their cost, a tool call when it
-    /// offers tools, a retry when it repeats one. `None` lets the request go on; otherwise the
+    /// prediction, so an output budget is never passed), their cost, a retry when it repeats
+    /// one. `None` lets the request go on; otherwise the
     /// refusal's action (the tenant's reservation given back with it).
-    pub(super) fn charge_run(
-        &mut self,
-        host: &impl Host,
-        admitted: &Admitted,
-        offers_tools: bool,
-    ) -> Option<Action> {
+    pub(super) fn charge_run(&mut self, host: &impl Host, admitted: &Admitted) -> Option<Action> {
         let (Some(tenant), Some(key)) = (self.tenant.clone(), self.run_key.as_ref()) else {
             return None;
         };
-        let budgets = tenant.run_budgets;
         let ceiling = admitted.unread_output;
         let counts = Counts {
             model_calls: 1,
-            tool_calls: u64::from(budgets.tool_calls.is_some() && offers_tools),
+            // Counted as the answer makes them (`run::take_tool_call`): a call may answer
+            // with text, and one past the budget is withheld, not the call that asked.
+            tool_calls: 0,
             input_tokens: admitted.prompt_tokens,
             output_tokens: ceiling,
             cost_micros: self.cost(&admitted.model, admitted.prompt_tokens, 0, ceiling),
@@ -125,7 +121,7 @@ impl Exchange {
         let u = used.unwrap_or_default();
         let actual = Counts {
             model_calls: u64::from(ran),
-            tool_calls: hold.tool_calls_taken,
+            tool_calls: hold.reserved.tool_calls,
             input_tokens: u.input_tokens,
             output_tokens: u.output_tokens,
             cost_micros: u.cost_micros,
