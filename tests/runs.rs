@@ -1,16 +1,19 @@
 //! A run's budgets through the real stack — Envoy with the built filter, the sidecar, the
-//! simulator: concurrent calls of one run admitted exactly up to the budget, and run ids that
-//! never reach across tenants.
+//! simulator: scripted agents on the official `openai` and `anthropic` SDKs
+//! (`tests/python/agent_loop.py`) refused at exactly the call that would cross each budget,
+//! concurrent calls of one run admitted exactly up to the budget, and run ids that never reach
+//! across tenants.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
 use std::collections::BTreeMap;
+use std::process::Command;
 use std::sync::OnceLock;
 
 use futures::future::join_all;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json, sidecar_bin};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json, sidecar_bin, workspace_root};
 
 /// Calls sent at once in the concurrency tests.
 const CALLS: usize = 32;
@@ -49,8 +52,16 @@ fn stack() -> &'static Stack {
                 org("tokens", json!({"output_tokens": MODEL_CALLS * MAX_TOKENS})),
                 org("alpha", json!({"model_calls": 3})),
                 org("beta", json!({"model_calls": 3})),
+                org("loop-calls", json!({"model_calls": LOOP_CALLS})),
+                org("loop-output", json!({"output_tokens": LOOP_OUTPUT})),
+                org("loop-input", json!({"input_tokens": LOOP_INPUT})),
+                org("loop-cost", json!({"cost_micros": LOOP_COST})),
+                org("loop-runtime", json!({"runtime_ms": LOOP_RUNTIME_MS})),
+                org("loop-parallel", json!({"parallel_calls": 2})),
             ],
             "models": {"tiny": {"max_context_tokens": 4096}},
+            // A micro-unit per token, so a cost budget reads as tokens.
+            "prices": {"currency": "USD", "default": {"input": 1.0, "output": 1.0}},
         });
         let envoy = Envoy::start(&config, sidecar.port, sidecar.port);
         Stack {
@@ -193,4 +204,179 @@ async fn a_tenant_s_run_id_cannot_read_extend_or_exhaust_another_tenant_s_run() 
         call("alpha", "shared-id").await.0,
         StatusCode::TOO_MANY_REQUESTS
     );
+}
+
+const LOOP_CALLS: u64 = 6;
+/// Five calls' `max_tokens` and half of one: the sixth call's ceiling crosses it.
+const LOOP_OUTPUT: u64 = 5 * MAX_TOKENS + MAX_TOKENS / 2;
+const LOOP_INPUT: u64 = 400;
+const LOOP_COST: u64 = 500;
+const LOOP_RUNTIME_MS: u64 = 2_500;
+
+/// What one call of a scripted agent came to (a line of `agent_loop.py`'s output).
+#[derive(Debug)]
+struct Step {
+    ok: bool,
+    status: Option<u64>,
+    error: Value,
+    prompt_tokens: u64,
+}
+
+/// Runs the scripted agent on `sdk` as `key` for run `run_id`, up to `calls` calls (`extra`
+/// its further flags): each call's outcome, in order.
+fn agent(sdk: &str, key: &str, run_id: &str, calls: u64, extra: &[&str]) -> Vec<Step> {
+    let root = workspace_root();
+    let out = Command::new(root.join(".weir/venv/bin/python"))
+        .arg(root.join("tests/python/agent_loop.py"))
+        .args([
+            sdk,
+            &stack().envoy.url,
+            &format!("key-{key}"),
+            run_id,
+            &calls.to_string(),
+        ])
+        .args(extra)
+        .output()
+        .expect("the project venv's python (`cargo xtask test` installs it)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "agent_loop.py failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .map(|line| {
+            let v: Value = serde_json::from_str(line).unwrap();
+            Step {
+                ok: v["ok"] == true,
+                status: v["status"].as_u64(),
+                error: v["error"].clone(),
+                prompt_tokens: v["prompt_tokens"].as_u64().unwrap_or(0),
+            }
+        })
+        .collect()
+}
+
+/// The agent's calls up to its first refusal: how many were served, and the refusal, which
+/// must be `run_budget_exceeded` on `budget` (status 429, or an error event).
+fn refused_after(steps: &[Step], budget: &str) -> (usize, Value) {
+    let served = steps.iter().take_while(|s| s.ok).count();
+    let refused = steps
+        .get(served)
+        .unwrap_or_else(|| panic!("never refused: {steps:?}"));
+    let error = &refused.error;
+    assert_eq!(refused.status, Some(429), "{refused:?}");
+    assert_eq!(error["code"], "run_budget_exceeded", "{error}");
+    assert_eq!(error["budget"], budget, "{error}");
+    (served, error.clone())
+}
+
+const SDKS: [&str; 2] = ["openai", "anthropic"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_agents_are_refused_at_the_call_that_would_cross_a_model_call_budget() {
+    for sdk in SDKS {
+        let run = format!("{sdk}-calls");
+        let steps = agent(sdk, "loop-calls", &run, 20, &[]);
+        let (served, error) = refused_after(&steps, "model_calls");
+        println!("{sdk}: model_calls {LOOP_CALLS}: {served} calls served, then {error}");
+        assert_eq!(served as u64, LOOP_CALLS, "{sdk}");
+        assert_eq!(
+            (error["limit"].as_u64(), error["used"].as_u64()),
+            (Some(LOOP_CALLS), Some(LOOP_CALLS))
+        );
+        assert!(steps.iter().any(|s| s.ok), "{sdk}");
+        // A second run of the same key is unaffected.
+        let other = agent(sdk, "loop-calls", &format!("{run}-2"), 2, &[]);
+        assert!(other.iter().all(|s| s.ok), "{sdk}: {other:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_agents_are_refused_at_the_call_that_would_cross_an_output_token_budget() {
+    for sdk in SDKS {
+        let steps = agent(
+            sdk,
+            "loop-output",
+            &format!("{sdk}-output"),
+            20,
+            &["--ignore-eos"],
+        );
+        let (served, error) = refused_after(&steps, "output_tokens");
+        println!(
+            "{sdk}: output_tokens {LOOP_OUTPUT} ({MAX_TOKENS} a call): {served} served, then {error}"
+        );
+        // Each call reserves its ceiling and, ignoring its end, uses all of it.
+        assert_eq!(served, 5, "{sdk}");
+        assert_eq!(error["used"].as_u64(), Some(5 * MAX_TOKENS), "{sdk}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_agents_are_refused_at_the_call_that_would_cross_an_input_token_or_cost_budget() {
+    for sdk in SDKS {
+        for (key, budget, limit) in [
+            ("loop-input", "input_tokens", LOOP_INPUT),
+            ("loop-cost", "cost_micros", LOOP_COST),
+        ] {
+            let steps = agent(sdk, key, &format!("{sdk}-{budget}"), 40, &[]);
+            let (served, error) = refused_after(&steps, budget);
+            let used = error["used"].as_u64().unwrap();
+            println!("{sdk}: {budget} {limit}: {served} served, used {used}");
+            assert!(served > 0 && used <= limit, "{sdk} {budget}: {error}");
+            // What the served calls used is what the run counted: the engine's own counts.
+            let prompts: u64 = steps[..served].iter().map(|s| s.prompt_tokens).sum();
+            if budget == "input_tokens" {
+                assert_eq!(
+                    used, prompts,
+                    "{sdk}: the run counts the engine's prompt tokens"
+                );
+            } else {
+                assert!(used > prompts, "{sdk}: cost counts output too");
+            }
+            // Refused because this call's ask (its prompt's estimate, and its output ceiling
+            // at the price) would have crossed it.
+            let requested = error["requested"].as_u64().unwrap();
+            assert!(
+                used + requested > limit,
+                "{sdk} {budget}: refused with room left: {error}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_agents_are_refused_once_the_run_s_runtime_is_over() {
+    for sdk in SDKS {
+        // A call a second: the fourth comes 3 s after the first, past 2.5 s.
+        let steps = agent(
+            sdk,
+            "loop-runtime",
+            &format!("{sdk}-runtime"),
+            10,
+            &["--pause", "1"],
+        );
+        let (served, error) = refused_after(&steps, "runtime_ms");
+        println!("{sdk}: runtime_ms {LOOP_RUNTIME_MS}: {served} served, then {error}");
+        assert_eq!(served, 3, "{sdk}");
+        assert!(error["used"].as_u64().unwrap() > LOOP_RUNTIME_MS);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_branches_past_the_run_s_parallel_calls_are_refused() {
+    for sdk in SDKS {
+        // Three long branches at once against two places.
+        let args = ["--parallel", "3", "--max-tokens", "200", "--ignore-eos"];
+        let steps = agent(sdk, "loop-parallel", &format!("{sdk}-parallel"), 3, &args);
+        let refused: Vec<&Step> = steps.iter().filter(|s| !s.ok).collect();
+        println!(
+            "{sdk}: parallel_calls 2, 3 branches: {} refused",
+            refused.len()
+        );
+        assert_eq!(refused.len(), 1, "{sdk}: {steps:?}");
+        assert_eq!(refused[0].error["budget"], "parallel_calls");
+        assert_eq!(refused[0].status, Some(429));
+    }
 }

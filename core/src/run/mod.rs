@@ -73,6 +73,9 @@ pub struct RunDenial {
     /// Used plus reserved when the call came (for `runtime_ms`, the ms since the run began;
     /// for `parallel_calls`, the calls in flight).
     pub used: u64,
+    /// What the call asked of the budget (1 for a call, a place or a tool call; its prompt's
+    /// estimate, its output ceiling, their cost; 0 for runtime).
+    pub requested: u64,
     pub run_id: String,
 }
 
@@ -98,6 +101,7 @@ impl RunDenial {
             .with_extra("budget", self.budget.name())
             .with_extra("limit", self.limit)
             .with_extra("used", self.used)
+            .with_extra("requested", self.requested)
             .with_extra("run_id", self.run_id.clone())
     }
 }
@@ -184,11 +188,12 @@ pub fn reserve(
             .and_then(Slot::decode)
             .ok_or(RunRefusal::Unavailable)?;
         let entry = place(&mut slot, run, table.idle_ttl_ms, now_ms)?;
-        check(entry, &budgets, &demand, now_ms).map_err(|(budget, limit, used)| {
+        check(entry, &budgets, &demand, now_ms).map_err(|(budget, limit, used, requested)| {
             RunRefusal::Budget(RunDenial {
                 budget,
                 limit,
                 used,
+                requested,
                 run_id: run.run_id.clone(),
             })
         })?;
@@ -242,16 +247,16 @@ fn place<'s>(
     Ok(entry)
 }
 
-/// The first budget `demand` would pass: (budget, limit, used).
+/// The first budget `demand` would pass: (budget, limit, used, requested).
 fn check(
     entry: &Entry,
     budgets: &RunBudgets,
     demand: &RunDemand,
     now_ms: u64,
-) -> Result<(), (Budget, u64, u64)> {
+) -> Result<(), (Budget, u64, u64, u64)> {
     let elapsed = now_ms.saturating_sub(entry.first_ms);
     if let Some(limit) = budgets.runtime_ms.filter(|&l| elapsed > l) {
-        return Err((Budget::RuntimeMs, limit, elapsed));
+        return Err((Budget::RuntimeMs, limit, elapsed, 0));
     }
     let (used, asked) = (entry.counts, demand.counts);
     let measures = [
@@ -294,14 +299,14 @@ fn check(
     ];
     for (budget, limit, used, asked) in measures {
         if let Some(limit) = limit.filter(|&l| used.saturating_add(asked) > l) {
-            return Err((budget, limit, used));
+            return Err((budget, limit, used, asked));
         }
     }
     let cap = MAX_CALLS_IN_FLIGHT as u64;
     let limit = budgets.parallel_calls.map_or(cap, |l| l.min(cap));
     let live = entry.live_calls(now_ms) as u64;
     if live.saturating_add(1) > limit {
-        return Err((Budget::ParallelCalls, limit, live));
+        return Err((Budget::ParallelCalls, limit, live, 1));
     }
     Ok(())
 }
@@ -332,6 +337,7 @@ pub fn take_tool_call(
         budget: Budget::ToolCalls,
         limit: budgets.tool_calls.unwrap_or(u64::MAX),
         used,
+        requested: 1,
         run_id: hold.run_id.clone(),
     };
     let outcome = update(store, &hold.slot_key, |current| {

@@ -236,7 +236,11 @@ fn each_budget_refuses_the_crossing_call_naming_limit_and_used() {
         ]
         .into_iter()
         .sum::<u64>();
-        assert_eq!((d.limit, d.used), (2 * unit, 2 * unit), "{budgets}");
+        assert_eq!(
+            (d.limit, d.used, d.requested),
+            (2 * unit, 2 * unit, unit),
+            "{budgets}"
+        );
     }
 
     // Parallel calls: counted while in flight, free again once settled.
@@ -460,6 +464,7 @@ fn a_denial_names_its_budget_in_the_message_and_the_header() {
         budget: Budget::ModelCalls,
         limit: 10,
         used: 10,
+        requested: 1,
         run_id: "r1".into(),
     };
     assert_eq!(d.message(), "run r1: model_calls budget 10 reached");
@@ -515,6 +520,7 @@ fn a_run_denial_s_error_names_budget_limit_and_used_in_each_shape() {
         budget: Budget::ModelCalls,
         limit: 10,
         used: 10,
+        requested: 1,
         run_id: "r1".into(),
     };
     let error = denial.error();
@@ -524,14 +530,14 @@ fn a_run_denial_s_error_names_budget_limit_and_used_in_each_shape() {
         openai,
         serde_json::json!({"error": {"message": "run r1: model_calls budget 10 reached",
             "type": "run_budget_exceeded", "param": null, "code": "run_budget_exceeded",
-            "budget": "model_calls", "limit": 10, "used": 10, "run_id": "r1"}})
+            "budget": "model_calls", "limit": 10, "used": 10, "requested": 1, "run_id": "r1"}})
     );
     let anthropic = error.to_json_in(ErrorShape::Anthropic);
     assert_eq!(
         anthropic,
         serde_json::json!({"type": "error", "error": {"type": "rate_limit_error",
             "message": "run r1: model_calls budget 10 reached", "code": "run_budget_exceeded",
-            "budget": "model_calls", "limit": 10, "used": 10, "run_id": "r1"}})
+            "budget": "model_calls", "limit": 10, "used": 10, "requested": 1, "run_id": "r1"}})
     );
     assert_eq!(denial.header_value(), "model_calls=10/10");
 }
