@@ -1,5 +1,5 @@
 //! The ledger record: one per attempt, priced where the tenant has prices (its spend counted
-//! in the metrics too).
+//! in the metrics too), with the run it belongs to and the tool calls its answer made.
 
 use crate::ledger::UsageRecord;
 use crate::metrics::Labels;
@@ -28,6 +28,9 @@ impl Flight {
             finished_at_ms: now_ms(),
             route: self.who.route.clone(),
             mode: self.who.mode.clone(),
+            run_id: self.who.run_id.clone(),
+            agent_id: self.who.agent.clone(),
+            tool_calls: bill.tool_calls,
             ..UsageRecord::default()
         };
         let prices = self.who.prices.as_ref();

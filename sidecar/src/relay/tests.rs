@@ -94,6 +94,8 @@ fn flight_of(rig: &Rig, endpoint: Endpoint, hide_usage: bool) -> Flight {
             prices: None,
             route: Some("llm-api".into()),
             mode: Some("shadow".into()),
+            run_id: None,
+            agent: None,
         },
         model: "m".into(),
         input_tokens: 10,
