@@ -204,17 +204,18 @@ fn ledger_migrates_and_records_run_id() {
     step.run_id = Some("run-1".into());
     step.agent_id = Some("planner".into());
     step.tool_calls = 3;
+    step.started_at_ms = Some(150);
     client.append_all(&[step]).unwrap();
-    let rows: Vec<(Option<String>, Option<String>, u64)> = store::query(&mut client, None, 0)
+    let rows: Vec<_> = store::query(&mut client, None, 0)
         .unwrap()
         .into_iter()
-        .map(|r| (r.run_id, r.agent_id, r.tool_calls))
+        .map(|r| (r.run_id, r.agent_id, r.tool_calls, r.started_at_ms))
         .collect();
     assert_eq!(
         rows,
         [
-            (None, None, 0),
-            (Some("run-1".into()), Some("planner".into()), 3)
+            (None, None, 0, None),
+            (Some("run-1".into()), Some("planner".into()), 3, Some(150))
         ]
     );
     assert!(store::connect_read_only(&url).is_ok(), "migrated");

@@ -58,6 +58,10 @@ pub struct UsageRecord {
     pub outcome: String,
     pub queued_ms: u64,
     pub finished_at_ms: u64,
+    /// When the sidecar took the request in (Unix ms; `None` in rows written before it was
+    /// recorded): with `finished_at_ms`, how long a run took.
+    #[serde(default)]
+    pub started_at_ms: Option<u64>,
     /// The price the filter charged the request at (its signed `x-weir-price`), per million
     /// tokens, and the cost at it; all `None` when the request carried no price.
     #[serde(default)]
