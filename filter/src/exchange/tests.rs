@@ -799,3 +799,30 @@ fn rollout_buckets_are_stable_and_spread() {
     assert!((4_500..5_500).contains(&under_half), "{under_half}");
     assert!(ids.iter().all(|&b| b < 100));
 }
+
+#[test]
+fn run_counters_are_counted_under_the_tenant_s_org() {
+    let (_gw, host, tenant) = setup(None);
+    let mut dotted = tenant.as_ref().clone();
+    dotted.org = "acme.eu".into();
+    telemetry::runs::run_refused(&host, &dotted, weir_core::run::Budget::ModelCalls);
+    telemetry::runs::run_refused(&host, &dotted, weir_core::run::Budget::ModelCalls);
+    telemetry::runs::tool_blocked(&host, &dotted, telemetry::runs::ToolWhere::Offered);
+    telemetry::runs::retry_refused(&host, &tenant);
+    let metrics = host.metrics.borrow();
+    let mut names: Vec<(&str, i64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    names.sort_unstable();
+    let org = tenant.org.replace('.', "_");
+    let retries = format!("weir.retries_refused_total.tenant.{org}");
+    assert_eq!(
+        names,
+        [
+            (retries.as_str(), 1),
+            (
+                "weir.run_refusals_total.tenant.acme_eu.budget.model_calls",
+                2
+            ),
+            ("weir.tools_blocked_total.tenant.acme_eu.where.offered", 1),
+        ]
+    );
+}
