@@ -12,7 +12,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
 use weir_e2e::{
-    Envoy, Sidecar, Sim, api_key, chat_body, keep_backlogged, kept_latency, p95, post_json,
+    Envoy, Sidecar, Sim, api_key, chat_body, keep_backlogged, kept_latency, p95, post_json, vouched,
 };
 
 struct Stack {
@@ -614,4 +614,52 @@ async fn small_tenants_keep_their_latency_through_a_noisy_flood_under_fair_sched
     }
     assert!(kept[0], "fair: small tenants keep their latency");
     assert!(!kept[1], "FIFO: small tenants queue behind the flood");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_of_a_run_lands_in_the_ledger_with_its_run_agent_and_tool_calls() {
+    let _turn = turn().await;
+    let tool = |name: &str| {
+        json!({"type": "function", "function": {"name": name,
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}})
+    };
+    let tools = json!([tool("get_weather"), tool("search")]);
+    let client = reqwest::Client::new();
+    // Signed as the filter signs a call that names a run, straight to the sidecar: streamed
+    // (the calls counted event by event) and read whole.
+    for stream in [true, false] {
+        let request_id = format!("weir-run-e2e-{stream}");
+        let run = [("x-weir-run-id", "run-e2e"), ("x-weir-agent", "planner")];
+        let body = chat(
+            "call get_weather, search",
+            json!({"tools": tools, "stream": stream, "max_tokens": 8}),
+        );
+        let mut req = client
+            .post(format!("{}/v1/chat/completions", stack().sidecar.url))
+            .header("content-type", "application/json")
+            .body(body);
+        for (name, value) in vouched("acme/lab/e2e/chat", &request_id, &run) {
+            req = req.header(name, value);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let answer = resp.text().await.unwrap();
+        assert!(
+            answer.contains("get_weather") && answer.contains("search"),
+            "{answer}"
+        );
+        let rows = ledger_rows(&request_id);
+        assert_eq!(rows.len(), 1, "stream {stream}: {rows:?}");
+        let row = &rows[0];
+        assert_eq!(
+            (
+                row.run_id.as_deref(),
+                row.agent_id.as_deref(),
+                row.tool_calls
+            ),
+            (Some("run-e2e"), Some("planner"), 2),
+            "stream {stream}"
+        );
+        assert!(row.started_at_ms.is_some_and(|t| t <= row.finished_at_ms));
+    }
 }
