@@ -41,36 +41,45 @@ pub fn rfc3339(ms: u64) -> String {
 
 /// The header line and one line per record.
 pub fn table(rows: &[UsageRecord]) -> String {
-    let mut out = format!("{HEADER}\n");
-    for r in rows {
-        let fields = [
-            r.tenant.clone(),
-            r.idempotency_key.clone(),
-            r.attempt.to_string(),
-            r.request_id.clone(),
-            r.model.clone(),
-            r.api.clone(),
-            r.route.clone().unwrap_or_default(),
-            r.mode.clone().unwrap_or_default(),
-            r.replica.clone(),
-            r.prompt_tokens.to_string(),
-            r.completion_tokens.to_string(),
-            r.cached_prompt_tokens.to_string(),
-            r.source.clone(),
-            r.outcome.clone(),
-            r.queued_ms.to_string(),
-            r.finished_at_ms.to_string(),
-            rfc3339(r.finished_at_ms),
-            r.currency.clone().unwrap_or_default(),
-            optional(r.price_input),
-            optional(r.price_cached_input),
-            optional(r.price_output),
-            optional(r.cost_micros),
-            r.run_id.clone().unwrap_or_default(),
-            r.agent_id.clone().unwrap_or_default(),
-            r.tool_calls.to_string(),
-            optional(r.started_at_ms),
-        ];
+    csv(
+        HEADER,
+        rows.iter().map(|r| {
+            [
+                r.tenant.clone(),
+                r.idempotency_key.clone(),
+                r.attempt.to_string(),
+                r.request_id.clone(),
+                r.model.clone(),
+                r.api.clone(),
+                r.route.clone().unwrap_or_default(),
+                r.mode.clone().unwrap_or_default(),
+                r.replica.clone(),
+                r.prompt_tokens.to_string(),
+                r.completion_tokens.to_string(),
+                r.cached_prompt_tokens.to_string(),
+                r.source.clone(),
+                r.outcome.clone(),
+                r.queued_ms.to_string(),
+                r.finished_at_ms.to_string(),
+                rfc3339(r.finished_at_ms),
+                r.currency.clone().unwrap_or_default(),
+                optional(r.price_input),
+                optional(r.price_cached_input),
+                optional(r.price_output),
+                optional(r.cost_micros),
+                r.run_id.clone().unwrap_or_default(),
+                r.agent_id.clone().unwrap_or_default(),
+                r.tool_calls.to_string(),
+                optional(r.started_at_ms),
+            ]
+        }),
+    )
+}
+
+/// `header` and a line of each row's fields, each quoted as [`field`] says.
+pub fn csv<const N: usize>(header: &str, rows: impl Iterator<Item = [String; N]>) -> String {
+    let mut out = format!("{header}\n");
+    for fields in rows {
         let line: Vec<String> = fields.iter().map(|f| field(f)).collect();
         out.push_str(&line.join(","));
         out.push('\n');
@@ -85,7 +94,7 @@ pub fn optional(value: Option<impl ToString>) -> String {
 
 /// A field as RFC 4180 writes it: quoted, its quotes doubled, when it holds a comma, a quote or
 /// a line break.
-pub fn field(value: &str) -> String {
+fn field(value: &str) -> String {
     if value.contains([',', '"', '\r', '\n']) {
         format!("\"{}\"", value.replace('"', "\"\""))
     } else {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 use weir_sidecar::ledger::UsageRecord;
 
-use crate::usage_export::{field, optional, rfc3339};
+use crate::usage_export::{csv, optional, rfc3339};
 
 const HEADER: &str = "tenant,run_id,calls,tool_calls,input_tokens,output_tokens,currency,cost_micros,started_at,finished_at,runtime_ms,outcome";
 
@@ -114,27 +114,25 @@ pub fn json(runs: &[RunUsage]) -> serde_json::Result<String> {
 
 /// The header line and one line per run.
 pub fn table(runs: &[RunUsage]) -> String {
-    let mut out = format!("{HEADER}\n");
-    for r in runs {
-        let fields = [
-            r.tenant.clone(),
-            r.run_id.clone(),
-            r.calls.to_string(),
-            r.tool_calls.to_string(),
-            r.input_tokens.to_string(),
-            r.output_tokens.to_string(),
-            r.currency.clone().unwrap_or_default(),
-            optional(r.cost_micros),
-            rfc3339(r.started_at_ms),
-            rfc3339(r.finished_at_ms),
-            r.runtime_ms.to_string(),
-            r.outcome.clone(),
-        ];
-        let line: Vec<String> = fields.iter().map(|f| field(f)).collect();
-        out.push_str(&line.join(","));
-        out.push('\n');
-    }
-    out
+    csv(
+        HEADER,
+        runs.iter().map(|r| {
+            [
+                r.tenant.clone(),
+                r.run_id.clone(),
+                r.calls.to_string(),
+                r.tool_calls.to_string(),
+                r.input_tokens.to_string(),
+                r.output_tokens.to_string(),
+                r.currency.clone().unwrap_or_default(),
+                optional(r.cost_micros),
+                rfc3339(r.started_at_ms),
+                rfc3339(r.finished_at_ms),
+                r.runtime_ms.to_string(),
+                r.outcome.clone(),
+            ]
+        }),
+    )
 }
 
 #[cfg(test)]
