@@ -170,11 +170,11 @@ fn usage_by_run_sums_each_run_s_calls() {
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 3, "{text}");
     assert!(
-        lines[0].starts_with("tenant,run_id,calls,tool_calls,"),
+        lines[0].starts_with("tenant,agent_id,run_id,calls,tool_calls,"),
         "{text}"
     );
     assert!(
-        lines[1].starts_with("acme/ml/chat/agent,run-1,2,2,20,"),
+        lines[1].starts_with("acme/ml/chat/agent,,run-1,2,2,20,"),
         "{text}"
     );
     assert!(lines[1].ends_with(",1500,ok"), "{text}");

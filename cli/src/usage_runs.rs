@@ -1,5 +1,6 @@
-//! `weir usage --by run`: the ledger's records summed per run. A run is one tenant's: the same
-//! run id under two tenants is two runs. Per run: its calls (attempts that used an engine, as
+//! `weir usage --by run`: the ledger's records summed per run. A run is one tenant's, and one
+//! agent's when the key names agents, as the filter holds its budgets
+//! ([`weir_core::run::RunKey`]): the same run id under two tenants or two agents is two runs. Per run: its calls (attempts that used an engine, as
 //! the ledger bills them), the tool calls their answers made, tokens, cost, its runtime (from
 //! the first call's start to the last call's end) and the outcome of its last call. Only the
 //! records in the window `--since` asks for are summed: a run older than it shows its later part.
@@ -11,12 +12,13 @@ use weir_sidecar::ledger::UsageRecord;
 
 use crate::usage_export::{csv, optional, rfc3339};
 
-const HEADER: &str = "tenant,run_id,calls,tool_calls,input_tokens,output_tokens,currency,cost_micros,started_at,finished_at,runtime_ms,outcome";
+const HEADER: &str = "tenant,agent_id,run_id,calls,tool_calls,input_tokens,output_tokens,currency,cost_micros,started_at,finished_at,runtime_ms,outcome";
 
 /// One run's records, summed.
 #[derive(Debug, PartialEq, Serialize)]
 pub struct RunUsage {
     pub tenant: String,
+    pub agent_id: Option<String>,
     pub run_id: String,
     pub calls: u64,
     pub tool_calls: u64,
@@ -37,6 +39,7 @@ impl RunUsage {
     fn first(r: &UsageRecord, run_id: &str) -> RunUsage {
         RunUsage {
             tenant: r.tenant.clone(),
+            agent_id: r.agent_id.clone(),
             run_id: run_id.to_owned(),
             calls: 0,
             tool_calls: 0,
@@ -78,14 +81,15 @@ impl RunUsage {
     }
 }
 
-/// The runs of `rows` (those recorded with a run id), by tenant and run id.
+/// The runs of `rows` (those recorded with a run id), by tenant, agent and run id.
 pub fn by_run(rows: &[UsageRecord]) -> Vec<RunUsage> {
-    let mut runs: BTreeMap<(&str, &str), RunUsage> = BTreeMap::new();
+    type Key<'r> = (&'r str, Option<&'r str>, &'r str);
+    let mut runs: BTreeMap<Key, RunUsage> = BTreeMap::new();
     for r in rows {
         let Some(run_id) = r.run_id.as_deref() else {
             continue;
         };
-        runs.entry((r.tenant.as_str(), run_id))
+        runs.entry((r.tenant.as_str(), r.agent_id.as_deref(), run_id))
             .or_insert_with(|| RunUsage::first(r, run_id))
             .add(r);
     }
@@ -119,6 +123,7 @@ pub fn table(runs: &[RunUsage]) -> String {
         runs.iter().map(|r| {
             [
                 r.tenant.clone(),
+                r.agent_id.clone().unwrap_or_default(),
                 r.run_id.clone(),
                 r.calls.to_string(),
                 r.tool_calls.to_string(),
@@ -191,16 +196,22 @@ mod tests {
             call("other/w/p/k", Some("run-1"), ("k1", 1), (1_000, 1_200)),
             // Outside any run: not summed.
             call(a, None, ("k9", 1), (1_000, 9_000)),
+            // The same run id of an agent of the key is the agent's run.
+            UsageRecord {
+                agent_id: Some("planner".into()),
+                ..call(a, Some("run-1"), ("k3", 1), (5_000, 6_000))
+            },
         ];
         for r in &records {
             assert!(append(&conn, r).unwrap());
         }
         let runs = by_run(&query(&conn, None, 0).unwrap());
-        assert_eq!(runs.len(), 2, "{runs:?}");
+        assert_eq!(runs.len(), 3, "{runs:?}");
         assert_eq!(
             runs[0],
             RunUsage {
                 tenant: a.into(),
+                agent_id: None,
                 run_id: "run-1".into(),
                 calls: 3,
                 tool_calls: 3,
@@ -215,15 +226,23 @@ mod tests {
             }
         );
         assert_eq!(
-            (runs[1].tenant.as_str(), runs[1].calls, runs[1].runtime_ms),
+            (
+                runs[1].agent_id.as_deref(),
+                runs[1].calls,
+                runs[1].runtime_ms
+            ),
+            (Some("planner"), 1, 1_000)
+        );
+        assert_eq!(
+            (runs[2].tenant.as_str(), runs[2].calls, runs[2].runtime_ms),
             ("other/w/p/k", 1, 200)
         );
-        assert_eq!(runs[1].cost_micros, None, "nothing priced");
+        assert_eq!(runs[2].cost_micros, None, "nothing priced");
         let csv = table(&runs);
         let lines: Vec<&str> = csv.lines().collect();
-        assert_eq!(lines.len(), 3, "{csv}");
+        assert_eq!(lines.len(), 4, "{csv}");
         assert!(
-            lines[1].starts_with("acme/w/p/agent,run-1,3,3,300,23,USD,42,")
+            lines[1].starts_with("acme/w/p/agent,,run-1,3,3,300,23,USD,42,")
                 && lines[1].ends_with(",3000,upstream_error"),
             "{csv}"
         );
