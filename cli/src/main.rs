@@ -57,9 +57,9 @@ enum Command {
         /// CSV with a header row, or a JSON array.
         #[arg(long, value_enum, default_value = "csv")]
         format: Format,
-        /// Sum the records per run (tenant, agent and run id, as the filter holds run budgets: calls, tool calls, tokens, cost,
-        /// runtime, the last call's outcome) instead of one row per attempt; records of no run
-        /// are left out.
+        /// Sum the records per run (tenant, agent and run id, as the filter holds run budgets):
+        /// calls, tool calls, tokens, cost, runtime and the last call's outcome, instead of one
+        /// row per attempt; records of no run are left out.
         #[arg(long, value_enum)]
         by: Option<By>,
     },
