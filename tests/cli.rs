@@ -129,6 +129,63 @@ fn usage_piped_into_a_reader_that_stops_early_ends_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+#[test]
+fn usage_by_run_sums_each_run_s_calls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("ledger.sqlite");
+    let conn = weir_sidecar::ledger::open(&ledger).unwrap();
+    for (i, (tenant, run)) in [
+        ("acme/ml/chat/agent", Some("run-1")),
+        ("acme/ml/chat/agent", Some("run-1")),
+        ("acme/ml/chat/agent", None),
+        ("beta/ml/chat/agent", Some("run-1")),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let record = weir_sidecar::ledger::UsageRecord {
+            idempotency_key: format!("k{i}"),
+            attempt: 1,
+            request_id: format!("r{i}"),
+            tenant: tenant.into(),
+            outcome: "ok".into(),
+            prompt_tokens: 10,
+            tool_calls: 1,
+            started_at_ms: Some(1_000 * i as u64),
+            finished_at_ms: 1_000 * i as u64 + 500,
+            run_id: run.map(str::to_owned),
+            ..Default::default()
+        };
+        weir_sidecar::ledger::append(&conn, &record).unwrap();
+    }
+    drop(conn);
+    let path = ledger.to_str().unwrap();
+    let out = weir(&["usage", "--ledger", path, "--since", "all", "--by", "run"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(
+        lines[0].starts_with("tenant,agent_id,run_id,calls,tool_calls,"),
+        "{text}"
+    );
+    assert!(
+        lines[1].starts_with("acme/ml/chat/agent,,run-1,2,2,20,"),
+        "{text}"
+    );
+    assert!(lines[1].ends_with(",1500,ok"), "{text}");
+    let out = weir(&[
+        "usage", "--ledger", path, "--since", "all", "--by", "run", "--format", "json",
+    ]);
+    let runs: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(runs[1]["tenant"], "beta/ml/chat/agent");
+    assert_eq!(runs[1]["calls"], 1);
+}
+
 /// `weir config check` run in `dir` on `file` (a path relative to it) with `flags`: whether it
 /// passed, and what it printed on stderr.
 fn config_check(dir: &std::path::Path, file: &str, text: &str, flags: &[&str]) -> (bool, String) {

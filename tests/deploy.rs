@@ -1099,3 +1099,70 @@ fn every_shipped_gateway_hashes_an_org_to_one_sidecar_of_the_pool() {
         plain.contains(&format!("header_name: {org}")) && plain.contains("lb_policy: RING_HASH")
     );
 }
+
+/// A stat name as `/stats/prometheus` shows it under the `stats_tags` of `bootstrap`: each
+/// regex that matches the whole name gives its tag the second group's value and cuts the first
+/// group from the name (Envoy matches every regex against the name as the filter made it).
+fn prometheus_series(bootstrap: &str, stat: &str) -> String {
+    let block = bootstrap
+        .split("\nstats_config:\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\nstatic_resources:").next())
+        .unwrap();
+    let config: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(&format!("stats_config:\n{block}")).unwrap();
+    let mut cut = Vec::new();
+    let mut labels = Vec::new();
+    for tag in config["stats_config"]["stats_tags"].as_sequence().unwrap() {
+        let regex = regex::Regex::new(tag["regex"].as_str().unwrap()).unwrap();
+        if let Some(groups) = regex.captures(stat) {
+            let (whole, value) = (groups.get(1).unwrap(), groups.get(2).unwrap());
+            cut.push(whole.range());
+            labels.push(format!(
+                "{}=\"{}\"",
+                tag["tag_name"].as_str().unwrap(),
+                value.as_str()
+            ));
+        }
+    }
+    let name: String = stat
+        .char_indices()
+        .filter(|(i, _)| !cut.iter().any(|r| r.contains(i)))
+        .map(|(_, c)| c)
+        .collect();
+    let name = name.trim_start_matches("wasmcustom.").replace('.', "_");
+    format!("{name}{{{}}}", labels.join(","))
+}
+
+#[test]
+fn the_shipped_stats_tags_label_the_run_counters_by_tenant_never_more() {
+    for file in ["deploy/envoy/envoy.yaml", "envoy/envoy.yaml.tmpl"] {
+        let bootstrap = std::fs::read_to_string(workspace_root().join(file)).unwrap();
+        let series = |stat: &str| prometheus_series(&bootstrap, &format!("wasmcustom.{stat}"));
+        for (stat, expected) in [
+            (
+                "weir.run_refusals_total.tenant.acme.budget.model_calls",
+                r#"weir_run_refusals_total{tenant="acme",budget="model_calls"}"#,
+            ),
+            (
+                "weir.tools_blocked_total.tenant.acme_eu.where.called",
+                r#"weir_tools_blocked_total{tenant="acme_eu",where="called"}"#,
+            ),
+            (
+                "weir.retries_refused_total.tenant.acme",
+                r#"weir_retries_refused_total{tenant="acme"}"#,
+            ),
+            // The decisions keep their three labels and gain none.
+            (
+                "weir.filter.decisions.route.llm.mode.enforce.decision.admitted",
+                r#"weir_filter_decisions{route="llm",mode="enforce",decision="admitted"}"#,
+            ),
+            (
+                "weir.rejections.budget_exceeded",
+                "weir_rejections_budget_exceeded{}",
+            ),
+        ] {
+            assert_eq!(series(stat), expected, "{file}");
+        }
+    }
+}

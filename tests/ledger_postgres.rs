@@ -162,6 +162,69 @@ fn an_idempotency_key_s_history_is_read_from_postgres_and_the_spool() {
     );
 }
 
+#[test]
+fn ledger_migrates_and_records_run_id() {
+    let pg = server();
+    // A ledger as the release before runs wrote it, in a database of its own.
+    let mut admin = postgres::Client::connect(&pg.url(), postgres::NoTls).unwrap();
+    for sql in [
+        "DROP DATABASE IF EXISTS weir_before_runs WITH (FORCE)",
+        "CREATE DATABASE weir_before_runs",
+    ] {
+        admin.batch_execute(sql).unwrap();
+    }
+    let url = format!(
+        "{}/weir_before_runs",
+        pg.url().strip_suffix("/postgres").unwrap()
+    );
+    let mut old = postgres::Client::connect(&url, postgres::NoTls).unwrap();
+    old.batch_execute(
+        "CREATE TABLE weir_usage (tenant TEXT NOT NULL, idempotency_key TEXT NOT NULL,
+             attempt INTEGER NOT NULL, request_id TEXT NOT NULL, model TEXT NOT NULL,
+             api TEXT NOT NULL, replica TEXT NOT NULL, prompt_tokens BIGINT NOT NULL,
+             completion_tokens BIGINT NOT NULL, cached_prompt_tokens BIGINT NOT NULL DEFAULT 0,
+             source TEXT NOT NULL, outcome TEXT NOT NULL, queued_ms BIGINT NOT NULL,
+             finished_at_ms BIGINT NOT NULL, currency TEXT, price_input DOUBLE PRECISION,
+             price_cached_input DOUBLE PRECISION, price_output DOUBLE PRECISION,
+             cost_micros BIGINT, route TEXT, mode TEXT,
+             PRIMARY KEY (tenant, idempotency_key, attempt));
+         INSERT INTO weir_usage (tenant, idempotency_key, attempt, request_id, model, api,
+             replica, prompt_tokens, completion_tokens, source, outcome, queued_ms,
+             finished_at_ms)
+         VALUES ('a/w/p/k', 'k', 1, 'weir-old', 'tiny', 'chat_completions', 'r', 7, 3,
+             'engine', 'ok', 1, 100);",
+    )
+    .unwrap();
+    assert!(
+        store::connect_read_only(&url).is_err(),
+        "weir usage refuses a ledger the sidecar has not migrated yet"
+    );
+    let mut client = store::connect(&url).unwrap();
+    let mut step = record("a/w/p/k", "k2", "weir-run-step");
+    step.run_id = Some("run-1".into());
+    step.agent_id = Some("planner".into());
+    step.tool_calls = 3;
+    step.started_at_ms = Some(150);
+    client.append_all(&[step]).unwrap();
+    let rows: Vec<_> = store::query(&mut client, None, 0)
+        .unwrap()
+        .into_iter()
+        .map(|r| (r.run_id, r.agent_id, r.tool_calls, r.started_at_ms))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            (None, None, 0, None),
+            (Some("run-1".into()), Some("planner".into()), 3, Some(150))
+        ]
+    );
+    assert!(store::connect_read_only(&url).is_ok(), "migrated");
+    drop((client, old));
+    admin
+        .batch_execute("DROP DATABASE weir_before_runs WITH (FORCE)")
+        .unwrap();
+}
+
 /// The signed headers the filter would send for a request of `tenant`, every model priced at
 /// [`PRICE`] (the table's default).
 fn signed(tenant: &str, request_id: &str) -> Vec<(String, String)> {

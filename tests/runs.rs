@@ -122,6 +122,21 @@ async fn thirty_two_calls_of_one_run_admit_exactly_its_budget() {
         budgets,
         BTreeMap::from([("model_calls".to_owned(), CALLS - admitted)])
     );
+    // Counted by tenant and budget on Envoy's Prometheus page (never by run id).
+    let page = reqwest::get(format!("{}/stats/prometheus", stack().envoy.admin))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let counter = r#"weir_run_refusals_total{tenant="calls",budget="model_calls"}"#;
+    let counted = (page.lines()).find_map(|l| l.strip_prefix(counter)?.trim().parse::<u64>().ok());
+    assert_eq!(
+        counted,
+        Some((CALLS - admitted) as u64),
+        "{counter} in Envoy's stats"
+    );
+    assert!(!page.contains("burst-1"), "no run id in metrics");
     // The run stays spent; another run of the same key has its own budget.
     assert_eq!(
         call("calls", "burst-1").await.0,

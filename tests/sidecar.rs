@@ -12,7 +12,7 @@ use reqwest::{Response, StatusCode};
 use serde_json::{Value, json};
 use tokio::sync::{Mutex, MutexGuard};
 use weir_e2e::{
-    Envoy, Sidecar, Sim, api_key, chat_body, keep_backlogged, kept_latency, p95, post_json,
+    Envoy, Sidecar, Sim, api_key, chat_body, keep_backlogged, kept_latency, p95, post_json, vouched,
 };
 
 struct Stack {
@@ -614,4 +614,75 @@ async fn small_tenants_keep_their_latency_through_a_noisy_flood_under_fair_sched
     }
     assert!(kept[0], "fair: small tenants keep their latency");
     assert!(!kept[1], "FIFO: small tenants queue behind the flood");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_of_a_run_lands_in_the_ledger_with_its_run_agent_and_tool_calls() {
+    let _turn = turn().await;
+    let schema = json!({"type": "object", "properties": {"query": {"type": "string"}}});
+    let names = ["get_weather", "search"];
+    let ask = "call get_weather, search";
+    let chat_tools: Vec<Value> = names
+        .iter()
+        .map(|n| json!({"type": "function", "function": {"name": n, "parameters": schema}}))
+        .collect();
+    let responses_tools: Vec<Value> = names
+        .iter()
+        .map(|n| json!({"type": "function", "name": n, "parameters": schema}))
+        .collect();
+    let messages_tools: Vec<Value> = names
+        .iter()
+        .map(|n| json!({"name": n, "input_schema": schema}))
+        .collect();
+    let apis = [
+        (
+            "/v1/chat/completions",
+            chat_body("tiny", ask, json!({"tools": chat_tools, "max_tokens": 8})),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "tiny", "input": ask, "tools": responses_tools,
+                   "max_output_tokens": 8}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": "tiny", "max_tokens": 8, "tools": messages_tools,
+                   "messages": [{"role": "user", "content": ask}]}),
+        ),
+    ];
+    let client = reqwest::Client::new();
+    // Signed as the filter signs a call that names a run, straight to the sidecar: streamed
+    // (the calls counted event by event) and read whole, in each API's shape.
+    for (path, body) in apis {
+        for stream in [true, false] {
+            let request_id = format!("weir-run-e2e{}-{stream}", path.replace('/', "-"));
+            let run = [("x-weir-run-id", "run-e2e"), ("x-weir-agent", "planner")];
+            let mut body = body.clone();
+            body["stream"] = json!(stream);
+            let mut req = client
+                .post(format!("{}{path}", stack().sidecar.url))
+                .header("content-type", "application/json")
+                .body(body.to_string());
+            for (name, value) in vouched("acme/lab/e2e/chat", &request_id, &run) {
+                req = req.header(name, value);
+            }
+            let resp = req.send().await.unwrap();
+            assert_eq!(resp.status(), StatusCode::OK, "{path}");
+            let answer = resp.text().await.unwrap();
+            assert!(names.iter().all(|n| answer.contains(n)), "{answer}");
+            let rows = ledger_rows(&request_id);
+            assert_eq!(rows.len(), 1, "{path} stream {stream}: {rows:?}");
+            let row = &rows[0];
+            assert_eq!(
+                (
+                    row.run_id.as_deref(),
+                    row.agent_id.as_deref(),
+                    row.tool_calls
+                ),
+                (Some("run-e2e"), Some("planner"), 2),
+                "{path} stream {stream}"
+            );
+            assert!(row.started_at_ms.is_some_and(|t| t <= row.finished_at_ms));
+        }
+    }
 }

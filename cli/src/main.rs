@@ -5,6 +5,7 @@
 mod config_check;
 mod placeholders;
 mod usage_export;
+mod usage_runs;
 mod yaml11;
 
 use anyhow::Context;
@@ -56,6 +57,11 @@ enum Command {
         /// CSV with a header row, or a JSON array.
         #[arg(long, value_enum, default_value = "csv")]
         format: Format,
+        /// Sum the records per run (tenant, agent and run id, as the filter holds run budgets):
+        /// calls, tool calls, tokens, cost, runtime and the last call's outcome, instead of one
+        /// row per attempt; records of no run are left out.
+        #[arg(long, value_enum)]
+        by: Option<By>,
     },
 }
 
@@ -63,6 +69,12 @@ enum Command {
 enum Format {
     Csv,
     Json,
+}
+
+/// What `weir usage --by` sums records per.
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum By {
+    Run,
 }
 
 /// The start of the window in Unix ms, from a relative duration.
@@ -95,7 +107,7 @@ fn export_usage(
     source: Source<'_>,
     tenant: Option<&str>,
     since: &str,
-    format: Format,
+    (format, by): (Format, Option<By>),
 ) -> anyhow::Result<()> {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)?
@@ -112,11 +124,21 @@ fn export_usage(
             weir_sidecar::ledger::postgres::query(&mut client, tenant, since)?
         }
     };
-    let text = match format {
-        Format::Json => usage_export::json(&rows)?,
-        Format::Csv => usage_export::table(&rows),
-    };
-    write_out(&text)
+    write_out(&usage_text(&rows, format, by)?)
+}
+
+/// The export of `rows`: one row per attempt, or per run.
+fn usage_text(
+    rows: &[weir_sidecar::ledger::UsageRecord],
+    format: Format,
+    by: Option<By>,
+) -> anyhow::Result<String> {
+    Ok(match (by, format) {
+        (None, Format::Json) => usage_export::json(rows)?,
+        (None, Format::Csv) => usage_export::table(rows),
+        (Some(By::Run), Format::Json) => usage_runs::json(&usage_runs::by_run(rows))?,
+        (Some(By::Run), Format::Csv) => usage_runs::table(&usage_runs::by_run(rows)),
+    })
 }
 
 /// Writes to stdout; a reader that closed the pipe early (`weir usage | head`) has what it
@@ -276,6 +298,7 @@ fn main() -> anyhow::Result<()> {
             tenant,
             since,
             format,
+            by,
         } => {
             let source = if postgres_url_env.is_some() || postgres_url_file.is_some() {
                 Source::Postgres(weir_sidecar::ledger::read_url(
@@ -285,7 +308,7 @@ fn main() -> anyhow::Result<()> {
             } else {
                 Source::Sqlite(&ledger)
             };
-            export_usage(source, tenant.as_deref(), &since, format)?
+            export_usage(source, tenant.as_deref(), &since, (format, by))?
         }
     }
     Ok(())
@@ -353,7 +376,15 @@ mod tests {
         }
         let rows = weir_sidecar::ledger::query(&conn, Some("a/w/p/k"), 0).unwrap();
         assert_eq!(rows.len(), 1);
-        assert!(export_usage(Source::Sqlite(&path), Some("a/w/p/k"), "all", Format::Json).is_ok());
+        assert!(
+            export_usage(
+                Source::Sqlite(&path),
+                Some("a/w/p/k"),
+                "all",
+                (Format::Json, None)
+            )
+            .is_ok()
+        );
         let _ = std::fs::remove_file(&path);
     }
 

@@ -9,7 +9,7 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use weir_sidecar::ledger::UsageRecord;
 
-const HEADER: &str = "tenant,idempotency_key,attempt,request_id,model,api,route,mode,replica,prompt_tokens,completion_tokens,cached_prompt_tokens,source,outcome,queued_ms,finished_at_ms,finished_at,currency,price_input,price_cached_input,price_output,cost_micros";
+const HEADER: &str = "tenant,idempotency_key,attempt,request_id,model,api,route,mode,replica,prompt_tokens,completion_tokens,cached_prompt_tokens,source,outcome,queued_ms,finished_at_ms,finished_at,currency,price_input,price_cached_input,price_output,cost_micros,run_id,agent_id,tool_calls,started_at_ms";
 
 /// A record as the JSON export writes it.
 #[derive(Serialize)]
@@ -32,7 +32,7 @@ pub fn json(rows: &[UsageRecord]) -> serde_json::Result<String> {
 }
 
 /// Epoch milliseconds in RFC 3339, UTC, to the millisecond (empty past year 9999).
-fn rfc3339(ms: u64) -> String {
+pub fn rfc3339(ms: u64) -> String {
     OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
         .ok()
         .and_then(|t| t.format(&Rfc3339).ok())
@@ -41,32 +41,45 @@ fn rfc3339(ms: u64) -> String {
 
 /// The header line and one line per record.
 pub fn table(rows: &[UsageRecord]) -> String {
-    let mut out = format!("{HEADER}\n");
-    for r in rows {
-        let fields = [
-            r.tenant.clone(),
-            r.idempotency_key.clone(),
-            r.attempt.to_string(),
-            r.request_id.clone(),
-            r.model.clone(),
-            r.api.clone(),
-            r.route.clone().unwrap_or_default(),
-            r.mode.clone().unwrap_or_default(),
-            r.replica.clone(),
-            r.prompt_tokens.to_string(),
-            r.completion_tokens.to_string(),
-            r.cached_prompt_tokens.to_string(),
-            r.source.clone(),
-            r.outcome.clone(),
-            r.queued_ms.to_string(),
-            r.finished_at_ms.to_string(),
-            rfc3339(r.finished_at_ms),
-            r.currency.clone().unwrap_or_default(),
-            optional(r.price_input),
-            optional(r.price_cached_input),
-            optional(r.price_output),
-            optional(r.cost_micros),
-        ];
+    csv(
+        HEADER,
+        rows.iter().map(|r| {
+            [
+                r.tenant.clone(),
+                r.idempotency_key.clone(),
+                r.attempt.to_string(),
+                r.request_id.clone(),
+                r.model.clone(),
+                r.api.clone(),
+                r.route.clone().unwrap_or_default(),
+                r.mode.clone().unwrap_or_default(),
+                r.replica.clone(),
+                r.prompt_tokens.to_string(),
+                r.completion_tokens.to_string(),
+                r.cached_prompt_tokens.to_string(),
+                r.source.clone(),
+                r.outcome.clone(),
+                r.queued_ms.to_string(),
+                r.finished_at_ms.to_string(),
+                rfc3339(r.finished_at_ms),
+                r.currency.clone().unwrap_or_default(),
+                optional(r.price_input),
+                optional(r.price_cached_input),
+                optional(r.price_output),
+                optional(r.cost_micros),
+                r.run_id.clone().unwrap_or_default(),
+                r.agent_id.clone().unwrap_or_default(),
+                r.tool_calls.to_string(),
+                optional(r.started_at_ms),
+            ]
+        }),
+    )
+}
+
+/// `header` and a line of each row's fields, each quoted as [`field`] says.
+pub fn csv<const N: usize>(header: &str, rows: impl Iterator<Item = [String; N]>) -> String {
+    let mut out = format!("{header}\n");
+    for fields in rows {
         let line: Vec<String> = fields.iter().map(|f| field(f)).collect();
         out.push_str(&line.join(","));
         out.push('\n');
@@ -75,7 +88,7 @@ pub fn table(rows: &[UsageRecord]) -> String {
 }
 
 /// A figure, or an empty field for a record without one.
-fn optional(value: Option<impl ToString>) -> String {
+pub fn optional(value: Option<impl ToString>) -> String {
     value.map(|v| v.to_string()).unwrap_or_default()
 }
 
@@ -139,6 +152,10 @@ mod tests {
             price_cached_input: Some(0.075),
             price_output: Some(0.6),
             cost_micros: Some(345),
+            run_id: Some("run,1".into()),
+            agent_id: None,
+            tool_calls: 2,
+            started_at_ms: Some(1_796_601_599_000),
         };
         let text = table(&[record]);
         let lines: Vec<&str> = text.lines().collect();
@@ -162,6 +179,11 @@ mod tests {
             ("llm-api", "shadow")
         );
         assert_eq!(column("finished_at"), "2026-12-07T00:00:00.123Z");
+        assert_eq!(
+            (column("run_id").as_str(), column("tool_calls").as_str()),
+            ("run,1", "2"),
+            "a run id is the caller's: quoted like the key"
+        );
         assert_eq!(
             field("plain-id_1.2"),
             "plain-id_1.2",

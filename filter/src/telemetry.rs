@@ -141,6 +141,16 @@ pub fn route_label(name: Option<&str>) -> String {
     }
 }
 
+/// What the run policy refused, by tenant (issue 30's filter side calls these).
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "counted by the run, tool and retry policies as they land"
+    )
+)]
+pub mod runs;
+
 pub fn define() -> Metrics {
     let mut m = Metrics::default();
     for outcome in OUTCOMES {

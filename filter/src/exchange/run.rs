@@ -16,6 +16,7 @@ use weir_core::run::{self, Counts, RunDemand, RunKey, RunRefusal, RunTable};
 use weir_core::trusted;
 
 use super::{Exchange, Host, Stage};
+use crate::telemetry;
 
 /// The header a caller names its run with when the route names no other.
 pub const DEFAULT_RUN_ID_HEADER: &str = trusted::RUN_ID;
@@ -99,6 +100,9 @@ impl Exchange {
                     reply
                         .headers
                         .push(("x-weir-run-budget", denial.header_value()));
+                    if !self.shadow {
+                        telemetry::runs::run_refused(host, &tenant, denial.budget);
+                    }
                 }
                 let action = self.refuse(host, reply, reason, Stage::AwaitingBody);
                 (self.stage == Stage::Replied).then_some(action)

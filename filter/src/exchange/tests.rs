@@ -800,6 +800,33 @@ fn rollout_buckets_are_stable_and_spread() {
     assert!(ids.iter().all(|&b| b < 100));
 }
 
+#[test]
+fn run_counters_are_counted_under_the_tenant_s_org() {
+    let (_gw, host, tenant) = setup(None);
+    let mut dotted = tenant.as_ref().clone();
+    dotted.org = "acme.eu".into();
+    telemetry::runs::run_refused(&host, &dotted, weir_core::run::Budget::ModelCalls);
+    telemetry::runs::run_refused(&host, &dotted, weir_core::run::Budget::ModelCalls);
+    telemetry::runs::tool_blocked(&host, &dotted, telemetry::runs::ToolWhere::Offered);
+    telemetry::runs::retry_refused(&host, &tenant);
+    let metrics = host.metrics.borrow();
+    let mut names: Vec<(&str, i64)> = metrics.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    names.sort_unstable();
+    let org = tenant.org.replace('.', "_");
+    let retries = format!("weir.retries_refused_total.tenant.{org}");
+    assert_eq!(
+        names,
+        [
+            (retries.as_str(), 1),
+            (
+                "weir.run_refusals_total.tenant.acme_eu.budget.model_calls",
+                2
+            ),
+            ("weir.tools_blocked_total.tenant.acme_eu.where.offered", 1),
+        ]
+    );
+}
+
 /// A run's budgets held call by call: the run id taken from the caller, bound to its key,
 /// charged after the tenant's limits and settled on every exit.
 mod runs {
@@ -897,6 +924,8 @@ mod runs {
         assert_eq!(host.remaining(&t, LimitKind::InputTokens), before);
         assert_eq!(host.remaining(&t, LimitKind::Concurrency), 8);
         assert_eq!(host.metric("weir.rejections.run_budget_exceeded"), 1);
+        let by_tenant = "weir.run_refusals_total.tenant.acme.budget.model_calls";
+        assert_eq!(host.metric(by_tenant), 1);
         // Another run of the key, and the same run id of another key, are untouched.
         let mut x = call(&gw, &host, KEY, "x-weir-run-id", "r2");
         assert!(host.replied().is_none());

@@ -39,6 +39,10 @@ pub struct Trusted {
     /// than these headers): the ledger records them.
     pub route: Option<String>,
     pub mode: Option<String>,
+    /// The run the call belongs to and the agent that made it, when the request named a run
+    /// (the filter vouches the caller's ids): the ledger records them.
+    pub run_id: Option<String>,
+    pub agent: Option<String>,
 }
 
 /// `x-weir-*` headers as (name, value).
@@ -285,7 +289,15 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
             |m| trusted::MODES.contains(&m),
             "is not a mode",
         )?,
+        run_id: optional(trusted::RUN_ID, is_run_name, "is not a run id")?,
+        agent: optional(trusted::AGENT, is_run_name, "is not an agent name")?,
     })
+}
+
+/// A run id or agent name as a run is keyed by ([`weir_core::run::RunKey`]): 1 to
+/// [`weir_core::run::identity::MAX_ID_LEN`] visible ASCII characters.
+fn is_run_name(name: &str) -> bool {
+    trusted::is_id(name) && name.len() <= weir_core::run::identity::MAX_ID_LEN
 }
 
 #[cfg(test)]
@@ -354,6 +366,16 @@ mod tests {
         );
         assert_eq!(who.prices, None, "no prices: the record is not priced");
         assert_eq!((who.route, who.mode), (None, None), "an older filter's");
+        assert_eq!((who.run_id, who.agent), (None, None), "no run named");
+        let mut run = base();
+        run[4].1 = "weir-run".into();
+        run.push((trusted::RUN_ID, "run-7/step:a".into()));
+        run.push((trusted::AGENT, "planner".into()));
+        let who = trust().check(&signed(SECRET, &run, 2_000), 1_000).unwrap();
+        assert_eq!(
+            (who.run_id.as_deref(), who.agent.as_deref()),
+            (Some("run-7/step:a"), Some("planner"))
+        );
         let mut routed = base();
         routed[4].1 = "weir-routed".into();
         routed.push((trusted::ROUTE, "llm-api".into()));
@@ -408,6 +430,7 @@ mod tests {
 
     #[test]
     fn bad_signed_values_are_refused_never_defaulted() {
+        let long_run = "r".repeat(weir_core::run::identity::MAX_ID_LEN + 1);
         for (name, bad) in [
             (trusted::WEIGHT, "1,1,1,NaN"),
             (trusted::WEIGHT, "1e300,1,1,1"),
@@ -428,6 +451,10 @@ mod tests {
             (trusted::PRICE, "USD:0.15,0.075,0.6"),
             (trusted::MODE, "ignore"),
             (trusted::ROUTE, "llm api"),
+            (trusted::RUN_ID, "run 1"),
+            (trusted::RUN_ID, ""),
+            (trusted::AGENT, "plan ner"),
+            (trusted::RUN_ID, long_run.as_str()),
         ] {
             let mut fields = base();
             fields.retain(|(n, _)| *n != name);

@@ -58,6 +58,10 @@ pub struct UsageRecord {
     pub outcome: String,
     pub queued_ms: u64,
     pub finished_at_ms: u64,
+    /// When the sidecar took the request in (Unix ms; `None` in rows written before it was
+    /// recorded): with `finished_at_ms`, how long a run took.
+    #[serde(default)]
+    pub started_at_ms: Option<u64>,
     /// The price the filter charged the request at (its signed `x-weir-price`), per million
     /// tokens, and the cost at it; all `None` when the request carried no price.
     #[serde(default)]
@@ -78,6 +82,17 @@ pub struct UsageRecord {
     /// The mode the filter applied: `off`, `shadow` or `enforce` (`None` as for `route`).
     #[serde(default)]
     pub mode: Option<String>,
+    /// The run the call belongs to (its signed `x-weir-run-id`), `None` outside a run and in
+    /// rows written before runs were recorded. Runs are per tenant: `(tenant, run_id)` is one.
+    #[serde(default)]
+    pub run_id: Option<String>,
+    /// The agent of the key that made the call (its signed `x-weir-agent`), if named.
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    /// Tool calls the answer made (0 for an answer that made none, and in rows written before
+    /// they were counted).
+    #[serde(default)]
+    pub tool_calls: u64,
 }
 
 impl UsageRecord {

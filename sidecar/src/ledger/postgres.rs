@@ -49,17 +49,27 @@ const SCHEMA: &str = "
         cost_micros          BIGINT,
         route                TEXT,
         mode                 TEXT,
+        run_id               TEXT,
+        agent_id             TEXT,
+        tool_calls           BIGINT NOT NULL DEFAULT 0,
+        started_at_ms        BIGINT,
         PRIMARY KEY (tenant, idempotency_key, attempt)
     );
     ALTER TABLE weir_usage ADD COLUMN IF NOT EXISTS route TEXT;
     ALTER TABLE weir_usage ADD COLUMN IF NOT EXISTS mode TEXT;
+    ALTER TABLE weir_usage ADD COLUMN IF NOT EXISTS run_id TEXT;
+    ALTER TABLE weir_usage ADD COLUMN IF NOT EXISTS agent_id TEXT;
+    ALTER TABLE weir_usage ADD COLUMN IF NOT EXISTS tool_calls BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE weir_usage ADD COLUMN IF NOT EXISTS started_at_ms BIGINT;
     CREATE UNIQUE INDEX IF NOT EXISTS weir_usage_request ON weir_usage (tenant, request_id);
-    CREATE INDEX IF NOT EXISTS weir_usage_by_tenant ON weir_usage (tenant, finished_at_ms);";
+    CREATE INDEX IF NOT EXISTS weir_usage_by_tenant ON weir_usage (tenant, finished_at_ms);
+    CREATE INDEX IF NOT EXISTS weir_usage_by_run ON weir_usage (tenant, run_id)
+        WHERE run_id IS NOT NULL;";
 
 const COLUMNS: &str = "tenant, idempotency_key, attempt, request_id, model, api, replica,
     prompt_tokens, completion_tokens, cached_prompt_tokens, source, outcome, queued_ms,
     finished_at_ms, currency, price_input, price_cached_input, price_output, cost_micros, route,
-    mode";
+    mode, run_id, agent_id, tool_calls, started_at_ms";
 
 /// Connects to `url` and creates the schema if it is missing (or adds what it lacks).
 pub fn connect(url: &str) -> anyhow::Result<Client> {
@@ -137,7 +147,7 @@ impl Store for Client {
 pub fn append(tx: &mut Transaction, r: &UsageRecord) -> anyhow::Result<bool> {
     let insert = format!(
         "INSERT INTO weir_usage ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10,
-             $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21)
+             $11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)
          ON CONFLICT DO NOTHING"
     );
     let mut attempt = i32::try_from(r.attempt)?;
@@ -167,6 +177,10 @@ pub fn append(tx: &mut Transaction, r: &UsageRecord) -> anyhow::Result<bool> {
                 &r.cost_micros.map(|c| c as i64),
                 &r.route,
                 &r.mode,
+                &r.run_id,
+                &r.agent_id,
+                &i64::try_from(r.tool_calls)?,
+                &r.started_at_ms.map(i64::try_from).transpose()?,
             ],
         )?;
         if inserted == 1 {
@@ -254,5 +268,12 @@ fn read(row: &Row) -> anyhow::Result<UsageRecord> {
             .transpose()?,
         route: row.try_get(19)?,
         mode: row.try_get(20)?,
+        run_id: row.try_get(21)?,
+        agent_id: row.try_get(22)?,
+        tool_calls: count(23)?,
+        started_at_ms: row
+            .try_get::<_, Option<i64>>(24)?
+            .map(u64::try_from)
+            .transpose()?,
     })
 }

@@ -1,8 +1,8 @@
 //! The embedded store: SQLite (WAL), the default. A ledger written before attempts were
 //! recorded (primary key `request_id`) is migrated in place when opened: each old row becomes
 //! attempt 1 of a key equal to its request id. Columns added since (the API, cached prompt
-//! tokens, the price and cost, the route and mode) are added to an older ledger when it is opened, its old rows
-//! `unknown`, 0 and NULL.
+//! tokens, the price and cost, the route and mode, the run, agent, tool calls and start) are added to an
+//! older ledger when it is opened, its old rows `unknown`, 0 and NULL.
 
 use std::path::Path;
 
@@ -33,9 +33,14 @@ const SCHEMA: &str = "
         cost_micros       INTEGER,
         route             TEXT,
         mode              TEXT,
+        run_id            TEXT,
+        agent_id          TEXT,
+        tool_calls        INTEGER NOT NULL DEFAULT 0,
+        started_at_ms     INTEGER,
         PRIMARY KEY (tenant, idempotency_key, attempt)
     );
-    CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage (tenant, finished_at_ms);";
+    CREATE INDEX IF NOT EXISTS usage_by_tenant ON usage (tenant, finished_at_ms);
+    CREATE INDEX IF NOT EXISTS usage_by_run ON usage (tenant, run_id) WHERE run_id IS NOT NULL;";
 
 /// Moves a ledger with one row per request id (no `attempt` column) to the attempt schema.
 const MIGRATE_FROM_REQUEST_IDS: &str = "
@@ -44,11 +49,11 @@ const MIGRATE_FROM_REQUEST_IDS: &str = "
 const COPY_FROM_REQUEST_IDS: &str = "
     INSERT INTO usage SELECT tenant, request_id, 1, request_id, model, replica, prompt_tokens,
         completion_tokens, source, outcome, queued_ms, finished_at_ms, 'unknown', 0, NULL, NULL,
-        NULL, NULL, NULL, NULL, NULL
+        NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL
         FROM usage_by_request_id;
     DROP TABLE usage_by_request_id;";
 /// Columns added since the attempt schema, each added to a ledger written before it.
-const ADDED: [(&str, &str); 9] = [
+const ADDED: [(&str, &str); 13] = [
     ("api", "TEXT NOT NULL DEFAULT 'unknown'"),
     ("cached_prompt_tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("currency", "TEXT"),
@@ -58,6 +63,10 @@ const ADDED: [(&str, &str); 9] = [
     ("cost_micros", "INTEGER"),
     ("route", "TEXT"),
     ("mode", "TEXT"),
+    ("run_id", "TEXT"),
+    ("agent_id", "TEXT"),
+    ("tool_calls", "INTEGER NOT NULL DEFAULT 0"),
+    ("started_at_ms", "INTEGER"),
 ];
 
 /// A ledger opened to read only, as `weir usage` does: never created, written or migrated. A
@@ -181,9 +190,9 @@ fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<
         "INSERT OR IGNORE INTO usage (tenant, idempotency_key, attempt, request_id, model, replica,
              prompt_tokens, completion_tokens, source, outcome, queued_ms, finished_at_ms, api,
              cached_prompt_tokens, currency, price_input, price_cached_input, price_output,
-             cost_micros, route, mode)
+             cost_micros, route, mode, run_id, agent_id, tool_calls, started_at_ms)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17,
-             ?18, ?19, ?20, ?21)",
+             ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)",
     )?
     .execute(params![
             r.tenant,
@@ -207,6 +216,10 @@ fn insert(conn: &Connection, r: &UsageRecord, attempt: u32) -> rusqlite::Result<
             r.cost_micros.map(|c| c as i64),
             r.route,
             r.mode,
+            r.run_id,
+            r.agent_id,
+            r.tool_calls as i64,
+            r.started_at_ms.map(|t| t as i64),
         ])?;
     Ok(inserted == 1)
 }
@@ -237,7 +250,7 @@ pub fn query(
         "SELECT tenant, idempotency_key, attempt, request_id, model, replica, prompt_tokens,
                 completion_tokens, source, outcome, queued_ms, finished_at_ms, api,
                 cached_prompt_tokens, currency, price_input, price_cached_input, price_output,
-                cost_micros, route, mode
+                cost_micros, route, mode, run_id, agent_id, tool_calls, started_at_ms
          FROM usage
          WHERE (?1 IS NULL OR tenant = ?1 OR substr(tenant, 1, length(?1) + 1) = ?1 || '/')
            AND finished_at_ms >= ?2
@@ -271,6 +284,10 @@ fn read(row: &Row) -> rusqlite::Result<UsageRecord> {
         cost_micros: row.get::<_, Option<i64>>(18)?.map(|c| c as u64),
         route: row.get(19)?,
         mode: row.get(20)?,
+        run_id: row.get(21)?,
+        agent_id: row.get(22)?,
+        tool_calls: row.get::<_, i64>(23)? as u64,
+        started_at_ms: row.get::<_, Option<i64>>(24)?.map(|t| t as u64),
     })
 }
 
@@ -401,5 +418,62 @@ mod tests {
         );
         drop(conn);
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn ledger_migrates_and_records_run_id() {
+        let path = temp("runs");
+        let _ = std::fs::remove_file(&path);
+        // A ledger as the release before runs wrote it: every column up to `mode`.
+        let old = Connection::open(&path).unwrap();
+        let before: String = SCHEMA
+            .replace("run_id            TEXT,", "")
+            .replace("agent_id          TEXT,", "")
+            .replace("tool_calls        INTEGER NOT NULL DEFAULT 0,", "")
+            .replace("started_at_ms     INTEGER,", "");
+        let before = before
+            .split("CREATE INDEX IF NOT EXISTS usage_by_run")
+            .next()
+            .unwrap();
+        old.execute_batch(before).unwrap();
+        let had = columns(&old).unwrap();
+        assert!(had.contains(&"mode".to_owned()) && !had.contains(&"run_id".to_owned()));
+        append_old(&old);
+        drop(old);
+        let conn = open(&path).unwrap();
+        let mut step = record("k2", 1, "a", 200);
+        step.run_id = Some("run-1".into());
+        step.agent_id = Some("planner".into());
+        step.tool_calls = 3;
+        step.started_at_ms = Some(150);
+        assert!(append(&conn, &step).unwrap());
+        let rows: Vec<_> = query(&conn, None, 0)
+            .unwrap()
+            .into_iter()
+            .map(|r| (r.run_id, r.agent_id, r.tool_calls, r.started_at_ms))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                (None, None, 0, None),
+                (Some("run-1".into()), Some("planner".into()), 3, Some(150))
+            ]
+        );
+        drop(conn);
+        assert!(
+            open_read_only(&path).is_ok(),
+            "migrated: current for weir usage"
+        );
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// A row as the release before runs wrote it.
+    fn append_old(conn: &Connection) {
+        conn.execute_batch(
+            "INSERT INTO usage (tenant, idempotency_key, attempt, request_id, model, replica,
+                 prompt_tokens, completion_tokens, source, outcome, queued_ms, finished_at_ms)
+             VALUES ('a', 'k', 1, 'r1', 'm', 'x', 7, 3, 'engine', 'ok', 1, 100);",
+        )
+        .unwrap();
     }
 }

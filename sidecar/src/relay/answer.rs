@@ -105,6 +105,7 @@ fn relayed(
 fn metered(flight: &mut Flight, bytes: &Bytes) -> Option<BodyUsage> {
     let mut meter = BodyMeter::new(flight.endpoint, METERED_BODY_BYTES);
     meter.feed(bytes);
+    flight.meter.tools.whole(bytes);
     flight.keep(bytes);
     flight.meter.streamed = false;
     Some(meter.finish()).filter(|u| !matches!(u, BodyUsage::Unknown))

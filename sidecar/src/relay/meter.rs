@@ -1,12 +1,14 @@
 //! Metering: what an attempt is billed. A stream is metered as it passes (and its usage chunk
 //! held back when weir asked for it); a non-streamed answer read whole is metered from its
 //! body; one nobody read is billed its bound, as the filter charges it; one that ran nothing
-//! is billed nothing.
+//! is billed nothing. The tool calls the answer made are counted alongside, for its record.
 
 use axum::body::Bytes;
 use weir_core::endpoint::Endpoint;
-use weir_core::meter::{BodyUsage, StreamMeter};
+use weir_core::meter::{BodyUsage, MAX_HELD_BYTES, StreamMeter};
 use weir_core::outcome;
+use weir_core::sse;
+use weir_core::tools::{ToolScan, body_calls};
 
 /// What the attempt is billed, and where the figures came from.
 #[derive(Clone, Copy, Debug)]
@@ -18,6 +20,8 @@ pub struct Bill {
     pub cached: u64,
     /// Whether the engine ran anything for it: an attempt that ran nothing is billed nothing.
     pub ran: bool,
+    /// Tool calls its answer made ([`ToolCount`]).
+    pub tool_calls: u64,
 }
 
 /// The attempt's meter, and how its answer is billed.
@@ -35,6 +39,8 @@ pub struct Meter {
     /// never took a stream in (no headers by its first-byte deadline): it ran nothing, so
     /// nothing is billed.
     pub(super) nothing_ran: bool,
+    /// The tool calls its answer made.
+    pub(super) tools: ToolCount,
 }
 
 impl Meter {
@@ -45,12 +51,14 @@ impl Meter {
             streamed: false,
             unread_output,
             nothing_ran: false,
+            tools: ToolCount::new(endpoint),
         }
     }
 
     /// Meters a chunk; what the client gets of it (the usage chunk held back if weir asked
     /// for it).
     pub(super) fn feed(&mut self, chunk: &Bytes) -> Bytes {
+        self.tools.feed(chunk);
         if self.hide_usage {
             Bytes::from(self.stream.feed(chunk, false))
         } else {
@@ -62,6 +70,7 @@ impl Meter {
     /// Meters what the meter still holds once the stream has ended; what of it the client
     /// has not had yet.
     pub(super) fn drain(&mut self) -> Bytes {
+        self.tools.end();
         let metered = self.stream.feed(&[], true);
         if !self.hide_usage {
             return Bytes::new();
@@ -107,6 +116,144 @@ impl Meter {
             source,
             cached,
             ran: !self.nothing_ran,
+            tool_calls: self.tools.made(),
         }
+    }
+}
+
+/// Counts the tool calls an answer makes: a stream read one whole event at a time by a
+/// [`ToolScan`] (framed as the meters frame it), or an answer read whole by [`body_calls`].
+/// An unended event past [`MAX_HELD_BYTES`] is passed unread, as the meters pass it, and the
+/// count goes on at the next event; past the scan's own bounds (more than
+/// [`weir_core::tools::MAX_CALLS`] calls) it counts no further.
+pub(super) struct ToolCount {
+    scan: ToolScan,
+    /// The stream's unended last event; while `skipping`, only its last bytes, which may
+    /// begin the empty line that ends it.
+    rest: Vec<u8>,
+    skipping: bool,
+    /// The calls of an answer read whole.
+    whole: Option<u64>,
+    endpoint: Endpoint,
+}
+
+/// Bytes kept of an event passed unread: enough for the start of the line endings that end it.
+const SKIP_TAIL: usize = 3;
+
+impl ToolCount {
+    fn new(endpoint: Endpoint) -> ToolCount {
+        ToolCount {
+            scan: ToolScan::new(endpoint),
+            rest: Vec::new(),
+            skipping: false,
+            whole: None,
+            endpoint,
+        }
+    }
+
+    /// Reads the events a chunk of the stream completes.
+    fn feed(&mut self, chunk: &[u8]) {
+        self.rest.extend_from_slice(chunk);
+        let mut at = 0;
+        while let Some(len) = self.rest.get(at..).and_then(sse::event_end) {
+            if !std::mem::take(&mut self.skipping) {
+                self.scan
+                    .observe(self.rest.get(at..at + len).unwrap_or_default());
+            }
+            at += len;
+        }
+        self.rest.drain(..at);
+        if self.skipping || self.rest.len() > MAX_HELD_BYTES {
+            self.skipping = true;
+            self.rest.drain(..self.rest.len().saturating_sub(SKIP_TAIL));
+        }
+    }
+
+    /// The stream ended: its unended last event is read, and the calls still undecided are
+    /// decided as they stand.
+    fn end(&mut self) {
+        if !self.skipping && !self.rest.is_empty() {
+            self.scan.observe(&std::mem::take(&mut self.rest));
+        }
+        self.scan.finish();
+    }
+
+    /// Counts the calls of an answer read whole (none when it is not the API's answer).
+    pub(super) fn whole(&mut self, body: &[u8]) {
+        let calls = body_calls(self.endpoint, body).map_or(0, |calls| calls.len());
+        self.whole = Some(calls as u64);
+    }
+
+    fn made(&self) -> u64 {
+        self.whole.unwrap_or_else(|| self.scan.calls_made())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chat answer that makes two parallel calls, the second after a text event too large
+    /// for the meters to hold.
+    fn chat_stream(filler: usize) -> String {
+        let call = |index: u32, id: &str, name: &str, arguments: &str| {
+            format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":{index},\
+                 \"id\":\"{id}\",\"type\":\"function\",\"function\":{{\"name\":\"{name}\",\
+                 \"arguments\":\"{arguments}\"}}}}]}}}}]}}\n\n"
+            )
+        };
+        [
+            call(0, "c1", "get_weather", ""),
+            call(0, "", "", "{\\\"city\\\":\\\"Oslo\\\"}"),
+            format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}}}}]}}\r\n\r\n",
+                "x".repeat(filler)
+            ),
+            call(1, "c2", "search", "{}"),
+            "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n"
+                .into(),
+            "data: [DONE]".into(),
+        ]
+        .concat()
+    }
+
+    fn streamed(stream: &str, chunk: usize) -> Bill {
+        let mut meter = Meter::new(Endpoint::ChatCompletions, false, 0);
+        meter.streamed = true;
+        for piece in stream.as_bytes().chunks(chunk) {
+            meter.feed(&Bytes::copy_from_slice(piece));
+        }
+        meter.drain();
+        meter.bill(None, 10)
+    }
+
+    #[test]
+    fn a_stream_s_tool_calls_are_counted_however_it_is_chunked() {
+        for chunk in [1, 7, 64, 100_000] {
+            assert_eq!(streamed(&chat_stream(10), chunk).tool_calls, 2, "{chunk}");
+            // An event past what the meters hold is passed unread; the next is read.
+            let long = chat_stream(MAX_HELD_BYTES + 10);
+            assert_eq!(streamed(&long, chunk.max(1_000)).tool_calls, 2, "{chunk}");
+        }
+        let text = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        assert_eq!(streamed(text, 5).tool_calls, 0);
+    }
+
+    #[test]
+    fn an_answer_read_whole_counts_its_calls() {
+        let mut meter = Meter::new(Endpoint::Messages, false, 0);
+        meter.tools.whole(
+            br#"{"type":"message","role":"assistant","content":[
+                {"type":"text","text":"on it"},
+                {"type":"tool_use","id":"toolu_1","name":"search","input":{"q":"rain"}},
+                {"type":"tool_use","id":"toolu_2","name":"deploy","input":{}}],
+                "usage":{"input_tokens":5,"output_tokens":9}}"#,
+        );
+        assert_eq!(meter.bill(None, 5).tool_calls, 2);
+        meter
+            .tools
+            .whole(br#"{"type":"error","error":{"type":"overloaded_error"}}"#);
+        assert_eq!(meter.bill(None, 5).tool_calls, 0);
     }
 }

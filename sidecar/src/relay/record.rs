@@ -1,5 +1,5 @@
 //! The ledger record: one per attempt, priced where the tenant has prices (its spend counted
-//! in the metrics too).
+//! in the metrics too), with the run it belongs to and the tool calls its answer made.
 
 use crate::ledger::UsageRecord;
 use crate::metrics::Labels;
@@ -10,6 +10,8 @@ use crate::support::clock::now_ms;
 impl Flight {
     /// Writes the attempt's record to the ledger.
     pub(super) fn record(&self, outcome: &str, bill: &Bill, attempt: u32) {
+        let finished_at_ms = now_ms();
+        let took_ms = u64::try_from(self.figures.arrived.elapsed().as_millis()).unwrap_or(u64::MAX);
         let record = UsageRecord {
             idempotency_key: (self.who.idempotency_key.clone())
                 .unwrap_or_else(|| self.who.request_id.clone()),
@@ -25,9 +27,13 @@ impl Flight {
             outcome: outcome.into(),
             cached_prompt_tokens: bill.cached,
             queued_ms: self.hold.assignment.queued_ms,
-            finished_at_ms: now_ms(),
+            finished_at_ms,
+            started_at_ms: Some(finished_at_ms.saturating_sub(took_ms)),
             route: self.who.route.clone(),
             mode: self.who.mode.clone(),
+            run_id: self.who.run_id.clone(),
+            agent_id: self.who.agent.clone(),
+            tool_calls: bill.tool_calls,
             ..UsageRecord::default()
         };
         let prices = self.who.prices.as_ref();

@@ -94,6 +94,8 @@ fn flight_of(rig: &Rig, endpoint: Endpoint, hide_usage: bool) -> Flight {
             prices: None,
             route: Some("llm-api".into()),
             mode: Some("shadow".into()),
+            run_id: None,
+            agent: None,
         },
         model: "m".into(),
         input_tokens: 10,
@@ -1081,5 +1083,46 @@ async fn a_stream_preempted_at_any_byte_reaches_the_client_as_whole_events_bille
             ("ok", n),
             "{at}: the ledger"
         );
+    }
+}
+
+/// A call of a run is recorded with its run id, agent and the tool calls its answer made, and
+/// none of them reaches a metric label: series grow with tenants, never with runs.
+#[tokio::test]
+async fn metrics_have_no_run_label() {
+    let mut rig = rig(5_000);
+    let mut flight = flight(&rig, false);
+    flight.who.run_id = Some("run-7f3a".into());
+    flight.who.agent = Some("planner-9".into());
+    flight.who.prices = weir_core::price::Prices::parse_header("USD:*=1,1,2");
+    let Running {
+        feed,
+        mut client,
+        pump,
+    } = run(flight, LONG);
+    let stream = "data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c1\",\"type\":\"function\",\"function\":{\"name\":\"search\",\"arguments\":\"{}\"}}]}}]}\n\n\
+                  data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n\
+                  data: [DONE]\n\n";
+    feed.unbounded_send(Ok(Bytes::from(stream))).unwrap();
+    drop(feed);
+    assert_eq!(read_all(&mut client).await.1, "end");
+    pump.await.unwrap();
+    assert_eq!(released(&mut rig, Duration::from_secs(1)).await, 1);
+    assert!(rig.app.ledger.flush(Duration::from_secs(5)));
+    let conn = rusqlite::Connection::open(&rig.ledger).unwrap();
+    let recorded: (String, String, i64) = conn
+        .query_row("SELECT run_id, agent_id, tool_calls FROM usage", [], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })
+        .unwrap();
+    assert_eq!(recorded, ("run-7f3a".into(), "planner-9".into(), 1));
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &rig.app.registry).unwrap();
+    assert!(
+        text.contains("weir_spend_micros_total{"),
+        "the call was counted"
+    );
+    for never in ["run-7f3a", "planner-9", "run=", "run_id=", "agent="] {
+        assert!(!text.contains(never), "{never} in the metrics:\n{text}");
     }
 }
