@@ -155,6 +155,14 @@ impl Tools {
         self.allowed.is_empty() && self.blocked.is_empty() && self.classes.is_empty()
     }
 
+    /// The names and patterns of class `approval`: what the sidecar holds a call to for an
+    /// approver (the filter vouches them on).
+    pub fn approval_patterns(&self) -> impl Iterator<Item = &str> {
+        (self.classes.iter())
+            .filter(|(_, c)| *c == ToolClass::Approval)
+            .map(|(p, _)| p.as_str())
+    }
+
     pub fn rule(&self, tool: &str) -> ToolRule {
         let named = |patterns: &[String]| patterns.iter().any(|p| matches(p, tool));
         if named(&self.blocked) || self.allowed.iter().any(|a| !named(a)) {

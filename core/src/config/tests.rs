@@ -692,6 +692,10 @@ fn the_demo_config_loads_with_its_agent_key_s_runs_and_tools() {
         agent.tools.rule("deploy_prod"),
         ToolRule::Allowed(ToolClass::Approval)
     );
+    assert_eq!(
+        agent.tools.approval_patterns().collect::<Vec<_>>(),
+        ["deploy_prod"]
+    );
     let approver = directory
         .lookup(&crate::keys::hash_key("wk-demo-approver"))
         .unwrap();

@@ -266,6 +266,10 @@ impl Exchange {
         if let Some(models) = &tenant.models {
             self.vouch(trusted::MODELS, models.join(","));
         }
+        let approval: Vec<&str> = tenant.tools.approval_patterns().collect();
+        if !approval.is_empty() {
+            self.vouch(trusted::TOOL_APPROVAL, approval.join(","));
+        }
         if let Some(prices) = &self.gw.price_header {
             self.vouch(trusted::PRICE, prices.clone());
         }

@@ -887,6 +887,39 @@ mod runs {
     }
 
     #[test]
+    fn approval_class_tools_are_vouched_for_the_sidecar_to_hold() {
+        let config = json!({
+            "orgs": [{"id": "acme", "policy": {"tools": {
+                    "classes": {"deploy_*": "approval", "send_email": "side_effect"}}},
+                "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
+                    {"id": "k", "sha256": hash_key(KEY)}]}]}]}],
+            "routes": {"default": {"mode": "enforce"}},
+        });
+        let config = Config::parse(config.to_string().as_bytes()).unwrap();
+        let gw = Rc::new(Gateway::new(config, None, Metrics::default()));
+        let host = Mock::new(None);
+        configured(&gw, &host);
+        let mut x = Exchange::new(Rc::clone(&gw));
+        headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+        assert_eq!(
+            host.header(Side::Request, "x-weir-tool-approval")
+                .as_deref(),
+            Some("deploy_*")
+        );
+        // A key without approval tools sends none, and a caller's own is stripped.
+        let (gw, host) = setup_runs(json!({"model_calls": 1}));
+        let mut x = Exchange::new(Rc::clone(&gw));
+        *host.request_headers.borrow_mut() = pairs(&[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("authorization", &format!("Bearer {KEY}")),
+            ("x-weir-tool-approval", "*"),
+        ]);
+        x.on_headers(&host, false);
+        assert_eq!(host.header(Side::Request, "x-weir-tool-approval"), None);
+    }
+
+    #[test]
     fn the_call_that_would_cross_the_model_call_budget_is_refused_holding_nothing() {
         let (gw, host) = setup_runs(json!({"model_calls": 2}));
         let t = tenant(&gw);
