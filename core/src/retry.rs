@@ -111,9 +111,11 @@ pub fn is_retry(
         idempotency_key.and_then(|k| fingerprint(Some(k), None, body)),
         fingerprint(None, request_id, body),
     ];
-    fps.into_iter().flatten().fold(false, |retry, fp| {
-        observe(store, key_path, fp, now_ms, WINDOW_MS) == Some(true) || retry
-    })
+    // Every fingerprint is recorded, so no short circuit.
+    let seen: Vec<bool> = (fps.into_iter().flatten())
+        .map(|fp| observe(store, key_path, fp, now_ms, WINDOW_MS) == Some(true))
+        .collect();
+    seen.contains(&true)
 }
 
 /// The first tool the body offers whose class is `side_effect`, if any.

@@ -125,6 +125,7 @@ impl RootContext for Root {
             .map_or(slot_period, |r| r.period_ms().min(slot_period));
         self.set_tick_period(Duration::from_millis(period));
         reservation::initialize(&SharedData, gateway.directory.tenants(), host::now_ms());
+        weir_core::retry::prepare(&SharedData, gateway.directory.tenants());
         log::info!(
             "weir: configured with {} keys; trusted headers {}",
             gateway.directory.len(),

@@ -95,6 +95,9 @@ impl Exchange {
             let error = ApiError::bad_request("a JSON request body is required");
             return self.refuse_with(host, &error, "missing_body", Stage::Passthrough);
         }
+        if let Some(action) = self.check_retry(host, &body) {
+            return action;
+        }
         let (Some(tenant), Some(endpoint)) = (self.tenant.clone(), self.endpoint) else {
             let error = ApiError::internal("the request lost its admission state");
             return self.refuse_with(host, &error, "internal", Stage::Passthrough);

@@ -39,6 +39,7 @@ mod admit;
 mod headers;
 pub mod port;
 mod respond;
+mod retry;
 mod settle;
 #[cfg(test)]
 mod tests;
@@ -130,6 +131,11 @@ pub struct Exchange {
     headers_sent: bool,
     /// The upstream answered from completed work (an idempotency replay): nothing ran.
     replayed: bool,
+    /// The caller's `x-request-id`: with the body, what tells a retry (`retry.rs`).
+    caller_request_id: Option<String>,
+    /// The call repeats one its key sent within the minute (`retry.rs`): a run counts it
+    /// against its `retries` budget.
+    retry: bool,
     /// The error body and rate-limit headers the caller's API uses.
     shape: ErrorShape,
     /// Where the limits on the key's path stood when the request was let through: reported on
@@ -160,6 +166,8 @@ impl Exchange {
             vouched: Vec::new(),
             headers_sent: false,
             replayed: false,
+            caller_request_id: None,
+            retry: false,
             shape: ErrorShape::OpenAi,
             standing: Vec::new(),
             #[cfg(feature = "fault-injection")]
