@@ -35,9 +35,7 @@ struct Stack {
 /// Org `storm` (key `a`) has a retry budget; org `calm` (key `b`) is the neighbour whose
 /// latency is watched; org `agentco` (key `agent`) offers a `side_effect` tool.
 fn weir_config() -> Value {
-    let org = |id: &str, key: Value| {
-        json!({"id": id, "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [key]}]}]})
-    };
+    let org = |id: &str, key: Value| json!({"id": id, "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [key]}]}]});
     let mut agent = api_key("agent");
     agent["policy"] = json!({"tools": {"classes": {"send_*": "side_effect"}}});
     json!({
@@ -118,15 +116,17 @@ async fn neighbour_ttfts(until: Instant, clients: usize) -> Vec<f64> {
 /// A tag distinct per run, so prompts of two runs never share a prefix.
 fn rand_tag() -> u64 {
     static TAG: OnceLock<u64> = OnceLock::new();
-    *TAG.get_or_init(|| weir_sidecar::support::clock::now_ms())
+    *TAG.get_or_init(weir_sidecar::support::clock::now_ms)
 }
 
-/// What one storming client got: calls let through, refused as retries, and the longest
-/// `Retry-After` it was told.
+/// What one storming client got: calls let through, refused as retries past the budget,
+/// refused because the counters stayed busy under the storm (429 with `Retry-After`, fail
+/// closed), and the longest `Retry-After` it was told.
 #[derive(Default)]
 struct Storm {
     admitted: u64,
     refused: u64,
+    busy: u64,
     longest_wait: u64,
     other: Vec<String>,
 }
@@ -160,6 +160,7 @@ async fn storm_client(i: usize, until: Instant) -> Storm {
                 got.refused += 1;
                 got.longest_wait = got.longest_wait.max(wait.expect("Retry-After"));
             }
+            StatusCode::TOO_MANY_REQUESTS if wait.is_some() => got.busy += 1,
             _ => got.other.push(format!("{status}: {text}")),
         }
     }
@@ -173,7 +174,13 @@ async fn first_attempts(until: Instant) -> (u64, Vec<String>) {
     while Instant::now() < until {
         let body = chat_body(MODEL, &format!("fresh {n}"), json!({"max_tokens": 2}));
         let id = format!("fresh-{n}-{}", rand_tag());
-        let resp = post_json(&url(), Some("a"), body.to_string(), &[("x-request-id", &id)]).await;
+        let resp = post_json(
+            &url(),
+            Some("a"),
+            body.to_string(),
+            &[("x-request-id", &id)],
+        )
+        .await;
         let status = resp.status();
         let text = resp.text().await.unwrap();
         if status == StatusCode::OK {
@@ -204,6 +211,7 @@ async fn a_retry_storm_is_capped_by_the_retry_budget_and_the_neighbour_s_ttft_ho
 
     let admitted: u64 = storm.iter().map(|s| s.admitted).sum();
     let refused: u64 = storm.iter().map(|s| s.refused).sum();
+    let busy: u64 = storm.iter().map(|s| s.busy).sum();
     let other: Vec<&String> = storm.iter().flat_map(|s| &s.other).collect();
     let longest_wait = storm.iter().map(|s| s.longest_wait).max().unwrap_or(0);
     // Each client's first call is a first attempt; the rest are retries.
@@ -217,9 +225,9 @@ async fn a_retry_storm_is_capped_by_the_retry_budget_and_the_neighbour_s_ttft_ho
         "retry storm: {STORM_CLIENTS} clients x one request id each, no backoff, {elapsed:.1} s, \
          retries_per_minute {RETRIES_PER_MINUTE}: {} calls, {first_calls} first attempts, \
          {retries_admitted} retries admitted (bound {bound} = burst {RETRIES_PER_MINUTE} + \
-         refill), {refused} refused retry_budget_exceeded, longest Retry-After {longest_wait} s, \
-         {} other answers",
-        admitted + refused + other.len() as u64,
+         refill), {refused} refused retry_budget_exceeded, {busy} refused as counters busy, \
+         longest Retry-After {longest_wait} s, {} other answers",
+        admitted + refused + busy + other.len() as u64,
         other.len()
     );
     println!(
@@ -235,7 +243,10 @@ async fn a_retry_storm_is_capped_by_the_retry_budget_and_the_neighbour_s_ttft_ho
         during.len()
     );
     assert!(other.is_empty(), "{other:?}");
-    assert_eq!(first_calls, STORM_CLIENTS as u64, "every client's first call passed");
+    assert_eq!(
+        first_calls, STORM_CLIENTS as u64,
+        "every client's first call passed"
+    );
     assert!(retries_admitted <= bound, "{retries_admitted} > {bound}");
     assert!(refused > 10 * bound, "it was a storm: {refused} refused");
     assert!(longest_wait >= 8, "Retry-After grew: {longest_wait}");
@@ -264,13 +275,22 @@ async fn a_side_effect_step_retried_without_its_key_is_refused_and_with_it_repla
             .unwrap();
         weir_e2e::metric_sum(&metrics, "vllm:request_success_total").unwrap_or(0.0)
     };
-    let keyed = [("x-request-id", id.as_str()), ("idempotency-key", key.as_str())];
+    let keyed = [
+        ("x-request-id", id.as_str()),
+        ("idempotency-key", key.as_str()),
+    ];
     let first = post_json(&url(), Some("agent"), step.clone(), &keyed).await;
     assert_eq!(first.status(), StatusCode::OK);
     let first: Value = first.json().await.unwrap();
     let ran = runs().await;
 
-    let bare = post_json(&url(), Some("agent"), step.clone(), &[("x-request-id", &id)]).await;
+    let bare = post_json(
+        &url(),
+        Some("agent"),
+        step.clone(),
+        &[("x-request-id", &id)],
+    )
+    .await;
     assert_eq!(bare.status(), StatusCode::CONFLICT);
     let error: Value = bare.json().await.unwrap();
     assert_eq!(
