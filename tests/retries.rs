@@ -44,23 +44,22 @@ fn weir_config() -> Value {
             org("calm", api_key("b")),
             org("agentco", agent),
         ],
-        "models": {MODEL: {"max_context_tokens": 8192}},
+        "models": {MODEL: {"max_context_tokens": 4096}},
     })
 }
 
 fn stack() -> &'static Stack {
     static STACK: OnceLock<Stack> = OnceLock::new();
     STACK.get_or_init(|| {
-        // An 8B model at real speed, prefix caching off: the neighbour's time to first token is
-        // its prompt's prefill (tens of milliseconds), not noise.
+        // The tiny model at real speed: the neighbour's time to first token is its prompt's
+        // prefill, tens of milliseconds, not noise.
         let sim = Sim::start(&[
             "--preset",
-            "llama-3.1-8b",
+            "tiny",
             "--served-model-name",
             MODEL,
             "--output-len",
             "fixed:16",
-            "--no-prefix-caching",
         ]);
         let sidecar = Sidecar::start(json!({
             "policy": "fair",
@@ -96,7 +95,9 @@ async fn neighbour_ttfts(until: Instant, clients: usize) -> Vec<f64> {
             let body = chat_body(MODEL, &prompt, json!({"max_tokens": 4, "stream": true}));
             let sent = Instant::now();
             let mut resp = post_json(&url(), Some("b"), body.to_string(), &[]).await;
-            assert_eq!(resp.status(), StatusCode::OK);
+            if resp.status() != StatusCode::OK {
+                panic!("{}: {}", resp.status(), resp.text().await.unwrap());
+            }
             let mut first = None;
             while let Some(chunk) = resp.chunk().await.unwrap() {
                 if first.is_none() && String::from_utf8_lossy(&chunk).contains("\"content\":\"") {
