@@ -58,6 +58,14 @@ fn chat_with(content: &str) -> String {
 
 const CHAT: &str = "/v1/chat/completions";
 
+/// A Messages call sent twice with the request id `id`: the retry's refusal, status and body.
+fn messages_retried(gw: &Rc<Gateway>, host: &Mock, id: &str, body: &str) -> (u16, Value) {
+    send(gw, host, "/v1/messages", &[("x-request-id", id)], body);
+    let retry = send(gw, host, "/v1/messages", &[("x-request-id", id)], body);
+    let (status, error, _) = retry.refused.expect("refused");
+    (status, error)
+}
+
 #[test]
 fn retries_past_budget_get_growing_retry_after() {
     let (gw, host) = retry_gateway(
@@ -92,21 +100,7 @@ fn retries_past_budget_get_growing_retry_after() {
     let messages = json!({"model": "tiny", "max_tokens": 8,
                           "messages": [{"role": "user", "content": "hi"}]})
     .to_string();
-    send(
-        &gw,
-        &host,
-        "/v1/messages",
-        &[("x-request-id", "m1")],
-        &messages,
-    );
-    let retry = send(
-        &gw,
-        &host,
-        "/v1/messages",
-        &[("x-request-id", "m1")],
-        &messages,
-    );
-    let (status, error, _) = retry.refused.expect("refused");
+    let (status, error) = messages_retried(&gw, &host, "m1", &messages);
     assert_eq!(status, 429);
     assert_eq!(error["type"], "error", "{error}");
     assert_eq!(error["error"]["type"], "rate_limit_error", "{error}");
@@ -207,21 +201,7 @@ fn side_effect_retry_without_key_refused_with_key_passes() {
         "messages": [{"role": "user", "content": "mail bob"}],
         "tools": [{"name": "send_email", "input_schema": {"type": "object"}}]})
     .to_string();
-    send(
-        &gw,
-        &host,
-        "/v1/messages",
-        &[("x-request-id", "m-1")],
-        &messages,
-    );
-    let bare = send(
-        &gw,
-        &host,
-        "/v1/messages",
-        &[("x-request-id", "m-1")],
-        &messages,
-    );
-    let (status, error, _) = bare.refused.expect("refused");
+    let (status, error) = messages_retried(&gw, &host, "m-1", &messages);
     assert_eq!(status, 409);
     assert_eq!(error["type"], "error", "{error}");
     assert_eq!(
