@@ -28,6 +28,9 @@ pub enum LimitKind {
     InputTokens,
     OutputTokens,
     Concurrency,
+    /// Calls that repeat one already sent ([`crate::retry`]): charged by retries alone
+    /// ([`charge_retry`]), never by a first attempt, so it is not among [`LimitKind::ALL`].
+    Retries,
     /// A long-window budget (`limits.budgets`), always fleet-wide.
     Budget(Measure),
 }
@@ -47,6 +50,7 @@ impl LimitKind {
             LimitKind::InputTokens => "input_tokens_per_minute",
             LimitKind::OutputTokens => "output_tokens_per_minute",
             LimitKind::Concurrency => "concurrent_requests",
+            LimitKind::Retries => "retries_per_minute",
             LimitKind::Budget(_) => "budget",
         }
     }
@@ -58,6 +62,7 @@ impl LimitKind {
             LimitKind::InputTokens => limits.input_tokens_per_minute,
             LimitKind::OutputTokens => limits.output_tokens_per_minute,
             LimitKind::Concurrency => limits.concurrent_requests,
+            LimitKind::Retries => limits.retries_per_minute,
         }
     }
 }
@@ -225,6 +230,7 @@ fn counter_key(ledger: Ledger, level: &Level, kind: LimitKind) -> String {
         LimitKind::InputTokens => "itpm",
         LimitKind::OutputTokens => "otpm",
         LimitKind::Concurrency => "conc",
+        LimitKind::Retries => "retries",
         LimitKind::Budget(_) => "budget",
     };
     format!("weir:{ns}:{}:{suffix}", level.path)
@@ -269,14 +275,7 @@ fn counters(tenant: &Tenant, ledger: Ledger) -> impl Iterator<Item = Counter> + 
                     }
                     _ => None,
                 };
-                kind.limit(&level.limits).map(|limit| Counter {
-                    key: counter_key(ledger, level, kind),
-                    kind,
-                    limit,
-                    fleet,
-                    oversize: level.limits.oversize,
-                    source: NO_LEASE,
-                })
+                per_minute_counter(ledger, level, kind, fleet)
             })
             .chain(
                 // Budgets live in the store: enforced traffic only, and only with a fleet section.
@@ -288,6 +287,30 @@ fn counters(tenant: &Tenant, ledger: Ledger) -> impl Iterator<Item = Counter> + 
                     .filter_map(move |b| budget_counter(level, b, tenant.lease_terms?)),
             )
     })
+}
+
+/// The counter of a per-minute limit `kind` at `level`, if the level sets it.
+fn per_minute_counter(
+    ledger: Ledger,
+    level: &Level,
+    kind: LimitKind,
+    fleet: Option<Fleet>,
+) -> Option<Counter> {
+    kind.limit(&level.limits).map(|limit| Counter {
+        key: counter_key(ledger, level, kind),
+        kind,
+        limit,
+        fleet,
+        oversize: level.limits.oversize,
+        source: NO_LEASE,
+    })
+}
+
+/// The retries buckets on the tenant's path (`limits.retries_per_minute`), always local to
+/// this Envoy.
+fn retry_counters(tenant: &Tenant, ledger: Ledger) -> impl Iterator<Item = Counter> + '_ {
+    (tenant.levels.iter())
+        .filter_map(move |l| per_minute_counter(ledger, l, LimitKind::Retries, None))
 }
 
 /// The fleet-wide counters of a tenant: their keys (the same on every Envoy), limits and
@@ -305,7 +328,7 @@ pub fn initialize<'a>(
 ) {
     for tenant in tenants {
         for ledger in [Ledger::Enforce, Ledger::Shadow] {
-            for c in counters(tenant, ledger) {
+            for c in counters(tenant, ledger).chain(retry_counters(tenant, ledger)) {
                 if store.load(&c.key).is_none() {
                     let _ = store.store(&c.key, &initial(&c, now_ms), None);
                 }
@@ -325,7 +348,7 @@ fn initial(c: &Counter, now_ms: u64) -> Vec<u8> {
 impl Counter {
     fn amount(&self, demand: Demand) -> u64 {
         match self.kind {
-            LimitKind::Requests | LimitKind::Concurrency => 1,
+            LimitKind::Requests | LimitKind::Concurrency | LimitKind::Retries => 1,
             LimitKind::InputTokens => demand.input_tokens,
             LimitKind::OutputTokens => demand.output_tokens,
             LimitKind::Budget(measure) => demand.of(measure),
@@ -654,13 +677,36 @@ pub fn reserve(
     slot: SlotLease,
     now_ms: u64,
 ) -> Result<Reservation, Denial> {
+    take_all(store, counters(tenant, ledger), demand, slot, now_ms)
+}
+
+/// Charges one retry at every level of the tenant's path that limits retries
+/// (`retries_per_minute`), all or nothing. Never given back: a retry let through was sent.
+pub fn charge_retry(
+    store: &impl SharedStore,
+    tenant: &Tenant,
+    ledger: Ledger,
+    now_ms: u64,
+) -> Result<(), Denial> {
+    let slot = SlotLease { id: 0, ttl_ms: 0 };
+    let counters = retry_counters(tenant, ledger);
+    take_all(store, counters, Demand::default(), slot, now_ms).map(|_| ())
+}
+
+/// Takes `demand` from each of `counters`, all or nothing.
+fn take_all(
+    store: &impl SharedStore,
+    mut all: impl Iterator<Item = Counter>,
+    demand: Demand,
+    slot: SlotLease,
+    now_ms: u64,
+) -> Result<Reservation, Denial> {
     let mut taken = Reservation {
         held: Vec::new(),
         demand,
         slot,
         standing: Vec::new(),
     };
-    let mut all = counters(tenant, ledger);
     while let Some(counter) = all.next() {
         let denial = match counter.take(store, demand, slot, now_ms) {
             Update::Done((standing, source)) => {
@@ -812,8 +858,8 @@ fn release(
         .iter()
         .filter(|c| {
             let refund = match c.kind {
-                LimitKind::Requests if rollback => 1.0,
-                LimitKind::Requests => return false,
+                LimitKind::Requests | LimitKind::Retries if rollback => 1.0,
+                LimitKind::Requests | LimitKind::Retries => return false,
                 LimitKind::Concurrency => 0.0,
                 LimitKind::InputTokens => reserved.input_tokens as f64 - actual.input_tokens as f64,
                 LimitKind::OutputTokens => {

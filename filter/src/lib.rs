@@ -135,6 +135,7 @@ impl RootContext for Root {
             gateway.directory.tenants(),
             RunTable::default(),
         );
+        weir_core::retry::prepare(&SharedData, gateway.directory.tenants());
         log::info!(
             "weir: configured with {} keys; trusted headers {}",
             gateway.directory.len(),

@@ -16,7 +16,7 @@ pub const OUTCOMES: [&str; 5] = [
     "passthrough",
 ];
 
-pub const REJECTIONS: [&str; 26] = [
+pub const REJECTIONS: [&str; 28] = [
     "invalid_idempotency_key",
     "missing_api_key",
     "invalid_api_key",
@@ -43,6 +43,8 @@ pub const REJECTIONS: [&str; 26] = [
     "budget_exceeded",
     "contended",
     "internal",
+    "retry_budget_exceeded",
+    "side_effect_retry_requires_idempotency_key",
 ];
 
 pub const TOKENS_IN: &str = "weir.tokens.input";

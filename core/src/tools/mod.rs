@@ -26,11 +26,13 @@
 
 mod body;
 mod events;
+mod offered;
 mod scan;
 #[cfg(test)]
 mod tests;
 
 pub use body::body_calls;
+pub use offered::offered_names;
 pub use scan::ToolScan;
 
 /// Held events past this many bytes are too large to hold ([`ScanStep::TooLarge`]).

@@ -95,6 +95,9 @@ impl Exchange {
             let error = ApiError::bad_request("a JSON request body is required");
             return self.refuse_with(host, &error, "missing_body", Stage::Passthrough);
         }
+        if let Some(action) = self.check_retry(host, &body) {
+            return action;
+        }
         let (Some(tenant), Some(endpoint)) = (self.tenant.clone(), self.endpoint) else {
             let error = ApiError::internal("the request lost its admission state");
             return self.refuse_with(host, &error, "internal", Stage::Passthrough);
@@ -160,8 +163,7 @@ impl Exchange {
             }
             Err(denial) => {
                 let reply = Reply::denied(&denial, self.shape, host.now_ms());
-                let action = self.refuse(host, reply, denial_reason(&denial), Stage::AwaitingBody);
-                (self.stage == Stage::Replied).then_some(action)
+                self.refuse_on_admission(host, reply, denial_reason(&denial))
             }
         }
     }

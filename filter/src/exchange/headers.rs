@@ -55,6 +55,7 @@ impl Exchange {
         self.vouch(trusted::MODE, mode.as_str());
         self.counted_as = Some((label, route.mode));
         self.vouch(trusted::REQUEST_ID, attempt_id);
+        self.caller_request_id = headers.get("x-request-id").map(str::to_owned);
         let idempotency_key = Self::idempotency_key(&headers);
         if let Ok(Some(key)) = &idempotency_key {
             self.vouch(trusted::IDEMPOTENCY_KEY, key.clone());

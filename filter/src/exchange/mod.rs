@@ -39,6 +39,7 @@ mod admit;
 mod headers;
 pub mod port;
 mod respond;
+mod retry;
 mod run;
 mod settle;
 #[cfg(test)]
@@ -132,6 +133,11 @@ pub struct Exchange {
     headers_sent: bool,
     /// The upstream answered from completed work (an idempotency replay): nothing ran.
     replayed: bool,
+    /// The caller's `x-request-id`: with the body, what tells a retry (`retry.rs`).
+    caller_request_id: Option<String>,
+    /// The call repeats one its key sent within the minute (`retry.rs`): a run counts it
+    /// against its `retries` budget.
+    retry: bool,
     /// The error body and rate-limit headers the caller's API uses.
     shape: ErrorShape,
     /// Where the limits on the key's path stood when the request was let through: reported on
@@ -141,8 +147,6 @@ pub struct Exchange {
     run_key: Option<RunKey>,
     /// What the call holds of its run, from its admission to its settle.
     run: Option<RunHold>,
-    /// The call repeats one its key made within the retry window.
-    retry: bool,
     /// The fault a test asked this request for (`filter/src/fault.rs`).
     #[cfg(feature = "fault-injection")]
     fault: Option<String>,
@@ -168,11 +172,12 @@ impl Exchange {
             vouched: Vec::new(),
             headers_sent: false,
             replayed: false,
+            caller_request_id: None,
+            retry: false,
             shape: ErrorShape::OpenAi,
             standing: Vec::new(),
             run_key: None,
             run: None,
-            retry: false,
             #[cfg(feature = "fault-injection")]
             fault: None,
         }
@@ -225,6 +230,18 @@ impl Exchange {
         self.outcome = "rejected";
         host.local_reply(reply.status, &reply.headers, &reply.body);
         Action::Pause
+    }
+
+    /// Refuses a body on admission: `None` when shadow mode lets it go on (the refusal
+    /// noted), else the action that ends it.
+    fn refuse_on_admission(
+        &mut self,
+        host: &impl Host,
+        reply: Reply,
+        reason: &'static str,
+    ) -> Option<Action> {
+        let action = self.refuse(host, reply, reason, Stage::AwaitingBody);
+        (self.stage == Stage::Replied).then_some(action)
     }
 
     /// Refuses with an error in the caller's API's shape.

@@ -15,7 +15,7 @@ use weir_core::reservation::{Demand, SlotLease};
 use weir_core::run::{self, Counts, RunDemand, RunKey, RunRefusal, RunTable};
 use weir_core::trusted;
 
-use super::{Exchange, Host, Stage};
+use super::{Exchange, Host};
 use crate::telemetry;
 
 /// The header a caller names its run with when the route names no other.
@@ -104,8 +104,7 @@ impl Exchange {
                         telemetry::runs::run_refused(host, &tenant, denial.budget);
                     }
                 }
-                let action = self.refuse(host, reply, reason, Stage::AwaitingBody);
-                (self.stage == Stage::Replied).then_some(action)
+                self.refuse_on_admission(host, reply, reason)
             }
         }
     }

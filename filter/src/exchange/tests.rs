@@ -800,6 +800,8 @@ fn rollout_buckets_are_stable_and_spread() {
     assert!(ids.iter().all(|&b| b < 100));
 }
 
+mod retry;
+
 #[test]
 fn run_counters_are_counted_under_the_tenant_s_org() {
     let (_gw, host, tenant) = setup(None);
