@@ -58,6 +58,7 @@ fn stack() -> &'static Stack {
                 org("loop-cost", json!({"cost_micros": LOOP_COST})),
                 org("loop-runtime", json!({"runtime_ms": LOOP_RUNTIME_MS})),
                 org("loop-parallel", json!({"parallel_calls": 2})),
+                org("loop-retries", json!({"retries": 2})),
             ],
             "models": {"tiny": {"max_context_tokens": 4096}},
             // A micro-unit per token, so a cost budget reads as tokens.
@@ -393,5 +394,26 @@ async fn sdk_branches_past_the_run_s_parallel_calls_are_refused() {
         assert_eq!(refused.len(), 1, "{sdk}: {steps:?}");
         assert_eq!(refused[0].error["budget"], "parallel_calls");
         assert_eq!(refused[0].status, Some(429));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_agents_that_retry_each_call_are_refused_at_the_retry_past_the_budget() {
+    for sdk in SDKS {
+        // Each call sent twice: first, retry, first, retry, first, then the third retry.
+        let steps = agent(
+            sdk,
+            "loop-retries",
+            &format!("{sdk}-retries"),
+            10,
+            &["--retry-each"],
+        );
+        let (served, error) = refused_after(&steps, "retries");
+        println!("{sdk}: retries 2, every call retried once: {served} sends served, then {error}");
+        assert_eq!(served, 5, "{sdk}");
+        assert_eq!(
+            (error["used"].as_u64(), error["limit"].as_u64()),
+            (Some(2), Some(2))
+        );
     }
 }

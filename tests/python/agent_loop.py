@@ -5,6 +5,9 @@ results back, and stops at the first call weir refuses. Prints one JSON line per
 {"call": i, "ok": false, "status": s, "error": {...}}.
 
 usage: agent_loop.py SDK BASE_URL KEY RUN_ID CALLS [--pause S] [--max-tokens N] [--parallel N]
+                     [--retry-each]
+--retry-each sends every call twice, as a client that retries does: the same body and the
+same x-request-id.
 SDK is `openai` (Chat Completions) or `anthropic` (Messages).
 """
 
@@ -21,8 +24,9 @@ TOOL = "lookup"
 ASK = f"call {TOOL}"
 
 
-def openai_call(client, messages, args):
+def openai_call(client, messages, args, headers):
     stream = client.chat.completions.create(
+        extra_headers=headers,
         model="tiny",
         messages=messages,
         tools=[{"type": "function", "function": {"name": TOOL, "parameters": {"type": "object"}}}],
@@ -57,9 +61,10 @@ def openai_call(client, messages, args):
     return len(calls), usage.prompt_tokens if usage else None
 
 
-def anthropic_call(client, messages, args):
+def anthropic_call(client, messages, args, headers):
     calls, text, usage_in = [], [], None
     with client.messages.stream(
+        extra_headers=headers,
         model="tiny",
         messages=messages,
         tools=[{"name": TOOL, "input_schema": {"type": "object"}}],
@@ -106,9 +111,9 @@ def refusal(e):
     return {"call": None, "ok": False, "status": getattr(e, "status_code", None), "error": body}
 
 
-def one(client, call, messages, args, i):
+def one(client, call, messages, args, i, headers=None):
     try:
-        tools, prompt = call(client, messages, args)
+        tools, prompt = call(client, messages, args, headers or {})
         return {"call": i, "ok": True, "tool_calls": tools, "prompt_tokens": prompt}
     except (openai.APIError, anthropic.APIError) as e:
         return {**refusal(e), "call": i}
@@ -123,6 +128,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--parallel", type=int, default=0)
+    parser.add_argument("--retry-each", action="store_true")
     args = parser.parse_args()
     client, call = client_for(args)
     if args.parallel:
@@ -140,10 +146,16 @@ def main():
         return
     messages = [{"role": "user", "content": ASK}]
     for i in range(args.calls):
-        result = one(client, call, messages, args, i)
-        print(json.dumps(result), flush=True)
-        if not result["ok"]:
-            return
+        sends = 2 if args.retry_each else 1
+        headers = {"x-request-id": f"{args.run_id}-step-{i}"} if args.retry_each else {}
+        before = [dict(m) for m in messages]
+        for attempt in range(sends):
+            # A retry sends what the first attempt sent; only the last answer is kept.
+            convo = [dict(m) for m in before] if attempt < sends - 1 else messages
+            result = one(client, call, convo, args, i, headers)
+            print(json.dumps(result), flush=True)
+            if not result["ok"]:
+                return
         time.sleep(args.pause)
 
 
