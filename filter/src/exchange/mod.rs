@@ -40,6 +40,7 @@ mod headers;
 pub mod port;
 mod respond;
 mod run;
+pub mod run_fleet;
 mod settle;
 #[cfg(test)]
 mod tests;
@@ -141,6 +142,8 @@ pub struct Exchange {
     run_key: Option<RunKey>,
     /// What the call holds of its run, from its admission to its settle.
     run: Option<RunHold>,
+    /// Where the call stands with its run's fleet-wide budgets (`run_fleet.rs`).
+    run_fleet: run_fleet::FleetRun,
     /// The call repeats one its key made within the retry window.
     retry: bool,
     /// The fault a test asked this request for (`filter/src/fault.rs`).
@@ -172,6 +175,7 @@ impl Exchange {
             standing: Vec::new(),
             run_key: None,
             run: None,
+            run_fleet: run_fleet::FleetRun::None,
             retry: false,
             #[cfg(feature = "fault-injection")]
             fault: None,
