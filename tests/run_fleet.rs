@@ -7,13 +7,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+
+use serde_json::{Value, json};
 
 use weir_core::run::fleet::{
     Measure, MeasureAsk, MeasureSettle, ReserveAnswer, ReserveAsk, Settle, SettleBatch,
 };
 use weir_e2e::redis_server::Redis;
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json, sidecar_bin};
 use weir_sidecar::quota::Store;
 
 fn redis() -> &'static Redis {
@@ -232,4 +235,164 @@ async fn junk_in_the_run_s_keys_is_refused_or_dropped_never_admitted_on() {
         .await
         .unwrap();
     assert_eq!(answer, ReserveAnswer::Admitted);
+}
+
+/// Two Envoys in fleet mode on one sidecar, its Redis and the simulator (every answer 100
+/// tokens long, so a call uses what it reserves and no settle frees anything mid-test).
+struct Fleet {
+    _sim: Sim,
+    redis: Mutex<Redis>,
+    _sidecar: Sidecar,
+    envoys: Vec<Envoy>,
+}
+
+/// A key whose runs are held to `budgets`, fleet-wide.
+fn run_key(id: &str, budgets: Value) -> Value {
+    let fleet_wide: serde_json::Map<String, Value> = (budgets.as_object().unwrap().keys())
+        .map(|k| (k.clone(), json!("fail_closed")))
+        .collect();
+    let mut key = api_key(id);
+    key["policy"] = json!({"runs": {"budgets": budgets, "fleet_wide": fleet_wide}});
+    key
+}
+
+fn fleet() -> &'static Fleet {
+    static FLEET: OnceLock<Fleet> = OnceLock::new();
+    FLEET.get_or_init(|| {
+        let sim = Sim::start(&["--preset", "tiny", "--time-scale", "20", "--output-len", "fixed:100"]);
+        let redis = Redis::launch();
+        let sidecar = Sidecar::start_with_quota(
+            &sidecar_bin(),
+            json!({
+                "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
+                "pools": [{"model": "tiny", "replicas": [sim.url]}],
+            }),
+            &redis,
+        );
+        sidecar.wait_for_probes(1);
+        let config = json!({
+            "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": [
+                run_key("calls", json!({"model_calls": 10})),
+                run_key("tokens", json!({"output_tokens": 1_000})),
+            ]}]}]}],
+            "models": {"tiny": {"max_context_tokens": 4096}},
+            "fleet": {"cluster": "upstream", "renew_ms": 250, "timeout_ms": 1_000},
+        });
+        let envoys = (0..2)
+            .map(|_| Envoy::start(&config, sidecar.port, sidecar.port))
+            .collect();
+        Fleet {
+            _sim: sim,
+            redis: Mutex::new(redis),
+            _sidecar: sidecar,
+            envoys,
+        }
+    })
+}
+
+/// One test at a time on the shared fleet (one stops its Redis).
+async fn turn() -> tokio::sync::MutexGuard<'static, ()> {
+    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    TURN.lock().await
+}
+
+/// `n` calls of run `run` with `key` at once, alternating between the Envoys: each answer's
+/// status and error code.
+async fn calls_at_once(key: &'static str, run: &'static str, n: usize) -> Vec<(u16, String)> {
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let envoy = &fleet().envoys[i % 2];
+        tasks.push(tokio::spawn(async move {
+            let body = chat_body("tiny", "one step of the task", json!({"max_tokens": 100}));
+            let r = post_json(
+                &format!("{}/v1/chat/completions", envoy.url),
+                Some(key),
+                body.to_string(),
+                &[("x-weir-run-id", run)],
+            )
+            .await;
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap_or(Value::Null);
+            (status, v["error"]["code"].as_str().unwrap_or("").to_owned())
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// How many answers had each (status, code).
+fn tally(answers: &[(u16, String)]) -> Vec<((u16, String), usize)> {
+    let mut counts: Vec<((u16, String), usize)> = Vec::new();
+    for a in answers {
+        match counts.iter_mut().find(|(k, _)| k == a) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((a.clone(), 1)),
+        }
+    }
+    counts.sort();
+    counts
+}
+
+fn ok_and_refused(answers: &[(u16, String)]) -> (usize, usize) {
+    let ok = answers.iter().filter(|(s, _)| *s == 200).count();
+    let refused = (answers.iter())
+        .filter(|(s, c)| *s == 429 && c == "run_budget_exceeded")
+        .count();
+    (ok, refused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_two_calls_of_one_run_across_two_envoys_admit_exactly_ten() {
+    let _turn = turn().await;
+    let answers = calls_at_once("calls", "run-calls", 32).await;
+    println!(
+        "two Envoys, model_calls 10 fleet-wide, 32 calls at once: {:?}",
+        tally(&answers)
+    );
+    assert_eq!(ok_and_refused(&answers), (10, 22), "{:?}", tally(&answers));
+    // Another run of the key has its own budget.
+    let answers = calls_at_once("calls", "run-calls-2", 12).await;
+    assert_eq!(ok_and_refused(&answers), (10, 2), "{:?}", tally(&answers));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_two_calls_reserving_their_output_ceiling_admit_exactly_the_token_budget() {
+    let _turn = turn().await;
+    let answers = calls_at_once("tokens", "run-tokens", 32).await;
+    println!(
+        "two Envoys, output_tokens 1000 fleet-wide, 32 calls of max_tokens 100 at once: {:?}",
+        tally(&answers)
+    );
+    assert_eq!(ok_and_refused(&answers), (10, 22), "{:?}", tally(&answers));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_stopped_store_refuses_every_call_and_admits_again_once_back() {
+    let _turn = turn().await;
+    fleet().redis.lock().unwrap().stop();
+    let answers = calls_at_once("calls", "run-down", 8).await;
+    fleet().redis.lock().unwrap().start();
+    println!("store down, 8 calls: {:?}", tally(&answers));
+    assert!(
+        answers
+            .iter()
+            .all(|(s, c)| *s == 503 && c == "quota_unavailable"),
+        "{:?}",
+        tally(&answers)
+    );
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let answers = calls_at_once("calls", "run-back", 1).await;
+        if answers[0].0 == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "never admitted again once the store was back: {answers:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
