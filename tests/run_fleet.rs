@@ -16,7 +16,7 @@ use weir_core::run::fleet::{
     Measure, MeasureAsk, MeasureSettle, ReserveAnswer, ReserveAsk, Settle, SettleBatch,
 };
 use weir_e2e::redis_server::Redis;
-use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json, sidecar_bin};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key, chat_body, post_json};
 use weir_sidecar::quota::Store;
 
 fn redis() -> &'static Redis {
@@ -25,14 +25,7 @@ fn redis() -> &'static Redis {
 }
 
 fn store(prefix: &str) -> Store {
-    Store::new(
-        &redis().url(),
-        None,
-        prefix,
-        Duration::from_secs(2),
-        Duration::from_secs(1),
-    )
-    .unwrap()
+    redis().store(prefix)
 }
 
 const RUN: &str = "weir:run:acme/w/p/k:00112233445566778899aabbccddeeff";
@@ -261,15 +254,7 @@ fn fleet() -> &'static Fleet {
     FLEET.get_or_init(|| {
         let sim = Sim::start(&["--preset", "tiny", "--time-scale", "20", "--output-len", "fixed:100"]);
         let redis = Redis::launch();
-        let sidecar = Sidecar::start_with_quota(
-            &sidecar_bin(),
-            json!({
-                "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
-                "pools": [{"model": "tiny", "replicas": [sim.url]}],
-            }),
-            &redis,
-        );
-        sidecar.wait_for_probes(1);
+        let sidecar = Sidecar::quota_service(&sim.url, &redis);
         let config = json!({
             "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": [
                 run_key("calls", json!({"model_calls": 10})),

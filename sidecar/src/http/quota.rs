@@ -16,6 +16,7 @@ use crate::intake::trust::Trust;
 use crate::metrics::Metrics;
 use crate::quota::Store;
 use crate::quota::asks::{self, MAX_BODY_BYTES};
+use crate::quota::store::StoreError;
 use crate::support::clock::now_ms;
 use crate::support::respond::error_response;
 
@@ -94,20 +95,21 @@ async fn renewed(store: &Store, metrics: &Metrics, request: &LeaseRequest) -> Re
             }
             axum::Json(LeaseResponse { grants }).into_response()
         }
-        Err(e) => {
-            tracing::warn!("quota renewal refused: {e}");
-            metrics
-                .quota
-                .store_errors
-                .get_or_create(&vec![("kind", e.kind().to_owned())])
-                .inc();
-            refuse(
-                &ApiError::new(
-                    503,
-                    "the quota store is unavailable; leases are not renewed until it returns",
-                )
-                .with_code("quota_store_unavailable"),
-            )
-        }
+        Err(e) => store_failed(
+            metrics,
+            &e,
+            "the quota store is unavailable; leases are not renewed until it returns",
+        ),
     }
+}
+
+/// A store that failed a call: counted by kind, and a quick 503 `quota_store_unavailable`.
+pub(super) fn store_failed(metrics: &Metrics, e: &StoreError, message: &str) -> Response {
+    tracing::warn!("a call to the quota store failed: {e}");
+    metrics
+        .quota
+        .store_errors
+        .get_or_create(&vec![("kind", e.kind().to_owned())])
+        .inc();
+    refuse(&ApiError::new(503, message).with_code("quota_store_unavailable"))
 }

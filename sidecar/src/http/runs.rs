@@ -17,7 +17,7 @@ use axum::routing::post;
 use weir_core::error::{ApiError, ErrorShape};
 use weir_core::run::fleet::{RESERVE_PATH, ReserveAsk, SETTLE_PATH, SettleAnswer, SettleBatch};
 
-use super::quota::{checked, refuse};
+use super::quota::{checked, refuse, store_failed};
 use crate::intake::app::App;
 use crate::metrics::Metrics;
 use crate::quota::store::StoreError;
@@ -84,21 +84,11 @@ fn answered<T: serde::Serialize>(
         .observe(started.elapsed().as_secs_f64());
     match answer {
         Ok(answer) => axum::Json(answer).into_response(),
-        Err(e) => {
-            tracing::warn!("a run's call to the quota store failed: {e}");
-            metrics
-                .quota
-                .store_errors
-                .get_or_create(&vec![("kind", e.kind().to_owned())])
-                .inc();
-            refuse(
-                &ApiError::new(
-                    503,
-                    "the quota store is unavailable; the run's call is refused",
-                )
-                .with_code("quota_store_unavailable"),
-            )
-        }
+        Err(e) => store_failed(
+            metrics,
+            &e,
+            "the quota store is unavailable; the run's call is refused",
+        ),
     }
 }
 

@@ -1,19 +1,17 @@
-//! A run's fleet-wide budgets in the store ([`weir_core::run::fleet`]): one script reserves a
-//! call (`runs_reserve.lua`: checks every fleet-wide measure, the runtime and the calls in
-//! flight, then adds the call's demand, all or nothing), another settles a batch of calls
-//! (`runs_settle.lua`: what each reserved replaced by what it used, once). Each is one atomic
-//! script, so concurrent calls from any number of Envoys and sidecars are admitted exactly up
-//! to a budget.
+//! A run's fleet-wide budgets in the store ([`weir_core::run::fleet`]): one script
+//! (`runs.lua`) reserves a call (checks every fleet-wide measure, the runtime and the calls in
+//! flight, then adds the call's demand, all or nothing) or settles a batch of calls (what each
+//! reserved replaced by what it used, once). Each call is one atomic script, so concurrent
+//! calls from any number of Envoys and sidecars are admitted exactly up to a budget.
 
 use std::sync::LazyLock;
 
-use redis::{Script, Value};
+use redis::{FromRedisValue, Script, ScriptInvocation, Value};
 use weir_core::run::fleet::{ReserveAnswer, ReserveAsk, SettleBatch};
 
 use super::store::{Store, StoreError};
 
-static RESERVE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("runs_reserve.lua")));
-static SETTLE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("runs_settle.lua")));
+static SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("runs.lua")));
 
 impl Store {
     /// Reserves the call at the store's clock, or says which budget it would pass.
@@ -27,10 +25,11 @@ impl Store {
         ask: &ReserveAsk,
         now_ms: Option<u64>,
     ) -> Result<ReserveAnswer, StoreError> {
-        let mut call = RESERVE.prepare_invoke();
+        let mut call = SCRIPT.prepare_invoke();
         let (run, calls) = self.run_keys(&ask.run);
         call.key(run).key(calls);
-        call.arg(text(now_ms))
+        call.arg("reserve")
+            .arg(text(now_ms))
             .arg(ask.call)
             .arg(weir_core::run::fleet::CALL_TTL_MS)
             .arg(ask.idle_ttl_ms)
@@ -39,10 +38,7 @@ impl Store {
         for m in &ask.measures {
             call.arg(m.measure.name()).arg(m.limit).arg(m.demand);
         }
-        let mut conn = self.conn.clone();
-        let values: Vec<Value> = tokio::time::timeout(self.timeout, call.invoke_async(&mut conn))
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let values: Vec<Value> = self.invoke(&call).await?;
         let number = |v: Option<&Value>| match v {
             Some(Value::Int(n)) => u64::try_from(*n).ok(),
             _ => None,
@@ -79,8 +75,8 @@ impl Store {
         if batch.settles.is_empty() {
             return Ok(0);
         }
-        let mut call = SETTLE.prepare_invoke();
-        call.arg(text(now_ms));
+        let mut call = SCRIPT.prepare_invoke();
+        call.arg("settle").arg(text(now_ms));
         for s in &batch.settles {
             let (run, calls) = self.run_keys(&s.run);
             call.key(run).key(calls);
@@ -89,11 +85,19 @@ impl Store {
                 call.arg(m.measure.name()).arg(m.reserved).arg(m.actual);
             }
         }
+        self.invoke(&call).await
+    }
+
+    /// Runs the script within the store's timeout.
+    async fn invoke<T: FromRedisValue>(
+        &self,
+        call: &ScriptInvocation<'_>,
+    ) -> Result<T, StoreError> {
         let mut conn = self.conn.clone();
-        let settled: u64 = tokio::time::timeout(self.timeout, call.invoke_async(&mut conn))
+        tokio::time::timeout(self.timeout, call.invoke_async(&mut conn))
             .await
-            .map_err(|_| StoreError::Timeout(self.timeout))??;
-        Ok(settled)
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(StoreError::from)
     }
 
     /// The run's hash and its calls in flight, under the prefix.
