@@ -235,7 +235,7 @@ async fn junk_in_the_run_s_keys_is_refused_or_dropped_never_admitted_on() {
 struct Fleet {
     _sim: Sim,
     redis: Mutex<Redis>,
-    _sidecar: Sidecar,
+    sidecar: Sidecar,
     envoys: Vec<Envoy>,
 }
 
@@ -269,7 +269,7 @@ fn fleet() -> &'static Fleet {
         Fleet {
             _sim: sim,
             redis: Mutex::new(redis),
-            _sidecar: sidecar,
+            sidecar,
             envoys,
         }
     })
@@ -380,4 +380,29 @@ async fn a_stopped_store_refuses_every_call_and_admits_again_once_back() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_store_takes_only_calls_the_filter_signed() {
+    let _turn = turn().await;
+    let ask = reserve(1, &[(Measure::ModelCalls, 1_000_000, 1)]);
+    for path in [
+        weir_core::run::fleet::RESERVE_PATH,
+        weir_core::run::fleet::SETTLE_PATH,
+    ] {
+        let url = format!("{}{path}", fleet().sidecar.url);
+        let r = post_json(&url, None, serde_json::to_string(&ask).unwrap(), &[]).await;
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(status, 401, "{path}: {v}");
+    }
+    let keys: Vec<String> = fleet()
+        .redis
+        .lock()
+        .unwrap()
+        .command(&["KEYS", "*weir:run:acme/w/p/k*"]);
+    assert!(
+        keys.is_empty(),
+        "an unsigned call reached the store: {keys:?}"
+    );
 }
