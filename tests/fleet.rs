@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use weir_e2e::redis_server::Redis;
-use weir_e2e::{
-    Envoy, Sidecar, Sim, api_key_limited, chat_body, post_json, sidecar_bin, wait_for, weir_cli,
-};
+use weir_e2e::{Envoy, Sidecar, Sim, api_key_limited, chat_body, post_json, wait_for, weir_cli};
 
 const LIMIT: u64 = 60_000;
 const SHARE: f64 = 0.1;
@@ -50,15 +48,7 @@ fn fleet() -> &'static Fleet {
     FLEET.get_or_init(|| {
         let sim = Sim::start(&["--preset", "tiny", "--time-scale", "50", "--output-len", "fixed:1"]);
         let redis = Redis::launch();
-        let sidecar = Sidecar::start_with_quota(
-            &sidecar_bin(),
-            json!({
-                "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
-                "pools": [{"model": "tiny", "replicas": [sim.url]}],
-            }),
-            &redis,
-        );
-        sidecar.wait_for_probes(1);
+        let sidecar = Sidecar::quota_service(&sim.url, &redis);
         let config = json!({
             "orgs": [{"id": "acme", "workspaces": [{"id": "lab", "projects": [{"id": "e2e", "keys": [
                 fleet_key("fleet", "fail_closed"),

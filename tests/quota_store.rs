@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use weir_core::fleet::{CounterAsk, Grant, Holder, Window};
 use weir_e2e::redis_server::Redis;
@@ -19,14 +19,7 @@ fn redis() -> &'static Redis {
 
 /// A store on this binary's Redis, its keys under `prefix` (one per test).
 fn store(prefix: &str) -> Store {
-    Store::new(
-        &redis().url(),
-        None,
-        prefix,
-        Duration::from_secs(2),
-        Duration::from_secs(1),
-    )
-    .unwrap()
+    redis().store(prefix)
 }
 
 fn ask(key: &str, window: Window, limit: u64, want: u64) -> CounterAsk {

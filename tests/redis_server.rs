@@ -155,6 +155,18 @@ impl Redis {
             .unwrap_or_else(|e| panic!("{args:?}: {e}"))
     }
 
+    /// The quota service's store on this server, its keys under `prefix` (a test's own).
+    pub fn store(&self, prefix: &str) -> weir_sidecar::quota::Store {
+        weir_sidecar::quota::Store::new(
+            &self.url(),
+            None,
+            prefix,
+            Duration::from_secs(2),
+            Duration::from_secs(1),
+        )
+        .unwrap()
+    }
+
     /// Keys in the store.
     pub fn dbsize(&self) -> u64 {
         self.command(&["DBSIZE"])
@@ -183,6 +195,21 @@ impl Redis {
 }
 
 impl Sidecar {
+    /// A sidecar serving the simulator's `tiny` on `sim_url` (up to 64 queued per tenant) with
+    /// the quota service on `redis`, its replica probed.
+    pub fn quota_service(sim_url: &str, redis: &Redis) -> Sidecar {
+        let sidecar = Sidecar::start_with_quota(
+            &crate::sidecar_bin(),
+            serde_json::json!({
+                "queue": {"max_per_tenant": 64, "deadline_ms": 20000},
+                "pools": [{"model": "tiny", "replicas": [sim_url]}],
+            }),
+            redis,
+        );
+        sidecar.wait_for_probes(1);
+        sidecar
+    }
+
     /// Starts the sidecar with `config` and a `quota` section (unless it has one) on `redis`,
     /// whose URL goes in through [`REDIS_URL_ENV`] (and its CA file, for TLS).
     pub fn start_with_quota(bin: &Path, mut config: serde_json::Value, redis: &Redis) -> Sidecar {

@@ -15,7 +15,7 @@ mod signer;
 mod telemetry;
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,8 +23,10 @@ use std::time::Duration;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use weir_core::config::RunBudgets;
 use weir_core::config::{Config, Directory, Tenant};
 use weir_core::reservation::{self, Reservation};
+use weir_core::run::fleet::Settle;
 use weir_core::run::{self, RunHold, RunTable};
 
 use crate::host::{Envoy, Metrics, SharedData};
@@ -52,6 +54,9 @@ pub struct Gateway {
     /// What this VM's live calls hold of their runs, by call lease id: renewed with the slot
     /// leases, so a long call keeps its place among its run's calls in flight.
     pub runs_in_flight: RefCell<HashMap<u64, RunHold>>,
+    /// Settles of runs' fleet-wide budgets, sent in batches on the root tick
+    /// (`exchange::run_fleet`): a request's context may be gone before the store answers.
+    pub run_settles: RefCell<VecDeque<Settle>>,
     /// The price table as every forwarded request vouches for it (`x-weir-price`), so the
     /// ledger prices each record at its model's entry; formatted once per configuration.
     pub price_header: Option<String>,
@@ -68,6 +73,7 @@ impl Gateway {
             metrics,
             in_flight: RefCell::default(),
             runs_in_flight: RefCell::default(),
+            run_settles: RefCell::default(),
         }
     }
 }
@@ -124,10 +130,16 @@ impl RootContext for Root {
         // Renew three times per slot lease (a late tick or two never costs a live request its
         // slot), and fleet-wide leases every renewal period.
         let slot_period = gateway.config.slot_lease_ms / 3;
-        let period = self
+        let mut period = self
             .renewal
             .as_ref()
             .map_or(slot_period, |r| r.period_ms().min(slot_period));
+        // Runs' fleet-wide settles go out every renewal period too.
+        if let Some(fleet) = &gateway.config.fleet
+            && (gateway.directory.tenants()).any(|t| t.run_fleet_wide != RunBudgets::default())
+        {
+            period = period.min(fleet.renew_ms);
+        }
         self.set_tick_period(Duration::from_millis(period));
         reservation::initialize(&SharedData, gateway.directory.tenants(), host::now_ms());
         run::create(
@@ -166,6 +178,7 @@ impl RootContext for Root {
         if let Some(renewal) = self.renewal.as_mut() {
             renewal.tick(&Envoy::new(Rc::clone(gw)), gw.signer.as_ref());
         }
+        exchange::run_fleet::send_settles(&Envoy::new(Rc::clone(gw)), gw);
         let now = host::now_ms();
         if now
             < self

@@ -100,7 +100,26 @@ pub fn send(
 ) -> Option<u32> {
     ask.holder = renewal::holder(host.store(), config.hold_ms());
     let body = serde_json::to_vec(&ask).unwrap_or_default();
-    let digest = hash_key(&String::from_utf8_lossy(&body));
+    match call(host, config, signer, fleet::PATH, &body, now) {
+        Ok(token) => Some(token),
+        Err(status) => {
+            log::warn!("weir: cannot call the quota service: {status:?}");
+            renewal::mark_down(host.store(), now);
+            None
+        }
+    }
+}
+
+/// Posts `body` to the quota service's `path`, signed over its digest; the call's token.
+pub fn call(
+    host: &impl Host,
+    config: &FleetConfig,
+    signer: Option<&Signer>,
+    path: &str,
+    body: &[u8],
+    now: u64,
+) -> Result<u32, proxy_wasm::types::Status> {
+    let digest = hash_key(&String::from_utf8_lossy(body));
     // A fresh id per call: two Envoys may send the same body in the same millisecond, and
     // the service takes each signed call once.
     let call_id = host.unique_id();
@@ -111,7 +130,7 @@ pub fn send(
     let signature = signer.and_then(|s| s.sign(&vouched, now));
     let mut headers = vec![
         (":method", "POST"),
-        (":path", fleet::PATH),
+        (":path", path),
         (":authority", config.authority.as_str()),
         ("content-type", "application/json"),
         (trusted::REQUEST_ID, call_id.as_str()),
@@ -120,14 +139,7 @@ pub fn send(
     if let Some(signature) = &signature {
         headers.push((trusted::SIGNATURE, signature));
     }
-    match host.dispatch(&config.cluster, &headers, &body, config.timeout_ms) {
-        Ok(token) => Some(token),
-        Err(status) => {
-            log::warn!("weir: cannot call the quota service: {status:?}");
-            renewal::mark_down(host.store(), now);
-            None
-        }
-    }
+    host.dispatch(&config.cluster, &headers, body, config.timeout_ms)
 }
 
 /// Applies the quota service's answer to a call of [`send`] (its grants to `specs`' leases);

@@ -28,7 +28,8 @@ impl Request {
 impl Context for Request {
     fn on_http_call_response(&mut self, token: u32, _: usize, body_size: usize, _: usize) {
         host::callback("lease", || {
-            self.exchange.on_lease(&self.envoy, token, body_size)
+            self.exchange.on_lease(&self.envoy, token, body_size);
+            self.exchange.on_run_reserved(&self.envoy, token, body_size);
         });
     }
 }

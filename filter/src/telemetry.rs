@@ -66,6 +66,9 @@ pub const FLEET_RENEWALS: &str = "weir.fleet.renewals";
 pub const FLEET_RENEWAL_FAILURES: &str = "weir.fleet.renewal_failures";
 /// Requests that found no lease and asked the quota service at once.
 pub const FLEET_LEASES_ASKED_AT_ONCE: &str = "weir.fleet.leases_asked_at_once";
+/// Settles of runs' fleet-wide budgets a worker dropped (its queue full, or the call not
+/// sent): those calls stay charged what they reserved.
+pub const FLEET_RUN_SETTLES_DROPPED: &str = "weir.fleet.run_settles_dropped";
 /// Metered responses the upstream compressed anyway: charged their reservation.
 pub const UNREADABLE_RESPONSES: &str = "weir.meter.unreadable";
 
@@ -173,6 +176,7 @@ pub fn define() -> Metrics {
         FLEET_RENEWALS,
         FLEET_RENEWAL_FAILURES,
         FLEET_LEASES_ASKED_AT_ONCE,
+        FLEET_RUN_SETTLES_DROPPED,
     ] {
         m.define(MetricType::Counter, counter);
     }

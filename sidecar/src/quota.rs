@@ -9,6 +9,7 @@
 //! unknown route.
 
 pub mod asks;
+pub mod runs;
 pub mod store;
 
 use std::time::Duration;

@@ -48,6 +48,10 @@ pub struct Tenant {
     pub lease_terms: Option<LeaseTerms>,
     /// What one of its runs may use: the tightest budget of each measure along its path.
     pub run_budgets: RunBudgets,
+    /// Those of `run_budgets` some level of its path names in `runs.fleet_wide`, held across
+    /// the fleet by the quota store; set only when the config has a `fleet` section (the rest
+    /// are held per Envoy).
+    pub run_fleet_wide: RunBudgets,
     /// How long one of its runs may sit idle before it has ended (the shortest along its
     /// path; unset, the run table's default).
     pub run_idle_ttl_ms: Option<u64>,
@@ -142,6 +146,7 @@ impl Config {
             expires_ms: None,
             lease_terms: None,
             run_budgets: RunBudgets::default(),
+            run_fleet_wide: RunBudgets::default(),
             run_idle_ttl_ms: None,
             run_required: false,
             tools: Tools::default(),
@@ -161,11 +166,16 @@ impl Config {
                             (&project.id, &project.limits, &project.policy),
                             (&key.id, &key.limits, &key.policy),
                         ];
+                        let resolved = resolve(&chain);
                         let tenant = Arc::new(Tenant {
                             disabled: key.disabled,
                             expires_ms: key.expires_at.as_deref().and_then(parse_rfc3339),
                             lease_terms: self.fleet.as_ref().map(FleetConfig::terms),
-                            ..resolve(&chain)
+                            run_fleet_wide: match self.fleet {
+                                Some(_) => resolved.run_fleet_wide,
+                                None => RunBudgets::default(),
+                            },
+                            ..resolved
                         });
                         for hash in key.sha256.iter() {
                             by_hash.insert(hash.to_owned(), tenant.clone());
@@ -218,7 +228,30 @@ fn most_specific<T>(chain: &Chain<'_>, get: impl Fn(&Policy) -> Option<T>) -> Op
     chain.iter().rev().find_map(|c| get(c.2))
 }
 
+/// The budgets of `budgets` that some level of the chain names in `runs.fleet_wide`.
+fn fleet_wide_of(chain: &Chain<'_>, budgets: RunBudgets) -> RunBudgets {
+    let named = |name: &str| {
+        (chain.iter())
+            .filter_map(|c| c.2.runs.as_ref())
+            .any(|r| r.fleet_wide.contains_key(name))
+    };
+    let keep = |name: &str, budget: Option<u64>| budget.filter(|_| named(name));
+    RunBudgets {
+        model_calls: keep("model_calls", budgets.model_calls),
+        tool_calls: keep("tool_calls", budgets.tool_calls),
+        runtime_ms: keep("runtime_ms", budgets.runtime_ms),
+        input_tokens: keep("input_tokens", budgets.input_tokens),
+        output_tokens: keep("output_tokens", budgets.output_tokens),
+        cost_micros: keep("cost_micros", budgets.cost_micros),
+        parallel_calls: keep("parallel_calls", budgets.parallel_calls),
+        retries: keep("retries", budgets.retries),
+    }
+}
+
 pub(super) fn resolve(chain: &Chain<'_>) -> Tenant {
+    let run_budgets = (chain.iter())
+        .filter_map(|c| c.2.runs.as_ref())
+        .fold(RunBudgets::default(), |run, r| run.tightest(r.budgets));
     let mut path = String::new();
     let levels = chain
         .iter()
@@ -247,9 +280,8 @@ pub(super) fn resolve(chain: &Chain<'_>) -> Tenant {
         disabled: false,
         expires_ms: None,
         lease_terms: None,
-        run_budgets: (chain.iter())
-            .filter_map(|c| c.2.runs.as_ref())
-            .fold(RunBudgets::default(), |run, r| run.tightest(r.budgets)),
+        run_budgets,
+        run_fleet_wide: fleet_wide_of(chain, run_budgets),
         run_idle_ttl_ms: (chain.iter())
             .filter_map(|c| c.2.runs.as_ref()?.idle_ttl_ms)
             .min(),

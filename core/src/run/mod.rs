@@ -18,6 +18,7 @@
 //! A call admitted before the runtime ran out may finish after it.
 
 pub mod entry;
+pub mod fleet;
 pub mod identity;
 pub mod table;
 

@@ -138,7 +138,7 @@ impl Exchange {
         if let Some(action) = self.charge_run(host, &admitted) {
             return action;
         }
-        self.forward(host, admitted, size)
+        self.forward_run(host, admitted, size)
     }
 
     /// What the charge of the body's tokens makes of the request: `None` to let it go on, else
@@ -170,7 +170,7 @@ impl Exchange {
 
     /// Lets the admitted body go upstream (rewritten if admission rewrote it), its answer to
     /// be metered in the shape it asked for.
-    fn forward(&mut self, host: &impl Host, admitted: Admitted, size: usize) -> Action {
+    pub(super) fn forward(&mut self, host: &impl Host, admitted: Admitted, size: usize) -> Action {
         if let Some(new_body) = &admitted.rewritten_body {
             host.replace_body(Side::Request, size, new_body);
         }

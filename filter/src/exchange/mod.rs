@@ -41,6 +41,7 @@ pub mod port;
 mod respond;
 mod retry;
 mod run;
+pub mod run_fleet;
 mod settle;
 #[cfg(test)]
 mod tests;
@@ -147,6 +148,8 @@ pub struct Exchange {
     run_key: Option<RunKey>,
     /// What the call holds of its run, from its admission to its settle.
     run: Option<RunHold>,
+    /// Where the call stands with its run's fleet-wide budgets (`run_fleet.rs`).
+    run_fleet: run_fleet::FleetRun,
     /// The fault a test asked this request for (`filter/src/fault.rs`).
     #[cfg(feature = "fault-injection")]
     fault: Option<String>,
@@ -178,6 +181,7 @@ impl Exchange {
             standing: Vec::new(),
             run_key: None,
             run: None,
+            run_fleet: run_fleet::FleetRun::None,
             #[cfg(feature = "fault-injection")]
             fault: None,
         }

@@ -9,13 +9,15 @@
 
 use proxy_wasm::types::Action;
 use weir_core::admission::Admitted;
+use weir_core::config::{RunBudgets, Tenant};
 use weir_core::error::ApiError;
 use weir_core::reply::Reply;
 use weir_core::reservation::{Demand, SlotLease};
-use weir_core::run::{self, Counts, RunDemand, RunKey, RunRefusal, RunTable};
+use weir_core::run::{self, Counts, RunDemand, RunKey, RunRefusal, RunTable, fleet};
 use weir_core::trusted;
 
-use super::{Exchange, Host};
+use super::run_fleet::FleetRun;
+use super::{Exchange, Host, Stage};
 use crate::telemetry;
 
 /// The header a caller names its run with when the route names no other.
@@ -78,11 +80,36 @@ impl Exchange {
                 ttl_ms: self.gw.config.slot_lease_ms,
             },
         };
-        let table = run_table(&tenant);
+        if tenant.run_fleet_wide != RunBudgets::default() {
+            // Reserved in the quota store once the body is let go (`run_fleet.rs`); here
+            // only the budgets held on this Envoy, if any.
+            self.run_fleet = FleetRun::Due(counts);
+            let local = fleet::local_budgets(&tenant);
+            if local == RunBudgets::default() {
+                return None;
+            }
+            let tenant = Tenant {
+                run_budgets: local,
+                ..(*tenant).clone()
+            };
+            return self.charge_run_locally(host, &tenant, key.clone(), demand);
+        }
+        self.charge_run_locally(host, &tenant, key.clone(), demand)
+    }
+
+    /// Admits the call to its run's budgets held on this Envoy (the run table in shared data).
+    fn charge_run_locally(
+        &mut self,
+        host: &impl Host,
+        tenant: &Tenant,
+        key: RunKey,
+        demand: RunDemand,
+    ) -> Option<Action> {
+        let table = run_table(tenant);
         let now = host.now_ms();
-        let mut held = run::reserve(host.store(), &tenant, &table, key, demand, now);
+        let mut held = run::reserve(host.store(), tenant, &table, &key, demand, now);
         if held == Err(RunRefusal::Contended) {
-            held = run::reserve(host.store(), &tenant, &table, key, demand, host.now_ms());
+            held = run::reserve(host.store(), tenant, &table, &key, demand, host.now_ms());
         }
         match held {
             Ok(hold) => {
@@ -93,20 +120,27 @@ impl Exchange {
                 None
             }
             Err(refusal) => {
-                let (error, reason) = refusal.error();
-                let mut reply = Reply::error(&error, self.shape);
-                reply.headers.push(("x-should-retry", "false".into()));
-                if let RunRefusal::Budget(denial) = &refusal {
-                    reply
-                        .headers
-                        .push(("x-weir-run-budget", denial.header_value()));
-                    if !self.shadow {
-                        telemetry::runs::run_refused(host, &tenant, denial.budget);
-                    }
-                }
-                self.refuse_on_admission(host, reply, reason)
+                let action = self.refuse_run(host, &refusal);
+                (self.stage == Stage::Replied).then_some(action)
             }
         }
+    }
+
+    /// Refuses the call for its run (`x-should-retry: false`, and the budget it would pass in
+    /// `x-weir-run-budget`), giving back what it reserved.
+    pub(super) fn refuse_run(&mut self, host: &impl Host, refusal: &RunRefusal) -> Action {
+        let (error, reason) = refusal.error();
+        let mut reply = Reply::error(&error, self.shape);
+        reply.headers.push(("x-should-retry", "false".into()));
+        if let RunRefusal::Budget(denial) = refusal {
+            reply
+                .headers
+                .push(("x-weir-run-budget", denial.header_value()));
+            if let (Some(tenant), false) = (&self.tenant, self.shadow) {
+                telemetry::runs::run_refused(host, tenant, denial.budget);
+            }
+        }
+        self.refuse(host, reply, reason, Stage::AwaitingBody)
     }
 
     /// Ends the call's part in its run: what it reserved is replaced by what it used. `None`
@@ -114,6 +148,7 @@ impl Exchange {
     /// answered from completed work): its model call is given back; tool calls its answer
     /// made stay counted.
     pub(super) fn settle_run(&mut self, host: &impl Host, used: Option<Demand>) {
+        self.settle_run_fleet(host, used);
         let Some(hold) = self.run.take() else {
             return;
         };
@@ -136,7 +171,7 @@ impl Exchange {
 
 /// The run table a tenant's runs live in: the shape every table is created with, with the
 /// tenant's idle time.
-pub fn run_table(tenant: &weir_core::config::Tenant) -> RunTable {
+pub fn run_table(tenant: &Tenant) -> RunTable {
     let mut table = RunTable::default();
     if let Some(idle) = tenant.run_idle_ttl_ms {
         table.idle_ttl_ms = idle;

@@ -1046,3 +1046,204 @@ mod runs {
         }
     }
 }
+
+/// A run's fleet-wide budgets: each call reserved in the quota store with its body waiting,
+/// refused as the store says, and settled from the root tick.
+mod run_fleet {
+    use super::*;
+    use weir_core::run::fleet::{
+        Measure, RESERVE_PATH, ReserveAnswer, ReserveAsk, SETTLE_PATH, SettleBatch,
+    };
+
+    /// A key whose runs hold `model_calls: 10` fleet-wide and `local` on each Envoy.
+    fn setup(local: Value) -> (Rc<Gateway>, Mock) {
+        let mut budgets = json!({"model_calls": 10});
+        if let (Some(b), Value::Object(local)) = (budgets.as_object_mut(), local) {
+            b.extend(local);
+        }
+        let config = json!({
+            "orgs": [{"id": "acme", "limits": {"input_tokens_per_minute": 100_000,
+                    "concurrent_requests": 8},
+                "policy": {"runs": {"budgets": budgets,
+                                    "fleet_wide": {"model_calls": "fail_closed"}}},
+                "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
+                    {"id": "k", "sha256": hash_key(KEY)}]}]}]}],
+            "routes": {"default": {"mode": "enforce"}},
+            "slot_lease_ms": LEASE_MS,
+            "fleet": {"cluster": "quota", "timeout_ms": 2_000},
+        });
+        let config = Config::parse(config.to_string().as_bytes()).unwrap();
+        let gw = Rc::new(Gateway::new(config, None, Metrics::default()));
+        let host = Mock::new(None);
+        configured(&gw, &host);
+        weir_core::run::create(
+            &host.store,
+            gw.directory.tenants(),
+            weir_core::run::RunTable::default(),
+        );
+        (gw, host)
+    }
+
+    /// A call of run `r1` whose body arrived: what the filter did with it.
+    fn call(gw: &Rc<Gateway>, host: &Mock) -> (Exchange, Action) {
+        *host.reply.borrow_mut() = None;
+        let mut x = Exchange::new(Rc::clone(gw));
+        *host.request_headers.borrow_mut() = pairs(&[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("authorization", &format!("Bearer {KEY}")),
+            ("x-weir-run-id", "r1"),
+        ]);
+        x.on_headers(host, false);
+        let action = body_arrives(&mut x, host, chat(Some(10)));
+        (x, action)
+    }
+
+    /// The last call sent: its path and body.
+    fn last_call(host: &Mock) -> (String, Vec<u8>) {
+        let calls = host.calls.borrow();
+        let (cluster, headers, body) = calls.last().cloned().unwrap();
+        assert_eq!(cluster, "quota");
+        let path = headers
+            .iter()
+            .find(|(k, _)| k == ":path")
+            .unwrap()
+            .1
+            .clone();
+        (path, body)
+    }
+
+    fn store_answers(x: &mut Exchange, host: &Mock, status: Option<u16>, answer: &ReserveAnswer) {
+        let body = serde_json::to_vec(answer).unwrap();
+        *host.call_answer.borrow_mut() = (status, body.clone());
+        let token = host.calls.borrow().len() as u32;
+        x.on_run_reserved(host, token + 1, body.len());
+        assert_eq!(host.resumed.get(), 0, "not this call's answer");
+        x.on_run_reserved(host, token, body.len());
+    }
+
+    #[test]
+    fn a_call_waits_for_the_store_goes_on_when_admitted_and_its_settle_goes_from_the_tick() {
+        let (gw, host) = setup(json!({}));
+        let (mut x, action) = call(&gw, &host);
+        assert_eq!(action, Action::Pause, "the body waits for the store");
+        let (path, body) = last_call(&host);
+        assert_eq!(path, RESERVE_PATH);
+        let ask: ReserveAsk = serde_json::from_slice(&body).unwrap();
+        assert!(ask.run.starts_with("weir:run:acme/w/p/k:"), "{}", ask.run);
+        assert_eq!(ask.measures.len(), 1);
+        assert_eq!(
+            (
+                ask.measures[0].measure,
+                ask.measures[0].limit,
+                ask.measures[0].demand
+            ),
+            (Measure::ModelCalls, 10, 1)
+        );
+        store_answers(&mut x, &host, Some(200), &ReserveAnswer::Admitted);
+        assert_eq!(host.resumed.get(), 1);
+        assert!(host.replied().is_none());
+        assert!(gw.run_settles.borrow().is_empty(), "settled at the end");
+        answered(&mut x, &host, 5, 4);
+        x.on_log(&host);
+        let queued = gw.run_settles.borrow().clone();
+        assert_eq!(queued.len(), 1);
+        assert_eq!(queued[0].call, ask.call);
+        assert_eq!(queued[0].measures[0].actual, 1, "a model ran");
+        // The root tick sends the queue as one batch.
+        super::super::run_fleet::send_settles(&host, &gw);
+        let (path, body) = last_call(&host);
+        assert_eq!(path, SETTLE_PATH);
+        let batch: SettleBatch = serde_json::from_slice(&body).unwrap();
+        assert_eq!(batch.settles, Vec::from(queued));
+        assert!(gw.run_settles.borrow().is_empty());
+    }
+
+    #[test]
+    fn a_refusal_by_the_store_is_run_budget_exceeded_and_gives_the_tenant_s_charge_back() {
+        let (gw, host) = setup(json!({}));
+        let t = tenant(&gw);
+        let before = host.remaining(&t, LimitKind::InputTokens);
+        let (mut x, _) = call(&gw, &host);
+        let refused = ReserveAnswer::Refused {
+            budget: "model_calls".into(),
+            limit: 10,
+            used: 10,
+        };
+        store_answers(&mut x, &host, Some(200), &refused);
+        assert_eq!(host.resumed.get(), 0, "never let go");
+        let (status, body) = host.replied().unwrap();
+        assert_eq!(
+            (
+                status,
+                body["error"]["code"].as_str(),
+                body["error"]["used"].as_u64()
+            ),
+            (429, Some("run_budget_exceeded"), Some(10)),
+            "{body}"
+        );
+        let reply = host.reply.borrow().clone().unwrap();
+        assert!(
+            reply
+                .1
+                .contains(&("x-weir-run-budget".into(), "model_calls=10/10".into()))
+        );
+        x.on_log(&host);
+        assert_eq!(host.remaining(&t, LimitKind::InputTokens), before);
+        assert_eq!(host.remaining(&t, LimitKind::Concurrency), 8);
+        assert!(
+            gw.run_settles.borrow().is_empty(),
+            "nothing reserved in the store"
+        );
+    }
+
+    #[test]
+    fn a_store_that_does_not_answer_refuses_the_call_with_503() {
+        let (gw, host) = setup(json!({}));
+        let (mut x, _) = call(&gw, &host);
+        store_answers(&mut x, &host, None, &ReserveAnswer::Admitted);
+        assert_eq!(host.resumed.get(), 0, "never let go");
+        let (status, body) = host.replied().unwrap();
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (503, Some("quota_unavailable")),
+            "{body}"
+        );
+        assert_eq!(host.metric("weir.rejections.quota_unavailable"), 1);
+        // A 503 from the service is no answer either.
+        let (mut x, _) = call(&gw, &host);
+        store_answers(&mut x, &host, Some(503), &ReserveAnswer::Admitted);
+        assert_eq!(host.replied().map(|r| r.0), Some(503));
+    }
+
+    #[test]
+    fn a_caller_gone_before_the_answer_settles_as_having_used_nothing() {
+        let (gw, host) = setup(json!({}));
+        let (mut x, _) = call(&gw, &host);
+        x.on_log(&host);
+        let queued = gw.run_settles.borrow().clone();
+        assert_eq!(queued.len(), 1);
+        assert_eq!(
+            (queued[0].measures[0].reserved, queued[0].measures[0].actual),
+            (1, 0)
+        );
+    }
+
+    #[test]
+    fn budgets_held_on_this_envoy_refuse_before_the_store_is_asked() {
+        let (gw, host) = setup(json!({"parallel_calls": 1}));
+        let (_first, action) = call(&gw, &host);
+        assert_eq!(action, Action::Pause);
+        assert_eq!(host.calls.borrow().len(), 1);
+        let (mut second, _) = call(&gw, &host);
+        let (status, body) = host.replied().unwrap();
+        assert_eq!(
+            (status, body["error"]["budget"].as_str()),
+            (429, Some("parallel_calls")),
+            "{body}"
+        );
+        assert_eq!(host.calls.borrow().len(), 1, "the store was not asked");
+        second.on_log(&host);
+        assert!(gw.run_settles.borrow().is_empty());
+    }
+}

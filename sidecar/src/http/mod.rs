@@ -3,4 +3,5 @@
 
 pub mod listener;
 pub mod quota;
+pub mod runs;
 pub mod server;

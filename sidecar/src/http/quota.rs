@@ -16,6 +16,7 @@ use crate::intake::trust::Trust;
 use crate::metrics::Metrics;
 use crate::quota::Store;
 use crate::quota::asks::{self, MAX_BODY_BYTES};
+use crate::quota::store::StoreError;
 use crate::support::clock::now_ms;
 use crate::support::respond::error_response;
 
@@ -29,24 +30,29 @@ pub async fn serve(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    match checked(trust, metrics, &headers, body).await {
+    let request = checked::<LeaseRequest>(trust, metrics, &headers, body, "invalid_lease_request")
+        .await
+        .and_then(|r| asks::check(&r).map(|()| r));
+    match request {
         Ok(request) => renewed(store, metrics, &request).await,
         Err(refusal) => refuse(&refusal),
     }
 }
 
 /// A refusal of a renewal, with a short `Retry-After`.
-fn refuse(error: &ApiError) -> Response {
+pub(super) fn refuse(error: &ApiError) -> Response {
     error_response(error, ErrorShape::OpenAi, RETRY_AFTER_S)
 }
 
-/// The renewal, checked in the order the module doc gives (an untrusted caller is counted).
-async fn checked(
+/// A call's body, checked in the order the module doc gives (an untrusted caller is counted),
+/// up to its shape; a shape it does not have is a 400 with `code`.
+pub(super) async fn checked<T: serde::de::DeserializeOwned>(
     trust: &Trust,
     metrics: &Metrics,
     headers: &HeaderMap,
     body: Body,
-) -> Result<LeaseRequest, ApiError> {
+    code: &'static str,
+) -> Result<T, ApiError> {
     let untrusted = |refusal: &ApiError| metrics.reject("untrusted", "", refusal.status);
     let signed = trust.check_call(headers, now_ms()).inspect_err(untrusted)?;
     let Ok(body) = axum::body::to_bytes(body, MAX_BODY_BYTES).await else {
@@ -55,15 +61,13 @@ async fn checked(
     trust
         .accept(&signed, &body, now_ms())
         .inspect_err(untrusted)?;
-    let request: LeaseRequest =
-        serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body))
-            .map_err(|e| {
-                ApiError::bad_request(format!("not a lease request: {}", e.inner()))
-                    .with_code("invalid_lease_request")
-                    .with_param(&e.path().to_string())
-            })?;
-    asks::check(&request)?;
-    Ok(request)
+    serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_slice(&body)).map_err(
+        |e| {
+            ApiError::bad_request(format!("not a quota call: {}", e.inner()))
+                .with_code(code)
+                .with_param(&e.path().to_string())
+        },
+    )
 }
 
 /// The leases the store grants (counted per tenant and window), or a quick 503 when it fails.
@@ -91,20 +95,21 @@ async fn renewed(store: &Store, metrics: &Metrics, request: &LeaseRequest) -> Re
             }
             axum::Json(LeaseResponse { grants }).into_response()
         }
-        Err(e) => {
-            tracing::warn!("quota renewal refused: {e}");
-            metrics
-                .quota
-                .store_errors
-                .get_or_create(&vec![("kind", e.kind().to_owned())])
-                .inc();
-            refuse(
-                &ApiError::new(
-                    503,
-                    "the quota store is unavailable; leases are not renewed until it returns",
-                )
-                .with_code("quota_store_unavailable"),
-            )
-        }
+        Err(e) => store_failed(
+            metrics,
+            &e,
+            "the quota store is unavailable; leases are not renewed until it returns",
+        ),
     }
+}
+
+/// A store that failed a call: counted by kind, and a quick 503 `quota_store_unavailable`.
+pub(super) fn store_failed(metrics: &Metrics, e: &StoreError, message: &str) -> Response {
+    tracing::warn!("a call to the quota store failed: {e}");
+    metrics
+        .quota
+        .store_errors
+        .get_or_create(&vec![("kind", e.kind().to_owned())])
+        .inc();
+    refuse(&ApiError::new(503, message).with_code("quota_store_unavailable"))
 }

@@ -45,6 +45,7 @@ pub fn router(app: Arc<App>) -> Router {
     }
     router
         .route(weir_core::fleet::PATH, post(leases))
+        .merge(crate::http::runs::routes())
         .fallback(|headers: HeaderMap| async move {
             error_response(&ApiError::not_found("no such route"), shape_of(&headers), 0)
         })

@@ -41,10 +41,10 @@ impl StoreError {
 }
 
 pub struct Store {
-    conn: ConnectionManager,
+    pub(super) conn: ConnectionManager,
     script: Script,
-    prefix: String,
-    timeout: Duration,
+    pub(super) prefix: String,
+    pub(super) timeout: Duration,
 }
 
 impl Store {
