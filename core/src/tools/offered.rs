@@ -1,0 +1,127 @@
+//! The tools a request offers the model, judged by a key's tool policy before the engine sees
+//! them: a blocked tool refuses the request (`tool_blocked`, naming it and where it is) or is
+//! taken out of it, whichever the policy says.
+//!
+//! A tool's name is where its API puts it: chat's `tools[].function.name` (or a custom tool's
+//! `custom.name`), the Responses API's and Messages' `tools[].name`; a Responses `namespace`
+//! offers the tools inside it. Chat's legacy `functions` are refused under a policy: the calls
+//! they make (`function_call`) are not read as they stream.
+
+use serde_json::Value;
+use serde_json::value::RawValue;
+
+use super::withheld::{Policy, tool_blocked};
+use crate::error::ApiError;
+
+/// What a request offers, judged.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Offer {
+    /// The names of the tools offered (and kept): a call to any other name fails closed.
+    pub names: Vec<String>,
+    /// The body's `tools` after removal, when a tool was removed (`None` inside: none left,
+    /// the field goes, and `tool_choice` with it).
+    pub rewritten: Option<Option<String>>,
+}
+
+/// The request's offered tools judged by `blocked`. `remove`: a blocked tool is taken out
+/// rather than refused; a `tool_choice` naming one is refused still (the caller asked for a
+/// call the policy forbids).
+pub fn judge(
+    tools: Option<&RawValue>,
+    functions: Option<&RawValue>,
+    tool_choice: Option<&RawValue>,
+    blocked: impl Fn(&str) -> bool,
+    remove: bool,
+) -> Result<Offer, ApiError> {
+    if functions.is_some_and(|f| f.get() != "null") {
+        return Err(ApiError::bad_request(
+            "`functions` is not accepted under a tool policy: offer the functions in `tools`",
+        )
+        .with_param("functions"));
+    }
+    let Some(tools) = tools.filter(|t| t.get() != "null") else {
+        return Ok(Offer::default());
+    };
+    let mut tools: Value = serde_json::from_str(tools.get())
+        .map_err(|e| ApiError::bad_request(format!("tools: {e}")).with_param("tools"))?;
+    let mut offer = Offer::default();
+    let mut removed = Vec::new();
+    walk(&mut tools, "tools", &blocked, remove, &mut offer.names, &mut removed)?;
+    if removed.is_empty() {
+        return Ok(offer);
+    }
+    if let Some(tool) = tool_choice.and_then(|c| chosen(c, &removed)) {
+        return Err(tool_blocked(&tool, Policy::Blocked).with_param("tool_choice"));
+    }
+    let empty = tools.as_array().is_some_and(Vec::is_empty);
+    offer.rewritten = Some((!empty).then(|| tools.to_string()));
+    Ok(offer)
+}
+
+/// Judges the tools of one array (`at` names it, for `param`), recursing into namespaces;
+/// removes the blocked ones when `remove`, else refuses the first.
+fn walk(
+    tools: &mut Value,
+    at: &str,
+    blocked: &impl Fn(&str) -> bool,
+    remove: bool,
+    names: &mut Vec<String>,
+    removed: &mut Vec<String>,
+) -> Result<(), ApiError> {
+    let Some(items) = tools.as_array_mut() else {
+        return Ok(());
+    };
+    let mut i = 0;
+    let mut kept = Vec::with_capacity(items.len());
+    for mut item in std::mem::take(items) {
+        let param = format!("{at}[{i}]");
+        i += 1;
+        if let Some(inner) = item.get_mut("tools") {
+            walk(inner, &format!("{param}.tools"), blocked, remove, names, removed)?;
+        }
+        let Some(name) = name_of(&item) else {
+            kept.push(item);
+            continue;
+        };
+        if !blocked(&name) {
+            names.push(name);
+            kept.push(item);
+        } else if remove {
+            removed.push(name);
+        } else {
+            return Err(tool_blocked(&name, Policy::Blocked).with_param(&param));
+        }
+    }
+    *items = kept;
+    Ok(())
+}
+
+/// A tool definition's name, wherever its API puts it.
+fn name_of(tool: &Value) -> Option<String> {
+    let name = (tool.pointer("/function/name"))
+        .or_else(|| tool.pointer("/custom/name"))
+        .or_else(|| tool.get("name"))?;
+    name.as_str().map(str::to_owned)
+}
+
+/// The removed tool a `tool_choice` names, if it names one (at any depth: chat's
+/// `{"function": {"name"}}`, the Responses and Messages `{"name"}`, allowed-tools lists).
+fn chosen(choice: &RawValue, removed: &[String]) -> Option<String> {
+    let choice: Value = serde_json::from_str(choice.get()).ok()?;
+    let mut stack = vec![&choice];
+    while let Some(value) = stack.pop() {
+        match value {
+            Value::Object(fields) => {
+                if let Some(Value::String(name)) = fields.get("name")
+                    && removed.contains(name)
+                {
+                    return Some(name.clone());
+                }
+                stack.extend(fields.values());
+            }
+            Value::Array(items) => stack.extend(items),
+            _ => {}
+        }
+    }
+    None
+}
