@@ -113,7 +113,10 @@ pub fn admit(
     };
     let rewritten_body = if offer.rewritten.is_some() {
         // Tools were taken out: the body differs whatever else the rewrite does.
-        rewrite.apply(&mut fields).and_then(|_| fields.to_vec()).map(Some)
+        rewrite
+            .apply(&mut fields)
+            .and_then(|_| fields.to_vec())
+            .map(Some)
     } else {
         rewrite.body(fields)
     }
@@ -457,6 +460,42 @@ mod tests {
     }
 
     const HELLO: &str = r#"{"model":"big","messages":[{"role":"user","content":"hello"}]"#;
+
+    #[test]
+    fn a_removed_tool_leaves_the_body_and_its_prompt_estimate() {
+        let policy = r#"{"tools":{"blocked":["shell_*"],"on_blocked_offered":"remove"}}"#;
+        let c = config("{}", policy);
+        let tool = |name: &str| {
+            format!(
+                r#"{{"type":"function","function":{{"name":"{name}","description":"{}"}}}}"#,
+                "a long description of the tool ".repeat(20)
+            )
+        };
+        let body = |tools: &[String]| {
+            format!(
+                r#"{{"model":"big","messages":[{{"role":"user","content":"hello"}}],"tools":[{}]}}"#,
+                tools.join(",")
+            )
+        };
+        let offered = run(&c, &body(&[tool("search"), tool("shell_rm")])).unwrap();
+        let plain = run(&c, &body(&[tool("search")])).unwrap();
+        assert_eq!(offered.offered_tools, ["search"]);
+        assert_eq!(
+            offered.prompt_tokens, plain.prompt_tokens,
+            "the rewritten body's"
+        );
+        let sent: Value = serde_json::from_slice(&offered.rewritten_body.unwrap()).unwrap();
+        assert_eq!(sent["tools"].as_array().unwrap().len(), 1, "{sent}");
+        // Refused by default, and nothing read for a key with no tool policy.
+        let refuse = config("{}", r#"{"tools":{"blocked":["shell_*"]}}"#);
+        assert_eq!(
+            reason(run(&refuse, &body(&[tool("shell_rm")]))),
+            ("tool_blocked", 403)
+        );
+        let open = config("{}", "{}");
+        let passed = run(&open, &body(&[tool("shell_rm")])).unwrap();
+        assert!(passed.offered_tools.is_empty() && passed.rewritten_body.is_none());
+    }
 
     #[test]
     fn bad_bodies_are_named() {

@@ -436,7 +436,10 @@ mod tests {
         let responses = stream_error_event(Endpoint::Responses, &error);
         let data = crate::sse::event_data(&responses).unwrap();
         let data: Value = serde_json::from_slice(&data).unwrap();
-        assert_eq!(data["type"], "error", "the event's type, not OpenAI's error type");
+        assert_eq!(
+            data["type"], "error",
+            "the event's type, not OpenAI's error type"
+        );
     }
 
     #[test]
@@ -453,7 +456,10 @@ mod tests {
         assert_eq!(body["error"]["limit"], 5);
         assert_eq!(body["error"]["used"], 5);
         assert_eq!(body["error"]["run_id"], "r1");
-        assert_eq!(body["error"]["message"], "run r1: tool_calls budget 5 reached");
+        assert_eq!(
+            body["error"]["message"],
+            "run r1: tool_calls budget 5 reached"
+        );
     }
 
     fn header<'a>(reply: &'a [(&'static str, String)], name: &str) -> Option<&'a str> {

@@ -46,7 +46,14 @@ pub fn judge(
         .map_err(|e| ApiError::bad_request(format!("tools: {e}")).with_param("tools"))?;
     let mut offer = Offer::default();
     let mut removed = Vec::new();
-    walk(&mut tools, "tools", &blocked, remove, &mut offer.names, &mut removed)?;
+    walk(
+        &mut tools,
+        "tools",
+        &blocked,
+        remove,
+        &mut offer.names,
+        &mut removed,
+    )?;
     if removed.is_empty() {
         return Ok(offer);
     }
@@ -77,7 +84,14 @@ fn walk(
         let param = format!("{at}[{i}]");
         i += 1;
         if let Some(inner) = item.get_mut("tools") {
-            walk(inner, &format!("{param}.tools"), blocked, remove, names, removed)?;
+            walk(
+                inner,
+                &format!("{param}.tools"),
+                blocked,
+                remove,
+                names,
+                removed,
+            )?;
         }
         let Some(name) = name_of(&item) else {
             kept.push(item);
@@ -124,4 +138,85 @@ fn chosen(choice: &RawValue, removed: &[String]) -> Option<String> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(json: &str) -> Box<RawValue> {
+        RawValue::from_string(json.to_owned()).unwrap()
+    }
+
+    const CHAT: &str = r#"[{"type":"function","function":{"name":"search"}},
+        {"type":"function","function":{"name":"shell_rm"}}]"#;
+    const RESPONSES: &str = r#"[{"type":"function","name":"search"},
+        {"type":"namespace","name":"ops","tools":[{"type":"function","name":"shell_rm"}]}]"#;
+    const MESSAGES: &str =
+        r#"[{"name":"search","input_schema":{}},{"name":"shell_rm","input_schema":{}}]"#;
+
+    fn shell(name: &str) -> bool {
+        name.starts_with("shell_")
+    }
+
+    #[test]
+    fn a_blocked_tool_offered_is_refused_naming_it_and_where_it_is_in_each_api() {
+        for (tools, param) in [
+            (CHAT, "tools[1]"),
+            (RESPONSES, "tools[1].tools[0]"),
+            (MESSAGES, "tools[1]"),
+        ] {
+            let error = judge(Some(&raw(tools)), None, None, shell, false).unwrap_err();
+            let body = error.to_json();
+            assert_eq!(error.status, 403);
+            assert_eq!(body["error"]["code"], "tool_blocked", "{body}");
+            assert_eq!(body["error"]["type"], "tool_blocked", "{body}");
+            assert_eq!(body["error"]["param"], param, "{body}");
+            assert_eq!(body["error"]["tool"], "shell_rm", "{body}");
+            assert_eq!(body["error"]["policy"], "blocked", "{body}");
+        }
+    }
+
+    #[test]
+    fn a_blocked_tool_is_removed_when_the_policy_says_so() {
+        for tools in [CHAT, RESPONSES, MESSAGES] {
+            let offer = judge(Some(&raw(tools)), None, None, shell, true).unwrap();
+            assert_eq!(offer.names.first().map(String::as_str), Some("search"));
+            assert!(!offer.names.iter().any(|n| n == "shell_rm"));
+            let rewritten = offer.rewritten.unwrap().unwrap();
+            assert!(!rewritten.contains("shell_rm"), "{rewritten}");
+            assert!(rewritten.contains("search"), "{rewritten}");
+        }
+        let only = r#"[{"name":"shell_ls"}]"#;
+        let offer = judge(Some(&raw(only)), None, None, shell, true).unwrap();
+        assert_eq!(offer.rewritten, Some(None), "none left: the field goes");
+    }
+
+    #[test]
+    fn a_tool_choice_naming_a_removed_tool_is_refused() {
+        for choice in [
+            r#"{"type":"function","function":{"name":"shell_rm"}}"#,
+            r#"{"type":"tool","name":"shell_rm"}"#,
+        ] {
+            let error = judge(Some(&raw(CHAT)), None, Some(&raw(choice)), shell, true).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some("tool_choice"));
+            assert_eq!(error.code, Some("tool_blocked"));
+        }
+        let auto = raw(r#""auto""#);
+        assert!(judge(Some(&raw(CHAT)), None, Some(&auto), shell, true).is_ok());
+    }
+
+    #[test]
+    fn allowed_tools_pass_as_they_came_and_legacy_functions_are_refused() {
+        let offer = judge(Some(&raw(CHAT)), None, None, |_| false, false).unwrap();
+        assert_eq!(offer.names, ["search", "shell_rm"]);
+        assert_eq!(offer.rewritten, None, "nothing removed, nothing rewritten");
+        assert_eq!(
+            judge(None, None, None, shell, false).unwrap(),
+            Offer::default()
+        );
+        let functions = raw(r#"[{"name":"search"}]"#);
+        let error = judge(None, Some(&functions), None, shell, false).unwrap_err();
+        assert_eq!(error.param.as_deref(), Some("functions"));
+    }
 }

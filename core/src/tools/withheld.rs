@@ -30,7 +30,10 @@ impl Policy {
 /// A call the client does not receive.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Withheld {
-    Blocked { tool: String, policy: Policy },
+    Blocked {
+        tool: String,
+        policy: Policy,
+    },
     /// A call to an `approval` tool, held for an approver.
     Approval {
         approval_id: String,
@@ -40,7 +43,9 @@ pub enum Withheld {
         run_id: Option<String>,
     },
     /// The call's events could not be held to be judged ([`super::MAX_HELD_BYTES`]).
-    TooLarge { tool: String },
+    TooLarge {
+        tool: String,
+    },
 }
 
 impl Withheld {
