@@ -110,7 +110,11 @@ impl Exchange {
         let mut admitted = match admit(Counting::Estimated) {
             Ok(admitted) => admitted,
             Err(rejection) => {
-                let reply = self.error_reply(&rejection.error);
+                let mut reply = self.error_reply(&rejection.error);
+                if rejection.reason == "tool_blocked" {
+                    let (name, value) = super::tools::SHOULD_RETRY;
+                    reply.headers.push((name, value.to_owned()));
+                }
                 return self.refuse(host, reply, rejection.reason, Stage::Passthrough);
             }
         };

@@ -42,6 +42,7 @@ mod respond;
 mod settle;
 #[cfg(test)]
 mod tests;
+mod tools;
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -54,12 +55,14 @@ use weir_core::error::{ApiError, ErrorShape};
 use weir_core::meter::{BodyMeter, StreamMeter};
 use weir_core::reply::Reply;
 use weir_core::reservation::{Demand, Ledger, Reservation, Standing};
+use weir_core::run::RunHold;
 use weir_core::trusted;
 
 use crate::Gateway;
 use crate::host::staged;
 use crate::telemetry::{self, Decision};
 pub use port::{Headers, Host, Side};
+use tools::ToolGuard;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
@@ -135,6 +138,10 @@ pub struct Exchange {
     /// Where the limits on the key's path stood when the request was let through: reported on
     /// the answer.
     standing: Vec<Standing>,
+    /// What the call holds of its run, when it belongs to one.
+    run: Option<RunHold>,
+    /// The answer's tool calls under the key's tool policy, while it is read.
+    tools: Option<ToolGuard>,
     /// The fault a test asked this request for (`filter/src/fault.rs`).
     #[cfg(feature = "fault-injection")]
     fault: Option<String>,
@@ -162,6 +169,8 @@ impl Exchange {
             replayed: false,
             shape: ErrorShape::OpenAi,
             standing: Vec::new(),
+            run: None,
+            tools: None,
             #[cfg(feature = "fault-injection")]
             fault: None,
         }

@@ -7,6 +7,7 @@ use weir_core::meter::{BodyMeter, StreamMeter};
 use weir_core::reply;
 use weir_core::trusted;
 
+use super::tools::{self, SHOULD_RETRY, ToolGuard};
 use super::{Exchange, Headers, Host, Meter, Side, Stage};
 use crate::telemetry;
 use weir_core::outcome;
@@ -49,8 +50,31 @@ impl Exchange {
         self.stage = Stage::Responding;
         if end_of_stream {
             self.finish(host, self.completed_outcome());
+            return Action::Continue;
+        }
+        self.tools = self.tool_guard(&headers);
+        if self.tools.is_some() && matches!(self.meter, Meter::Body(_)) {
+            // A whole answer is judged whole: its headers wait for its end.
+            return Action::Pause;
         }
         Action::Continue
+    }
+
+    /// The guard of the answer's tool calls, when the key has a tool policy and the answer
+    /// can make calls.
+    fn tool_guard(&self, headers: &Headers) -> Option<ToolGuard> {
+        let (tenant, admitted) = (self.tenant.as_ref()?, self.admitted.as_ref()?);
+        let readable = matches!(self.meter, Meter::Stream(_) | Meter::Body(_));
+        let answered = (200..300).contains(&self.upstream_status);
+        if self.shadow || tenant.tools.is_empty() || !readable || !answered {
+            return None;
+        }
+        if !tools::guarded(admitted.endpoint) {
+            return None;
+        }
+        let delivered = headers.get(tools::APPROVAL_HEADER) == Some("delivered");
+        let offered = admitted.offered_tools.clone();
+        Some(ToolGuard::new(admitted.endpoint, offered, delivered))
     }
 
     /// Puts the key's rate-limit headers on the answer, in place of any the upstream sent: a
@@ -102,19 +126,59 @@ impl Exchange {
         if self.stage != Stage::Responding {
             return Action::Continue;
         }
+        if self.tools.is_some() && matches!(self.meter, Meter::Body(_)) {
+            return self.judge_whole(host, size, end_of_stream);
+        }
         let chunk = host.body(Side::Response, size);
-        match &mut self.meter {
-            Meter::Stream(meter) => {
+        let mut guard = self.tools.take();
+        let framed = match (&mut self.meter, guard.is_some()) {
+            (Meter::Stream(meter), true) => Some(meter.feed_framed(&chunk, end_of_stream)),
+            (Meter::Stream(meter), false) => {
                 let out = meter.feed(&chunk, end_of_stream);
                 if out != chunk {
                     host.replace_body(Side::Response, size, &out);
                 }
+                None
             }
-            Meter::Body(meter) => meter.feed(&chunk),
-            Meter::None | Meter::Unreadable => {}
+            (Meter::Body(meter), _) => {
+                meter.feed(&chunk);
+                None
+            }
+            (Meter::None | Meter::Unreadable, _) => None,
+        };
+        if let (Some((bytes, frames)), Some(guard)) = (framed, guard.as_mut()) {
+            let out = self.guard_stream(host, guard, &bytes, frames, end_of_stream);
+            if out != chunk {
+                host.replace_body(Side::Response, size, &out);
+            }
         }
+        self.tools = guard;
         if end_of_stream {
             self.finish(host, self.completed_outcome());
+        }
+        Action::Continue
+    }
+
+    /// A whole answer held for the tool policy: buffered (Envoy keeps the chunks) until its
+    /// end, then metered and judged. One that makes a withheld call is answered with the
+    /// error instead, its usage settled as it came.
+    fn judge_whole(&mut self, host: &impl Host, size: usize, end_of_stream: bool) -> Action {
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = host.body(Side::Response, size);
+        if let Meter::Body(meter) = &mut self.meter {
+            meter.feed(&body);
+        }
+        let withheld = self.judge_body(host, &body);
+        self.finish(host, self.completed_outcome());
+        if let Some(error) = withheld {
+            let mut answer = self.error_reply(&error);
+            answer
+                .headers
+                .push((SHOULD_RETRY.0, SHOULD_RETRY.1.to_owned()));
+            host.local_reply(answer.status, &answer.headers, &answer.body);
+            return Action::Pause;
         }
         Action::Continue
     }

@@ -799,3 +799,5 @@ fn rollout_buckets_are_stable_and_spread() {
     assert!((4_500..5_500).contains(&under_half), "{under_half}");
     assert!(ids.iter().all(|&b| b < 100));
 }
+
+mod tools;
