@@ -78,11 +78,9 @@ fn walk(
     let Some(items) = tools.as_array_mut() else {
         return Ok(());
     };
-    let mut i = 0;
     let mut kept = Vec::with_capacity(items.len());
-    for mut item in std::mem::take(items) {
+    for (i, mut item) in std::mem::take(items).into_iter().enumerate() {
         let param = format!("{at}[{i}]");
-        i += 1;
         if let Some(inner) = item.get_mut("tools") {
             walk(
                 inner,
