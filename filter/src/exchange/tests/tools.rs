@@ -466,3 +466,51 @@ fn a_blocked_tool_offered_is_refused_unless_the_policy_removes_it() {
     let headers = host.reply.borrow().clone().unwrap().1;
     assert!(headers.contains(&("x-should-retry".into(), "false".into())));
 }
+
+#[test]
+fn a_call_past_the_run_s_tool_budget_is_withheld_naming_the_budget() {
+    use weir_core::reservation::SlotLease;
+    use weir_core::run::{self, Counts, RunDemand, RunKey, RunTable};
+
+    let config = json!({
+        "orgs": [{"id": "acme", "policy": {
+            "tools": {"blocked": ["shell_*"], "on_blocked_offered": "remove"},
+            "runs": {"budgets": {"tool_calls": 1}}},
+            "workspaces": [{"id": "w", "projects": [
+                {"id": "p", "keys": [{"id": "k", "sha256": hash_key(KEY)}]}]}]}],
+        "routes": {"default": {"mode": "enforce"}},
+    });
+    let config = Config::parse(config.to_string().as_bytes()).unwrap();
+    let gw = Rc::new(Gateway::new(config, None, Metrics::default()));
+    let host = Mock::new(None);
+    configured(&gw, &host);
+    let tenant = super::tenant(&gw);
+    let table = RunTable::new(64, 60_000);
+    run::create(&host.store, [tenant.as_ref()], table);
+    let key = RunKey::new(tenant.path(), None, "r1").unwrap();
+    let demand = RunDemand {
+        counts: Counts {
+            model_calls: 1,
+            ..Counts::default()
+        },
+        call: SlotLease {
+            id: 7,
+            ttl_ms: 30_000,
+        },
+    };
+    let hold = run::reserve(&host.store, &tenant, &table, &key, demand, 1_000_000).unwrap();
+    let mut x = admitted(&gw, &host, Endpoint::ChatCompletions, true);
+    x.run = Some(hold);
+    let stream = chat_stream(&[
+        ("call_1", "search", r#"{"q":"a"}"#),
+        ("call_2", "search", r#"{"q":"b"}"#),
+    ]);
+    let got = streamed(&mut x, &host, &stream, 40);
+    assert!(got.contains("call_1") && !got.contains("call_2"), "{got}");
+    let error = error_of(Endpoint::ChatCompletions, &got);
+    assert_eq!(error["code"], "run_budget_exceeded", "{got}");
+    assert_eq!(error["budget"], "tool_calls");
+    assert_eq!(error["limit"], 1);
+    assert_eq!(error["used"], 1);
+    assert_eq!(error["run_id"], "r1");
+}
