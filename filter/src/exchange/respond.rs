@@ -159,9 +159,10 @@ impl Exchange {
         Action::Continue
     }
 
-    /// A whole answer held for the tool policy: buffered (Envoy keeps the chunks) until its
-    /// end, then metered and judged. One that makes a withheld call is answered with the
-    /// error instead, its usage settled as it came.
+    /// A whole answer held for the tool policy: buffered (Envoy keeps the chunks, and its
+    /// headers, which stay writable while they wait) until its end, then metered and judged.
+    /// One that makes a withheld call becomes the error: its status, headers and body, its
+    /// usage settled as it came.
     fn judge_whole(&mut self, host: &impl Host, size: usize, end_of_stream: bool) -> Action {
         if !end_of_stream {
             return Action::Pause;
@@ -173,12 +174,15 @@ impl Exchange {
         let withheld = self.judge_body(host, &body);
         self.finish(host, self.completed_outcome());
         if let Some(error) = withheld {
-            let mut answer = self.error_reply(&error);
-            answer
-                .headers
-                .push((SHOULD_RETRY.0, SHOULD_RETRY.1.to_owned()));
-            host.local_reply(answer.status, &answer.headers, &answer.body);
-            return Action::Pause;
+            let answer = self.error_reply(&error);
+            let status = answer.status.to_string();
+            host.set_header(Side::Response, ":status", Some(&status));
+            host.set_header(Side::Response, "content-length", None);
+            for (name, value) in &answer.headers {
+                host.set_header(Side::Response, name, Some(value));
+            }
+            host.set_header(Side::Response, SHOULD_RETRY.0, Some(SHOULD_RETRY.1));
+            host.replace_body(Side::Response, size, &answer.body);
         }
         Action::Continue
     }
