@@ -1,7 +1,8 @@
 //! The tool policy through real Envoy and the built filter: a blocked tool offered is refused
 //! or removed; a call the model makes to a blocked tool, a tool it was not offered, or an
 //! `approval` tool is withheld — from a stream with an error event in the API's shape, every
-//! token still billed; from a whole answer by answering the error with its own status.
+//! token still billed; from a whole answer by replacing its body with the error (its status
+//! stays the engine's: Envoy sends a module's response headers before its body is seen).
 //! The simulator makes the calls (`call deploy`); an upstream of canned answers on `/alt/`
 //! stands for a model calling a tool it was not offered.
 
@@ -267,12 +268,8 @@ async fn a_whole_answer_making_a_withheld_call_is_answered_with_the_error() {
         let id = format!("whole-approval-{api}");
         let (path, body) = request(api, &["search", "deploy"], "deploy", false);
         let resp = send("", path, "agent", &id, &body).await;
-        if resp.status() != 403 {
-            let log = stack().envoy.log();
-            let tail = &log[log.len().saturating_sub(6000)..];
-            panic!("{api}: {} {tail}", resp.status());
-        }
-        assert_eq!(resp.headers()["x-should-retry"], "false");
+        // The headers went before the body could be judged: the engine's status stays.
+        assert_eq!(resp.status(), 200, "{api}");
         let body: Value = resp.json().await.unwrap();
         let error = &body["error"];
         assert_eq!(error["code"], "approval_required", "{api}: {body}");

@@ -7,7 +7,7 @@ use weir_core::meter::{BodyMeter, StreamMeter};
 use weir_core::reply;
 use weir_core::trusted;
 
-use super::tools::{self, SHOULD_RETRY, ToolGuard};
+use super::tools::{self, ToolGuard};
 use super::{Exchange, Headers, Host, Meter, Side, Stage};
 use crate::telemetry;
 use weir_core::outcome;
@@ -54,8 +54,11 @@ impl Exchange {
         }
         self.tools = self.tool_guard(&headers);
         if self.tools.is_some() && matches!(self.meter, Meter::Body(_)) {
-            // A whole answer is judged whole: its headers wait for its end.
-            return Action::Pause;
+            // A whole answer is judged whole, and may be replaced by an error of another
+            // length. Its headers cannot wait for it: without `allow_on_headers_stop_iteration`
+            // (which a mesh cannot set) Envoy stops all iteration and never calls the body
+            // callbacks, so they go now, and its status with them.
+            host.set_header(Side::Response, "content-length", None);
         }
         Action::Continue
     }
@@ -159,10 +162,11 @@ impl Exchange {
         Action::Continue
     }
 
-    /// A whole answer held for the tool policy: buffered (Envoy keeps the chunks, and its
-    /// headers, which stay writable while they wait) until its end, then metered and judged.
-    /// One that makes a withheld call becomes the error: its status, headers and body, its
-    /// usage settled as it came.
+    /// A whole answer held for the tool policy: buffered (Envoy keeps the chunks) until its
+    /// end, then metered and judged. One that makes a withheld call is replaced by the error
+    /// body in the called API's shape; its status stays the engine's (the headers went on
+    /// already, see `on_response_headers`), so the error object says what happened. Its
+    /// usage is settled as it came.
     fn judge_whole(&mut self, host: &impl Host, size: usize, end_of_stream: bool) -> Action {
         if !end_of_stream {
             return Action::Pause;
@@ -175,13 +179,6 @@ impl Exchange {
         self.finish(host, self.completed_outcome());
         if let Some(error) = withheld {
             let answer = self.error_reply(&error);
-            let status = answer.status.to_string();
-            host.set_header(Side::Response, ":status", Some(&status));
-            host.set_header(Side::Response, "content-length", None);
-            for (name, value) in &answer.headers {
-                host.set_header(Side::Response, name, Some(value));
-            }
-            host.set_header(Side::Response, SHOULD_RETRY.0, Some(SHOULD_RETRY.1));
             host.replace_body(Side::Response, size, &answer.body);
         }
         Action::Continue
