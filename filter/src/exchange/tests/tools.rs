@@ -20,12 +20,17 @@ use crate::telemetry;
 /// A gateway whose key blocks `shell_*`, needs approval for `deploy` and removes blocked tools
 /// offered.
 fn gateway() -> Rc<Gateway> {
+    gateway_with(
+        json!({"tools": {"blocked": ["shell_*"], "classes": {"deploy": "approval"},
+                                  "on_blocked_offered": "remove"}}),
+    )
+}
+
+/// A gateway whose one key's org has `policy`.
+fn gateway_with(policy: Value) -> Rc<Gateway> {
     let config = json!({
-        "orgs": [{"id": "acme", "policy": {"tools": {
-            "blocked": ["shell_*"], "classes": {"deploy": "approval"},
-            "on_blocked_offered": "remove"}},
-            "workspaces": [{"id": "w", "projects": [
-                {"id": "p", "keys": [{"id": "k", "sha256": hash_key(KEY)}]}]}]}],
+        "orgs": [{"id": "acme", "policy": policy, "workspaces": [{"id": "w", "projects": [
+            {"id": "p", "keys": [{"id": "k", "sha256": hash_key(KEY)}]}]}]}],
         "routes": {"default": {"mode": "enforce"}},
     });
     let config = Config::parse(config.to_string().as_bytes()).unwrap();
@@ -112,9 +117,11 @@ fn chat_stream(calls: &[(&str, &str, &str)]) -> String {
 
 /// The stream through the exchange in two chunks cut at `cut`: what the client got.
 fn streamed(x: &mut Exchange, host: &Mock, stream: &str, cut: usize) -> String {
-    *host.response_headers.borrow_mut() =
-        pairs(&[(":status", "200"), ("content-type", "text/event-stream")]);
-    assert_eq!(x.on_response_headers(host, false), Action::Continue);
+    answer_headers(
+        x,
+        host,
+        &[(":status", "200"), ("content-type", "text/event-stream")],
+    );
     let mut got = Vec::new();
     let (a, b) = stream.as_bytes().split_at(cut);
     for (chunk, end) in [(a, false), (b, true)] {
@@ -125,12 +132,24 @@ fn streamed(x: &mut Exchange, host: &Mock, stream: &str, cut: usize) -> String {
     String::from_utf8(got).unwrap()
 }
 
-/// One stream through a fresh exchange: what the client got, and the tokens settled.
-fn through(endpoint: Endpoint, stream: &str, cut: usize) -> (String, i64, Mock) {
+/// A configured host and a request to `endpoint` admitted on it (see [`admitted`]).
+fn fresh(endpoint: Endpoint, stream: bool) -> (Mock, Exchange) {
     let gw = gateway();
     let host = Mock::new(None);
     configured(&gw, &host);
-    let mut x = admitted(&gw, &host, endpoint, true);
+    let x = admitted(&gw, &host, endpoint, stream);
+    (host, x)
+}
+
+/// The answer's headers arrive: `headers`; the exchange lets them go on.
+fn answer_headers(x: &mut Exchange, host: &Mock, headers: &[(&str, &str)]) {
+    *host.response_headers.borrow_mut() = pairs(headers);
+    assert_eq!(x.on_response_headers(host, false), Action::Continue);
+}
+
+/// One stream through a fresh exchange: what the client got, and the tokens settled.
+fn through(endpoint: Endpoint, stream: &str, cut: usize) -> (String, i64, Mock) {
+    let (host, mut x) = fresh(endpoint, true);
     let got = streamed(&mut x, &host, stream, cut);
     x.on_log(&host);
     let out = host.metric(telemetry::TOKENS_OUT);
@@ -374,16 +393,14 @@ fn an_approval_call_is_withheld_with_its_id_tool_and_digest_in_each_api() {
 #[test]
 fn an_approved_call_the_sidecar_delivers_passes() {
     let stream = chat_stream(&[("call_9", "deploy", r#"{"env":"prod"}"#)]);
-    let gw = gateway();
-    let host = Mock::new(None);
-    configured(&gw, &host);
-    let mut x = admitted(&gw, &host, Endpoint::ChatCompletions, true);
-    *host.response_headers.borrow_mut() = pairs(&[
-        (":status", "200"),
-        ("content-type", "text/event-stream"),
-        ("weir-approval", "delivered"),
-    ]);
-    assert_eq!(x.on_response_headers(&host, false), Action::Continue);
+    let (host, mut x) = fresh(Endpoint::ChatCompletions, true);
+    let delivered = ("weir-approval", "delivered");
+    let event_stream = ("content-type", "text/event-stream");
+    answer_headers(
+        &mut x,
+        &host,
+        &[(":status", "200"), event_stream, delivered],
+    );
     *host.response_body.borrow_mut() = stream.clone().into_bytes();
     x.on_response_body(&host, stream.len(), true);
     assert_eq!(*host.response_body.borrow(), stream.into_bytes());
@@ -405,16 +422,13 @@ fn a_whole_answer_is_held_and_replaced_by_the_error_when_it_makes_a_withheld_cal
         ("shell_rm", Some("tool_blocked")),
         ("deploy", Some("approval_required")),
     ] {
-        let gw = gateway();
-        let host = Mock::new(None);
-        configured(&gw, &host);
-        let mut x = admitted(&gw, &host, Endpoint::ChatCompletions, false);
-        *host.response_headers.borrow_mut() = pairs(&[
-            (":status", "200"),
-            ("content-type", "application/json"),
-            ("content-length", "999"),
-        ]);
-        assert_eq!(x.on_response_headers(&host, false), Action::Continue);
+        let (host, mut x) = fresh(Endpoint::ChatCompletions, false);
+        let json = ("content-type", "application/json");
+        answer_headers(
+            &mut x,
+            &host,
+            &[(":status", "200"), json, ("content-length", "999")],
+        );
         let header = |name| host.header(Side::Response, name);
         assert_eq!(header("content-length"), None, "the body may change length");
         let body = chat_body(name);
@@ -444,14 +458,7 @@ fn a_whole_answer_is_held_and_replaced_by_the_error_when_it_makes_a_withheld_cal
 
 #[test]
 fn a_blocked_tool_offered_is_refused_unless_the_policy_removes_it() {
-    let config = json!({
-        "orgs": [{"id": "acme", "policy": {"tools": {"blocked": ["shell_*"]}},
-            "workspaces": [{"id": "w", "projects": [
-                {"id": "p", "keys": [{"id": "k", "sha256": hash_key(KEY)}]}]}]}],
-        "routes": {"default": {"mode": "enforce"}},
-    });
-    let config = Config::parse(config.to_string().as_bytes()).unwrap();
-    let gw = Rc::new(Gateway::new(config, None, Metrics::default()));
+    let gw = gateway_with(json!({"tools": {"blocked": ["shell_*"]}}));
     let host = Mock::new(None);
     configured(&gw, &host);
     let mut x = Exchange::new(Rc::clone(&gw));
@@ -477,16 +484,9 @@ fn a_call_past_the_run_s_tool_budget_is_withheld_naming_the_budget() {
     use weir_core::reservation::SlotLease;
     use weir_core::run::{self, Counts, RunDemand, RunKey, RunTable};
 
-    let config = json!({
-        "orgs": [{"id": "acme", "policy": {
-            "tools": {"blocked": ["shell_*"], "on_blocked_offered": "remove"},
-            "runs": {"budgets": {"tool_calls": 1}}},
-            "workspaces": [{"id": "w", "projects": [
-                {"id": "p", "keys": [{"id": "k", "sha256": hash_key(KEY)}]}]}]}],
-        "routes": {"default": {"mode": "enforce"}},
-    });
-    let config = Config::parse(config.to_string().as_bytes()).unwrap();
-    let gw = Rc::new(Gateway::new(config, None, Metrics::default()));
+    let gw = gateway_with(json!({
+        "tools": {"blocked": ["shell_*"], "on_blocked_offered": "remove"},
+        "runs": {"budgets": {"tool_calls": 1}}}));
     let host = Mock::new(None);
     configured(&gw, &host);
     let tenant = super::tenant(&gw);
