@@ -19,6 +19,7 @@
 //!                                                                     (admit.rs)
 //! response─► meter the stream/body as it passes (usage chunk hidden unless asked for)
 //!                                                                     (respond.rs)
+//!        ─► under a tool policy, withhold the calls it does not pass (tools.rs)
 //! end     ─► settle: engine usage replaces the reservation   (on_log settles anything left:
 //!                                                             client gone, upstream reset)
 //!                                                                     (settle.rs)
