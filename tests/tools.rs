@@ -284,3 +284,34 @@ async fn a_whole_answer_making_a_withheld_call_is_answered_with_the_error() {
         assert!(text.contains("search"), "{api}: the call passes: {text}");
     }
 }
+
+#[tokio::test]
+async fn a_tool_name_split_over_events_is_judged_whole() {
+    for api in ["chat", "responses", "messages"] {
+        // An allowed call passes whole; an approval call is withheld, however it is split.
+        for (call, withheld) in [("search", false), ("deploy", true)] {
+            let id = format!("split-{api}-{call}");
+            let (path, body) = request(api, &["search", "deploy"], call, true);
+            let resp = reqwest::Client::new()
+                .post(format!("{}{path}", stack().envoy.url))
+                .timeout(std::time::Duration::from_secs(30))
+                .bearer_auth("key-agent")
+                .header("x-api-key", "key-agent")
+                .header("x-request-id", &id)
+                .header("x-sim-fault", "split-tool-name")
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200, "{api}");
+            let text = resp.text().await.unwrap();
+            let error = (events(&text).into_iter())
+                .find(|d| d.get("error").is_some() || d["type"] == "error");
+            assert_eq!(error.is_some(), withheld, "{api} {call}: {text}");
+            if !withheld {
+                // Chat sends the name as `sea` then `rch`; the others split the arguments.
+                assert!(text.contains("rch\""), "{api}: the call passes: {text}");
+            }
+        }
+    }
+}
