@@ -9,7 +9,7 @@
 //! of its own nor a `default_max_tokens` is reserved a prediction of its output
 //! ([`crate::prediction`]), which limits nothing.
 
-use crate::config::{Config, Tenant};
+use crate::config::{Config, OnBlockedOffered, Tenant, ToolRule};
 use crate::endpoint::Endpoint;
 use crate::error::ApiError;
 use crate::estimate::{self, Counting, Estimate, Method};
@@ -18,6 +18,7 @@ use crate::prediction::OutputHistory;
 use crate::request::InferenceRequest;
 use crate::rewrite::Rewrite;
 use crate::tokens::Encoding;
+use crate::tools::offered;
 use crate::trusted;
 
 /// Output tokens reserved when neither the request, the tenant nor the model bounds the answer.
@@ -63,6 +64,9 @@ pub struct Admitted {
     pub hide_usage_event: bool,
     /// The body to send upstream, when it differs from the client's.
     pub rewritten_body: Option<Vec<u8>>,
+    /// The tools the request offers the model, by name, when the key has a tool policy (a
+    /// call to another is not passed on); empty without one.
+    pub offered_tools: Vec<String>,
 }
 
 /// A request turned away, with the metric label of why.
@@ -86,8 +90,9 @@ pub fn admit(
     counting: Counting,
     history: impl FnOnce(&str) -> OutputHistory,
 ) -> Result<Admitted, Rejection> {
-    let (fields, req) = read(config, endpoint, body)?;
+    let (mut fields, mut req) = read(config, endpoint, body)?;
     check_model(config, tenant, &req.model)?;
+    let offer = judge_tools(tenant, endpoint, &mut fields, &mut req)?;
     let limits = OutputLimits::of(&req, tenant)?;
     let (encoding, model_context) = config.model(&req.model);
     let context_cap = [model_context, tenant.tightest(|l| l.max_context_tokens)]
@@ -106,8 +111,16 @@ pub fn admit(
         ask_usage,
         output_limit: limits.filled_in,
     };
-    let rewritten_body = (rewrite.body(fields))
-        .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
+    let rewritten_body = if offer.rewritten.is_some() {
+        // Tools were taken out: the body differs whatever else the rewrite does.
+        rewrite
+            .apply(&mut fields)
+            .and_then(|_| fields.to_vec())
+            .map(Some)
+    } else {
+        rewrite.body(fields)
+    }
+    .map_err(|e| reject("internal", ApiError::internal(e.to_string())))?;
     Ok(Admitted {
         endpoint,
         model: req.model.clone(),
@@ -121,7 +134,48 @@ pub fn admit(
         stream,
         hide_usage_event: ask_usage,
         rewritten_body,
+        offered_tools: offer.names,
     })
+}
+
+/// The key's tool policy on the tools the request offers (nothing is read for a key without
+/// one): a blocked tool refuses the request, or is taken out of the body, and then the prompt
+/// is the rewritten body's.
+fn judge_tools(
+    tenant: &Tenant,
+    endpoint: Endpoint,
+    fields: &mut TopLevel,
+    req: &mut InferenceRequest,
+) -> Result<offered::Offer, Rejection> {
+    if tenant.tools.is_empty() {
+        return Ok(offered::Offer::default());
+    }
+    let remove = tenant.tools.on_blocked_offered == OnBlockedOffered::Remove;
+    let offer = offered::judge(
+        fields.get("tools"),
+        fields.get("functions"),
+        fields.get("tool_choice"),
+        |name| tenant.tools.rule(name) == ToolRule::Blocked,
+        remove,
+    )
+    .map_err(|e| reject("tool_blocked", e))?;
+    let Some(tools) = &offer.rewritten else {
+        return Ok(offer);
+    };
+    let internal = |e: serde_json::Error| reject("internal", ApiError::internal(e.to_string()));
+    match tools {
+        Some(tools) => {
+            let raw = serde_json::value::RawValue::from_string(tools.clone()).map_err(internal)?;
+            fields.set_raw("tools", raw);
+        }
+        None => {
+            fields.remove("tools");
+            fields.remove("tool_choice");
+        }
+    }
+    *req = InferenceRequest::parse(endpoint, &fields.to_vec().map_err(internal)?)
+        .map_err(|e| reject("malformed_body", e))?;
+    Ok(offer)
 }
 
 /// Reads a body: within the size bound, one meaning only (no repeated keys), a JSON object,
@@ -406,6 +460,42 @@ mod tests {
     }
 
     const HELLO: &str = r#"{"model":"big","messages":[{"role":"user","content":"hello"}]"#;
+
+    #[test]
+    fn a_removed_tool_leaves_the_body_and_its_prompt_estimate() {
+        let policy = r#"{"tools":{"blocked":["shell_*"],"on_blocked_offered":"remove"}}"#;
+        let c = config("{}", policy);
+        let tool = |name: &str| {
+            format!(
+                r#"{{"type":"function","function":{{"name":"{name}","description":"{}"}}}}"#,
+                "a long description of the tool ".repeat(20)
+            )
+        };
+        let body = |tools: &[String]| {
+            format!(
+                r#"{{"model":"big","messages":[{{"role":"user","content":"hello"}}],"tools":[{}]}}"#,
+                tools.join(",")
+            )
+        };
+        let offered = run(&c, &body(&[tool("search"), tool("shell_rm")])).unwrap();
+        let plain = run(&c, &body(&[tool("search")])).unwrap();
+        assert_eq!(offered.offered_tools, ["search"]);
+        assert_eq!(
+            offered.prompt_tokens, plain.prompt_tokens,
+            "the rewritten body's"
+        );
+        let sent: Value = serde_json::from_slice(&offered.rewritten_body.unwrap()).unwrap();
+        assert_eq!(sent["tools"].as_array().unwrap().len(), 1, "{sent}");
+        // Refused by default, and nothing read for a key with no tool policy.
+        let refuse = config("{}", r#"{"tools":{"blocked":["shell_*"]}}"#);
+        assert_eq!(
+            reason(run(&refuse, &body(&[tool("shell_rm")]))),
+            ("tool_blocked", 403)
+        );
+        let open = config("{}", "{}");
+        let passed = run(&open, &body(&[tool("shell_rm")])).unwrap();
+        assert!(passed.offered_tools.is_empty() && passed.rewritten_body.is_none());
+    }
 
     #[test]
     fn bad_bodies_are_named() {

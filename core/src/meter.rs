@@ -17,6 +17,7 @@ mod responses;
 mod scan;
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use serde::Deserialize;
 
@@ -248,9 +249,17 @@ impl StreamMeter {
 
     /// Takes the next chunk of the stream and returns the bytes to forward now.
     pub fn feed(&mut self, chunk: &[u8], end_of_stream: bool) -> Vec<u8> {
-        let mut out = Vec::with_capacity(chunk.len() + self.held.len());
+        let mut out = Out::new(chunk.len() + self.held.len(), false);
         self.take(chunk, end_of_stream, Some(&mut out));
-        out
+        out.bytes
+    }
+
+    /// [`feed`](Self::feed), and where each event lies in the bytes to forward, for a caller
+    /// that reads whole events (the tool scan): every byte forwarded is in one frame, in order.
+    pub fn feed_framed(&mut self, chunk: &[u8], end_of_stream: bool) -> (Vec<u8>, Vec<Frame>) {
+        let mut out = Out::new(chunk.len() + self.held.len(), true);
+        self.take(chunk, end_of_stream, Some(&mut out));
+        (out.bytes, out.frames)
     }
 
     /// Meters the next chunk, for a caller that forwards the stream as it came (one that
@@ -262,7 +271,7 @@ impl StreamMeter {
     /// Meters the complete events of what was held and `chunk` (all of it at the end of the
     /// stream), adding those to forward to `out`; holds an incomplete last event. A chunk of
     /// whole events with nothing held, the common case, is read where it lies.
-    fn take(&mut self, chunk: &[u8], end_of_stream: bool, mut out: Option<&mut Vec<u8>>) {
+    fn take(&mut self, chunk: &[u8], end_of_stream: bool, mut out: Option<&mut Out>) {
         let chunk = self.pass(chunk, end_of_stream, out.as_deref_mut());
         if self.passing.is_some() {
             return;
@@ -308,7 +317,7 @@ impl StreamMeter {
         &mut self,
         chunk: &'c [u8],
         end_of_stream: bool,
-        out: Option<&mut Vec<u8>>,
+        out: Option<&mut Out>,
     ) -> &'c [u8] {
         let Some(scan) = &mut self.passing else {
             return chunk;
@@ -318,7 +327,7 @@ impl StreamMeter {
             .split_at_checked(end.unwrap_or(chunk.len()))
             .unwrap_or((chunk, &[]));
         if let Some(out) = out {
-            out.extend_from_slice(event);
+            out.push(event, false);
         }
         if end.is_some() || end_of_stream {
             let seen = scan.observed(self.endpoint);
@@ -331,11 +340,11 @@ impl StreamMeter {
     }
 
     /// Meters one event and adds it to `out` unless it is to be hidden.
-    fn forward(&mut self, event: &[u8], out: &mut Option<&mut Vec<u8>>) {
+    fn forward(&mut self, event: &[u8], out: &mut Option<&mut Out>) {
         if self.observe(event)
             && let Some(out) = out
         {
-            out.extend_from_slice(event);
+            out.push(event, true);
         }
     }
 
@@ -357,6 +366,47 @@ impl StreamMeter {
         if let Some(newer) = seen.usage {
             self.output_reported |= !seen.provisional_output;
             self.reported.get_or_insert_default().merge(newer);
+        }
+    }
+}
+
+/// Where one event lies in the bytes [`StreamMeter::feed_framed`] forwards.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Frame {
+    /// A whole event (or the unended rest at the end of the stream).
+    Event(Range<usize>),
+    /// Bytes of an event too large to hold, forwarded as they come (not a whole event).
+    Passing(Range<usize>),
+}
+
+/// The bytes to forward, and their frames when asked for.
+struct Out {
+    bytes: Vec<u8>,
+    frames: Vec<Frame>,
+    framed: bool,
+}
+
+impl Out {
+    fn new(capacity: usize, framed: bool) -> Out {
+        Out {
+            bytes: Vec::with_capacity(capacity),
+            frames: Vec::new(),
+            framed,
+        }
+    }
+
+    fn push(&mut self, event: &[u8], whole: bool) {
+        if event.is_empty() {
+            return;
+        }
+        let range = self.bytes.len()..self.bytes.len() + event.len();
+        self.bytes.extend_from_slice(event);
+        if self.framed {
+            self.frames.push(if whole {
+                Frame::Event(range)
+            } else {
+                Frame::Passing(range)
+            });
         }
     }
 }
@@ -575,6 +625,34 @@ mod tests {
         let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
         let blob = vec![b'x'; MAX_HELD_BYTES + 1];
         assert_eq!(meter.feed(&blob, false).len(), blob.len());
+    }
+
+    #[test]
+    fn framed_feeds_frame_every_forwarded_byte_as_whole_events_or_passing_pieces() {
+        let whole = stream();
+        for split in 1..whole.len() {
+            let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
+            let mut events = Vec::new();
+            let (a, b) = whole.as_bytes().split_at(split);
+            for (chunk, end) in [(a, false), (b, true)] {
+                let (out, frames) = meter.feed_framed(chunk, end);
+                let mut at = 0;
+                for frame in frames {
+                    let Frame::Event(range) = frame else {
+                        panic!("no event is too large here");
+                    };
+                    assert_eq!(range.start, at, "in order, nothing left out");
+                    at = range.end;
+                    events.push(String::from_utf8(out[range].to_vec()).unwrap());
+                }
+                assert_eq!(at, out.len());
+            }
+            assert_eq!(events, [CHUNK, CHUNK, DONE], "split {split}");
+        }
+        let mut meter = StreamMeter::new(Endpoint::ChatCompletions, true);
+        let blob = vec![b'x'; MAX_HELD_BYTES + 1];
+        let (out, frames) = meter.feed_framed(&blob, false);
+        assert_eq!(frames, [Frame::Passing(0..out.len())]);
     }
 
     /// Most a stream meter holds between chunks, whatever the size of its events.

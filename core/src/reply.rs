@@ -8,6 +8,9 @@
 //! one with the least left. Concurrency, which neither API defines, is reported under its own
 //! name: `x-ratelimit-{limit,remaining}-concurrent-requests`.
 
+use serde_json::{Value, json};
+
+use crate::endpoint::Endpoint;
 use crate::error::{ApiError, ErrorShape};
 use crate::fleet::Window;
 use crate::fleet_config::Measure;
@@ -54,6 +57,37 @@ impl Reply {
             .extend(quota_headers(refusal.standing.as_slice(), shape, now_ms));
         reply
     }
+}
+
+/// The last event of a stream that weir ends itself (a replica lost, a tool call withheld), in
+/// the event shape of the API that was streaming, so the client's SDK reports an error rather
+/// than a cut connection: an error chunk and `[DONE]` for Chat Completions and Completions (the
+/// `openai` SDK raises on a chunk with an `error`), an `error` event for the Responses API (the
+/// SDK yields it as a `ResponseErrorEvent`), Anthropic's `error` event for Messages (its SDK
+/// raises on it). weir's own fields ride in the error object.
+pub fn stream_error_event(endpoint: Endpoint, error: &ApiError) -> Vec<u8> {
+    let text = match endpoint {
+        Endpoint::Responses => {
+            let mut body = error.to_json();
+            let mut event = body
+                .get_mut("error")
+                .map(Value::take)
+                .unwrap_or_else(|| json!({}));
+            if let Some(event) = event.as_object_mut() {
+                event.insert("type".into(), "error".into());
+                event.insert("sequence_number".into(), 0.into());
+            }
+            format!("event: error\ndata: {event}\n\n")
+        }
+        Endpoint::Messages => format!(
+            "event: error\ndata: {}\n\n",
+            error.to_json_in(ErrorShape::Anthropic)
+        ),
+        Endpoint::ChatCompletions | Endpoint::Completions | Endpoint::Embeddings => {
+            format!("data: {}\n\ndata: [DONE]\n\n", error.to_json())
+        }
+    };
+    text.into_bytes()
 }
 
 /// What a 429 tells the client about its denial.
@@ -362,6 +396,38 @@ fn rfc3339(ms: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_api_s_meter_reads_a_stream_error_event_as_an_error_with_weir_s_fields() {
+        let error = ApiError::new(403, "withheld")
+            .with_type("tool_blocked")
+            .with_code("tool_blocked")
+            .with_extra("tool", "shell");
+        for endpoint in Endpoint::ALL {
+            let event = stream_error_event(endpoint, &error);
+            let mut meter = crate::meter::StreamMeter::new(endpoint, false);
+            meter.feed(&event, true);
+            assert_eq!(meter.error_events(), 1, "{endpoint:?}");
+            let first = &event[..crate::sse::event_end(&event).unwrap()];
+            let data = crate::sse::event_data(first).unwrap();
+            let data: Value = serde_json::from_slice(&data).unwrap();
+            let object = match endpoint {
+                Endpoint::Responses => &data,
+                _ => &data["error"],
+            };
+            assert_eq!(object["tool"], "shell", "{endpoint:?}: {data}");
+            assert_eq!(object["code"], "tool_blocked", "{endpoint:?}: {data}");
+        }
+        let chat = stream_error_event(Endpoint::ChatCompletions, &error);
+        assert!(chat.ends_with(b"data: [DONE]\n\n"));
+        let responses = stream_error_event(Endpoint::Responses, &error);
+        let data = crate::sse::event_data(&responses).unwrap();
+        let data: Value = serde_json::from_slice(&data).unwrap();
+        assert_eq!(
+            data["type"], "error",
+            "the event's type, not OpenAI's error type"
+        );
+    }
 
     fn header<'a>(reply: &'a [(&'static str, String)], name: &str) -> Option<&'a str> {
         reply

@@ -13,7 +13,6 @@
 use sha2::{Digest, Sha256};
 
 use crate::config::{Tenant, ToolClass, ToolRule};
-use crate::endpoint::Endpoint;
 use crate::error::ApiError;
 use crate::store::{SharedStore, StoreError, Update, update};
 use crate::tools::offered_names;
@@ -119,11 +118,11 @@ pub fn is_retry(
 }
 
 /// The first tool the body offers whose class is `side_effect`, if any.
-pub fn side_effect_tool(tenant: &Tenant, endpoint: Endpoint, body: &[u8]) -> Option<String> {
+pub fn side_effect_tool(tenant: &Tenant, body: &[u8]) -> Option<String> {
     if tenant.tools.is_empty() {
         return None;
     }
-    offered_names(endpoint, body)
+    offered_names(body)
         .into_iter()
         .find(|name| tenant.tools.rule(name) == ToolRule::Allowed(ToolClass::SideEffect))
 }
@@ -390,8 +389,7 @@ mod tests {
         let chat = |name: &str| {
             format!(r#"{{"tools":[{{"type":"function","function":{{"name":"{name}"}}}}]}}"#)
         };
-        let found =
-            |name: &str| side_effect_tool(&t, Endpoint::ChatCompletions, chat(name).as_bytes());
+        let found = |name: &str| side_effect_tool(&t, chat(name).as_bytes());
         assert_eq!(found("send_email").as_deref(), Some("send_email"));
         assert_eq!(found("search"), None);
         assert_eq!(found("deploy"), None);

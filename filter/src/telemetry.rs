@@ -146,14 +146,7 @@ pub fn route_label(name: Option<&str>) -> String {
     }
 }
 
-/// What the run policy refused, by tenant (issue 30's filter side calls these).
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "counted by the run, tool and retry policies as they land"
-    )
-)]
+/// What the run, tool and retry policies refused, by tenant.
 pub mod runs;
 
 pub fn define() -> Metrics {

@@ -26,14 +26,16 @@
 
 mod body;
 mod events;
-mod offered;
+pub mod offered;
 mod scan;
 #[cfg(test)]
 mod tests;
+mod withheld;
 
 pub use body::body_calls;
 pub use offered::offered_names;
 pub use scan::ToolScan;
+pub use withheld::{Policy, Withheld, arguments_sha256, tool_blocked};
 
 /// Held events past this many bytes are too large to hold ([`ScanStep::TooLarge`]).
 pub use crate::meter::MAX_HELD_BYTES;

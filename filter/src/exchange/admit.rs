@@ -19,7 +19,7 @@ use super::respond::MAX_METERED_BODY;
 use super::settle::{history_key, total};
 use super::{Exchange, Host, Lease, Meter, Side, Stage};
 use crate::host::staged;
-use crate::telemetry;
+use crate::telemetry::{self, runs::ToolWhere};
 
 impl Exchange {
     pub fn on_body(&mut self, host: &impl Host, size: usize, end_of_stream: bool) -> Action {
@@ -113,7 +113,14 @@ impl Exchange {
         let mut admitted = match admit(Counting::Estimated) {
             Ok(admitted) => admitted,
             Err(rejection) => {
-                let reply = self.error_reply(&rejection.error);
+                let mut reply = self.error_reply(&rejection.error);
+                if rejection.reason == "tool_blocked" {
+                    let (name, value) = super::tools::SHOULD_RETRY;
+                    reply.headers.push((name, value.to_owned()));
+                    if !self.shadow {
+                        telemetry::runs::tool_blocked(host, &tenant, ToolWhere::Offered);
+                    }
+                }
                 return self.refuse(host, reply, rejection.reason, Stage::Passthrough);
             }
         };

@@ -19,6 +19,7 @@
 //!                                                                     (admit.rs)
 //! response─► meter the stream/body as it passes (usage chunk hidden unless asked for)
 //!                                                                     (respond.rs)
+//!        ─► under a tool policy, withhold the calls it does not pass (tools.rs)
 //! end     ─► settle: engine usage replaces the reservation   (on_log settles anything left:
 //!                                                             client gone, upstream reset)
 //!                                                                     (settle.rs)
@@ -45,6 +46,7 @@ pub mod run_fleet;
 mod settle;
 #[cfg(test)]
 mod tests;
+mod tools;
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -64,6 +66,7 @@ use crate::Gateway;
 use crate::host::staged;
 use crate::telemetry::{self, Decision};
 pub use port::{Headers, Host, Side};
+use tools::ToolGuard;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stage {
@@ -150,6 +153,8 @@ pub struct Exchange {
     run: Option<RunHold>,
     /// Where the call stands with its run's fleet-wide budgets (`run_fleet.rs`).
     run_fleet: run_fleet::FleetRun,
+    /// The answer's tool calls under the key's tool policy, while it is read.
+    tools: Option<ToolGuard>,
     /// The fault a test asked this request for (`filter/src/fault.rs`).
     #[cfg(feature = "fault-injection")]
     fault: Option<String>,
@@ -182,6 +187,7 @@ impl Exchange {
             run_key: None,
             run: None,
             run_fleet: run_fleet::FleetRun::None,
+            tools: None,
             #[cfg(feature = "fault-injection")]
             fault: None,
         }

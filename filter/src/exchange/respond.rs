@@ -7,6 +7,7 @@ use weir_core::meter::{BodyMeter, StreamMeter};
 use weir_core::reply;
 use weir_core::trusted;
 
+use super::tools::{self, ToolGuard};
 use super::{Exchange, Headers, Host, Meter, Side, Stage};
 use crate::telemetry;
 use weir_core::outcome;
@@ -49,8 +50,34 @@ impl Exchange {
         self.stage = Stage::Responding;
         if end_of_stream {
             self.finish(host, self.completed_outcome());
+            return Action::Continue;
+        }
+        self.tools = self.tool_guard(&headers);
+        if self.tools.is_some() && matches!(self.meter, Meter::Body(_)) {
+            // A whole answer is judged whole, and may be replaced by an error of another
+            // length. Its headers cannot wait for it: without `allow_on_headers_stop_iteration`
+            // (which a mesh cannot set) Envoy stops all iteration and never calls the body
+            // callbacks, so they go now, and its status with them.
+            host.set_header(Side::Response, "content-length", None);
         }
         Action::Continue
+    }
+
+    /// The guard of the answer's tool calls, when the key has a tool policy and the answer
+    /// can make calls.
+    fn tool_guard(&self, headers: &Headers) -> Option<ToolGuard> {
+        let (tenant, admitted) = (self.tenant.as_ref()?, self.admitted.as_ref()?);
+        let readable = matches!(self.meter, Meter::Stream(_) | Meter::Body(_));
+        let answered = (200..300).contains(&self.upstream_status);
+        if self.shadow || tenant.tools.is_empty() || !readable || !answered {
+            return None;
+        }
+        if !tools::guarded(admitted.endpoint) {
+            return None;
+        }
+        let delivered = headers.get(tools::APPROVAL_HEADER) == Some("delivered");
+        let offered = admitted.offered_tools.clone();
+        Some(ToolGuard::new(admitted.endpoint, offered, delivered))
     }
 
     /// Puts the key's rate-limit headers on the answer, in place of any the upstream sent: a
@@ -102,19 +129,57 @@ impl Exchange {
         if self.stage != Stage::Responding {
             return Action::Continue;
         }
+        if self.tools.is_some() && matches!(self.meter, Meter::Body(_)) {
+            return self.judge_whole(host, size, end_of_stream);
+        }
         let chunk = host.body(Side::Response, size);
-        match &mut self.meter {
-            Meter::Stream(meter) => {
+        let mut guard = self.tools.take();
+        let framed = match (&mut self.meter, guard.is_some()) {
+            (Meter::Stream(meter), true) => Some(meter.feed_framed(&chunk, end_of_stream)),
+            (Meter::Stream(meter), false) => {
                 let out = meter.feed(&chunk, end_of_stream);
                 if out != chunk {
                     host.replace_body(Side::Response, size, &out);
                 }
+                None
             }
-            Meter::Body(meter) => meter.feed(&chunk),
-            Meter::None | Meter::Unreadable => {}
+            (Meter::Body(meter), _) => {
+                meter.feed(&chunk);
+                None
+            }
+            (Meter::None | Meter::Unreadable, _) => None,
+        };
+        if let (Some((bytes, frames)), Some(guard)) = (framed, guard.as_mut()) {
+            let out = self.guard_stream(host, guard, &bytes, frames, end_of_stream);
+            if out != chunk {
+                host.replace_body(Side::Response, size, &out);
+            }
         }
+        self.tools = guard;
         if end_of_stream {
             self.finish(host, self.completed_outcome());
+        }
+        Action::Continue
+    }
+
+    /// A whole answer held for the tool policy: buffered (Envoy keeps the chunks) until its
+    /// end, then metered and judged. One that makes a withheld call is replaced by the error
+    /// body in the called API's shape; its status stays the engine's (the headers went on
+    /// already, see `on_response_headers`), so the error object says what happened. Its
+    /// usage is settled as it came.
+    fn judge_whole(&mut self, host: &impl Host, size: usize, end_of_stream: bool) -> Action {
+        if !end_of_stream {
+            return Action::Pause;
+        }
+        let body = host.body(Side::Response, size);
+        if let Meter::Body(meter) = &mut self.meter {
+            meter.feed(&body);
+        }
+        let withheld = self.judge_body(host, &body);
+        self.finish(host, self.completed_outcome());
+        if let Some(error) = withheld {
+            let answer = self.error_reply(&error);
+            host.replace_body(Side::Response, size, &answer.body);
         }
         Action::Continue
     }

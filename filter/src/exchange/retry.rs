@@ -20,7 +20,7 @@ impl Exchange {
     /// refuses it if it may not go on: `None` to go on, else the action that ends it.
     pub(super) fn check_retry(&mut self, host: &impl Host, body: &[u8]) -> Option<Action> {
         let tenant = self.tenant.clone().filter(|t| retry::watched(t))?;
-        let endpoint = self.endpoint?;
+        self.endpoint?;
         let idempotency_key = (self.vouched.iter())
             .find(|(name, _)| *name == trusted::IDEMPOTENCY_KEY)
             .map(|(_, key)| key.clone());
@@ -39,7 +39,7 @@ impl Exchange {
         }
         self.retry = true;
         if idempotency_key.is_none()
-            && let Some(tool) = retry::side_effect_tool(&tenant, endpoint, body)
+            && let Some(tool) = retry::side_effect_tool(&tenant, body)
         {
             let reply = self.error_reply(&retry::side_effect_retry(&tool));
             let reason = "side_effect_retry_requires_idempotency_key";

@@ -1247,3 +1247,4 @@ mod run_fleet {
         assert!(gw.run_settles.borrow().is_empty());
     }
 }
+mod tools;

@@ -2,12 +2,12 @@
 //! deadline, a client too slow to read, the shutdown grace period), in the event shape of the
 //! API that was streaming, so the client's SDK reports an error rather than a cut connection:
 //! an error chunk and `[DONE]` for Chat Completions and Completions, an `error` event for the
-//! Responses API, Anthropic's `error` event for Messages.
+//! Responses API, Anthropic's `error` event for Messages ([`reply::stream_error_event`]).
 
 use axum::body::Bytes;
-use serde_json::json;
 use weir_core::endpoint::Endpoint;
-use weir_core::error::{ApiError, ErrorShape};
+use weir_core::error::ApiError;
+use weir_core::reply;
 
 /// Why weir ended a stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,25 +58,7 @@ impl Ending {
 
     /// The closing event in `endpoint`'s stream shape.
     pub fn event(self, endpoint: Endpoint) -> Bytes {
-        let error = self.error();
-        let text = match endpoint {
-            Endpoint::Responses => {
-                let event = json!({
-                    "type": "error",
-                    "code": error.code,
-                    "message": error.message,
-                    "param": null,
-                    "sequence_number": 0,
-                });
-                format!("event: error\ndata: {event}\n\n")
-            }
-            Endpoint::Messages => format!(
-                "event: error\ndata: {}\n\n",
-                error.to_json_in(ErrorShape::Anthropic)
-            ),
-            _ => format!("data: {}\n\ndata: [DONE]\n\n", error.to_json()),
-        };
-        Bytes::from(text)
+        Bytes::from(reply::stream_error_event(endpoint, &self.error()))
     }
 }
 

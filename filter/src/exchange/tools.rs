@@ -1,0 +1,306 @@
+//! The tool calls a model makes, judged by the key's tool policy before the client sees them
+//! (nothing is read for a key without one, nor in shadow mode).
+//!
+//! A call is withheld when its tool is blocked, when the request did not offer it (a name the
+//! client would run unchecked fails closed), when its tool needs an approver (class
+//! `approval`; unless the sidecar is delivering an approved call, `weir-approval: delivered`),
+//! or when the run it belongs to has no tool call left. In a stream, the events of a call
+//! whose name is not final are held ([`ToolScan`]); a call that passes releases them in order,
+//! byte for byte, and one withheld drops them and everything after, and the answer ends with
+//! an error event in the API's shape ([`reply::stream_error_event`]) — an approval's once the
+//! call is complete, so it carries the digest of the arguments as the client would have
+//! assembled them. The meter has read every byte before anything is dropped, so every token
+//! the engine made is billed. A whole (non-streamed) answer is held at its headers and read at
+//! its end; one that makes a withheld call is answered with the error instead.
+
+use weir_core::config::{ToolClass, ToolRule};
+use weir_core::endpoint::Endpoint;
+use weir_core::error::ApiError;
+use weir_core::meter::Frame;
+use weir_core::reply;
+use weir_core::run;
+use weir_core::tools::{
+    CallSeen, Policy, ScanStep, ToolCall, ToolScan, Withheld, approval_id, arguments_sha256,
+    body_calls,
+};
+use weir_core::trusted;
+
+use super::{Exchange, Host};
+use crate::telemetry::{self, runs::ToolWhere};
+
+/// Set by the sidecar on an answer that delivers a call an approver approved.
+pub(super) const APPROVAL_HEADER: &str = "weir-approval";
+
+/// Set on an answer weir refuses for its tool policy: sending it again gets the same.
+pub(super) const SHOULD_RETRY: (&str, &str) = ("x-should-retry", "false");
+
+/// One answer's calls under the tool policy.
+pub(super) struct ToolGuard {
+    scan: ToolScan,
+    endpoint: Endpoint,
+    offered: Vec<String>,
+    /// Events held until the call they belong to (or follow) is decided.
+    held: Vec<u8>,
+    state: State,
+    /// The sidecar delivers an approved call: `approval` tools pass.
+    delivered: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Open,
+    /// A call to an `approval` tool (its index) is withheld: dropped, and read on until it is
+    /// complete, for its arguments' digest.
+    Approving(u32),
+    /// The error event went: the rest is dropped.
+    Ended,
+}
+
+/// What the policy makes of the calls decided together.
+enum Verdict {
+    Pass,
+    Withhold(ApiError),
+    /// The call with this index needs an approver.
+    Approval(u32),
+}
+
+impl ToolGuard {
+    pub(super) fn new(endpoint: Endpoint, offered: Vec<String>, delivered: bool) -> ToolGuard {
+        ToolGuard {
+            scan: ToolScan::new(endpoint),
+            endpoint,
+            offered,
+            held: Vec::new(),
+            state: State::Open,
+            delivered,
+        }
+    }
+
+    /// Ends the answer with `error` (held events dropped).
+    fn end(&mut self, error: &ApiError, out: &mut Vec<u8>) {
+        self.held.clear();
+        out.extend(reply::stream_error_event(self.endpoint, error));
+        self.state = State::Ended;
+    }
+
+    /// The name of the first call not decided yet, for a call too large to hold (its first
+    /// 128 characters: a name that never ends is what made it too large).
+    fn undecided_name(&self) -> String {
+        let calls = self.scan.calls();
+        let call = calls.iter().find(|c| !c.decided).or(calls.last());
+        call.map(|c| c.name.chars().take(128).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// Whether a key's tool policy applies to answers of `endpoint`.
+pub(super) fn guarded(endpoint: Endpoint) -> bool {
+    matches!(
+        endpoint,
+        Endpoint::ChatCompletions | Endpoint::Responses | Endpoint::Messages
+    )
+}
+
+impl Exchange {
+    /// The bytes of a stream to forward, of those the meter forwards (`bytes`, framed into
+    /// events), under the tool policy.
+    pub(super) fn guard_stream(
+        &mut self,
+        host: &impl Host,
+        guard: &mut ToolGuard,
+        bytes: &[u8],
+        frames: Vec<Frame>,
+        end_of_stream: bool,
+    ) -> Vec<u8> {
+        let mut out = Vec::with_capacity(bytes.len());
+        for frame in frames {
+            match frame {
+                Frame::Event(range) => {
+                    let event = bytes.get(range).unwrap_or_default();
+                    self.guard_event(host, guard, event, &mut out);
+                }
+                // An event too large to hold: it cannot be held behind an undecided call.
+                Frame::Passing(range) => match guard.state {
+                    State::Open if guard.held.is_empty() => {
+                        out.extend_from_slice(bytes.get(range).unwrap_or_default());
+                    }
+                    State::Open => {
+                        let tool = guard.undecided_name();
+                        guard.end(&Withheld::TooLarge { tool }.error(), &mut out);
+                    }
+                    State::Approving(_) | State::Ended => {}
+                },
+            }
+        }
+        if end_of_stream {
+            self.guard_end(host, guard, &mut out);
+        }
+        out
+    }
+
+    fn guard_event(
+        &mut self,
+        host: &impl Host,
+        guard: &mut ToolGuard,
+        event: &[u8],
+        out: &mut Vec<u8>,
+    ) {
+        match guard.state {
+            State::Ended => return,
+            State::Approving(index) => {
+                guard.scan.observe(event);
+                self.approve_if_complete(guard, index, false, out);
+                return;
+            }
+            State::Open => {}
+        }
+        match guard.scan.observe(event) {
+            ScanStep::Forward => out.extend_from_slice(event),
+            ScanStep::Hold => guard.held.extend_from_slice(event),
+            ScanStep::Decide { calls, hold } => match self.decide(host, guard, &calls) {
+                Verdict::Pass => {
+                    out.append(&mut guard.held);
+                    if hold {
+                        guard.held.extend_from_slice(event);
+                    } else {
+                        out.extend_from_slice(event);
+                    }
+                }
+                Verdict::Withhold(error) => guard.end(&error, out),
+                Verdict::Approval(index) => {
+                    guard.held.clear();
+                    guard.state = State::Approving(index);
+                    self.approve_if_complete(guard, index, false, out);
+                }
+            },
+            ScanStep::TooLarge => {
+                let tool = guard.undecided_name();
+                guard.end(&Withheld::TooLarge { tool }.error(), out);
+            }
+            ScanStep::Renamed { index } => {
+                let calls = guard.scan.calls();
+                let call = calls.iter().find(|c| c.index == index);
+                let tool = call.map(|c| c.name.clone()).unwrap_or_default();
+                let policy = Policy::Renamed;
+                guard.end(&Withheld::Blocked { tool, policy }.error(), out);
+            }
+        }
+    }
+
+    /// The stream's end: calls still undecided are decided as they stand, and an approval
+    /// still withheld is told with the arguments as far as they went.
+    fn guard_end(&mut self, host: &impl Host, guard: &mut ToolGuard, out: &mut Vec<u8>) {
+        if guard.state == State::Open {
+            let calls = guard.scan.finish();
+            match self.decide(host, guard, &calls) {
+                Verdict::Pass => out.append(&mut guard.held),
+                Verdict::Withhold(error) => guard.end(&error, out),
+                Verdict::Approval(index) => guard.state = State::Approving(index),
+            }
+        }
+        if let State::Approving(index) = guard.state {
+            self.approve_if_complete(guard, index, true, out);
+        }
+    }
+
+    /// Ends the answer with `approval_required` once the withheld call is complete (or the
+    /// stream ends).
+    fn approve_if_complete(
+        &self,
+        guard: &mut ToolGuard,
+        index: u32,
+        ended: bool,
+        out: &mut Vec<u8>,
+    ) {
+        let calls = guard.scan.calls();
+        let Some(call) = calls.iter().find(|c| c.index == index) else {
+            return;
+        };
+        if call.complete || ended {
+            let error = self.approval_required(call).error();
+            guard.end(&error, out);
+        }
+    }
+
+    /// The approval a withheld call is held as.
+    fn approval_required(&self, call: &ToolCall) -> Withheld {
+        let attempt = (self.vouched.iter())
+            .find(|(n, _)| *n == trusted::REQUEST_ID)
+            .map_or("", |(_, v)| v.as_str());
+        Withheld::Approval {
+            approval_id: approval_id(attempt, call.index, &call.id),
+            tool: call.name.clone(),
+            arguments_sha256: arguments_sha256(&call.arguments),
+            run_id: self.run.as_ref().map(|r| r.run_id.clone()),
+        }
+    }
+
+    /// The policy's verdict on calls decided together: the first withheld withholds them
+    /// all; when all pass, each is counted against the run's tool calls.
+    fn decide(&mut self, host: &impl Host, guard: &ToolGuard, calls: &[CallSeen]) -> Verdict {
+        let Some(tenant) = self.tenant.clone() else {
+            return Verdict::Pass;
+        };
+        let mut counted = 0;
+        for call in calls {
+            let class = match tenant.tools.rule(&call.name) {
+                ToolRule::Blocked => Err(Policy::Blocked),
+                ToolRule::Allowed(_) if !guard.offered.contains(&call.name) => {
+                    Err(Policy::NotOffered)
+                }
+                ToolRule::Allowed(class) => Ok(class),
+            };
+            match class {
+                Err(policy) => {
+                    if !self.shadow {
+                        telemetry::runs::tool_blocked(host, &tenant, ToolWhere::Called);
+                    }
+                    let tool = call.name.clone();
+                    return Verdict::Withhold(Withheld::Blocked { tool, policy }.error());
+                }
+                Ok(ToolClass::Approval) if guard.delivered => {}
+                Ok(ToolClass::Approval) => return Verdict::Approval(call.index),
+                Ok(_) => counted += 1,
+            }
+        }
+        // The budgets held on this Envoy (a fleet-wide one is the quota store's).
+        let budgets = run::fleet::local_budgets(&tenant);
+        if let Some(hold) = self.run.as_mut() {
+            for _ in 0..counted {
+                let now = host.now_ms();
+                if let Err(denial) = run::take_tool_call(host.store(), &budgets, hold, now) {
+                    return Verdict::Withhold(denial.error());
+                }
+            }
+        }
+        Verdict::Pass
+    }
+
+    /// A whole answer's calls judged: the error to answer instead, if one is withheld. A body
+    /// that cannot be read for its calls fails closed.
+    pub(super) fn judge_body(&mut self, host: &impl Host, body: &[u8]) -> Option<ApiError> {
+        let guard = self.tools.take()?;
+        let endpoint = guard.endpoint;
+        let Some(calls) = body_calls(endpoint, body) else {
+            let tool = String::new();
+            return Some(Withheld::TooLarge { tool }.error());
+        };
+        let seen: Vec<CallSeen> = (calls.iter())
+            .map(|c| CallSeen {
+                index: c.index,
+                id: c.id.clone(),
+                name: c.name.clone(),
+                arguments_so_far: c.arguments.clone(),
+            })
+            .collect();
+        let verdict = self.decide(host, &guard, &seen);
+        match verdict {
+            Verdict::Pass => None,
+            Verdict::Withhold(error) => Some(error),
+            Verdict::Approval(index) => {
+                let call = calls.iter().find(|c| c.index == index)?;
+                Some(self.approval_required(call).error())
+            }
+        }
+    }
+}
