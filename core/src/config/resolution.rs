@@ -50,6 +50,8 @@ pub struct Tenant {
     pub run_budgets: RunBudgets,
     /// Its tool policy, its path's levels combined.
     pub tools: Tools,
+    /// The tenant subtrees whose held tool calls the key approves or rejects (its `approves`).
+    pub approves: Vec<String>,
 }
 
 impl Tenant {
@@ -138,6 +140,7 @@ impl Config {
             lease_terms: None,
             run_budgets: RunBudgets::default(),
             tools: Tools::default(),
+            approves: Vec::new(),
         }
     }
 
@@ -158,6 +161,7 @@ impl Config {
                             disabled: key.disabled,
                             expires_ms: key.expires_at.as_deref().and_then(parse_rfc3339),
                             lease_terms: self.fleet.as_ref().map(FleetConfig::terms),
+                            approves: key.approves.clone(),
                             ..resolve(&chain)
                         });
                         for hash in key.sha256.iter() {
@@ -244,5 +248,6 @@ pub(super) fn resolve(chain: &Chain<'_>) -> Tenant {
             .filter_map(|c| c.2.runs.as_ref())
             .fold(RunBudgets::default(), |run, r| run.tightest(r.budgets)),
         tools: Tools::combine(chain.iter().filter_map(|c| c.2.tools.as_ref())),
+        approves: Vec::new(),
     }
 }
