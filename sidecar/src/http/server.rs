@@ -167,6 +167,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let mut p = match prepare(&app, endpoint, &headers, body).await {
         Ok(p) => p,
         Err(Turned::Replayed(stored)) => return replayed(stored),
+        Err(Turned::Answered(answer)) => return *answer,
         Err(Turned::Refused(error, pool)) => {
             return error_response(&error, shape, app.backoff.retry_after_s(pool));
         }
@@ -219,6 +220,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         deadline_ms: p.deadline_ms,
         hide_usage: p.hide_usage,
         continuation,
+        approval: p.approval,
     };
     let flight = Flight::new(app, attempt, assignment, p.claim);
     let mut resp = relay(flight, endpoint.path(), body, p.stream, engine_request_id).await;

@@ -39,6 +39,13 @@ pub struct Trusted {
     /// than these headers): the ledger records them.
     pub route: Option<String>,
     pub mode: Option<String>,
+    /// The run the call belongs to (`x-weir-run-id`), if it names one: an approval is bound
+    /// to it.
+    pub run_id: Option<String>,
+    /// The tool patterns whose calls wait for an approver (`x-weir-tool-approval`).
+    pub tool_approval: Vec<String>,
+    /// On weir's approvals API: the tenant subtrees the key approves for (`x-weir-approves`).
+    pub approves: Vec<String>,
 }
 
 /// `x-weir-*` headers as (name, value).
@@ -285,7 +292,37 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
             |m| trusted::MODES.contains(&m),
             "is not a mode",
         )?,
+        run_id: optional(trusted::RUN_ID, trusted::is_id, "is not a valid run id")?,
+        tool_approval: list(get(trusted::TOOL_APPROVAL), trusted::TOOL_APPROVAL, |p| {
+            weir_core::config::malformed_tool_pattern(p).is_none()
+        })?,
+        approves: list(
+            get(trusted::APPROVES),
+            trusted::APPROVES,
+            trusted::is_tenant_path,
+        )?,
     })
+}
+
+/// A comma-separated list of values each `ok`, or empty when the header is absent (the tool
+/// approval patterns, the approver scopes).
+fn list(
+    value: Option<&str>,
+    name: &'static str,
+    ok: fn(&str) -> bool,
+) -> Result<Vec<String>, ApiError> {
+    let Some(value) = value else {
+        return Ok(Vec::new());
+    };
+    let items: Vec<String> = value.split(',').map(str::to_owned).collect();
+    if items.iter().all(|i| ok(i)) {
+        Ok(items)
+    } else {
+        Err(invalid(
+            name,
+            "is not a comma-separated list of valid entries",
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -354,6 +391,21 @@ mod tests {
         );
         assert_eq!(who.prices, None, "no prices: the record is not priced");
         assert_eq!((who.route, who.mode), (None, None), "an older filter's");
+        assert_eq!(
+            (who.run_id, who.tool_approval.len(), who.approves.len()),
+            (None, 0, 0)
+        );
+        let mut agent = base();
+        agent[4].1 = "weir-agent".into();
+        agent.push((trusted::RUN_ID, "run-7".into()));
+        agent.push((trusted::TOOL_APPROVAL, "deploy_*,send_email".into()));
+        agent.push((trusted::APPROVES, "acme,acme/lab".into()));
+        let who = trust()
+            .check(&signed(SECRET, &agent, 2_000), 1_000)
+            .unwrap();
+        assert_eq!(who.run_id.as_deref(), Some("run-7"));
+        assert_eq!(who.tool_approval, ["deploy_*", "send_email"]);
+        assert_eq!(who.approves, ["acme", "acme/lab"]);
         let mut routed = base();
         routed[4].1 = "weir-routed".into();
         routed.push((trusted::ROUTE, "llm-api".into()));
@@ -428,6 +480,10 @@ mod tests {
             (trusted::PRICE, "USD:0.15,0.075,0.6"),
             (trusted::MODE, "ignore"),
             (trusted::ROUTE, "llm api"),
+            (trusted::RUN_ID, "run 1"),
+            (trusted::TOOL_APPROVAL, "deploy_*,,x"),
+            (trusted::TOOL_APPROVAL, "rm -rf"),
+            (trusted::APPROVES, "acme,../x"),
         ] {
             let mut fields = base();
             fields.retain(|(n, _)| *n != name);

@@ -106,6 +106,7 @@ fn metered(flight: &mut Flight, bytes: &Bytes) -> Option<BodyUsage> {
     let mut meter = BodyMeter::new(flight.endpoint, METERED_BODY_BYTES);
     meter.feed(bytes);
     flight.keep(bytes);
+    flight.hold_body_calls(bytes);
     flight.meter.streamed = false;
     Some(meter.finish()).filter(|u| !matches!(u, BodyUsage::Unknown))
 }

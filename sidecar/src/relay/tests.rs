@@ -43,7 +43,9 @@ fn rig(client_stall_ms: u64) -> Rig {
     let (draining, draining_rx) = tokio::sync::watch::channel(false);
     let (_waits, waits) =
         tokio::sync::watch::channel(Arc::new(crate::support::backoff::Waits::default()));
+    let approvals = crate::approvals::Approvals::new(Default::default(), metrics.clone());
     let app = Arc::new(App {
+        approvals,
         events: events_tx,
         ledger_reader: crate::ledger::Reader::open(&path, None).unwrap(),
         metrics,
@@ -94,6 +96,9 @@ fn flight_of(rig: &Rig, endpoint: Endpoint, hide_usage: bool) -> Flight {
             prices: None,
             route: Some("llm-api".into()),
             mode: Some("shadow".into()),
+            run_id: None,
+            tool_approval: Vec::new(),
+            approves: Vec::new(),
         },
         model: "m".into(),
         input_tokens: 10,
@@ -105,6 +110,7 @@ fn flight_of(rig: &Rig, endpoint: Endpoint, hide_usage: bool) -> Flight {
         deadline_ms: u64::MAX,
         hide_usage,
         continuation: None,
+        approval: None,
     };
     let assignment = Assignment::for_tests(rig.app.events.clone(), 110, None);
     Flight::new(rig.app.clone(), attempt, assignment, None)
