@@ -43,7 +43,7 @@ pub fn router(app: Arc<App>) -> Router {
             ),
         );
     }
-    router
+    crate::http::approvals::routes(router)
         .route(weir_core::fleet::PATH, post(leases))
         .fallback(|headers: HeaderMap| async move {
             error_response(&ApiError::not_found("no such route"), shape_of(&headers), 0)
