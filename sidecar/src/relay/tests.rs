@@ -1089,3 +1089,43 @@ async fn a_stream_preempted_at_any_byte_reaches_the_client_as_whole_events_bille
         );
     }
 }
+
+/// A call to an approval-class tool is held by the time the client is handed the event that
+/// completes it (the filter then names a stored approval), and not before its arguments are
+/// whole.
+#[tokio::test]
+async fn record_precedes_completing_event() {
+    let rig = rig(5_000);
+    let mut flight = flight(&rig, false);
+    flight.who.tool_approval = vec!["deploy_*".into()];
+    flight.approval = Watch::of(&flight.who, Endpoint::ChatCompletions, || [1; 32]);
+    let Running {
+        feed, mut client, ..
+    } = run(flight, LONG);
+    let events = [
+        r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"deploy_prod","arguments":"{\"env\":"}}]}}]}"#,
+        r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"prod\"}"}}]}}]}"#,
+        r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+    ];
+    let id = weir_core::tools::approval_id("r1", 0, "call_1");
+    let ops = crate::approvals::Approver {
+        tenant: "ops".into(),
+        scopes: vec!["t".into()],
+    };
+    let held = || {
+        (rig.app.approvals)
+            .get(&ops, &id, crate::support::clock::now_ms())
+            .map(|a| a.call.arguments)
+    };
+    for (i, event) in events.iter().enumerate() {
+        feed.unbounded_send(Ok(Bytes::from(format!("data: {event}\n\n"))))
+            .unwrap();
+        let Some(Piece::Chunk(chunk)) = client.recv().await else {
+            panic!("event {i} relayed");
+        };
+        let completing = String::from_utf8_lossy(&chunk).contains("finish_reason");
+        assert_eq!(completing, i == 2);
+        let expected = completing.then(|| r#"{"env":"prod"}"#.to_owned());
+        assert_eq!(held(), expected, "event {i}");
+    }
+}
