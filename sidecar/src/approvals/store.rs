@@ -219,15 +219,10 @@ impl Approvals {
         now_ms: u64,
     ) -> Result<(), Refused> {
         let mut book = self.book(now_ms);
-        let Book {
-            by_id,
-            pending,
-            held,
-        } = &mut *book;
-        if by_id.contains_key(id) {
+        if book.by_id.contains_key(id) {
             return Ok(());
         }
-        let pending = pending.entry(tenant.to_owned()).or_default();
+        let pending = book.pending.entry(tenant.to_owned()).or_default();
         if *pending >= self.terms.max_pending {
             self.outcome(tenant, "capacity");
             return Err(Refused::Full);
@@ -243,9 +238,9 @@ impl Approvals {
             expires_ms: now_ms.saturating_add(self.terms.ttl_ms),
             state: State::Pending,
         };
-        self.moved(held, tenant, None, Some(&approval.state));
+        self.moved(&mut book.held, tenant, None, Some(&approval.state));
         self.outcome(tenant, "held");
-        by_id.insert(id.to_owned(), approval);
+        book.by_id.insert(id.to_owned(), approval);
         Ok(())
     }
 
@@ -279,12 +274,8 @@ impl Approvals {
         now_ms: u64,
     ) -> Result<Approval, Refused> {
         let mut book = self.book(now_ms);
-        let Book {
-            by_id,
-            pending,
-            held,
-        } = &mut *book;
-        let approval = (by_id.get_mut(id))
+        let book = &mut *book;
+        let approval = (book.by_id.get_mut(id))
             .filter(|a| approver.covers(&a.tenant))
             .ok_or(Refused::NotFound)?;
         if approval.tenant == approver.tenant && !self.terms.self_approve {
@@ -298,9 +289,14 @@ impl Approvals {
             Decision::Approve => (State::Approved { by }, "approved"),
             Decision::Reject => (State::Rejected { by }, "rejected"),
         };
-        self.moved(held, &approval.tenant, Some(&approval.state), Some(&state));
+        self.moved(
+            &mut book.held,
+            &approval.tenant,
+            Some(&approval.state),
+            Some(&state),
+        );
         self.outcome(&approval.tenant, outcome);
-        unpend(pending, &approval.tenant);
+        unpend(&mut book.pending, &approval.tenant);
         approval.state = state;
         approval.expires_ms = now_ms.saturating_add(self.terms.ttl_ms);
         Ok(approval.clone())

@@ -9,13 +9,16 @@ use weir_core::endpoint::Endpoint;
 use weir_core::sse::event_end;
 use weir_core::tools::{MAX_HELD_BYTES, ToolCall, ToolScan, approval_id, body_calls};
 
-use crate::approvals::HeldCall;
+use crate::approvals::{Approvals, HeldCall};
 use crate::intake::trust::Trusted;
-use crate::relay::flight::Flight;
 use crate::support::clock::now_ms;
+
+/// Where a watch holds calls: the store, the caller, the model that answered.
+pub type Holding<'a> = (&'a Approvals, &'a Trusted, &'a str);
 
 /// What an answer's calls are watched with: a request with tool approval patterns vouched.
 pub struct Watch {
+    endpoint: Endpoint,
     scan: ToolScan,
     /// The start of an event not whole yet.
     partial: Vec<u8>,
@@ -37,6 +40,7 @@ impl Watch {
         request_sha256: impl FnOnce() -> [u8; 32],
     ) -> Option<Watch> {
         (!who.tool_approval.is_empty()).then(|| Watch {
+            endpoint,
             scan: ToolScan::new(endpoint),
             partial: Vec::new(),
             request_sha256: request_sha256(),
@@ -75,42 +79,28 @@ impl Watch {
     }
 }
 
-impl Flight {
+impl Watch {
     /// Holds the approval-class calls a chunk of the stream completes.
-    pub(super) fn hold_streamed_calls(&mut self, chunk: &[u8]) {
-        if let Some(watch) = &mut self.approval {
-            let calls = watch.stream(chunk);
-            self.hold_calls(&calls);
-        }
+    pub fn hold_streamed(&mut self, chunk: &[u8], at: Holding<'_>) {
+        let calls = self.stream(chunk);
+        self.hold(&calls, at);
     }
 
     /// Holds the approval-class calls of an answer read whole.
-    pub(super) fn hold_body_calls(&mut self, body: &[u8]) {
-        if self.approval.is_some() {
-            let calls = body_calls(self.endpoint, body).unwrap_or_default();
-            self.hold_calls(&calls);
-        }
+    pub fn hold_body(&self, body: &[u8], at: Holding<'_>) {
+        let calls = body_calls(self.endpoint, body).unwrap_or_default();
+        self.hold(&calls, at);
     }
 
-    fn hold_calls(&self, calls: &[ToolCall]) {
-        let Some(watch) = &self.approval else {
-            return;
-        };
-        let who = &self.who;
+    fn hold(&self, calls: &[ToolCall], (approvals, who, model): Holding<'_>) {
         let wanted = |name: &str| who.tool_approval.iter().any(|p| tool_matches(p, name));
         for call in calls.iter().filter(|c| !c.truncated && wanted(&c.name)) {
             let id = approval_id(&who.request_id, call.index, &call.id);
-            let held = HeldCall::new(
-                self.endpoint,
-                &self.model,
-                &call.id,
-                &call.name,
-                &call.arguments,
-            );
+            let held = HeldCall::new(self.endpoint, model, &call.id, &call.name, &call.arguments);
             let bound = (who.tenant.as_str(), who.run_id.as_deref());
             // Past the tenant's pending bound the call is not held (counted as `capacity`):
             // its re-send finds no approval, so it is never delivered.
-            let _ = (self.app.approvals).hold(&id, bound, watch.request_sha256, held, now_ms());
+            let _ = approvals.hold(&id, bound, self.request_sha256, held, now_ms());
         }
     }
 }

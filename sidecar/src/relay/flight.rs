@@ -126,7 +126,9 @@ impl Flight {
     /// unless weir asked for the usage chunk, which is then held back).
     pub(super) fn observe(&mut self, chunk: &Bytes) -> Bytes {
         self.figures.chunk(&self.app.metrics, &self.who.tenant);
-        self.hold_streamed_calls(chunk);
+        if let Some(watch) = &mut self.approval {
+            watch.hold_streamed(chunk, (&self.app.approvals, &self.who, &self.model));
+        }
         let out = self.meter.feed(chunk);
         self.keep(&out);
         if let Some(usage) = self.meter.stream.usage() {
@@ -137,6 +139,13 @@ impl Flight {
             self.charge(served);
         }
         out
+    }
+
+    /// Holds the approval-class calls of an answer read whole ([`Watch`]).
+    pub(super) fn hold_body_calls(&self, body: &[u8]) {
+        if let Some(watch) = &self.approval {
+            watch.hold_body(body, (&self.app.approvals, &self.who, &self.model));
+        }
     }
 
     /// Meters what the meter still holds once the stream has ended; returns what of it the
