@@ -80,10 +80,21 @@ fn attempt_id() -> String {
 /// Sends `body` to the sidecar as the filter would for `tenant` in `run` (approval patterns
 /// `deploy_*` vouched), with `approval` as `weir-approval-id` if given.
 async fn call(tenant: &str, run: &str, body: &Value, approval: Option<&str>) -> (String, Response) {
+    call_at("/v1/chat/completions", tenant, run, body, approval).await
+}
+
+/// [`call`] to another API's path.
+async fn call_at(
+    path: &str,
+    tenant: &str,
+    run: &str,
+    body: &Value,
+    approval: Option<&str>,
+) -> (String, Response) {
     let attempt = attempt_id();
     let extra = [("x-weir-run-id", run), ("x-weir-tool-approval", "deploy_*")];
     let mut req = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", stack().sidecar.url))
+        .post(format!("{}{path}", stack().sidecar.url))
         .json(body);
     for (name, value) in vouched(tenant, &attempt, &extra) {
         req = req.header(name, value);
@@ -312,4 +323,42 @@ async fn only_an_approver_of_the_tenant_decides_and_never_the_calling_key() {
     // The approver of its org may, through the gateway.
     let (status, approved) = api("ops", "POST", &format!("/{id}/approve")).await;
     assert_eq!((status, &approved["state"]), (200, &json!("approved")));
+}
+
+#[tokio::test]
+async fn a_messages_call_is_held_and_delivered_in_anthropic_s_shape() {
+    let _turn = turn().await;
+    let body = json!({
+        "model": "tiny", "max_tokens": 64,
+        "messages": [{"role": "user", "content": "call deploy_prod"}],
+        "tools": [{"name": "deploy_prod",
+            "input_schema": {"type": "object", "properties": {"env": {"type": "string"}}}}],
+    });
+    let run = "run-messages";
+    let (attempt, made) = call_at("/v1/messages", AGENT, run, &body, None).await;
+    let made: Value = made.json().await.unwrap();
+    let block = made["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["type"] == "tool_use")
+        .expect("a tool_use block")
+        .clone();
+    let id = approval_id(&attempt, 0, block["id"].as_str().unwrap());
+    let (_, pending) = call_at("/v1/messages", AGENT, run, &body, Some(&id)).await;
+    assert_eq!(pending.status(), 409);
+    let pending: Value = pending.json().await.unwrap();
+    assert_eq!(pending["type"], "error", "{pending}");
+    assert_eq!(code(&pending), "approval_pending");
+    let (status, _) = api("ops", "POST", &format!("/{id}/approve")).await;
+    assert_eq!(status, 200);
+    let runs = engine_runs().await;
+    let (_, delivered) = call_at("/v1/messages", AGENT, run, &body, Some(&id)).await;
+    assert_eq!(delivered.status(), 200);
+    let delivered: Value = delivered.json().await.unwrap();
+    assert_eq!(delivered["type"], "message");
+    assert_eq!(delivered["stop_reason"], "tool_use");
+    assert_eq!(delivered["content"], json!([block]));
+    assert_eq!(delivered["usage"]["output_tokens"], 0);
+    assert_eq!(engine_runs().await, runs, "the model did not run again");
 }

@@ -95,7 +95,10 @@ impl Refused {
                 "too many tool calls of this key wait for an approver",
             ),
         };
-        ApiError::new(status, message).with_code(code)
+        // The code in Anthropic's shape too, which has no field of its own for it.
+        ApiError::new(status, message)
+            .with_code(code)
+            .with_extra("code", code)
     }
 }
 
