@@ -9,6 +9,7 @@
 //!
 //! [`classify`] then answers in order, so the allow-list can never un-meter an inference API:
 //! metered ([`Api::Metered`]), an inference API weir does not meter yet ([`Api::NotMetered`]),
+//! weir's own API ([`Api::Weir`]: authenticated, served by the sidecar, never metered),
 //! allowed without metering ([`Api::Allowed`]), or unknown. The API part of a path starts at its
 //! first segment that begins a known or allowed path (`/shadow/v1/models` is `/v1/models`
 //! mounted under `/shadow`); everything from there must match exactly, so
@@ -26,6 +27,8 @@ pub enum Api {
     Metered(Endpoint),
     /// An inference API engines serve that weir cannot meter yet; names the API.
     NotMetered(&'static str),
+    /// weir's own API ([`WEIR_API`]), taking these methods.
+    Weir(&'static str),
     /// On the allow-list: served without metering (model list, health).
     Allowed,
     /// Anything else.
@@ -39,6 +42,11 @@ pub struct PathError(&'static str);
 
 /// Paths allowed on enforced routes when the config names none.
 pub const DEFAULT_ALLOWED: [&str; 2] = ["/v1/models", "/health"];
+
+/// weir's approvals API: `GET` the list (`?state=pending`), `GET` one (`/{id}`), `POST`
+/// `/{id}/approve` or `/{id}/reject`. The sidecar serves it to the keys the filter vouches an
+/// approver's scopes for.
+pub const WEIR_API: &str = "/v1/weir/approvals";
 
 const METERED: [(&str, Endpoint); 5] = [
     ("/v1/chat/completions", Endpoint::ChatCompletions),
@@ -147,10 +155,28 @@ pub fn classify(canonical: &str, allowed: &[String]) -> Api {
     if let Some((_, name)) = not_metered {
         return Api::NotMetered(name);
     }
+    if let Some(methods) = weir_api(api) {
+        return Api::Weir(methods);
+    }
     if allowed.iter().any(|p| p == api) {
         return Api::Allowed;
     }
     Api::Unknown
+}
+
+/// The methods a path of weir's API takes: the list, one approval, a decision on one. Nothing
+/// deeper, and no empty id.
+fn weir_api(api: &str) -> Option<&'static str> {
+    let rest = api.strip_prefix(WEIR_API)?;
+    if rest.is_empty() {
+        return Some("GET");
+    }
+    let mut segments = rest.strip_prefix('/')?.split('/');
+    match (segments.next(), segments.next(), segments.next()) {
+        (Some(_), None, None) => Some("GET"),
+        (Some(_), Some("approve" | "reject"), None) => Some("POST"),
+        _ => None,
+    }
 }
 
 /// Byte offsets of every `/` that starts a segment.
@@ -169,6 +195,8 @@ pub enum Route {
     Metered(Endpoint),
     /// On the allow-list: forward without metering.
     Unmetered,
+    /// weir's own API: forward to the sidecar, authenticated, without metering.
+    Weir,
 }
 
 /// A request refused for its path or method, with the metric label of why.
@@ -197,6 +225,7 @@ pub fn route(raw_path: &str, method: &str, allowed: &AllowedPaths) -> Result<Rou
     let (route, methods) = match classify(&path, allowed.as_slice()) {
         Api::Metered(endpoint) => (Route::Metered(endpoint), "POST"),
         Api::Allowed => (Route::Unmetered, "GET, HEAD"),
+        Api::Weir(methods) => (Route::Weir, methods),
         Api::NotMetered(name) => {
             return Err(refuse(
                 "not_metered",
@@ -374,6 +403,37 @@ mod tests {
             classify("/v1/responses/resp_1", &wide),
             Api::NotMetered("stored Responses")
         );
+    }
+
+    #[test]
+    fn weir_s_approvals_api_is_its_own_class_with_its_methods() {
+        assert_eq!(api("/v1/weir/approvals?state=pending"), Api::Weir("GET"));
+        assert_eq!(api("/v1/weir/approvals/apr_x"), Api::Weir("GET"));
+        assert_eq!(api("//V1/weir/approvals/apr_x/Approve/"), Api::Weir("POST"));
+        assert_eq!(api("/v1/weir/approvals/apr_x/reject"), Api::Weir("POST"));
+        for raw in [
+            "/v1/weir",
+            "/v1/weir/approvalsx",
+            "/v1/weir/approvals/apr_x/delete",
+            "/v1/weir/approvals/apr_x/approve/more",
+            "/v1/weir/approvals/../../chat/completions/x",
+        ] {
+            assert_eq!(api(raw), Api::Unknown, "{raw}");
+        }
+        // Never a way around metering.
+        assert_eq!(
+            api("/v1/weir/approvals/../../chat/completions"),
+            Api::Metered(Endpoint::ChatCompletions)
+        );
+        let allowed = AllowedPaths::default();
+        assert_eq!(
+            route("/v1/weir/approvals/apr_x/approve", "POST", &allowed),
+            Ok(Route::Weir)
+        );
+        let get = route("/v1/weir/approvals/apr_x/approve", "GET", &allowed).err();
+        assert_eq!(get.and_then(|r| r.allow), Some("POST"));
+        let post = route("/v1/weir/approvals", "POST", &allowed).err();
+        assert_eq!(post.and_then(|r| r.allow), Some("GET"));
     }
 
     #[test]

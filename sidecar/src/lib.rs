@@ -14,7 +14,9 @@ pub mod support;
 // layer: config — the config's schema and validation; it owns every config type
 pub mod config;
 
-// layer: records — the usage ledger, the metrics, the quota store, prefix-cache isolation modes
+// layer: records — the usage ledger, the metrics, the quota store, prefix-cache isolation modes,
+// the tool calls held for an approver
+pub mod approvals;
 pub mod isolation;
 pub mod ledger;
 pub mod metrics;

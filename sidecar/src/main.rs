@@ -207,6 +207,7 @@ fn app(
 ) -> anyhow::Result<Arc<App>> {
     let store = config.ledger_store.as_ref();
     let ledger = Ledger::start(&config.ledger, store, metrics.ledger.clone())?;
+    let approvals = weir_sidecar::approvals::Approvals::new(Default::default(), metrics.clone());
     Ok(Arc::new(App {
         events,
         ledger_reader: weir_sidecar::ledger::Reader::open(&config.ledger, store)?,
@@ -227,6 +228,7 @@ fn app(
         relay: Live::new(config.relay.clone()),
         backoff,
         predictions: weir_sidecar::intake::prediction::Predictions::new(config.prediction.clone()),
+        approvals,
         quota: config.quota.as_ref().map(|q| q.store()).transpose()?,
         cut: switches.cut,
         draining: switches.draining,

@@ -59,6 +59,8 @@ pub struct Tenant {
     pub run_required: bool,
     /// Its tool policy, its path's levels combined.
     pub tools: Tools,
+    /// The tenant subtrees whose held tool calls the key approves or rejects (its `approves`).
+    pub approves: Vec<String>,
 }
 
 impl Tenant {
@@ -150,6 +152,7 @@ impl Config {
             run_idle_ttl_ms: None,
             run_required: false,
             tools: Tools::default(),
+            approves: Vec::new(),
         }
     }
 
@@ -171,6 +174,7 @@ impl Config {
                             disabled: key.disabled,
                             expires_ms: key.expires_at.as_deref().and_then(parse_rfc3339),
                             lease_terms: self.fleet.as_ref().map(FleetConfig::terms),
+                            approves: key.approves.clone(),
                             run_fleet_wide: match self.fleet {
                                 Some(_) => resolved.run_fleet_wide,
                                 None => RunBudgets::default(),
@@ -291,5 +295,6 @@ pub(super) fn resolve(chain: &Chain<'_>) -> Tenant {
                 .is_some_and(|r| r.require_run_id == Some(true))
         }),
         tools: Tools::combine(chain.iter().filter_map(|c| c.2.tools.as_ref())),
+        approves: Vec::new(),
     }
 }

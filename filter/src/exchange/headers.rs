@@ -203,6 +203,15 @@ impl Exchange {
                 self.stage = Stage::Forwarded;
                 self.send_headers(host)
             }
+            Ok(Route::Weir) => {
+                // weir's approvals API, answered by the sidecar: it trusts the key's approver
+                // scopes only as vouched here.
+                if let Some(tenant) = self.tenant.as_ref().filter(|t| !t.approves.is_empty()) {
+                    self.vouch(trusted::APPROVES, tenant.approves.join(","));
+                }
+                self.stage = Stage::Forwarded;
+                self.send_headers(host)
+            }
             Err(refusal) => {
                 let mut reply = self.error_reply(&refusal.error);
                 if let Some(allow) = refusal.allow {

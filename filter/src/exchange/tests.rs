@@ -1248,3 +1248,47 @@ mod run_fleet {
     }
 }
 mod tools;
+#[test]
+fn the_approvals_api_goes_on_unmetered_with_the_key_s_approver_scopes_vouched() {
+    let config = json!({
+        "orgs": [{"id": "acme", "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
+            {"id": "ops", "sha256": hash_key(KEY), "approves": ["acme/w"]},
+            {"id": "dev", "sha256": hash_key("sk-weir-dev-0123456789")}]}]}]}],
+        "routes": {"default": {"mode": "enforce"}},
+    });
+    let config = Config::parse(config.to_string().as_bytes()).unwrap();
+    let gw = Rc::new(Gateway::new(config, None, Metrics::default()));
+    let host = Mock::new(None);
+    configured(&gw, &host);
+    let ask = |key: &str, method: &str, path: &str| {
+        let mut x = Exchange::new(Rc::clone(&gw));
+        *host.request_headers.borrow_mut() = pairs(&[
+            (":method", method),
+            (":path", path),
+            ("authorization", &format!("Bearer {key}")),
+        ]);
+        let action = x.on_headers(&host, true);
+        x.on_log(&host);
+        (action, host.header(Side::Request, "x-weir-approves"))
+    };
+    let approve = "/v1/weir/approvals/apr_x/approve";
+    assert_eq!(
+        ask(KEY, "POST", approve),
+        (Action::Continue, Some("acme/w".to_owned()))
+    );
+    assert_eq!(
+        host.header(Side::Request, "x-weir-tenant").as_deref(),
+        Some("acme/w/p/ops")
+    );
+    // A key that approves nothing is forwarded without scopes: the sidecar refuses it.
+    let dev = ask("sk-weir-dev-0123456789", "GET", "/v1/weir/approvals");
+    assert_eq!(dev, (Action::Continue, None));
+    // A forged header is stripped, the wrong method refused, an unknown key refused.
+    *host.reply.borrow_mut() = None;
+    let (_, scopes) = ask("sk-weir-nobody-000000000", "GET", "/v1/weir/approvals");
+    assert_eq!(scopes, None);
+    assert_eq!(host.reply.borrow().as_ref().map(|r| r.0), Some(401));
+    *host.reply.borrow_mut() = None;
+    ask(KEY, "GET", approve);
+    assert_eq!(host.reply.borrow().as_ref().map(|r| r.0), Some(405));
+}

@@ -43,7 +43,7 @@ pub fn router(app: Arc<App>) -> Router {
             ),
         );
     }
-    router
+    crate::http::approvals::routes(router)
         .route(weir_core::fleet::PATH, post(leases))
         .merge(crate::http::runs::routes())
         .fallback(|headers: HeaderMap| async move {
@@ -168,6 +168,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
     let mut p = match prepare(&app, endpoint, &headers, body).await {
         Ok(p) => p,
         Err(Turned::Replayed(stored)) => return replayed(stored),
+        Err(Turned::Answered(answer)) => return *answer,
         Err(Turned::Refused(error, pool)) => {
             return error_response(&error, shape, app.backoff.retry_after_s(pool));
         }
@@ -220,6 +221,7 @@ async fn serve(app: Arc<App>, endpoint: Endpoint, headers: HeaderMap, body: Body
         deadline_ms: p.deadline_ms,
         hide_usage: p.hide_usage,
         continuation,
+        approval: p.approval,
     };
     let flight = Flight::new(app, attempt, assignment, p.claim);
     let mut resp = relay(flight, endpoint.path(), body, p.stream, engine_request_id).await;

@@ -56,6 +56,8 @@ pub struct App {
     pub backoff: Backoff,
     /// The output KV admission holds per request, learned per tenant and pool.
     pub predictions: Predictions,
+    /// Tool calls held for an approver ([`crate::approvals`]).
+    pub approvals: crate::approvals::Approvals,
     /// The quota service's store, when the config has a `quota` section ([`crate::quota`]).
     pub quota: Option<Store>,
     /// Turns true when the shutdown grace period ends: every request still running is ended

@@ -16,12 +16,13 @@ use weir_core::request::fields::answers_asked;
 use weir_core::rewrite::Rewrite;
 use weir_core::tokens::Encoding;
 
+use crate::approvals;
 use crate::dispatch::{Assignment, Job, Refusal};
 use crate::intake::app::{App, Route};
 use crate::intake::demand::{self, Demand};
 use crate::intake::idempotency::{self, Claim, Claimed, StoredResponse};
 use crate::intake::trust::Trusted;
-use crate::relay::resume;
+use crate::relay::{Watch, resume};
 use crate::replica::pool::affinity_key;
 use crate::support::clock::now_ms;
 
@@ -48,6 +49,8 @@ pub struct Prepared {
     pub affinity: u64,
     /// Until when it may wait for dispatch (Unix ms), counted from the body's arrival.
     pub deadline_ms: u64,
+    /// The watch for calls that wait for an approver, when the filter vouched patterns.
+    pub approval: Option<Watch>,
 }
 
 /// Why a request goes no further than its intake.
@@ -57,6 +60,9 @@ pub enum Turned {
     Refused(ApiError, Option<usize>),
     /// A duplicate of a completed request: its response, again.
     Replayed(StoredResponse),
+    /// Answered here, the engine not run: a re-send naming an approval
+    /// ([`crate::approvals`]), its approved call or why not.
+    Answered(Box<axum::response::Response>),
 }
 
 /// Makes `body`, sent to `endpoint` with `headers`, ready to queue; every refusal is counted
@@ -84,6 +90,7 @@ pub async fn prepare(
     let deadline_ms = now_ms().saturating_add(*app.queue_deadline_ms.load());
     let mut value = serde_json::from_slice::<Value>(&body)
         .map_err(|_| Turned::Refused(ApiError::bad_request("malformed JSON"), None))?;
+    redeem(app, endpoint, headers, &who, (&body, &value))?;
     // The front door refuses these only where it enforces (not on `off` or `shadow` routes,
     // nor outside a rollout's share): as the last hop, the sidecar refuses them on every route,
     // or a tenant who learned another's response id would read that conversation.
@@ -114,6 +121,7 @@ pub async fn prepare(
         who.priority == Priority::Batch && resume::resumable(endpoint, &value, stream);
     let output_held = output_held(app, &who.tenant, pool, &demand, sequences);
     let kv_need = demand.input_tokens.saturating_add(output_held);
+    let approval = Watch::of(&who, endpoint, || approvals::request_sha256(&body));
     Ok(Prepared {
         who,
         model,
@@ -130,7 +138,39 @@ pub async fn prepare(
         kv_need,
         affinity,
         deadline_ms,
+        approval,
     })
+}
+
+/// A re-send naming an approval (`weir-approval-id`) is answered here, before it is queued:
+/// with the approved call, bound to the tenant, the run and the request's body, delivered once
+/// ([`crate::approvals::Approvals::redeem`]), or with why not. The engine does not run for it
+/// and no record is written, so nothing is billed twice.
+fn redeem(
+    app: &App,
+    endpoint: Endpoint,
+    headers: &HeaderMap,
+    who: &Trusted,
+    (body, value): (&[u8], &Value),
+) -> Result<(), Turned> {
+    let Some(id) = headers.get(approvals::APPROVAL_ID) else {
+        return Ok(());
+    };
+    let claim = approvals::Claim {
+        tenant: &who.tenant,
+        run_id: who.run_id.as_deref(),
+        id: id.to_str().unwrap_or_default(),
+        request_sha256: approvals::request_sha256(body),
+    };
+    let answer = match app.approvals.redeem(claim, value, now_ms()) {
+        Ok(delivered) => delivered,
+        Err(error) => {
+            app.metrics
+                .reject(error.code.unwrap_or("approval"), &who.tenant, error.status);
+            approvals::refusal_response(&error, endpoint.error_shape())
+        }
+    };
+    Err(Turned::Answered(Box::new(answer)))
 }
 
 /// The tenant's prefix affinity: its first `prefix_bytes` of the prompt, as sent.

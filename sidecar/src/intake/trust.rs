@@ -40,9 +40,14 @@ pub struct Trusted {
     pub route: Option<String>,
     pub mode: Option<String>,
     /// The run the call belongs to and the agent that made it, when the request named a run
-    /// (the filter vouches the caller's ids): the ledger records them.
+    /// (the filter vouches the caller's ids): the ledger records them, and an approval is
+    /// bound to the run.
     pub run_id: Option<String>,
     pub agent: Option<String>,
+    /// The tool patterns whose calls wait for an approver (`x-weir-tool-approval`).
+    pub tool_approval: Vec<String>,
+    /// On weir's approvals API: the tenant subtrees the key approves for (`x-weir-approves`).
+    pub approves: Vec<String>,
 }
 
 /// `x-weir-*` headers as (name, value).
@@ -291,6 +296,14 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
         )?,
         run_id: optional(trusted::RUN_ID, is_run_name, "is not a run id")?,
         agent: optional(trusted::AGENT, is_run_name, "is not an agent name")?,
+        tool_approval: list(get(trusted::TOOL_APPROVAL), trusted::TOOL_APPROVAL, |p| {
+            weir_core::config::malformed_tool_pattern(p).is_none()
+        })?,
+        approves: list(
+            get(trusted::APPROVES),
+            trusted::APPROVES,
+            trusted::is_tenant_path,
+        )?,
     })
 }
 
@@ -298,6 +311,27 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
 /// [`weir_core::run::identity::MAX_ID_LEN`] visible ASCII characters.
 fn is_run_name(name: &str) -> bool {
     trusted::is_id(name) && name.len() <= weir_core::run::identity::MAX_ID_LEN
+}
+
+/// A comma-separated list of values each `ok`, or empty when the header is absent (the tool
+/// approval patterns, the approver scopes).
+fn list(
+    value: Option<&str>,
+    name: &'static str,
+    ok: fn(&str) -> bool,
+) -> Result<Vec<String>, ApiError> {
+    let Some(value) = value else {
+        return Ok(Vec::new());
+    };
+    let items: Vec<String> = value.split(',').map(str::to_owned).collect();
+    if items.iter().all(|i| ok(i)) {
+        Ok(items)
+    } else {
+        Err(invalid(
+            name,
+            "is not a comma-separated list of valid entries",
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -367,15 +401,20 @@ mod tests {
         assert_eq!(who.prices, None, "no prices: the record is not priced");
         assert_eq!((who.route, who.mode), (None, None), "an older filter's");
         assert_eq!((who.run_id, who.agent), (None, None), "no run named");
+        assert_eq!((who.tool_approval.len(), who.approves.len()), (0, 0));
         let mut run = base();
         run[4].1 = "weir-run".into();
         run.push((trusted::RUN_ID, "run-7/step:a".into()));
         run.push((trusted::AGENT, "planner".into()));
+        run.push((trusted::TOOL_APPROVAL, "deploy_*,send_email".into()));
+        run.push((trusted::APPROVES, "acme,acme/lab".into()));
         let who = trust().check(&signed(SECRET, &run, 2_000), 1_000).unwrap();
         assert_eq!(
             (who.run_id.as_deref(), who.agent.as_deref()),
             (Some("run-7/step:a"), Some("planner"))
         );
+        assert_eq!(who.tool_approval, ["deploy_*", "send_email"]);
+        assert_eq!(who.approves, ["acme", "acme/lab"]);
         let mut routed = base();
         routed[4].1 = "weir-routed".into();
         routed.push((trusted::ROUTE, "llm-api".into()));
@@ -455,6 +494,9 @@ mod tests {
             (trusted::RUN_ID, ""),
             (trusted::AGENT, "plan ner"),
             (trusted::RUN_ID, long_run.as_str()),
+            (trusted::TOOL_APPROVAL, "deploy_*,,x"),
+            (trusted::TOOL_APPROVAL, "rm -rf"),
+            (trusted::APPROVES, "acme,../x"),
         ] {
             let mut fields = base();
             fields.retain(|(n, _)| *n != name);

@@ -4,6 +4,7 @@
 //! Labels carry tenant paths cut to the configured depth ([`TenantDepth`]), replica URLs and
 //! fixed names only: never a key, never content.
 
+pub mod approvals;
 pub mod gen_ai;
 pub mod instrument;
 pub mod otlp;
@@ -20,6 +21,7 @@ use crate::config::metrics::{MetricsConfig, TenantDepth};
 use crate::isolation::Isolation;
 use crate::ledger::LedgerGauges;
 use crate::quota::QuotaMetrics;
+use approvals::ApprovalMetrics;
 use instrument::{HistogramUnit, Maker};
 
 pub mod buckets {
@@ -70,6 +72,7 @@ pub struct Metrics {
     pub replica_first_byte_timeouts: Counter,
     pub replica_cache_isolation: IntGauge,
     pub output_prediction_ratio: Histogram,
+    pub approvals: ApprovalMetrics,
     pub gen_ai: GenAi,
     pub ledger: LedgerGauges,
     pub quota: QuotaMetrics,
@@ -129,6 +132,7 @@ struct Weir {
     service: Service,
     replicas: Replicas,
     output_prediction_ratio: Histogram,
+    approvals: ApprovalMetrics,
 }
 
 impl Weir {
@@ -143,6 +147,7 @@ impl Weir {
                 HistogramUnit::Annotation("1"),
                 &buckets::PREDICTION_RATIO,
             ),
+            approvals: ApprovalMetrics::register(m),
         }
     }
 }
@@ -360,6 +365,7 @@ impl Metrics {
             service,
             replicas,
             output_prediction_ratio,
+            approvals,
         } = weir;
         Metrics {
             depth: config.tenant_depth,
@@ -396,6 +402,7 @@ impl Metrics {
             replica_first_byte_timeouts: replicas.replica_first_byte_timeouts,
             replica_cache_isolation: replicas.replica_cache_isolation,
             output_prediction_ratio,
+            approvals,
             gen_ai,
             ledger,
             quota,

@@ -107,6 +107,7 @@ fn metered(flight: &mut Flight, bytes: &Bytes) -> Option<BodyUsage> {
     meter.feed(bytes);
     flight.meter.tools.whole(bytes);
     flight.keep(bytes);
+    flight.hold_body_calls(bytes);
     flight.meter.streamed = false;
     Some(meter.finish()).filter(|u| !matches!(u, BodyUsage::Unknown))
 }

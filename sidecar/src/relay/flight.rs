@@ -17,6 +17,7 @@ use crate::dispatch::Assignment;
 use crate::intake::app::App;
 use crate::intake::idempotency::Claim;
 use crate::intake::trust::Trusted;
+use crate::relay::approval::Watch;
 use crate::relay::capture::Capture;
 use crate::relay::figures::Figures;
 use crate::relay::hold::Hold;
@@ -49,6 +50,8 @@ pub struct Attempt {
     pub hide_usage: bool,
     /// How to resume the stream if it is preempted ([`crate::relay::resume`]; preemptible requests only).
     pub continuation: Option<Continuation>,
+    /// The watch for calls that wait for an approver (requests with approval patterns only).
+    pub approval: Option<Watch>,
 }
 
 /// What a preemptible stream needs to go on after preemption: the body as sent (before a
@@ -81,6 +84,8 @@ pub struct Flight {
     pub(super) continuation: Option<Continuation>,
     /// What the attempt was billed, once it is settled (settled once: [`Flight::finish`]).
     pub(super) settled: Option<Bill>,
+    /// The answer's calls that wait for an approver, held as they complete.
+    pub(super) approval: Option<Watch>,
 }
 
 impl Flight {
@@ -113,6 +118,7 @@ impl Flight {
             continuation: attempt.continuation,
             who: attempt.who,
             settled: None,
+            approval: attempt.approval,
         }
     }
 
@@ -120,6 +126,9 @@ impl Flight {
     /// unless weir asked for the usage chunk, which is then held back).
     pub(super) fn observe(&mut self, chunk: &Bytes) -> Bytes {
         self.figures.chunk(&self.app.metrics, &self.who.tenant);
+        if let Some(watch) = &mut self.approval {
+            watch.hold_streamed(chunk, (&self.app.approvals, &self.who, &self.model));
+        }
         let out = self.meter.feed(chunk);
         self.keep(&out);
         if let Some(usage) = self.meter.stream.usage() {
@@ -130,6 +139,13 @@ impl Flight {
             self.charge(served);
         }
         out
+    }
+
+    /// Holds the approval-class calls of an answer read whole ([`Watch`]).
+    pub(super) fn hold_body_calls(&self, body: &[u8]) {
+        if let Some(watch) = &self.approval {
+            watch.hold_body(body, (&self.app.approvals, &self.who, &self.model));
+        }
     }
 
     /// Meters what the meter still holds once the stream has ended; returns what of it the

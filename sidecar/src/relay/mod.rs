@@ -17,7 +17,8 @@
 //!
 //! The relay is in parts, each importing only those listed before it:
 //! - the flight's parts, one per job: `hold` (KV accounting), `meter` (what is billed),
-//!   `figures` (latencies), `capture` (idempotency), `learn` (the prediction), and the leaves
+//!   `figures` (latencies), `capture` (idempotency), `learn` (the prediction), `approval`
+//!   (calls held for an approver), and the leaves
 //!   `engine` (the request and its answer's headers), `grace` (the shutdown cut), `body` (the
 //!   hand-over to the response body), `watch` (the pump's timer), [`resume`] (a continuation's
 //!   body and splice), [`stream_end`] (weir's closing event);
@@ -29,6 +30,7 @@
 //! - this module: the relay's steps, from dispatch to the first answer.
 
 mod answer;
+mod approval;
 mod body;
 mod capture;
 mod engine;
@@ -55,6 +57,7 @@ use axum::response::Response;
 use futures::StreamExt;
 use tokio::time::Instant as TokioInstant;
 
+pub use crate::relay::approval::Watch;
 pub use crate::relay::engine::TRACE_ID;
 pub use crate::relay::flight::{Attempt, Continuation, Flight};
 

@@ -43,7 +43,9 @@ fn rig(client_stall_ms: u64) -> Rig {
     let (draining, draining_rx) = tokio::sync::watch::channel(false);
     let (_waits, waits) =
         tokio::sync::watch::channel(Arc::new(crate::support::backoff::Waits::default()));
+    let approvals = crate::approvals::Approvals::new(Default::default(), metrics.clone());
     let app = Arc::new(App {
+        approvals,
         events: events_tx,
         ledger_reader: crate::ledger::Reader::open(&path, None).unwrap(),
         metrics,
@@ -96,6 +98,8 @@ fn flight_of(rig: &Rig, endpoint: Endpoint, hide_usage: bool) -> Flight {
             mode: Some("shadow".into()),
             run_id: None,
             agent: None,
+            tool_approval: Vec::new(),
+            approves: Vec::new(),
         },
         model: "m".into(),
         input_tokens: 10,
@@ -107,6 +111,7 @@ fn flight_of(rig: &Rig, endpoint: Endpoint, hide_usage: bool) -> Flight {
         deadline_ms: u64::MAX,
         hide_usage,
         continuation: None,
+        approval: None,
     };
     let assignment = Assignment::for_tests(rig.app.events.clone(), 110, None);
     Flight::new(rig.app.clone(), attempt, assignment, None)
@@ -1124,5 +1129,45 @@ async fn metrics_have_no_run_label() {
     );
     for never in ["run-7f3a", "planner-9", "run=", "run_id=", "agent="] {
         assert!(!text.contains(never), "{never} in the metrics:\n{text}");
+    }
+}
+
+/// A call to an approval-class tool is held by the time the client is handed the event that
+/// completes it (the filter then names a stored approval), and not before its arguments are
+/// whole.
+#[tokio::test]
+async fn record_precedes_completing_event() {
+    let rig = rig(5_000);
+    let mut flight = flight(&rig, false);
+    flight.who.tool_approval = vec!["deploy_*".into()];
+    flight.approval = Watch::of(&flight.who, Endpoint::ChatCompletions, || [1; 32]);
+    let Running {
+        feed, mut client, ..
+    } = run(flight, LONG);
+    let events = [
+        r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"deploy_prod","arguments":"{\"env\":"}}]}}]}"#,
+        r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"prod\"}"}}]}}]}"#,
+        r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+    ];
+    let id = weir_core::tools::approval_id("r1", 0, "call_1");
+    let ops = crate::approvals::Approver {
+        tenant: "ops".into(),
+        scopes: vec!["t".into()],
+    };
+    let held = || {
+        (rig.app.approvals)
+            .get(&ops, &id, crate::support::clock::now_ms())
+            .map(|a| a.call.arguments)
+    };
+    for (i, event) in events.iter().enumerate() {
+        feed.unbounded_send(Ok(Bytes::from(format!("data: {event}\n\n"))))
+            .unwrap();
+        let Some(Piece::Chunk(chunk)) = client.recv().await else {
+            panic!("event {i} relayed");
+        };
+        let completing = String::from_utf8_lossy(&chunk).contains("finish_reason");
+        assert_eq!(completing, i == 2);
+        let expected = completing.then(|| r#"{"env":"prod"}"#.to_owned());
+        assert_eq!(held(), expected, "event {i}");
     }
 }

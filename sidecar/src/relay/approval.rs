@@ -1,0 +1,174 @@
+//! The calls an answer makes to tools that wait for an approver, held ([`crate::approvals`])
+//! as the answer passes: a stream is framed into whole events and read by the same
+//! [`ToolScan`] as the filter's, a whole body by [`body_calls`]. A call is held once it is
+//! complete, in the step that reads the event completing it — before that event is handed on
+//! towards the client, so the filter's `approval_required` always names a stored approval.
+
+use weir_core::config::tool_matches;
+use weir_core::endpoint::Endpoint;
+use weir_core::sse::event_end;
+use weir_core::tools::{MAX_HELD_BYTES, ToolCall, ToolScan, approval_id, body_calls};
+
+use crate::approvals::{Approvals, HeldCall};
+use crate::intake::trust::Trusted;
+use crate::support::clock::now_ms;
+
+/// Where a watch holds calls: the store, the caller, the model that answered.
+pub type Holding<'a> = (&'a Approvals, &'a Trusted, &'a str);
+
+/// What an answer's calls are watched with: a request with tool approval patterns vouched.
+pub struct Watch {
+    endpoint: Endpoint,
+    scan: ToolScan,
+    /// The start of an event not whole yet.
+    partial: Vec<u8>,
+    /// SHA-256 of the request body: a re-send must be the same request.
+    request_sha256: [u8; 32],
+    /// Calls (by choice and index) already held, or given up on.
+    done: Vec<(u32, u32)>,
+    /// An event grew past what is held: the rest is not read (its calls are never held, so
+    /// never delivered).
+    overflowed: bool,
+}
+
+impl Watch {
+    /// A watch for a request whose trusted headers name tool approval patterns;
+    /// `request_sha256` fingerprints its body (drawn only then).
+    pub fn of(
+        who: &Trusted,
+        endpoint: Endpoint,
+        request_sha256: impl FnOnce() -> [u8; 32],
+    ) -> Option<Watch> {
+        (!who.tool_approval.is_empty()).then(|| Watch {
+            endpoint,
+            scan: ToolScan::new(endpoint),
+            partial: Vec::new(),
+            request_sha256: request_sha256(),
+            done: Vec::new(),
+            overflowed: false,
+        })
+    }
+
+    /// Reads a chunk of the stream; the calls it completes, each once.
+    fn stream(&mut self, chunk: &[u8]) -> Vec<ToolCall> {
+        if self.overflowed {
+            return Vec::new();
+        }
+        self.partial.extend_from_slice(chunk);
+        let mut completed = Vec::new();
+        while let Some(end) = event_end(&self.partial) {
+            let event: Vec<u8> = self.partial.drain(..end).collect();
+            self.scan.observe(&event);
+            let calls: Vec<ToolCall> = self.scan.completed().cloned().collect();
+            completed.extend(calls.into_iter().filter(|c| self.first_time(c)));
+        }
+        if self.partial.len() > MAX_HELD_BYTES {
+            self.overflowed = true;
+            self.partial = Vec::new();
+        }
+        completed
+    }
+
+    fn first_time(&mut self, call: &ToolCall) -> bool {
+        let at = (call.choice, call.index);
+        let first = !self.done.contains(&at);
+        if first {
+            self.done.push(at);
+        }
+        first
+    }
+}
+
+impl Watch {
+    /// Holds the approval-class calls a chunk of the stream completes.
+    pub fn hold_streamed(&mut self, chunk: &[u8], at: Holding<'_>) {
+        let calls = self.stream(chunk);
+        self.hold(&calls, at);
+    }
+
+    /// Holds the approval-class calls of an answer read whole.
+    pub fn hold_body(&self, body: &[u8], at: Holding<'_>) {
+        let calls = body_calls(self.endpoint, body).unwrap_or_default();
+        self.hold(&calls, at);
+    }
+
+    fn hold(&self, calls: &[ToolCall], (approvals, who, model): Holding<'_>) {
+        let wanted = |name: &str| who.tool_approval.iter().any(|p| tool_matches(p, name));
+        for call in calls.iter().filter(|c| !c.truncated && wanted(&c.name)) {
+            let id = approval_id(&who.request_id, call.index, &call.id);
+            let held = HeldCall::new(self.endpoint, model, &call.id, &call.name, &call.arguments);
+            let bound = (who.tenant.as_str(), who.run_id.as_deref());
+            // Past the tenant's pending bound the call is not held (counted as `capacity`):
+            // its re-send finds no approval, so it is never delivered.
+            let _ = approvals.hold(&id, bound, self.request_sha256, held, now_ms());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn who() -> Trusted {
+        Trusted {
+            tenant: "agentco/w/p/agent".into(),
+            request_id: "weir-1".into(),
+            idempotency_key: None,
+            tier: "standard".into(),
+            weights: vec![1.0; 4],
+            priority: Default::default(),
+            kv_cap: None,
+            models: None,
+            prices: None,
+            route: None,
+            mode: None,
+            run_id: Some("r1".into()),
+            agent: None,
+            tool_approval: vec!["deploy_*".into()],
+            approves: Vec::new(),
+        }
+    }
+
+    /// The call is complete, and so held, at the chunk carrying its completing event, however
+    /// the stream is cut: never later (the event would reach the client, and the filter would
+    /// name an approval not stored yet), never earlier (its arguments would be partial).
+    #[test]
+    fn record_precedes_completing_event() {
+        let events = [
+            r#"data: {"choices":[{"index":0,"delta":{"role":"assistant","tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"deploy_","arguments":""}}]}}]}"#,
+            r#"data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"name":"prod"}}]}}]}"#,
+            r#"data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"env\":"}}]}}]}"#,
+            r#"data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"prod\"}"}}]}}]}"#,
+            r#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "data: [DONE]",
+        ];
+        let stream: String = events.iter().map(|e| format!("{e}\n\n")).collect();
+        let completing = stream.find(r#""finish_reason""#).unwrap();
+        let completing_end = completing + stream[completing..].find("\n\n").unwrap() + 2;
+        for cut in 1..stream.len() {
+            let mut watch = Watch::of(&who(), Endpoint::ChatCompletions, || [0; 32]).unwrap();
+            let (a, b) = stream.as_bytes().split_at(cut);
+            let first = watch.stream(a);
+            let second = watch.stream(b);
+            let (held, at) = match (first.as_slice(), second.as_slice()) {
+                ([call], []) => (call, "first"),
+                ([], [call]) => (call, "second"),
+                other => panic!("cut {cut}: {other:?}"),
+            };
+            assert_eq!(
+                at == "first",
+                cut >= completing_end,
+                "cut {cut}: held with the chunk completing the call"
+            );
+            assert_eq!(held.name, "deploy_prod");
+            assert_eq!(held.arguments, r#"{"env":"prod"}"#);
+        }
+    }
+
+    #[test]
+    fn requests_without_approval_patterns_are_not_watched() {
+        let mut plain = who();
+        plain.tool_approval.clear();
+        assert!(Watch::of(&plain, Endpoint::ChatCompletions, || [0; 32]).is_none());
+    }
+}
