@@ -22,6 +22,8 @@ pub mod identity;
 pub mod table;
 
 #[cfg(test)]
+mod attacks;
+#[cfg(test)]
 mod tests;
 
 use crate::config::{RunBudgets, Tenant};

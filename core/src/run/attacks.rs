@@ -1,0 +1,127 @@
+//! The attacker pass on agent runs (issue 30, acceptance 8): each test shows a flaw on the code
+//! as it stands and is ignored until the flaw is fixed (`#[ignore = "attack: …"]`).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use super::*;
+use crate::config::Config;
+use crate::store::StoreError;
+
+/// Envoy's shared data on one thread: a write with no CAS token is unconditional, one whose
+/// key is absent is an insert (Envoy compares tokens only on a key that exists).
+#[derive(Default)]
+struct Memory(RefCell<HashMap<String, (Vec<u8>, u32)>>);
+
+impl SharedStore for Memory {
+    fn load(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        self.0.borrow().get(key).cloned()
+    }
+
+    fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        let mut data = self.0.borrow_mut();
+        let current = data.get(key).map(|(_, c)| *c);
+        if let (Some(cas), Some(current)) = (cas, current)
+            && cas != current
+        {
+            return Err(StoreError::CasMismatch);
+        }
+        data.insert(key.to_owned(), (value.to_vec(), current.unwrap_or(0) + 1));
+        Ok(())
+    }
+}
+
+/// A worker still in `on_configure` while another already serves: when this worker's
+/// `create` finds a slot absent, `meanwhile` runs (the other worker creates the table and
+/// admits a call) before this worker's write lands.
+struct LateWorker<'s> {
+    store: &'s Memory,
+    meanwhile: RefCell<Option<Box<dyn FnOnce(&Memory) + 's>>>,
+}
+
+impl SharedStore for LateWorker<'_> {
+    fn load(&self, key: &str) -> Option<(Vec<u8>, u32)> {
+        let value = self.store.load(key);
+        if value.is_none()
+            && let Some(other) = self.meanwhile.borrow_mut().take()
+        {
+            other(self.store);
+        }
+        value
+    }
+
+    fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
+        self.store.store(key, value, cas)
+    }
+}
+
+fn tenant(budgets: &str) -> Tenant {
+    let h = "c".repeat(64);
+    let json = format!(
+        r#"{{"orgs": [{{"id": "agentco", "workspaces": [{{"id": "w", "projects": [{{"id": "p",
+            "keys": [{{"id": "k", "sha256": "{h}",
+                       "policy": {{"runs": {{"budgets": {budgets}}}}}}}]}}]}}]}}]}}"#
+    );
+    let config = Config::parse(json.as_bytes()).unwrap();
+    config.directory().lookup(&h).unwrap().as_ref().clone()
+}
+
+fn one_call(id: u64) -> RunDemand {
+    RunDemand {
+        counts: Counts {
+            model_calls: 1,
+            ..Counts::default()
+        },
+        call: SlotLease { id, ttl_ms: 30_000 },
+    }
+}
+
+/// `create` writes an absent slot unconditionally, on the claim that no request can use it
+/// yet; but Envoy configures each worker's VM on its own, and a config that turns runs on for
+/// a key (or the first load, with many keys × 256 slots to write) leaves a window in which
+/// one worker serves while another is still creating. The late worker's empty slot then
+/// lands over a live run: the run's used calls are forgotten and its budget starts again.
+#[test]
+#[ignore = "attack: a worker still creating the run table wipes a run another worker admitted"]
+fn attack_a_late_worker_s_create_wipes_a_live_run() {
+    let t = tenant(r#"{"model_calls": 1}"#);
+    let table = RunTable::new(4, 60_000); // one slot: every run lives in it
+    let r = RunKey::new(t.path(), None, "r1").unwrap();
+    let memory = Memory::default();
+    let late = LateWorker {
+        store: &memory,
+        meanwhile: RefCell::new(Some(Box::new(|store: &Memory| {
+            create(store, [&t], table);
+            reserve(store, &t, &table, &r, one_call(1), 1_000).unwrap();
+        }))),
+    };
+    create(&late, [&t], table);
+    let second = reserve(&memory, &t, &table, &r, one_call(2), 1_001);
+    assert!(
+        matches!(second, Err(RunRefusal::Budget(_))),
+        "the run's one model call was used, yet a second was admitted: {second:?}"
+    );
+}
+
+/// A route's `run_id_header` may name the caller's credential (`authorization`, `x-api-key`,
+/// `cookie`): the filter then reads the API key as the run id, vouches it to the sidecar, the
+/// ledger stores it in its run column and `weir usage --by run` prints it, and every refusal
+/// echoes it. Validation refuses only `x-weir-*` names.
+#[test]
+#[ignore = "attack: run_id_header may name a credential header, putting API keys in the ledger"]
+fn attack_a_credential_header_may_name_runs() {
+    for header in [
+        "authorization",
+        "x-api-key",
+        "cookie",
+        "proxy-authorization",
+    ] {
+        let json = format!(
+            r#"{{"routes": {{"by_name": {{"llm": {{"mode": "enforce", "run_id_header": "{header}"}}}}}}}}"#
+        );
+        assert!(
+            Config::parse(json.as_bytes()).is_err(),
+            "run_id_header {header:?} was accepted"
+        );
+    }
+}
