@@ -125,3 +125,25 @@ fn attack_a_credential_header_may_name_runs() {
         );
     }
 }
+
+/// `policy.runs.fleet_wide` is accepted, and promises a run's budget across every Envoy of the
+/// fleet, failing closed; nothing reads it (no field of `Tenant` carries it, the filter keeps
+/// runs only in its Envoy's shared data), and it is accepted even with no `fleet` section,
+/// where `limits.fleet_wide` is refused. With N Envoys a run gets N times its budget, and the
+/// config said otherwise.
+#[test]
+#[ignore = "attack: runs.fleet_wide is accepted but runs stay per Envoy"]
+fn attack_runs_fleet_wide_is_accepted_and_does_nothing() {
+    let h = "c".repeat(64);
+    let json = format!(
+        r#"{{"orgs": [{{"id": "agentco", "policy": {{"runs": {{
+                "budgets": {{"model_calls": 10}},
+                "fleet_wide": {{"model_calls": "fail_closed"}}}}}},
+            "workspaces": [{{"id": "w", "projects": [{{"id": "p",
+            "keys": [{{"id": "k", "sha256": "{h}"}}]}}]}}]}}]}}"#
+    );
+    assert!(
+        Config::parse(json.as_bytes()).is_err(),
+        "a fleet-wide run budget was accepted with no fleet to hold it across"
+    );
+}

@@ -115,3 +115,40 @@ fn attack_require_run_id_without_budgets_requires_nothing() {
         (400, Some("run_id_required"))
     );
 }
+
+/// A run's `retries` budget is accepted and documented but holds nothing: the filter never
+/// marks a call as a retry (`Exchange::retry` is never set), so a run may repeat one call (the
+/// same body, the same `Idempotency-Key`) as often as its other budgets allow.
+#[test]
+#[ignore = "attack: the run's retries budget is never charged"]
+fn attack_a_run_s_retries_budget_holds_nothing() {
+    let (gw, host) = gateway_with_runs(json!({"budgets": {"retries": 1}}));
+    let mut refused = None;
+    for _ in 0..3 {
+        *host.reply.borrow_mut() = None;
+        let mut x = Exchange::new(Rc::clone(&gw));
+        let auth = format!("Bearer {KEY}");
+        *host.request_headers.borrow_mut() = pairs(&[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("authorization", &auth),
+            ("x-weir-run-id", "r1"),
+            ("idempotency-key", "step-1"),
+        ]);
+        x.on_headers(&host, false);
+        if host.reply.borrow().is_none() {
+            body_arrives(&mut x, &host, chat(Some(10)));
+        }
+        if let Some((_, body)) = host.replied() {
+            refused = body["error"]["budget"].as_str().map(str::to_owned);
+        } else {
+            answered(&mut x, &host, 5, 5);
+        }
+        x.on_log(&host);
+    }
+    assert_eq!(
+        refused.as_deref(),
+        Some("retries"),
+        "the same call three times passed a run budget of 1 retry"
+    );
+}
