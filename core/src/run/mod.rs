@@ -22,8 +22,6 @@ pub mod identity;
 pub mod table;
 
 #[cfg(test)]
-mod attacks;
-#[cfg(test)]
 mod tests;
 
 use crate::config::{RunBudgets, Tenant};

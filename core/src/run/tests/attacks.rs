@@ -2,42 +2,19 @@
 //! as it stands and is ignored until the flaw is fixed (`#[ignore = "attack: …"]`).
 
 use std::cell::RefCell;
-use std::collections::HashMap;
 
 use super::*;
-use crate::config::Config;
-use crate::store::StoreError;
-
-/// Envoy's shared data on one thread: a write with no CAS token is unconditional, one whose
-/// key is absent is an insert (Envoy compares tokens only on a key that exists).
-#[derive(Default)]
-struct Memory(RefCell<HashMap<String, (Vec<u8>, u32)>>);
-
-impl SharedStore for Memory {
-    fn load(&self, key: &str) -> Option<(Vec<u8>, u32)> {
-        self.0.borrow().get(key).cloned()
-    }
-
-    fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
-        let mut data = self.0.borrow_mut();
-        let current = data.get(key).map(|(_, c)| *c);
-        if let (Some(cas), Some(current)) = (cas, current)
-            && cas != current
-        {
-            return Err(StoreError::CasMismatch);
-        }
-        data.insert(key.to_owned(), (value.to_vec(), current.unwrap_or(0) + 1));
-        Ok(())
-    }
-}
 
 /// A worker still in `on_configure` while another already serves: when this worker's
 /// `create` finds a slot absent, `meanwhile` runs (the other worker creates the table and
 /// admits a call) before this worker's write lands.
 struct LateWorker<'s> {
-    store: &'s Memory,
-    meanwhile: RefCell<Option<Box<dyn FnOnce(&Memory) + 's>>>,
+    store: &'s Shared,
+    meanwhile: RefCell<Option<Meanwhile<'s>>>,
 }
+
+/// What the other worker does while this one is between its load and its write.
+type Meanwhile<'s> = Box<dyn FnOnce(&Shared) + 's>;
 
 impl SharedStore for LateWorker<'_> {
     fn load(&self, key: &str) -> Option<(Vec<u8>, u32)> {
@@ -53,17 +30,6 @@ impl SharedStore for LateWorker<'_> {
     fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         self.store.store(key, value, cas)
     }
-}
-
-fn tenant(budgets: &str) -> Tenant {
-    let h = "c".repeat(64);
-    let json = format!(
-        r#"{{"orgs": [{{"id": "agentco", "workspaces": [{{"id": "w", "projects": [{{"id": "p",
-            "keys": [{{"id": "k", "sha256": "{h}",
-                       "policy": {{"runs": {{"budgets": {budgets}}}}}}}]}}]}}]}}]}}"#
-    );
-    let config = Config::parse(json.as_bytes()).unwrap();
-    config.directory().lookup(&h).unwrap().as_ref().clone()
 }
 
 fn one_call(id: u64) -> RunDemand {
@@ -84,13 +50,13 @@ fn one_call(id: u64) -> RunDemand {
 #[test]
 #[ignore = "attack: a worker still creating the run table wipes a run another worker admitted"]
 fn attack_a_late_worker_s_create_wipes_a_live_run() {
-    let t = tenant(r#"{"model_calls": 1}"#);
+    let t = tenant("k", r#"{"model_calls": 1}"#);
     let table = RunTable::new(4, 60_000); // one slot: every run lives in it
     let r = RunKey::new(t.path(), None, "r1").unwrap();
-    let memory = Memory::default();
+    let memory = Shared::default();
     let late = LateWorker {
         store: &memory,
-        meanwhile: RefCell::new(Some(Box::new(|store: &Memory| {
+        meanwhile: RefCell::new(Some(Box::new(|store: &Shared| {
             create(store, [&t], table);
             reserve(store, &t, &table, &r, one_call(1), 1_000).unwrap();
         }))),
