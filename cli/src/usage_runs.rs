@@ -141,6 +141,8 @@ pub fn table(runs: &[RunUsage]) -> String {
 }
 
 #[cfg(test)]
+mod attacks;
+#[cfg(test)]
 mod tests {
     use super::*;
     use weir_sidecar::ledger::{append, open, query};

@@ -6,6 +6,8 @@ use super::*;
 use crate::config::Config;
 use crate::store::StoreError;
 
+mod attacks;
+
 /// Shared data as Envoy keeps it, safe to share between threads: every load and store takes
 /// the lock, so a CAS fails exactly when another thread wrote in between. A load yields after
 /// reading, to widen the window in which another thread writes.

@@ -829,6 +829,7 @@ fn run_counters_are_counted_under_the_tenant_s_org() {
     );
 }
 
+mod run_attacks;
 /// A run's budgets held call by call: the run id taken from the caller, bound to its key,
 /// charged after the tenant's limits and settled on every exit.
 mod runs {
