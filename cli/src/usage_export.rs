@@ -95,10 +95,17 @@ pub fn optional(value: Option<impl ToString>) -> String {
 /// A field as RFC 4180 writes it: quoted, its quotes doubled, when it holds a comma, a quote or
 /// a line break.
 fn field(value: &str) -> String {
+    // A field a client chose (a run id, a model name) that a spreadsheet would read as a
+    // formula is written as text (OWASP's CSV injection advice).
+    let value = if value.starts_with(['=', '+', '-', '@', '\t', '\r']) {
+        format!("'{value}")
+    } else {
+        value.to_owned()
+    };
     if value.contains([',', '"', '\r', '\n']) {
         format!("\"{}\"", value.replace('"', "\"\""))
     } else {
-        value.to_owned()
+        value
     }
 }
 

@@ -56,6 +56,9 @@ pub struct Admitted {
     /// the prediction. Charging the prediction would let a key train it low and then get long
     /// unreadable answers for the price of short ones, without ever going into debt.
     pub unread_output: u64,
+    /// A limit bounds each answer (the request's, or one weir filled in): `unread_output` is
+    /// then a ceiling the engine is held to, not a guess.
+    pub output_bounded: bool,
     /// Answers the request asks for (each prompt of a completions batch).
     pub answers: u64,
     pub stream: bool,
@@ -130,6 +133,7 @@ pub fn admit(
         reserved_output,
         predicted,
         unread_output: unread_output(limits.per_answer, req.answers()),
+        output_bounded: limits.per_answer.is_some(),
         answers: req.answers(),
         stream,
         hide_usage_event: ask_usage,

@@ -900,7 +900,8 @@ pub(crate) mod tests {
             }
             let mut data = self.data.borrow_mut();
             let current = data.get(key).map(|(_, c)| *c);
-            if cas.is_some() && cas != current {
+            // An absent key is written whatever the token, as Envoy does.
+            if current.is_some() && cas.is_some() && cas != current {
                 return Err(StoreError::CasMismatch);
             }
             data.insert(key.to_owned(), (value.to_vec(), current.unwrap_or(0) + 1));

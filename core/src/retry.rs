@@ -88,8 +88,9 @@ pub fn prepare<'a>(store: &impl SharedStore, tenants: impl IntoIterator<Item = &
 pub fn create_shards(store: &impl SharedStore, key_path: &str) -> Result<(), StoreError> {
     let keys = (0..SHARDS).map(|shard| shard_key(key_path, shard));
     for key in keys.chain([streak_key(key_path)]) {
-        if store.load(&key).is_none() {
-            store.store(&key, &[TAG], None)?;
+        if store.load(&key).is_none() && !crate::store::create(store, &key, &[TAG]) {
+            // Another worker created it between the load and the write: it stands.
+            store.load(&key).ok_or(StoreError::Failed)?;
         }
     }
     Ok(())

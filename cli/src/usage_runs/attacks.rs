@@ -1,5 +1,5 @@
-//! The attacker pass on `weir usage --by run` (issue 30, acceptance 8): each test shows a flaw
-//! on the code as it stands and is ignored until the flaw is fixed.
+//! The attacker pass on `weir usage --by run` (issue 30, acceptance 8): each test showed a flaw on the
+//! code as it stood, and holds its fix.
 
 use super::*;
 
@@ -8,7 +8,6 @@ use super::*;
 /// `=HYPERLINK(...)` is a formula the operator's sheet evaluates (CSV/formula injection).
 /// A field a client chose should not begin with `=`, `+`, `-` or `@` as written.
 #[test]
-#[ignore = "attack: a client-chosen run id is written to the CSV as a spreadsheet formula"]
 fn attack_a_run_id_is_a_formula_in_the_csv() {
     let run = RunUsage {
         tenant: "acme/w/p/k".into(),

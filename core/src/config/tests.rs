@@ -613,16 +613,9 @@ fn a_run_or_tool_policy_that_cannot_hold_is_refused_with_its_field() {
         error.field.starts_with("orgs[0].policy.tools.classes"),
         "{error}"
     );
-    assert!(
-        Config::parse(
-            agent_config(
-                r#"{"runs": {"fleet_wide": {"model_calls": "fail_closed"}}}"#,
-                "{}"
-            )
-            .as_bytes()
-        )
-        .is_ok()
-    );
+    // Fleet-wide run budgets need the fleet's quota store.
+    let fleet_wide = r#"{"runs": {"fleet_wide": {"model_calls": "fail_closed"}}}"#;
+    assert_eq!(error_of(&agent_config(fleet_wide, "{}")).field, "fleet");
 }
 
 #[test]

@@ -35,7 +35,33 @@ impl Config {
             .validate()
             .map_err(|(field, message)| invalid(field, message))?;
         self.validate_fleet()?;
-        self.validate_hierarchy()
+        self.validate_hierarchy()?;
+        self.validate_run_fleet()
+    }
+
+    /// A run's fleet-wide budgets are reserved in the quota store: they need its cluster.
+    fn validate_run_fleet(&self) -> Result<(), ConfigError> {
+        let policies = self.orgs.iter().flat_map(|o| {
+            let ws = o.workspaces.iter().flat_map(|w| {
+                let projects = w
+                    .projects
+                    .iter()
+                    .flat_map(|p| p.keys.iter().map(|k| &k.policy).chain([&p.policy]));
+                projects.chain([&w.policy])
+            });
+            ws.chain([&o.policy])
+        });
+        let runs_fleet_wide = policies
+            .filter_map(|p| p.runs.as_ref())
+            .any(|r| !r.fleet_wide.is_empty());
+        if runs_fleet_wide && self.fleet.is_none() {
+            return Err(invalid(
+                "fleet",
+                "runs.fleet_wide needs a fleet section naming the quota service's cluster: a \
+                 run's fleet-wide budgets are reserved in the quota store",
+            ));
+        }
+        Ok(())
     }
 
     /// Each route's rollout share, the default route's too.
@@ -360,6 +386,25 @@ fn check_run_id_header(at: &str, header: &str) -> Result<(), ConfigError> {
         return Err(invalid(
             at.to_owned(),
             format!("'{header}': a lowercase header name (letters, digits, '-', '_')"),
+        ));
+    }
+    // A run id is vouched on, recorded in the ledger and named in refusals: never a secret,
+    // nor a header whose value is not the caller's to choose per task.
+    const NOT_RUN_IDS: [&str; 9] = [
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+        "idempotency-key",
+        "host",
+        "content-length",
+        "content-type",
+    ];
+    if NOT_RUN_IDS.contains(&header) {
+        return Err(invalid(
+            at.to_owned(),
+            format!("'{header}' carries a credential or the request's framing, not a run id"),
         ));
     }
     if header.starts_with("x-weir-") && header != "x-weir-run-id" {

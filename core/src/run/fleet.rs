@@ -419,7 +419,8 @@ mod tests {
             (local.model_calls, local.output_tokens, local.retries),
             (None, None, Some(2))
         );
-        let alone = tenant("", RUNS);
+        // Without one the config is refused: no Envoy could hold them across the fleet.
+        let alone = tenant("", r#"{"budgets": {"model_calls": 10}}"#);
         assert_eq!(alone.run_fleet_wide, RunBudgets::default());
         assert_eq!(local_budgets(&alone), alone.run_budgets);
     }
@@ -463,7 +464,8 @@ mod tests {
         assert_eq!(settle.measures[1].actual, 40);
         assert_eq!(settle.measures[0].actual, 0, "no model ran");
         assert_eq!(settle.check(), Ok(()));
-        assert!(super::ask(&tenant("", RUNS), &run, 7, &demand, 60_000).is_none());
+        let local = tenant("", r#"{"budgets": {"model_calls": 10}}"#);
+        assert!(super::ask(&local, &run, 7, &demand, 60_000).is_none());
     }
 
     #[test]

@@ -82,10 +82,13 @@ pub fn create<'a>(
             {
                 continue;
             }
-            // An absent key: an unconditional write (every worker writes the same empty
-            // slot, before any request can use it). A corrupt one: a CAS on what was read.
-            let cas = current.map(|(_, cas)| cas);
-            if store.store(&key, &empty, cas).is_ok() {
+            // An absent key is created only if still absent: another worker may have created
+            // it and admitted a run there meanwhile. A corrupt one: a CAS on what was read.
+            let wrote = match current {
+                None => crate::store::create(store, &key, &empty),
+                Some((_, cas)) => store.store(&key, &empty, Some(cas)).is_ok(),
+            };
+            if wrote {
                 written = written.saturating_add(1);
             }
         }

@@ -24,7 +24,8 @@ impl SharedStore for Shared {
     fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         let mut data = self.0.lock().map_err(|_| StoreError::Failed)?;
         let current = data.get(key).map(|(_, c)| *c);
-        if cas.is_some() && cas != current {
+        // An absent key is written whatever the token, as Envoy does.
+        if current.is_some() && cas.is_some() && cas != current {
             return Err(StoreError::CasMismatch);
         }
         data.insert(key.to_owned(), (value.to_vec(), current.unwrap_or(0) + 1));

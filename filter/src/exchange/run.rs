@@ -32,7 +32,7 @@ impl Exchange {
             return Ok(());
         };
         let Some(run_id) = run_id else {
-            if tenant.run_required && run::runs_enabled(&tenant) {
+            if tenant.run_required {
                 return Err(ApiError::bad_request(
                     "This key's calls must name their run: send its id in the run-id header.",
                 )
@@ -59,9 +59,29 @@ impl Exchange {
     /// one. `None` lets the request go on; otherwise the
     /// refusal's action (the tenant's reservation given back with it).
     pub(super) fn charge_run(&mut self, host: &impl Host, admitted: &Admitted) -> Option<Action> {
+        // A shadowed call holds nothing of its run: a run has no shadow ledger, and a dark
+        // launch must never spend what the run's enforced calls may use.
+        if self.shadow {
+            return None;
+        }
         let (Some(tenant), Some(key)) = (self.tenant.clone(), self.run_key.as_ref()) else {
             return None;
         };
+        let budgets = tenant.run_budgets;
+        if (budgets.output_tokens.is_some() || budgets.cost_micros.is_some())
+            && !admitted.output_bounded
+        {
+            // Its answer could be any length: no reservation could hold the budget.
+            let error = ApiError::bad_request(
+                "This call's run has an output_tokens or cost budget: set the answer's limit \
+                 (max_tokens, or max_output_tokens for the Responses API) so the run can be \
+                 held to it.",
+            )
+            .with_param("max_tokens")
+            .with_code("output_limit_required");
+            let reply = self.error_reply(&error);
+            return self.refuse_on_admission(host, reply, "output_limit_required");
+        }
         let ceiling = admitted.unread_output;
         let counts = Counts {
             model_calls: 1,

@@ -38,7 +38,8 @@ impl SharedStore for Memory {
     fn store(&self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), StoreError> {
         let mut data = self.0.borrow_mut();
         let current = data.get(key).map(|(_, c)| *c);
-        if cas.is_some() && cas != current {
+        // An absent key is written whatever the token, as Envoy does.
+        if current.is_some() && cas.is_some() && cas != current {
             return Err(StoreError::CasMismatch);
         }
         data.insert(key.to_owned(), (value.to_vec(), current.unwrap_or(0) + 1));

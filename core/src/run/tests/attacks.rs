@@ -1,5 +1,5 @@
-//! The attacker pass on agent runs (issue 30, acceptance 8): each test shows a flaw on the code
-//! as it stands and is ignored until the flaw is fixed (`#[ignore = "attack: …"]`).
+//! The attacker pass on agent runs (issue 30, acceptance 8): each test showed a flaw on the
+//! code as it stood, and holds its fix.
 
 use std::cell::RefCell;
 
@@ -48,7 +48,6 @@ fn one_call(id: u64) -> RunDemand {
 /// one worker serves while another is still creating. The late worker's empty slot then
 /// lands over a live run: the run's used calls are forgotten and its budget starts again.
 #[test]
-#[ignore = "attack: a worker still creating the run table wipes a run another worker admitted"]
 fn attack_a_late_worker_s_create_wipes_a_live_run() {
     let t = tenant("k", r#"{"model_calls": 1}"#);
     let table = RunTable::new(4, 60_000); // one slot: every run lives in it
@@ -74,7 +73,6 @@ fn attack_a_late_worker_s_create_wipes_a_live_run() {
 /// ledger stores it in its run column and `weir usage --by run` prints it, and every refusal
 /// echoes it. Validation refuses only `x-weir-*` names.
 #[test]
-#[ignore = "attack: run_id_header may name a credential header, putting API keys in the ledger"]
 fn attack_a_credential_header_may_name_runs() {
     for header in [
         "authorization",
@@ -98,7 +96,6 @@ fn attack_a_credential_header_may_name_runs() {
 /// where `limits.fleet_wide` is refused. With N Envoys a run gets N times its budget, and the
 /// config said otherwise.
 #[test]
-#[ignore = "attack: runs.fleet_wide is accepted but runs stay per Envoy"]
 fn attack_runs_fleet_wide_is_accepted_and_does_nothing() {
     let h = "c".repeat(64);
     let json = format!(

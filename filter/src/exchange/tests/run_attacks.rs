@@ -1,5 +1,5 @@
-//! The attacker pass on agent-run budgets (issue 30, acceptance 8): each test shows a flaw on
-//! the code as it stands and is ignored until the flaw is fixed (`#[ignore = "attack: …"]`).
+//! The attacker pass on agent-run budgets (issue 30, acceptance 8): each test showed a flaw on the
+//! code as it stood, and holds its fix.
 
 use super::*;
 use weir_core::run;
@@ -55,12 +55,21 @@ fn call(gw: &Rc<Gateway>, host: &Mock, run_id: Option<&str>, body: Vec<u8>) -> E
 /// budget, the body goes upstream with no cap, and one call's answer may then pass the budget
 /// by as much as the engine writes (filter/README.md says the budget "is never passed").
 #[test]
-#[ignore = "attack: a call without max_tokens passes the run's output_tokens budget"]
 fn attack_a_call_without_max_tokens_is_not_bounded_by_the_run_s_output_budget() {
     let (gw, host) = gateway_with_runs(json!({"budgets": {"output_tokens": 2000}}));
     let mut x = call(&gw, &host, Some("r1"), chat(None));
-    if host.replied().is_some() {
-        return x.on_log(&host); // refused: nothing unbounded ran
+    if let Some((status, body)) = host.replied() {
+        // Refused before it ran: nothing unbounded reached an engine.
+        assert_eq!(
+            (status, body["error"]["code"].as_str()),
+            (400, Some("output_limit_required"))
+        );
+        x.on_log(&host);
+        // With a limit of its own the call runs.
+        let mut x = call(&gw, &host, Some("r1"), chat(Some(100)));
+        assert!(host.replied().is_none(), "{:?}", host.replied());
+        answered(&mut x, &host, 5, 100);
+        return x.on_log(&host);
     }
     let sent: Value = serde_json::from_slice(&host.request_body.borrow()).unwrap();
     let cap = ["max_tokens", "max_completion_tokens"]
@@ -81,7 +90,6 @@ fn attack_a_call_without_max_tokens_is_not_bounded_by_the_run_s_output_budget() 
 /// but a run's budget has no such ledger: a dark launch (or `rollout_percent`) refuses enforced
 /// calls for what shadowed calls of the same run used.
 #[test]
-#[ignore = "attack: shadow-mode calls spend the enforced run's budget"]
 fn attack_shadowed_calls_spend_the_enforced_run_s_budget() {
     let (gw, mut host) = gateway_with_runs(json!({"budgets": {"model_calls": 1}}));
     host.route_name = Some("shadowed".into());
@@ -103,7 +111,6 @@ fn attack_shadowed_calls_spend_the_enforced_run_s_budget() {
 /// platform that wants every call attributed to a run (the ledger's run column, `weir usage
 /// --by run`) gets calls with no run, and no word that its setting does nothing.
 #[test]
-#[ignore = "attack: require_run_id is ignored unless some run budget is set"]
 fn attack_require_run_id_without_budgets_requires_nothing() {
     let (gw, host) = gateway_with_runs(json!({"require_run_id": true}));
     let mut x = call(&gw, &host, None, chat(Some(10)));
@@ -120,7 +127,6 @@ fn attack_require_run_id_without_budgets_requires_nothing() {
 /// marks a call as a retry (`Exchange::retry` is never set), so a run may repeat one call (the
 /// same body, the same `Idempotency-Key`) as often as its other budgets allow.
 #[test]
-#[ignore = "attack: the run's retries budget is never charged"]
 fn attack_a_run_s_retries_budget_holds_nothing() {
     let (gw, host) = gateway_with_runs(json!({"budgets": {"retries": 1}}));
     let mut refused = None;
