@@ -94,7 +94,8 @@ fn denial(refusal: RunRefusal) -> RunDenial {
 }
 
 /// Reserves on many threads at once; a contended reserve tries again, so every call is
-/// decided. Returns how many were admitted.
+/// decided. Returns how many were admitted. Native only: WASI has no threads.
+#[cfg(not(target_family = "wasm"))]
 fn race(store: &Shared, tenant: &Tenant, r: &RunKey, n: usize, demand: fn() -> RunDemand) -> usize {
     let admitted = AtomicU64::new(0);
     let start = std::sync::Barrier::new(n);
@@ -119,6 +120,7 @@ fn race(store: &Shared, tenant: &Tenant, r: &RunKey, n: usize, demand: fn() -> R
     admitted.load(Ordering::Relaxed) as usize
 }
 
+#[cfg(not(target_family = "wasm"))]
 #[test]
 fn n_concurrent_reserves_admit_exactly_the_budget() {
     let limit = 10u64;
