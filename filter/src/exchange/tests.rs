@@ -841,16 +841,22 @@ mod runs {
 
     /// Two keys of org `acme` whose runs are held to `budgets`, the tables created.
     fn setup_runs(budgets: Value) -> (Rc<Gateway>, Mock) {
+        gateway_with_runs(json!({"budgets": budgets}))
+    }
+
+    /// Two keys of org `acme` under the run policy `runs`, the route `agents` naming runs in
+    /// `x-thread-id` and `shadowed` in shadow mode, the run tables created.
+    pub(super) fn gateway_with_runs(runs: Value) -> (Rc<Gateway>, Mock) {
         let config = json!({
             "orgs": [{"id": "acme", "limits": {"input_tokens_per_minute": 100_000,
                     "output_tokens_per_minute": 100_000, "concurrent_requests": 8},
-                "policy": {"runs": {"budgets": budgets}},
+                "policy": {"runs": runs},
                 "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
                     {"id": "k", "sha256": hash_key(KEY)},
                     {"id": "k2", "sha256": hash_key(OTHER_KEY)}]}]}]}],
             "routes": {"default": {"mode": "enforce"},
-                       "by_name": {"agents": {"mode": "enforce",
-                                              "run_id_header": "x-thread-id"}}},
+                       "by_name": {"agents": {"mode": "enforce", "run_id_header": "x-thread-id"},
+                                   "shadowed": {"mode": "shadow"}}},
             "slot_lease_ms": LEASE_MS,
         });
         let config = Config::parse(config.to_string().as_bytes()).unwrap();

@@ -1,33 +1,8 @@
 //! The attacker pass on agent-run budgets (issue 30, acceptance 8): each test showed a flaw on the
 //! code as it stood, and holds its fix.
 
+use super::runs::gateway_with_runs;
 use super::*;
-use weir_core::run;
-
-/// A gateway whose key's runs are held to `budgets` (with `runs` merged into the level's run
-/// policy), the route `shadowed` in shadow mode, the run tables created.
-fn gateway_with_runs(runs: Value) -> (Rc<Gateway>, Mock) {
-    let config = json!({
-        "orgs": [{"id": "acme", "limits": {"input_tokens_per_minute": 1_000_000,
-                "output_tokens_per_minute": 1_000_000, "concurrent_requests": 8},
-            "policy": {"runs": runs},
-            "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": [
-                {"id": "k", "sha256": hash_key(KEY)}]}]}]}],
-        "routes": {"default": {"mode": "enforce"},
-                   "by_name": {"shadowed": {"mode": "shadow"}}},
-        "slot_lease_ms": LEASE_MS,
-    });
-    let config = Config::parse(config.to_string().as_bytes()).unwrap();
-    let gw = Rc::new(Gateway::new(config, None, Metrics::default()));
-    let host = Mock::new(None);
-    configured(&gw, &host);
-    run::create(
-        &host.store,
-        gw.directory.tenants(),
-        run::RunTable::default(),
-    );
-    (gw, host)
-}
 
 /// A chat call of run `run_id` (when named) with `body`: the exchange, its body delivered.
 fn call(gw: &Rc<Gateway>, host: &Mock, run_id: Option<&str>, body: Vec<u8>) -> Exchange {
