@@ -172,7 +172,8 @@ pub struct RunHold {
     pub run_id: String,
 }
 
-/// Admits a call to its run, or says which budget it would pass.
+/// Admits a call to its run, or says which budget it would pass: the budgets held on this
+/// Envoy ([`fleet::local_budgets`]; a fleet-wide one is reserved in the quota store).
 pub fn reserve(
     store: &impl SharedStore,
     tenant: &Tenant,
@@ -182,7 +183,8 @@ pub fn reserve(
     now_ms: u64,
 ) -> Result<RunHold, RunRefusal> {
     let slot_key = table.key_of(tenant.path(), run);
-    let budgets = tenant.run_budgets;
+    // The table holds what this Envoy holds: a fleet-wide budget is the quota store's.
+    let budgets = fleet::local_budgets(tenant);
     let mut first_ms = now_ms;
     let outcome = update(store, &slot_key, |current| {
         let mut slot = current

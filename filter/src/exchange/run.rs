@@ -104,15 +104,9 @@ impl Exchange {
             // Reserved in the quota store once the body is let go (`run_fleet.rs`); here
             // only the budgets held on this Envoy, if any.
             self.run_fleet = FleetRun::Due(counts);
-            let local = fleet::local_budgets(&tenant);
-            if local == RunBudgets::default() {
+            if fleet::local_budgets(&tenant) == RunBudgets::default() {
                 return None;
             }
-            let tenant = Tenant {
-                run_budgets: local,
-                ..(*tenant).clone()
-            };
-            return self.charge_run_locally(host, &tenant, key.clone(), demand);
         }
         self.charge_run_locally(host, &tenant, key.clone(), demand)
     }
