@@ -102,7 +102,8 @@ pub struct ToolCall {
 }
 
 impl ToolCall {
-    fn seen(&self) -> CallSeen {
+    /// The call as the tool policy is asked about it.
+    pub fn seen(&self) -> CallSeen {
         CallSeen {
             index: self.index,
             id: self.id.clone(),

@@ -285,14 +285,7 @@ impl Exchange {
             let tool = String::new();
             return Some(Withheld::TooLarge { tool }.error());
         };
-        let seen: Vec<CallSeen> = (calls.iter())
-            .map(|c| CallSeen {
-                index: c.index,
-                id: c.id.clone(),
-                name: c.name.clone(),
-                arguments_so_far: c.arguments.clone(),
-            })
-            .collect();
+        let seen: Vec<CallSeen> = calls.iter().map(ToolCall::seen).collect();
         let verdict = self.decide(host, &guard, &seen);
         match verdict {
             Verdict::Pass => None,
