@@ -188,13 +188,14 @@ fn storm_apart(until: Instant) -> std::thread::JoinHandle<Vec<Storm>> {
     })
 }
 
-/// Key `a`'s first attempts (each its own request id) through the storm: every one must pass.
-async fn first_attempts(until: Instant) -> (u64, Vec<String>) {
+/// Key `a`'s first attempts (each its own request id, `phase` keeping the two windows' ids
+/// apart) until `until`: every one must pass.
+async fn first_attempts(phase: &str, until: Instant) -> (u64, Vec<String>) {
     let (mut passed, mut failed) = (0, Vec::new());
     let mut n = 0;
     while Instant::now() < until {
         let body = chat_body(MODEL, &format!("fresh {n}"), json!({"max_tokens": 2}));
-        let id = format!("fresh-{n}-{}", rand_tag());
+        let id = format!("fresh-{phase}-{n}-{}", rand_tag());
         let resp = post_json(
             &url(),
             Some("a"),
@@ -220,14 +221,21 @@ async fn a_retry_storm_is_capped_by_the_retry_budget_and_the_neighbour_s_ttft_ho
     let _turn = turn().await;
     // Warm the path (connections, the sidecar's probes) before measuring.
     neighbour_ttfts(Instant::now() + Duration::from_secs(1), 1).await;
-    let baseline = neighbour_ttfts(Instant::now() + Duration::from_secs(6), 2).await;
-
+    // The baseline carries the storming tenant's ordinary traffic (its first attempts) as the
+    // storm window does, and lasts as long: the two windows differ by the retry storm alone.
     let storm_for = Duration::from_secs(8);
+    let calm_until = Instant::now() + storm_for;
+    let (baseline, (calm_fresh, calm_failed)) = tokio::join!(
+        neighbour_ttfts(calm_until, 2),
+        first_attempts("calm", calm_until)
+    );
+    assert!(calm_fresh > 0 && calm_failed.is_empty(), "{calm_failed:?}");
+
     let started = Instant::now();
     let until = started + storm_for;
     let storm = storm_apart(until);
     let (during, (fresh, fresh_failed)) =
-        tokio::join!(neighbour_ttfts(until, 2), first_attempts(until));
+        tokio::join!(neighbour_ttfts(until, 2), first_attempts("storm", until));
     let storm = storm.join().expect("the storm's thread");
     let elapsed = started.elapsed().as_secs_f64();
 
