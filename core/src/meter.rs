@@ -182,6 +182,8 @@ pub struct StreamMeter {
     endpoint: Endpoint,
     hide_usage_event: bool,
     held: Vec<u8>,
+    /// Events larger than this are not held ([`MAX_HELD_BYTES`] unless [`Self::holding`]).
+    hold_limit: usize,
     /// The event too large to hold that is passing, read up to its end.
     passing: Option<EventScan>,
     reported: Option<Reported>,
@@ -200,6 +202,7 @@ impl StreamMeter {
             endpoint,
             hide_usage_event,
             held: Vec::new(),
+            hold_limit: MAX_HELD_BYTES,
             passing: None,
             reported: None,
             output_reported: false,
@@ -207,6 +210,14 @@ impl StreamMeter {
             error_events: 0,
             done: false,
         }
+    }
+
+    /// Holds events up to `limit` bytes rather than [`MAX_HELD_BYTES`], for a caller that must
+    /// read every event whole before it is forwarded (the tool policy: a call in an event
+    /// forwarded as it passes would reach the client unread).
+    pub fn holding(mut self, limit: usize) -> Self {
+        self.hold_limit = limit.max(MAX_HELD_BYTES);
+        self
     }
 
     /// The engine's usage, once the events that report it have passed. A stream cut after the
@@ -242,7 +253,7 @@ impl StreamMeter {
     }
 
     /// Bytes the meter holds between chunks, whatever the size of the events: at most
-    /// [`MAX_HELD_BYTES`] of an incomplete event and [`MAX_KEPT_BYTES`] of one passing.
+    /// [`MAX_HELD_BYTES`] (or the limit it is [`holding`](Self::holding) to) of an incomplete event and [`MAX_KEPT_BYTES`] of one passing.
     pub fn held_bytes(&self) -> usize {
         self.held.capacity() + self.passing.as_ref().map_or(0, EventScan::held_bytes)
     }
@@ -298,7 +309,7 @@ impl StreamMeter {
             if !rest.is_empty() {
                 self.forward(rest, &mut out);
             }
-        } else if rest.len() > MAX_HELD_BYTES {
+        } else if rest.len() > self.hold_limit {
             // Too large to hold: forwarded now, read as it passes. The scan ends events where
             // `event_end` does, so nothing follows in `rest`; were it to, it is taken anew.
             self.passing = Some(EventScan::default());

@@ -3,7 +3,7 @@
 use crate::endpoint::Endpoint;
 
 use super::events::{ChatBody, MessagesBody, ResponsesBody};
-use super::{MAX_CALLS, ToolCall};
+use super::{LEGACY_INDEX, MAX_CALLS, ToolCall};
 
 /// The tool calls of a whole answer in the called API's shape, complete, in the answer's
 /// order (`index` is the call's place in its message's `tool_calls`, the Responses `output`,
@@ -41,22 +41,21 @@ fn chat(body: &[u8]) -> Option<Vec<ToolCall>> {
         let c = choice
             .index
             .unwrap_or_else(|| u32::try_from(n).unwrap_or(u32::MAX));
-        let tool_calls = choice
+        let (tool_calls, legacy) = choice
             .message
-            .and_then(|m| m.tool_calls)
+            .map(|m| (m.tool_calls.unwrap_or_default(), m.function_call))
             .unwrap_or_default();
         for (k, call) in tool_calls.into_iter().enumerate() {
-            let (name, arguments) = call
-                .function
-                .map(|f| (f.name, f.arguments))
-                .unwrap_or_default();
-            calls.push(whole(
-                c,
-                k,
-                &call.id.unwrap_or_default(),
-                &name.unwrap_or_default(),
-                &arguments.unwrap_or_default(),
-            ));
+            let id = call.id.clone().unwrap_or_default();
+            let (name, arguments) = call.parts();
+            let (name, arguments) = (name.unwrap_or_default(), arguments.unwrap_or_default());
+            calls.push(whole(c, k, &id, &name, &arguments));
+        }
+        if let Some(f) = legacy {
+            let (name, arguments) = (f.name.unwrap_or_default(), f.arguments.unwrap_or_default());
+            let mut call = whole(c, 0, "", &name, &arguments);
+            call.index = LEGACY_INDEX;
+            calls.push(call);
         }
     }
     Some(calls)
@@ -69,15 +68,11 @@ fn responses(body: &[u8]) -> Option<Vec<ToolCall>> {
         output
             .into_iter()
             .enumerate()
-            .filter(|(_, item)| item.kind.as_deref() == Some("function_call"))
-            .map(|(n, item)| {
-                whole(
-                    0,
-                    n,
-                    &item.call_id.unwrap_or_default(),
-                    &item.name.unwrap_or_default(),
-                    &item.arguments.unwrap_or_default(),
-                )
+            .filter(|(_, item)| item.is_call())
+            .map(|(n, mut item)| {
+                let arguments = item.arguments().unwrap_or_default();
+                let id = item.call_id.unwrap_or_default();
+                whole(0, n, &id, &item.name.unwrap_or_default(), &arguments)
             })
             .collect(),
     )

@@ -32,6 +32,9 @@ pub struct ChatChoice<'a> {
 pub struct ChatMessage<'a> {
     #[serde(default, borrow)]
     pub tool_calls: Option<Vec<ChatToolCall<'a>>>,
+    /// The legacy functions API's one call: clients that still read it run it.
+    #[serde(default, borrow)]
+    pub function_call: Option<ChatFunction<'a>>,
 }
 
 #[derive(Deserialize)]
@@ -42,6 +45,20 @@ pub struct ChatToolCall<'a> {
     pub id: Text<'a>,
     #[serde(default, borrow)]
     pub function: Option<ChatFunction<'a>>,
+    /// A custom tool's call (`type: "custom"`): its text `input` in place of `arguments`.
+    #[serde(default, borrow)]
+    pub custom: Option<ChatCustom<'a>>,
+}
+
+impl<'a> ChatToolCall<'a> {
+    /// The call's name and arguments (a piece of each, in a stream), whichever kind it is.
+    pub fn parts(self) -> (Text<'a>, Text<'a>) {
+        match (self.function, self.custom) {
+            (Some(f), _) => (f.name, f.arguments),
+            (None, Some(c)) => (c.name, c.input),
+            (None, None) => (None, None),
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -50,6 +67,14 @@ pub struct ChatFunction<'a> {
     pub name: Text<'a>,
     #[serde(default, borrow)]
     pub arguments: Text<'a>,
+}
+
+#[derive(Deserialize)]
+pub struct ChatCustom<'a> {
+    #[serde(default, borrow)]
+    pub name: Text<'a>,
+    #[serde(default, borrow)]
+    pub input: Text<'a>,
 }
 
 /// A Chat Completions body.
@@ -74,6 +99,13 @@ pub struct ResponsesEvent<'a> {
     pub delta: Option<&'a RawValue>,
     #[serde(default, borrow)]
     pub arguments: Text<'a>,
+    /// `response.custom_tool_call_input.done`'s whole input.
+    #[serde(default, borrow)]
+    pub input: Text<'a>,
+    /// The response as it stands (`response.created`, `response.completed`…), whose
+    /// `output` may restate calls, or make ones no event opened.
+    #[serde(default, borrow)]
+    pub response: Option<ResponsesBody<'a>>,
 }
 
 /// An output item (a Responses body's `output[]`, an event's `item`).
@@ -87,6 +119,26 @@ pub struct ResponsesItem<'a> {
     pub name: Text<'a>,
     #[serde(default, borrow)]
     pub arguments: Text<'a>,
+    /// A `custom_tool_call`'s text input.
+    #[serde(default, borrow)]
+    pub input: Text<'a>,
+}
+
+/// The Responses output items the client runs: a function's call, a custom tool's.
+pub const RESPONSES_CALL_KINDS: [&str; 2] = ["function_call", "custom_tool_call"];
+
+impl<'a> ResponsesItem<'a> {
+    /// Whether the item is a call the client runs.
+    pub fn is_call(&self) -> bool {
+        self.kind
+            .as_deref()
+            .is_some_and(|k| RESPONSES_CALL_KINDS.contains(&k))
+    }
+
+    /// The call's arguments (a custom tool's input), when the item states them.
+    pub fn arguments(&mut self) -> Text<'a> {
+        self.arguments.take().or_else(|| self.input.take())
+    }
 }
 
 /// A Responses body.
@@ -107,6 +159,9 @@ pub struct MessagesEvent<'a> {
     pub content_block: Option<MessagesBlock<'a>>,
     #[serde(default, borrow)]
     pub delta: Option<MessagesDelta<'a>>,
+    /// `message_start`'s message, whose `content` may open calls.
+    #[serde(default, borrow)]
+    pub message: Option<MessagesBody<'a>>,
 }
 
 /// A content block (a Messages body's `content[]`, an event's `content_block`).

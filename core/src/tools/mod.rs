@@ -14,13 +14,19 @@
 //!   `finish_reason`, or at `data: [DONE]` — until then its events, and every event after
 //!   them, are held, so the order of the stream is kept. Between events at most one call is
 //!   undecided (a delta of another index decides it).
-//! - Responses (`response.output_item.added` with a `function_call` item) and Messages
-//!   (`content_block_start` with a `tool_use` block) name a call whole in the event that opens
-//!   it, which is decided at once.
+//! - Responses (`response.output_item.added` with a `function_call` or `custom_tool_call`
+//!   item) and Messages (`content_block_start` with a `tool_use` block) name a call whole in the
+//!   event that opens it, which is decided at once. A snapshot of the answer (a Responses
+//!   event's `response.output`, a Messages `message_start`'s `content`) states its calls too: one
+//!   no event opened is decided there.
+//! - Chat's custom tools (`custom.name`, `custom.input`) and the legacy `function_call` are
+//!   read as calls like `tool_calls`.
 //!
-//! A piece of a name arriving after its call was decided would make the client run a call
-//! other than the one decided; the scan reports it ([`ScanStep::Renamed`]) for the caller to
-//! end the stream. Held events are bounded by [`MAX_HELD_BYTES`], and the calls kept by
+//! A piece of a name arriving after its call was decided, or the call stated again under
+//! another name or id, would make the client run a call other than the one decided; the scan
+//! reports it ([`ScanStep::Renamed`]) for the caller to end the stream. So does it an event it
+//! cannot read ([`ScanStep::Unreadable`]): what a client's more lenient parser makes of it is
+//! unknown. Held events are bounded by [`MAX_HELD_BYTES`], and the calls kept by
 //! [`MAX_CALLS`]; past either the scan says [`ScanStep::TooLarge`]. Arguments are kept (for
 //! approvals) up to [`MAX_ARGUMENT_BYTES`] per call, and the call is marked truncated past it.
 
@@ -46,9 +52,15 @@ pub const MAX_ARGUMENT_BYTES: usize = 64 * 1024;
 /// Calls kept per answer; a call past this makes the answer [`ScanStep::TooLarge`].
 pub const MAX_CALLS: usize = 128;
 
+/// The index the scan gives chat's legacy `function_call` (one a choice, read as a call so a
+/// client still reading it runs nothing unjudged), apart from any `tool_calls` index.
+pub const LEGACY_INDEX: u32 = u32::MAX;
+
 /// A call whose name just became final: what the tool policy is asked about.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CallSeen {
+    /// The chat choice it belongs to (0 in the other APIs).
+    pub choice: u32,
     /// The call's index: chat's `tool_calls[].index`, the Responses `output_index`, the
     /// Messages content block `index`.
     pub index: u32,
@@ -75,8 +87,13 @@ pub enum ScanStep {
     /// The events held, or the calls kept, passed their bound: the caller withholds the
     /// calls undecided (`tool_call_too_large`). Once said, said for every later event.
     TooLarge,
-    /// The event adds a piece to the name of the call with this index after it was decided.
+    /// The event adds a piece to the name of the call with this index after it was decided,
+    /// or states that call again under another name or id.
     Renamed { index: u32 },
+    /// A data event not of its API's shape (not JSON, a field of the wrong type, a member
+    /// repeated, a call without its index): a client's parser may find a call in it that the
+    /// scan cannot, so the caller withholds the answer from here on (`tool_call_unreadable`).
+    Unreadable,
 }
 
 /// A call the answer made, as far as it went.
@@ -105,6 +122,7 @@ impl ToolCall {
     /// The call as the tool policy is asked about it.
     pub fn seen(&self) -> CallSeen {
         CallSeen {
+            choice: self.choice,
             index: self.index,
             id: self.id.clone(),
             name: self.name.clone(),

@@ -5,8 +5,10 @@ use std::borrow::Cow;
 use crate::endpoint::Endpoint;
 use crate::sse::event_data;
 
-use super::events::{ChatChunk, MessagesEvent, ResponsesEvent, string_value};
-use super::{CallSeen, MAX_CALLS, MAX_HELD_BYTES, ScanStep, ToolCall};
+use super::events::{
+    ChatChunk, MessagesBlock, MessagesEvent, ResponsesEvent, ResponsesItem, string_value,
+};
+use super::{CallSeen, LEGACY_INDEX, MAX_CALLS, MAX_HELD_BYTES, ScanStep, ToolCall};
 
 /// Reads one answer's stream for the tool calls it makes.
 #[derive(Debug)]
@@ -26,6 +28,9 @@ struct Effect {
     decided: Vec<CallSeen>,
     renamed: Option<u32>,
     too_many: bool,
+    /// A data event not of its API's shape: a client may read a call in it that the scan
+    /// cannot.
+    unreadable: bool,
 }
 
 impl ToolScan {
@@ -53,6 +58,9 @@ impl ToolScan {
                 Endpoint::Messages => self.messages(&data, &mut effect),
                 Endpoint::Completions | Endpoint::Embeddings => {}
             }
+        }
+        if effect.unreadable {
+            return ScanStep::Unreadable;
         }
         if effect.too_many {
             self.too_large = true;
@@ -163,28 +171,32 @@ impl ToolScan {
         }
     }
 
-    /// Opens the call with index `i` named whole in one event (a Responses item, a Messages
-    /// block) and decides it; a call opened again under its index with another name is a
-    /// rename. The call, when it was opened now.
-    fn open_named(
+    /// States the call with index `i` named whole in one event (a Responses item, a Messages
+    /// block, a snapshot of the answer so far): a new call is opened and decided; a known one
+    /// must keep the name and id it was decided with (else it is a rename: a client would run
+    /// another call), and takes the arguments stated. The call, when it was opened now.
+    fn state(
         &mut self,
         i: u32,
         id: Option<Cow<'_, str>>,
         name: Option<Cow<'_, str>>,
-        arguments: &str,
+        arguments: Option<Cow<'_, str>>,
         effect: &mut Effect,
     ) -> Option<&mut ToolCall> {
-        let name = name.unwrap_or_default();
-        if let Some(call) = self.calls.iter().find(|c| c.index == i) {
-            if call.name != name {
+        if let Some(call) = self.calls.iter_mut().find(|c| c.index == i) {
+            let other_name = name.is_some_and(|n| n != call.name);
+            let other_id = id.is_some_and(|d| !d.is_empty() && !call.id.is_empty() && d != call.id);
+            if other_name || other_id {
                 effect.renamed = Some(i);
+            } else if let Some(arguments) = arguments {
+                call.set_arguments(&arguments);
             }
             return None;
         }
         let call = self.call(0, i, effect)?;
         call.id = id.unwrap_or_default().into_owned();
-        call.name = name.into_owned();
-        call.set_arguments(arguments);
+        call.name = name.unwrap_or_default().into_owned();
+        call.set_arguments(&arguments.unwrap_or_default());
         call.decided = true;
         effect.decided.push(call.seen());
         Some(call)
@@ -202,17 +214,26 @@ impl ToolScan {
             return;
         }
         let Ok(chunk) = serde_json::from_slice::<ChatChunk>(data) else {
+            effect.unreadable = true;
             return;
         };
         for (n, choice) in chunk.choices.unwrap_or_default().into_iter().enumerate() {
             let c = choice
                 .index
                 .unwrap_or_else(|| u32::try_from(n).unwrap_or(u32::MAX));
-            let deltas = choice.delta.and_then(|d| d.tool_calls).unwrap_or_default();
-            for (k, delta) in deltas.into_iter().enumerate() {
-                let i = delta
-                    .index
-                    .unwrap_or_else(|| u32::try_from(k).unwrap_or(u32::MAX));
+            let (tool_calls, legacy) = choice
+                .delta
+                .map(|d| (d.tool_calls.unwrap_or_default(), d.function_call))
+                .unwrap_or_default();
+            let pieces = (tool_calls.into_iter().enumerate())
+                .map(|(k, call)| {
+                    let i = (call.index).unwrap_or_else(|| u32::try_from(k).unwrap_or(u32::MAX));
+                    let id = call.id.clone();
+                    let (name, arguments) = call.parts();
+                    (i, id, name, arguments)
+                })
+                .chain(legacy.map(|f| (LEGACY_INDEX, None, f.name, f.arguments)));
+            for (i, id, name, arguments) in pieces {
                 // A delta of another index: the undecided call's name is final.
                 for call in &mut self.calls {
                     if !call.decided && call.choice == c && call.index != i {
@@ -223,13 +244,11 @@ impl ToolScan {
                 let Some(call) = self.call(c, i, effect) else {
                     return;
                 };
-                if let Some(id) = delta.id.filter(|id| !id.is_empty())
+                if let Some(id) = id.filter(|id| !id.is_empty())
                     && call.id.is_empty()
                 {
                     call.id = id.into_owned();
                 }
-                let function = delta.function;
-                let (name, arguments) = function.map(|f| (f.name, f.arguments)).unwrap_or_default();
                 if let Some(name) = name.filter(|n| !n.is_empty()) {
                     if call.decided {
                         effect.renamed = Some(i);
@@ -254,38 +273,40 @@ impl ToolScan {
 
     fn responses(&mut self, data: &[u8], effect: &mut Effect) {
         let Ok(event) = serde_json::from_slice::<ResponsesEvent>(data) else {
+            effect.unreadable = true;
             return;
         };
+        // The answer so far, restated (or stated only here, by an engine that opened no item).
+        let output = event.response.and_then(|r| r.output).unwrap_or_default();
+        for (n, mut item) in output.into_iter().enumerate() {
+            if item.is_call() {
+                let i = u32::try_from(n).unwrap_or(u32::MAX);
+                let arguments = item.arguments();
+                self.state(i, item.call_id, item.name, arguments, effect);
+            }
+        }
         let index = event.output_index;
-        let item = event
-            .item
-            .filter(|item| item.kind.as_deref() == Some("function_call"));
+        let item = event.item.filter(ResponsesItem::is_call);
         match (event.kind.as_ref(), item, index) {
-            ("response.output_item.added", Some(item), Some(i)) => {
-                let arguments = item.arguments.unwrap_or_default();
-                self.open_named(i, item.call_id, item.name, &arguments, effect);
+            // A call the client cannot place is not one to let pass unread.
+            (_, Some(_), None) => effect.unreadable = true,
+            ("response.output_item.added", Some(mut item), Some(i)) => {
+                let arguments = Some(item.arguments().unwrap_or_default());
+                self.state(i, item.call_id, item.name, arguments, effect);
             }
-            ("response.output_item.done", Some(item), Some(i)) => {
-                let Some(call) = self.calls.iter_mut().find(|c| c.index == i) else {
-                    // Done without being added: opened and decided now.
-                    let arguments = item.arguments.unwrap_or_default();
-                    if let Some(call) =
-                        self.open_named(i, item.call_id, item.name, &arguments, effect)
-                    {
-                        call.complete = true;
-                    }
-                    return;
-                };
-                if item.name.as_deref().is_some_and(|n| n != call.name) {
-                    effect.renamed = Some(i);
-                    return;
+            ("response.output_item.done", Some(mut item), Some(i)) => {
+                let arguments = item.arguments();
+                // Done without being added: opened and decided now.
+                self.state(i, item.call_id, item.name, arguments, effect);
+                if let Some(call) = self.calls.iter_mut().find(|c| c.index == i) {
+                    call.complete = true;
                 }
-                if let Some(arguments) = item.arguments {
-                    call.set_arguments(&arguments);
-                }
-                call.complete = true;
             }
-            ("response.function_call_arguments.delta", _, Some(i)) => {
+            (
+                "response.function_call_arguments.delta" | "response.custom_tool_call_input.delta",
+                _,
+                Some(i),
+            ) => {
                 let fragment = event.delta.and_then(string_value);
                 if let (Some(call), Some(fragment)) =
                     (self.calls.iter_mut().find(|c| c.index == i), fragment)
@@ -293,10 +314,14 @@ impl ToolScan {
                     call.push_arguments(&fragment);
                 }
             }
-            ("response.function_call_arguments.done", _, Some(i)) => {
+            (
+                "response.function_call_arguments.done" | "response.custom_tool_call_input.done",
+                _,
+                Some(i),
+            ) => {
                 if let (Some(call), Some(arguments)) = (
                     self.calls.iter_mut().find(|c| c.index == i),
-                    event.arguments,
+                    event.arguments.or(event.input),
                 ) {
                     call.set_arguments(&arguments);
                 }
@@ -310,28 +335,31 @@ impl ToolScan {
 
     fn messages(&mut self, data: &[u8], effect: &mut Effect) {
         let Ok(event) = serde_json::from_slice::<MessagesEvent>(data) else {
+            effect.unreadable = true;
             return;
         };
+        // `message_start`'s content (empty as Anthropic sends it) may open calls.
+        let content = event.message.and_then(|m| m.content).unwrap_or_default();
+        for (n, block) in content.into_iter().enumerate() {
+            if block.kind.as_deref() == Some("tool_use") {
+                let i = u32::try_from(n).unwrap_or(u32::MAX);
+                self.open_block(i, block, effect);
+            }
+        }
+        let block = (event.content_block).filter(|b| b.kind.as_deref() == Some("tool_use"));
         let Some(i) = event.index else {
-            if event.kind == "message_stop" {
+            if block.is_some() {
+                // A call the client cannot place is not one to let pass unread.
+                effect.unreadable = true;
+            } else if event.kind == "message_stop" {
                 self.terminal(effect);
             }
             return;
         };
         match event.kind.as_ref() {
             "content_block_start" => {
-                let Some(block) = event
-                    .content_block
-                    .filter(|b| b.kind.as_deref() == Some("tool_use"))
-                else {
-                    return;
-                };
-                // The block's `input` is `{}` as Anthropic sends it, and clients build it from
-                // the `input_json_delta`s; an engine that sends it whole there sends none.
-                let input = block.input.map_or("", |input| input.get().trim());
-                let input = if input == "{}" { "" } else { input };
-                if let Some(call) = self.open_named(i, block.id, block.name, input, effect) {
-                    call.input_from_start = !input.is_empty();
+                if let Some(block) = block {
+                    self.open_block(i, block, effect);
                 }
             }
             "content_block_delta" => {
@@ -354,6 +382,18 @@ impl ToolScan {
                 }
             }
             _ => {}
+        }
+    }
+
+    /// Opens a `tool_use` block at index `i`. Its `input` is `{}` as Anthropic sends it, and
+    /// clients build it from the `input_json_delta`s; an engine that sends it whole there
+    /// sends none.
+    fn open_block(&mut self, i: u32, block: MessagesBlock<'_>, effect: &mut Effect) {
+        let input = block.input.map_or("", |input| input.get().trim());
+        let input = if input == "{}" { "" } else { input };
+        let opened = self.state(i, block.id, block.name, Some(Cow::Borrowed(input)), effect);
+        if let Some(call) = opened {
+            call.input_from_start = !input.is_empty();
         }
     }
 }

@@ -150,6 +150,7 @@ fn a_chat_name_split_over_two_deltas_is_held_until_its_first_arguments_then_deci
     let events = events_in_two_chunks(CHAT_SPLIT_NAME.as_bytes(), 0);
     let (steps, _, _) = scan(Endpoint::ChatCompletions, &events);
     let call = |index: u32, id: &str, name: &str, arguments: &str| CallSeen {
+        choice: 0,
         index,
         id: id.to_owned(),
         name: name.to_owned(),
@@ -327,29 +328,215 @@ fn a_cut_stream_decides_its_held_call_at_the_finish() {
 }
 
 #[test]
-fn malformed_events_never_panic_and_change_nothing() {
-    let events: [&[u8]; 9] = [
+fn events_not_of_the_api_s_shape_are_unreadable_and_others_pass() {
+    let chat: [&[u8]; 6] = [
         b"data: {\"choices\":[{\"delta\":{\"tool_calls\":[{\"index\":\"x\"}]}}]}\n\n",
         b"data: {\"choices\":\n\n",
-        b"data: {\"type\":\"response.output_item.added\",\"output_index\":-1}\n\n",
-        b"data: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"tool_use\",\"name\":7}}\n\n",
         b"data: \xff\xfe\n\n",
         b"data: [1,2,3]\n\n",
         b"data: null\n\n",
-        b": comment\n\n",
-        b"\r\r",
+        // A member repeated: a client's parser keeps the last name, serde refuses it.
+        b"data: {\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"c\",\"function\":{\"name\":\"search\",\"name\":\"shell_rm\",\"arguments\":\"{}\"}}]}}]}\n\n",
     ];
+    let responses: [&[u8]; 3] = [
+        b"data: {\"type\":\"response.output_item.added\",\"output_index\":-1}\n\n",
+        b"data: {\"output_index\":0,\"item\":{\"type\":\"function_call\",\"name\":\"x\"}}\n\n",
+        // A call no client can place.
+        b"data: {\"type\":\"response.output_item.added\",\"item\":{\"type\":\"function_call\",\"call_id\":\"c\",\"name\":\"x\"}}\n\n",
+    ];
+    let messages: [&[u8]; 2] = [
+        b"data: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"tool_use\",\"name\":7}}\n\n",
+        b"data: {\"type\":\"content_block_start\",\"content_block\":{\"type\":\"tool_use\",\"id\":\"t\",\"name\":\"x\"}}\n\n",
+    ];
+    for (shape, events) in [
+        (Endpoint::ChatCompletions, &chat[..]),
+        (Endpoint::Responses, &responses[..]),
+        (Endpoint::Messages, &messages[..]),
+    ] {
+        for event in events {
+            let mut scan = ToolScan::new(shape);
+            assert_eq!(
+                scan.observe(event),
+                ScanStep::Unreadable,
+                "{shape:?} {event:?}"
+            );
+            assert_eq!(scan.calls_made(), 0);
+        }
+    }
+    // No data, or an API whose answers make no calls: nothing to read.
     for shape in Endpoint::ALL {
         let mut scan = ToolScan::new(shape);
-        for event in events {
+        for event in [&b": comment\n\n"[..], b"\r\r", b"event: ping\n\n"] {
             assert_eq!(
                 scan.observe(event),
                 ScanStep::Forward,
                 "{shape:?} {event:?}"
             );
         }
-        assert_eq!(scan.calls_made(), 0);
     }
+    for shape in [Endpoint::Completions, Endpoint::Embeddings] {
+        let mut scan = ToolScan::new(shape);
+        for event in chat.iter().chain(&responses).chain(&messages) {
+            assert_eq!(
+                scan.observe(event),
+                ScanStep::Forward,
+                "{shape:?} {event:?}"
+            );
+        }
+    }
+}
+
+/// A decided call as (choice, index, id, name).
+type Decided = (u32, u32, String, String);
+
+/// The calls a stream of `events` (each a `data:` payload) decides, and the steps it took.
+fn decisions(shape: Endpoint, events: &[&str]) -> (Vec<Decided>, Vec<ScanStep>) {
+    let mut scan = ToolScan::new(shape);
+    let steps: Vec<ScanStep> = events
+        .iter()
+        .map(|e| scan.observe(format!("data: {e}\n\n").as_bytes()))
+        .collect();
+    let seen = steps
+        .iter()
+        .flat_map(|s| match s {
+            ScanStep::Decide { calls, .. } => calls.clone(),
+            _ => Vec::new(),
+        })
+        .map(|c| (c.choice, c.index, c.id, c.name))
+        .collect();
+    (seen, steps)
+}
+
+fn call(choice: u32, index: u32, id: &str, name: &str) -> Decided {
+    (choice, index, id.to_owned(), name.to_owned())
+}
+
+#[test]
+fn custom_tool_calls_are_read_as_calls_in_chat_and_responses() {
+    let (seen, _) = decisions(
+        Endpoint::ChatCompletions,
+        &[
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_c","type":"custom","custom":{"name":"shell_rm"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"custom":{"input":"rm -rf /"}}]}}]}"#,
+            "[DONE]",
+        ],
+    );
+    assert_eq!(seen, [call(0, 0, "call_c", "shell_rm")]);
+    let (seen, _) = decisions(
+        Endpoint::Responses,
+        &[
+            r#"{"type":"response.output_item.added","output_index":0,"item":{"type":"custom_tool_call","call_id":"call_c","name":"shell_rm","input":""}}"#,
+            r#"{"type":"response.custom_tool_call_input.delta","output_index":0,"delta":"rm -rf /"}"#,
+            r#"{"type":"response.completed","response":{"output":[]}}"#,
+        ],
+    );
+    assert_eq!(seen, [call(0, 0, "call_c", "shell_rm")]);
+    let body = br#"{"output":[{"type":"custom_tool_call","call_id":"call_c","name":"shell_rm","input":"rm"}]}"#;
+    let calls = body_calls(Endpoint::Responses, body).unwrap();
+    assert_eq!(
+        (calls[0].name.as_str(), calls[0].arguments.as_str()),
+        ("shell_rm", "rm")
+    );
+    let body = br#"{"choices":[{"index":0,"message":{"tool_calls":[{"id":"c","type":"custom","custom":{"name":"shell_rm","input":"rm"}}]}}]}"#;
+    let calls = body_calls(Endpoint::ChatCompletions, body).unwrap();
+    assert_eq!(
+        (calls[0].name.as_str(), calls[0].arguments.as_str()),
+        ("shell_rm", "rm")
+    );
+}
+
+#[test]
+fn the_legacy_function_call_is_read_as_a_call() {
+    let (seen, _) = decisions(
+        Endpoint::ChatCompletions,
+        &[
+            r#"{"choices":[{"index":0,"delta":{"function_call":{"name":"shell_rm","arguments":""}}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"function_call":{"arguments":"{}"}}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"function_call"}]}"#,
+        ],
+    );
+    assert_eq!(seen, [call(0, LEGACY_INDEX, "", "shell_rm")]);
+    let body = br#"{"choices":[{"index":0,"message":{"function_call":{"name":"shell_rm","arguments":"{}"}}}]}"#;
+    let calls = body_calls(Endpoint::ChatCompletions, body).unwrap();
+    assert_eq!(
+        (calls[0].index, calls[0].name.as_str()),
+        (LEGACY_INDEX, "shell_rm")
+    );
+}
+
+#[test]
+fn calls_stated_only_in_a_snapshot_of_the_answer_are_decided_there() {
+    let (seen, steps) = decisions(
+        Endpoint::Responses,
+        &[
+            r#"{"type":"response.created","response":{"output":[]}}"#,
+            r#"{"type":"response.completed","response":{"output":[{"type":"message","content":[]},{"type":"function_call","call_id":"call_z","name":"shell_rm","arguments":"{}"}]}}"#,
+        ],
+    );
+    assert_eq!(seen, [call(0, 1, "call_z", "shell_rm")]);
+    assert!(matches!(steps[1], ScanStep::Decide { .. }), "{steps:?}");
+    let (seen, _) = decisions(
+        Endpoint::Messages,
+        &[
+            r#"{"type":"message_start","message":{"content":[{"type":"tool_use","id":"toolu_z","name":"shell_rm","input":{"path":"/"}}]}}"#,
+            r#"{"type":"message_stop"}"#,
+        ],
+    );
+    assert_eq!(seen, [call(0, 0, "toolu_z", "shell_rm")]);
+    // A snapshot restating the calls the events opened decides nothing again.
+    let events = events_in_two_chunks(RESPONSES_CALLS.as_bytes(), 0);
+    let mut restated = events.clone();
+    let completed = restated.pop().unwrap();
+    let completed = String::from_utf8(completed).unwrap().replace(
+        r#""status":"completed","#,
+        r#""status":"completed","output":[{"type":"message","content":[]},{"type":"function_call","call_id":"call_a","name":"get_weather","arguments":"{}"},{"type":"function_call","call_id":"call_b","name":"search","arguments":"{}"}],"#,
+    );
+    restated.push(completed.into_bytes());
+    let (steps, _, made) = scan(Endpoint::Responses, &restated);
+    assert_eq!(decided(&steps), expected(Endpoint::Responses));
+    assert_eq!(made, 2);
+}
+
+#[test]
+fn a_call_stated_again_under_its_index_with_another_id_or_name_is_a_rename() {
+    let added = |id: &str, name: &str| {
+        format!(
+            r#"{{"type":"response.output_item.added","output_index":0,"item":{{"type":"function_call","call_id":"{id}","name":"{name}","arguments":""}}}}"#
+        )
+    };
+    for (id, name) in [("call_2", "search"), ("call_1", "shell_rm")] {
+        let (seen, steps) = decisions(
+            Endpoint::Responses,
+            &[&added("call_1", "search"), &added(id, name)],
+        );
+        assert_eq!(seen, [call(0, 0, "call_1", "search")]);
+        assert_eq!(steps[1], ScanStep::Renamed { index: 0 }, "{id} {name}");
+    }
+    // The same call stated again is the same call: nothing new to decide.
+    let (seen, steps) = decisions(
+        Endpoint::Responses,
+        &[&added("call_1", "search"), &added("call_1", "search")],
+    );
+    assert_eq!(seen.len(), 1);
+    assert_eq!(steps[1], ScanStep::Forward);
+    let start = |id: &str| {
+        format!(
+            r#"{{"type":"content_block_start","index":1,"content_block":{{"type":"tool_use","id":"{id}","name":"search","input":{{}}}}}}"#
+        )
+    };
+    let (_, steps) = decisions(Endpoint::Messages, &[&start("t1"), &start("t2")]);
+    assert_eq!(steps[1], ScanStep::Renamed { index: 1 });
+}
+
+#[test]
+fn parallel_choices_keep_their_calls_apart() {
+    let (seen, _) = decisions(
+        Endpoint::ChatCompletions,
+        &[
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"a","function":{"name":"search","arguments":"{}"}}]}},{"index":1,"delta":{"tool_calls":[{"index":0,"id":"b","function":{"name":"deploy","arguments":"{}"}}]}}]}"#,
+        ],
+    );
+    assert_eq!(seen, [call(0, 0, "a", "search"), call(1, 0, "b", "deploy")]);
 }
 
 /// xorshift64*, so the property test draws the same inputs wherever it runs.

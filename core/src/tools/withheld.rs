@@ -46,6 +46,9 @@ pub enum Withheld {
     TooLarge {
         tool: String,
     },
+    /// The answer could not be read for its calls (an event not of its API's shape, one too
+    /// large to hold, a compressed body).
+    Unreadable,
 }
 
 impl Withheld {
@@ -84,6 +87,12 @@ impl Withheld {
             .with_type("tool_blocked")
             .with_code("tool_call_too_large")
             .with_extra("tool", tool.clone()),
+            Withheld::Unreadable => ApiError::new(
+                403,
+                "the answer could not be read to check its tool calls against the tool policy",
+            )
+            .with_type("tool_blocked")
+            .with_code("tool_call_unreadable"),
         }
     }
 }

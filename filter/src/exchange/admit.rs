@@ -9,7 +9,7 @@ use proxy_wasm::types::Action;
 use weir_core::admission::{self, Admitted};
 use weir_core::error::ApiError;
 use weir_core::estimate::{Counting, Method};
-use weir_core::meter::{BodyMeter, StreamMeter};
+use weir_core::meter::BodyMeter;
 use weir_core::prediction;
 use weir_core::renewal;
 use weir_core::reply::Reply;
@@ -182,10 +182,7 @@ impl Exchange {
             host.replace_body(Side::Request, size, new_body);
         }
         self.meter = if admitted.stream {
-            Meter::Stream(StreamMeter::new(
-                admitted.endpoint,
-                admitted.hide_usage_event,
-            ))
+            Meter::Stream(self.stream_meter(admitted.endpoint, admitted.hide_usage_event))
         } else {
             Meter::Body(BodyMeter::new(admitted.endpoint, MAX_METERED_BODY))
         };

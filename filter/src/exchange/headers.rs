@@ -14,6 +14,7 @@ use weir_core::reservation::{self, Ledger};
 use weir_core::trusted;
 
 use super::respond::is_identity;
+use super::tools;
 use super::{Exchange, Headers, Host, Side, Stage};
 use crate::host::staged;
 use crate::telemetry;
@@ -56,6 +57,7 @@ impl Exchange {
         self.counted_as = Some((label, route.mode));
         self.vouch(trusted::REQUEST_ID, attempt_id);
         self.caller_request_id = headers.get("x-request-id").map(str::to_owned);
+        self.approval_resend = headers.get(tools::APPROVAL_ID_HEADER).is_some();
         let idempotency_key = Self::idempotency_key(&headers);
         if let Ok(Some(key)) = &idempotency_key {
             self.vouch(trusted::IDEMPOTENCY_KEY, key.clone());

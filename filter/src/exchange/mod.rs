@@ -139,6 +139,9 @@ pub struct Exchange {
     replayed: bool,
     /// The caller's `x-request-id`: with the body, what tells a retry (`retry.rs`).
     caller_request_id: Option<String>,
+    /// The call sends a withheld call's request again for its approved call
+    /// (`weir-approval-id`): the sidecar answers it, the engine does not run (`tools.rs`).
+    approval_resend: bool,
     /// The call repeats one its key sent within the minute (`retry.rs`): a run counts it
     /// against its `retries` budget.
     retry: bool,
@@ -181,6 +184,7 @@ impl Exchange {
             headers_sent: false,
             replayed: false,
             caller_request_id: None,
+            approval_resend: false,
             retry: false,
             shape: ErrorShape::OpenAi,
             standing: Vec::new(),

@@ -3,7 +3,7 @@
 //! it), until its end settles the request (`settle.rs`).
 
 use proxy_wasm::types::Action;
-use weir_core::meter::{BodyMeter, StreamMeter};
+use weir_core::meter::BodyMeter;
 use weir_core::reply;
 use weir_core::trusted;
 
@@ -53,7 +53,11 @@ impl Exchange {
             return Action::Continue;
         }
         self.tools = self.tool_guard(&headers);
-        if self.tools.is_some() && matches!(self.meter, Meter::Body(_)) {
+        if self.tools.as_ref().is_some_and(ToolGuard::is_unread) {
+            // Withheld whole, replaced by an error the client reads as it is.
+            host.set_header(Side::Response, "content-encoding", None);
+            host.set_header(Side::Response, "content-length", None);
+        } else if self.tools.is_some() && matches!(self.meter, Meter::Body(_)) {
             // A whole answer is judged whole, and may be replaced by an error of another
             // length. Its headers cannot wait for it: without `allow_on_headers_stop_iteration`
             // (which a mesh cannot set) Envoy stops all iteration and never calls the body
@@ -64,18 +68,26 @@ impl Exchange {
     }
 
     /// The guard of the answer's tool calls, when the key has a tool policy and the answer
-    /// can make calls.
+    /// can make calls. One that cannot be read (compressed, though weir asked for it plain)
+    /// fails closed.
     fn tool_guard(&self, headers: &Headers) -> Option<ToolGuard> {
-        let (tenant, admitted) = (self.tenant.as_ref()?, self.admitted.as_ref()?);
-        let readable = matches!(self.meter, Meter::Stream(_) | Meter::Body(_));
+        let admitted = self.admitted.as_ref()?;
         let answered = (200..300).contains(&self.upstream_status);
-        if self.shadow || tenant.tools.is_empty() || !readable || !answered {
+        if !answered || !self.tool_policy_applies(admitted.endpoint) {
             return None;
         }
-        if !tools::guarded(admitted.endpoint) {
-            return None;
+        match self.meter {
+            Meter::Stream(_) | Meter::Body(_) => {}
+            Meter::Unreadable => {
+                let streamed =
+                    (headers.get("content-type")).is_some_and(weir_core::meter::is_event_stream);
+                return Some(ToolGuard::unread(admitted.endpoint, streamed));
+            }
+            Meter::None => return None,
         }
-        let delivered = headers.get(tools::APPROVAL_HEADER) == Some("delivered");
+        // Only the sidecar's answer to a re-send naming an approval delivers one.
+        let delivered =
+            self.approval_resend && headers.get(tools::APPROVAL_HEADER) == Some("delivered");
         let offered = admitted.offered_tools.clone();
         Some(ToolGuard::new(admitted.endpoint, offered, delivered))
     }
@@ -111,10 +123,8 @@ impl Exchange {
                 self.meter = Meter::Body(BodyMeter::new(admitted.endpoint, MAX_METERED_BODY));
             }
             (Meter::Body(_), true) => {
-                self.meter = Meter::Stream(StreamMeter::new(
-                    admitted.endpoint,
-                    admitted.hide_usage_event,
-                ));
+                let meter = self.stream_meter(admitted.endpoint, admitted.hide_usage_event);
+                self.meter = Meter::Stream(meter);
             }
             _ => {}
         }
@@ -128,6 +138,9 @@ impl Exchange {
     ) -> Action {
         if self.stage != Stage::Responding {
             return Action::Continue;
+        }
+        if self.tools.as_ref().is_some_and(ToolGuard::is_unread) {
+            return self.withhold_unread(host, size, end_of_stream);
         }
         if self.tools.is_some() && matches!(self.meter, Meter::Body(_)) {
             return self.judge_whole(host, size, end_of_stream);
@@ -184,7 +197,7 @@ impl Exchange {
         Action::Continue
     }
 
-    fn completed_outcome(&self) -> &'static str {
+    pub(super) fn completed_outcome(&self) -> &'static str {
         outcome::of_answer(self.upstream_status)
     }
 }

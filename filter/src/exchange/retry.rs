@@ -19,6 +19,11 @@ impl Exchange {
     /// Tells whether the call is a retry (marking it so for the run's `retries` budget), and
     /// refuses it if it may not go on: `None` to go on, else the action that ends it.
     pub(super) fn check_retry(&mut self, host: &impl Host, body: &[u8]) -> Option<Action> {
+        // Sending a withheld call's request again for its approved call is how approval works,
+        // not a retry: the sidecar answers it from the approval, no engine runs.
+        if self.approval_resend {
+            return None;
+        }
         let tenant = self.tenant.clone().filter(|t| retry::watched(t))?;
         self.endpoint?;
         let idempotency_key = (self.vouched.iter())

@@ -291,6 +291,17 @@ fn chat(max_tokens: Option<u64>) -> Vec<u8> {
 
 /// The request's headers arrive: a chat completion with `key`.
 fn headers_arrive(x: &mut Exchange, host: &Mock, path: &str, key: Option<&str>) -> Action {
+    headers_arrive_with(x, host, path, key, &[])
+}
+
+/// [`headers_arrive`] with `extra` headers.
+fn headers_arrive_with(
+    x: &mut Exchange,
+    host: &Mock,
+    path: &str,
+    key: Option<&str>,
+    extra: &[(&str, &str)],
+) -> Action {
     let mut headers = vec![
         (":method", "POST".to_owned()),
         (":path", path.to_owned()),
@@ -299,6 +310,7 @@ fn headers_arrive(x: &mut Exchange, host: &Mock, path: &str, key: Option<&str>) 
     if let Some(key) = key {
         headers.push(("authorization", format!("Bearer {key}")));
     }
+    headers.extend(extra.iter().map(|(k, v)| (*k, (*v).to_owned())));
     *host.request_headers.borrow_mut() = headers
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v))

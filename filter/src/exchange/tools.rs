@@ -25,11 +25,21 @@ use weir_core::tools::{
 };
 use weir_core::trusted;
 
-use super::{Exchange, Host};
+use proxy_wasm::types::Action;
+use weir_core::meter::StreamMeter;
+
+use super::{Exchange, Host, Side};
 use crate::telemetry::{self, runs::ToolWhere};
 
 /// Set by the sidecar on an answer that delivers a call an approver approved.
 pub(super) const APPROVAL_HEADER: &str = "weir-approval";
+
+/// Names the approval a request is sent again for.
+pub(super) const APPROVAL_ID_HEADER: &str = "weir-approval-id";
+
+/// Room above the request body bound for an event held whole under a tool policy: a
+/// Responses event repeats the request and the answer so far.
+const EVENT_ROOM: usize = 1024 * 1024;
 
 /// Set on an answer weir refuses for its tool policy: sending it again gets the same.
 pub(super) const SHOULD_RETRY: (&str, &str) = ("x-should-retry", "false");
@@ -44,14 +54,17 @@ pub(super) struct ToolGuard {
     state: State,
     /// The sidecar delivers an approved call: `approval` tools pass.
     delivered: bool,
+    /// The answer cannot be read (it came compressed): it is withheld whole, as an error
+    /// event when it streams (`Some(true)`), an error body when not.
+    unread: Option<bool>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Open,
-    /// A call to an `approval` tool (its index) is withheld: dropped, and read on until it is
-    /// complete, for its arguments' digest.
-    Approving(u32),
+    /// A call to an `approval` tool (its choice and index) is withheld: dropped, and read on
+    /// until it is complete, for its arguments' digest.
+    Approving(u32, u32),
     /// The error event went: the rest is dropped.
     Ended,
 }
@@ -60,8 +73,8 @@ enum State {
 enum Verdict {
     Pass,
     Withhold(ApiError),
-    /// The call with this index needs an approver.
-    Approval(u32),
+    /// The call with this choice and index needs an approver.
+    Approval(u32, u32),
 }
 
 impl ToolGuard {
@@ -73,7 +86,21 @@ impl ToolGuard {
             held: Vec::new(),
             state: State::Open,
             delivered,
+            unread: None,
         }
+    }
+
+    /// The guard of an answer that cannot be read.
+    pub(super) fn unread(endpoint: Endpoint, streamed: bool) -> ToolGuard {
+        ToolGuard {
+            unread: Some(streamed),
+            ..ToolGuard::new(endpoint, Vec::new(), false)
+        }
+    }
+
+    /// Whether the answer cannot be read (see [`Exchange::withhold_unread`]).
+    pub(super) fn is_unread(&self) -> bool {
+        self.unread.is_some()
     }
 
     /// Ends the answer with `error` (held events dropped).
@@ -102,6 +129,49 @@ pub(super) fn guarded(endpoint: Endpoint) -> bool {
 }
 
 impl Exchange {
+    /// Whether the key's tool policy reads the answers to this call.
+    pub(super) fn tool_policy_applies(&self, endpoint: Endpoint) -> bool {
+        let policy = self.tenant.as_ref().is_some_and(|t| !t.tools.is_empty());
+        policy && !self.shadow && guarded(endpoint)
+    }
+
+    /// The meter of a streamed answer. Under a tool policy it holds each event whole up to the
+    /// request body bound and [`EVENT_ROOM`] (a Responses event repeating the request fits):
+    /// an event it let pass as it came would reach the client unread, so one larger than that
+    /// ends the answer (`tool_call_unreadable`).
+    pub(super) fn stream_meter(&self, endpoint: Endpoint, hide_usage_event: bool) -> StreamMeter {
+        let meter = StreamMeter::new(endpoint, hide_usage_event);
+        if self.tool_policy_applies(endpoint) {
+            meter.holding(self.gw.config.max_body_bytes.saturating_add(EVENT_ROOM))
+        } else {
+            meter
+        }
+    }
+
+    /// An answer that cannot be read under the tool policy: none of it goes, and its end is
+    /// the error in its shape. Its usage is settled as any unreadable answer's.
+    pub(super) fn withhold_unread(
+        &mut self,
+        host: &impl Host,
+        size: usize,
+        end_of_stream: bool,
+    ) -> Action {
+        let streamed = self.tools.as_ref().and_then(|g| g.unread);
+        let mut out = Vec::new();
+        if end_of_stream {
+            let error = Withheld::Unreadable.error();
+            out = match (streamed, &self.tools) {
+                (Some(true), Some(guard)) => reply::stream_error_event(guard.endpoint, &error),
+                _ => self.error_reply(&error).body,
+            };
+        }
+        host.replace_body(Side::Response, size, &out);
+        if end_of_stream {
+            self.finish(host, self.completed_outcome());
+        }
+        Action::Continue
+    }
+
     /// The bytes of a stream to forward, of those the meter forwards (`bytes`, framed into
     /// events), under the tool policy.
     pub(super) fn guard_stream(
@@ -119,16 +189,17 @@ impl Exchange {
                     let event = bytes.get(range).unwrap_or_default();
                     self.guard_event(host, guard, event, &mut out);
                 }
-                // An event too large to hold: it cannot be held behind an undecided call.
-                Frame::Passing(range) => match guard.state {
+                // An event too large to hold (see `event_limit`) cannot be read for calls
+                // before it goes: none of it does.
+                Frame::Passing(_) => match guard.state {
                     State::Open if guard.held.is_empty() => {
-                        out.extend_from_slice(bytes.get(range).unwrap_or_default());
+                        guard.end(&Withheld::Unreadable.error(), &mut out);
                     }
                     State::Open => {
                         let tool = guard.undecided_name();
                         guard.end(&Withheld::TooLarge { tool }.error(), &mut out);
                     }
-                    State::Approving(_) | State::Ended => {}
+                    State::Approving(..) | State::Ended => {}
                 },
             }
         }
@@ -147,9 +218,9 @@ impl Exchange {
     ) {
         match guard.state {
             State::Ended => return,
-            State::Approving(index) => {
+            State::Approving(choice, index) => {
                 guard.scan.observe(event);
-                self.approve_if_complete(guard, index, false, out);
+                self.approve_if_complete(guard, (choice, index), false, out);
                 return;
             }
             State::Open => {}
@@ -167,12 +238,13 @@ impl Exchange {
                     }
                 }
                 Verdict::Withhold(error) => guard.end(&error, out),
-                Verdict::Approval(index) => {
+                Verdict::Approval(choice, index) => {
                     guard.held.clear();
-                    guard.state = State::Approving(index);
-                    self.approve_if_complete(guard, index, false, out);
+                    guard.state = State::Approving(choice, index);
+                    self.approve_if_complete(guard, (choice, index), false, out);
                 }
             },
+            ScanStep::Unreadable => guard.end(&Withheld::Unreadable.error(), out),
             ScanStep::TooLarge => {
                 let tool = guard.undecided_name();
                 guard.end(&Withheld::TooLarge { tool }.error(), out);
@@ -195,11 +267,11 @@ impl Exchange {
             match self.decide(host, guard, &calls) {
                 Verdict::Pass => out.append(&mut guard.held),
                 Verdict::Withhold(error) => guard.end(&error, out),
-                Verdict::Approval(index) => guard.state = State::Approving(index),
+                Verdict::Approval(choice, index) => guard.state = State::Approving(choice, index),
             }
         }
-        if let State::Approving(index) = guard.state {
-            self.approve_if_complete(guard, index, true, out);
+        if let State::Approving(choice, index) = guard.state {
+            self.approve_if_complete(guard, (choice, index), true, out);
         }
     }
 
@@ -208,12 +280,15 @@ impl Exchange {
     fn approve_if_complete(
         &self,
         guard: &mut ToolGuard,
-        index: u32,
+        (choice, index): (u32, u32),
         ended: bool,
         out: &mut Vec<u8>,
     ) {
         let calls = guard.scan.calls();
-        let Some(call) = calls.iter().find(|c| c.index == index) else {
+        let Some(call) = calls
+            .iter()
+            .find(|c| c.choice == choice && c.index == index)
+        else {
             return;
         };
         if call.complete || ended {
@@ -258,8 +333,10 @@ impl Exchange {
                     let tool = call.name.clone();
                     return Verdict::Withhold(Withheld::Blocked { tool, policy }.error());
                 }
-                Ok(ToolClass::Approval) if guard.delivered => {}
-                Ok(ToolClass::Approval) => return Verdict::Approval(call.index),
+                // Delivered once approved: a call made, counted as any other.
+                Ok(ToolClass::Approval) if !guard.delivered => {
+                    return Verdict::Approval(call.choice, call.index);
+                }
                 Ok(_) => counted += 1,
             }
         }
@@ -290,8 +367,10 @@ impl Exchange {
         match verdict {
             Verdict::Pass => None,
             Verdict::Withhold(error) => Some(error),
-            Verdict::Approval(index) => {
-                let call = calls.iter().find(|c| c.index == index)?;
+            Verdict::Approval(choice, index) => {
+                let call = calls
+                    .iter()
+                    .find(|c| c.choice == choice && c.index == index)?;
                 Some(self.approval_required(call).error())
             }
         }

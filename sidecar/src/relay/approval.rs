@@ -7,11 +7,21 @@
 use weir_core::config::tool_matches;
 use weir_core::endpoint::Endpoint;
 use weir_core::sse::event_end;
-use weir_core::tools::{MAX_HELD_BYTES, ToolCall, ToolScan, approval_id, body_calls};
+use weir_core::tools::{ToolCall, ToolScan, approval_id, body_calls};
 
 use crate::approvals::{Approvals, HeldCall};
 use crate::intake::trust::Trusted;
 use crate::support::clock::now_ms;
+
+/// Most bytes of one event a watch holds. A larger one is skipped (its calls are never held,
+/// so never delivered): more than the filter holds of an event under a tool policy (the
+/// request body bound and a mebibyte, by default), so a call the filter reads whole the
+/// sidecar has held.
+const MAX_WATCHED_EVENT_BYTES: usize = 8 * 1024 * 1024;
+
+/// Bytes kept of an event being skipped: enough for its end (a blank line, `\r\n\r\n` at
+/// most) to be found across two chunks.
+const SKIP_TAIL: usize = 3;
 
 /// Where a watch holds calls: the store, the caller, the model that answered.
 pub type Holding<'a> = (&'a Approvals, &'a Trusted, &'a str);
@@ -26,9 +36,9 @@ pub struct Watch {
     request_sha256: [u8; 32],
     /// Calls (by choice and index) already held, or given up on.
     done: Vec<(u32, u32)>,
-    /// An event grew past what is held: the rest is not read (its calls are never held, so
-    /// never delivered).
-    overflowed: bool,
+    /// An event grew past [`MAX_WATCHED_EVENT_BYTES`]: it is skipped up to its end, and the
+    /// events after it read.
+    skipping: bool,
 }
 
 impl Watch {
@@ -45,16 +55,22 @@ impl Watch {
             partial: Vec::new(),
             request_sha256: request_sha256(),
             done: Vec::new(),
-            overflowed: false,
+            skipping: false,
         })
     }
 
     /// Reads a chunk of the stream; the calls it completes, each once.
     fn stream(&mut self, chunk: &[u8]) -> Vec<ToolCall> {
-        if self.overflowed {
-            return Vec::new();
-        }
         self.partial.extend_from_slice(chunk);
+        if self.skipping {
+            let Some(end) = event_end(&self.partial) else {
+                let tail = self.partial.len().saturating_sub(SKIP_TAIL);
+                self.partial.drain(..tail);
+                return Vec::new();
+            };
+            self.partial.drain(..end);
+            self.skipping = false;
+        }
         let mut completed = Vec::new();
         while let Some(end) = event_end(&self.partial) {
             let event: Vec<u8> = self.partial.drain(..end).collect();
@@ -62,9 +78,10 @@ impl Watch {
             let calls: Vec<ToolCall> = self.scan.completed().cloned().collect();
             completed.extend(calls.into_iter().filter(|c| self.first_time(c)));
         }
-        if self.partial.len() > MAX_HELD_BYTES {
-            self.overflowed = true;
-            self.partial = Vec::new();
+        if self.partial.len() > MAX_WATCHED_EVENT_BYTES {
+            self.skipping = true;
+            let tail = self.partial.len().saturating_sub(SKIP_TAIL);
+            self.partial.drain(..tail);
         }
         completed
     }
@@ -162,6 +179,33 @@ mod tests {
             );
             assert_eq!(held.name, "deploy_prod");
             assert_eq!(held.arguments, r#"{"env":"prod"}"#);
+        }
+    }
+
+    /// A large event (a Responses echo of a long request, a long text delta) neither stops the
+    /// watch nor hides the calls after it; one past the bound is skipped, and the calls after
+    /// it are held still.
+    #[test]
+    fn calls_after_a_large_event_are_held() {
+        let call = concat!(
+            r#"data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"deploy_prod","arguments":"{}"}}]}}]}"#,
+            "\n\n",
+            r#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "\n\ndata: [DONE]\n\n",
+        );
+        for pad in [100 * 1024, MAX_WATCHED_EVENT_BYTES + 1024] {
+            let text = format!(
+                "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
+                "y".repeat(pad)
+            );
+            let stream = text + call;
+            let mut watch = Watch::of(&who(), Endpoint::ChatCompletions, || [0; 32]).unwrap();
+            let held: Vec<ToolCall> = (stream.as_bytes().chunks(64 * 1024))
+                .flat_map(|chunk| watch.stream(chunk))
+                .collect();
+            assert_eq!(held.len(), 1, "pad {pad}");
+            assert_eq!(held[0].name, "deploy_prod");
+            assert!(watch.partial.len() <= MAX_WATCHED_EVENT_BYTES);
         }
     }
 

@@ -210,3 +210,26 @@ fn side_effect_retry_without_key_refused_with_key_passes() {
         "{error}"
     );
 }
+
+#[test]
+fn an_approval_re_send_is_no_retry_and_spends_no_retry_budget() {
+    let policy = json!({"tools": {"classes": {"send_*": "side_effect", "deploy": "approval"}}});
+    let (gw, host) = retry_gateway(json!({"retries_per_minute": 1}), policy);
+    let step = json!({"model": "tiny", "messages": [{"role": "user", "content": "ship it"}],
+        "tools": [{"type": "function", "function": {"name": "send_email"}},
+                  {"type": "function", "function": {"name": "deploy"}}]})
+    .to_string();
+    let id = [("x-request-id", "step-9")];
+    assert!(send(&gw, &host, CHAT, &id, &step).refused.is_none());
+    // The same request sent again for its approved call, as often as the client needs: the
+    // sidecar answers it from the approval, so it is neither a side-effect retry nor a retry.
+    let resend = [("x-request-id", "step-9"), ("weir-approval-id", "apr_x")];
+    for _ in 0..3 {
+        let again = send(&gw, &host, CHAT, &resend, &step);
+        assert!(again.refused.is_none(), "{:?}", again.refused);
+        assert!(!again.x.retry);
+    }
+    // A real retry still is one (and, without its key, refused for its side-effect tool).
+    let bare = send(&gw, &host, CHAT, &id, &step);
+    assert_eq!(bare.refused.expect("refused").0, 409);
+}

@@ -11,7 +11,9 @@ use weir_core::keys::hash_key;
 use weir_core::meter::{MAX_HELD_BYTES, StreamMeter};
 use weir_core::tools::{approval_id, arguments_sha256};
 
-use super::{KEY, Mock, configured, headers_arrive, pairs};
+use super::{KEY, Mock, configured, headers_arrive_with, pairs};
+
+mod attacks;
 use crate::Gateway;
 use crate::exchange::{Exchange, Side};
 use crate::host::Metrics;
@@ -42,6 +44,17 @@ const OFFERED: [&str; 3] = ["search", "deploy", "shell_rm"];
 /// A request to `endpoint` offering [`OFFERED`] (streamed with its usage asked for, so the
 /// meter hides nothing), admitted.
 fn admitted(gw: &Rc<Gateway>, host: &Mock, endpoint: Endpoint, stream: bool) -> Exchange {
+    admitted_with(gw, host, endpoint, stream, &[])
+}
+
+/// [`admitted`], its request carrying `extra` headers.
+fn admitted_with(
+    gw: &Rc<Gateway>,
+    host: &Mock,
+    endpoint: Endpoint,
+    stream: bool,
+    extra: &[(&str, &str)],
+) -> Exchange {
     let (path, body) = match endpoint {
         Endpoint::Responses => {
             let tools: Vec<Value> = (OFFERED.iter())
@@ -73,7 +86,7 @@ fn admitted(gw: &Rc<Gateway>, host: &Mock, endpoint: Endpoint, stream: bool) -> 
     };
     let mut x = Exchange::new(Rc::clone(gw));
     assert_eq!(
-        headers_arrive(&mut x, host, path, Some(KEY)),
+        headers_arrive_with(&mut x, host, path, Some(KEY), extra),
         Action::Continue
     );
     let body = body.to_string().into_bytes();
@@ -393,7 +406,11 @@ fn an_approval_call_is_withheld_with_its_id_tool_and_digest_in_each_api() {
 #[test]
 fn an_approved_call_the_sidecar_delivers_passes() {
     let stream = chat_stream(&[("call_9", "deploy", r#"{"env":"prod"}"#)]);
-    let (host, mut x) = fresh(Endpoint::ChatCompletions, true);
+    let gw = gateway();
+    let host = Mock::new(None);
+    configured(&gw, &host);
+    let resend = [("weir-approval-id", "apr_x")];
+    let mut x = admitted_with(&gw, &host, Endpoint::ChatCompletions, true, &resend);
     let delivered = ("weir-approval", "delivered");
     let event_stream = ("content-type", "text/event-stream");
     answer_headers(
@@ -462,7 +479,7 @@ fn a_blocked_tool_offered_is_refused_unless_the_policy_removes_it() {
     let host = Mock::new(None);
     configured(&gw, &host);
     let mut x = Exchange::new(Rc::clone(&gw));
-    headers_arrive(&mut x, &host, "/v1/chat/completions", Some(KEY));
+    headers_arrive_with(&mut x, &host, "/v1/chat/completions", Some(KEY), &[]);
     let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": "search"}},
                   {"type": "function", "function": {"name": "shell_rm"}}]});
@@ -479,14 +496,16 @@ fn a_blocked_tool_offered_is_refused_unless_the_policy_removes_it() {
     assert!(headers.contains(&("x-should-retry".into(), "false".into())));
 }
 
-#[test]
-fn a_call_past_the_run_s_tool_budget_is_withheld_naming_the_budget() {
+/// A request in run `r1` of a key whose runs may make `tool_calls` calls (its request
+/// carrying `extra` headers), admitted.
+fn in_a_run(tool_calls: u64, extra: &[(&str, &str)]) -> (Mock, Exchange) {
     use weir_core::reservation::SlotLease;
     use weir_core::run::{self, Counts, RunDemand, RunKey, RunTable};
 
     let gw = gateway_with(json!({
-        "tools": {"blocked": ["shell_*"], "on_blocked_offered": "remove"},
-        "runs": {"budgets": {"tool_calls": 1}}}));
+        "tools": {"blocked": ["shell_*"], "classes": {"deploy": "approval"},
+                  "on_blocked_offered": "remove"},
+        "runs": {"budgets": {"tool_calls": tool_calls}}}));
     let host = Mock::new(None);
     configured(&gw, &host);
     let tenant = super::tenant(&gw);
@@ -504,8 +523,14 @@ fn a_call_past_the_run_s_tool_budget_is_withheld_naming_the_budget() {
         },
     };
     let hold = run::reserve(&host.store, &tenant, &table, &key, demand, 1_000_000).unwrap();
-    let mut x = admitted(&gw, &host, Endpoint::ChatCompletions, true);
+    let mut x = admitted_with(&gw, &host, Endpoint::ChatCompletions, true, extra);
     x.run = Some(hold);
+    (host, x)
+}
+
+#[test]
+fn a_call_past_the_run_s_tool_budget_is_withheld_naming_the_budget() {
+    let (host, mut x) = in_a_run(1, &[]);
     let stream = chat_stream(&[
         ("call_1", "search", r#"{"q":"a"}"#),
         ("call_2", "search", r#"{"q":"b"}"#),
