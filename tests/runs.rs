@@ -59,6 +59,7 @@ fn stack() -> &'static Stack {
                 org("loop-runtime", json!({"runtime_ms": LOOP_RUNTIME_MS})),
                 org("loop-parallel", json!({"parallel_calls": 2})),
                 org("loop-retries", json!({"retries": 2})),
+                org("loop-tools", json!({"tool_calls": LOOP_TOOLS})),
             ],
             "models": {"tiny": {"max_context_tokens": 4096}},
             // A micro-unit per token, so a cost budget reads as tokens.
@@ -228,6 +229,9 @@ const LOOP_OUTPUT: u64 = 5 * MAX_TOKENS + MAX_TOKENS / 2;
 const LOOP_INPUT: u64 = 400;
 const LOOP_COST: u64 = 500;
 const LOOP_RUNTIME_MS: u64 = 2_500;
+/// The agent's model calls alternate a tool call and text (the simulator answers a tool
+/// result with text): the third tool call comes at its fifth model call.
+const LOOP_TOOLS: u64 = 2;
 
 /// What one call of a scripted agent came to (a line of `agent_loop.py`'s output).
 #[derive(Debug)]
@@ -236,6 +240,7 @@ struct Step {
     status: Option<u64>,
     error: Value,
     prompt_tokens: u64,
+    tool_calls: u64,
 }
 
 /// Runs the scripted agent on `sdk` as `key` for run `run_id`, up to `calls` calls (`extra`
@@ -269,20 +274,26 @@ fn agent(sdk: &str, key: &str, run_id: &str, calls: u64, extra: &[&str]) -> Vec<
                 status: v["status"].as_u64(),
                 error: v["error"].clone(),
                 prompt_tokens: v["prompt_tokens"].as_u64().unwrap_or(0),
+                tool_calls: v["tool_calls"].as_u64().unwrap_or(0),
             }
         })
         .collect()
 }
 
 /// The agent's calls up to its first refusal: how many were served, and the refusal, which
-/// must be `run_budget_exceeded` on `budget` (status 429, or an error event).
+/// must be `run_budget_exceeded` on `budget`, status 429.
 fn refused_after(steps: &[Step], budget: &str) -> (usize, Value) {
+    refused_with(steps, budget, &[Some(429)])
+}
+
+/// [`refused_after`] for a refusal with one of `statuses` (as the SDK tells it).
+fn refused_with(steps: &[Step], budget: &str, statuses: &[Option<u64>]) -> (usize, Value) {
     let served = steps.iter().take_while(|s| s.ok).count();
     let refused = steps
         .get(served)
         .unwrap_or_else(|| panic!("never refused: {steps:?}"));
     let error = &refused.error;
-    assert_eq!(refused.status, Some(429), "{refused:?}");
+    assert!(statuses.contains(&refused.status), "{refused:?}");
     assert_eq!(error["code"], "run_budget_exceeded", "{error}");
     assert_eq!(error["budget"], budget, "{error}");
     (served, error.clone())
@@ -414,6 +425,30 @@ async fn sdk_agents_that_retry_each_call_are_refused_at_the_retry_past_the_budge
         assert_eq!(
             (error["used"].as_u64(), error["limit"].as_u64()),
             (Some(2), Some(2))
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sdk_agents_are_cut_at_the_tool_call_that_would_cross_a_tool_call_budget() {
+    for sdk in SDKS {
+        let steps = agent(sdk, "loop-tools", &format!("{sdk}-tools"), 20, &[]);
+        // The answer's headers went before its third call was made: the SDK reads the error
+        // event that ends the stream (OpenAI's SDK gives it no status, Anthropic's the 200).
+        let (served, error) = refused_with(&steps, "tool_calls", &[None, Some(200)]);
+        let made: u64 = steps[..served].iter().map(|s| s.tool_calls).sum();
+        println!(
+            "{sdk}: tool_calls {LOOP_TOOLS}: {served} calls served making {made} tool calls, then {error}"
+        );
+        assert_eq!(made, LOOP_TOOLS, "{sdk}: {steps:?}");
+        assert_eq!(
+            served, 4,
+            "{sdk}: tool, text, tool, text, then the third tool call"
+        );
+        assert_eq!(
+            (error["limit"].as_u64(), error["used"].as_u64()),
+            (Some(LOOP_TOOLS), Some(LOOP_TOOLS)),
+            "{error}"
         );
     }
 }

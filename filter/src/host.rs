@@ -9,6 +9,7 @@ use std::time::{Duration, UNIX_EPOCH};
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, MetricType, Status};
+use weir_core::reply::Reply;
 use weir_core::store::{SharedStore, StoreError};
 
 use crate::Gateway;
@@ -258,6 +259,15 @@ pub fn local_reply(status: u16, headers: &[(&str, String)], body: &[u8]) {
     }
 }
 
+/// Sends a held reply on the request context it answers (from the root context's tick), unless
+/// that request has ended meanwhile.
+pub fn reply_on(context_id: u32, reply: &Reply) {
+    if hostcalls::set_effective_context(context_id).is_err() {
+        return;
+    }
+    local_reply(reply.status, &reply.headers, &reply.body);
+}
+
 /// Lets a request held for a call's answer (its body paused) go on.
 pub fn resume_request() {
     counted();
@@ -300,11 +310,19 @@ pub fn call_response(body_size: usize) -> (Option<u16>, Vec<u8>) {
 /// metrics the gateway's.
 pub struct Envoy {
     gw: Rc<Gateway>,
+    /// The request context it serves (0: the root context's).
+    context_id: u32,
 }
 
 impl Envoy {
+    /// The host of the root context's work.
     pub fn new(gw: Rc<Gateway>) -> Envoy {
-        Envoy { gw }
+        Envoy { gw, context_id: 0 }
+    }
+
+    /// The host of the request on `context_id`.
+    pub fn of_request(gw: Rc<Gateway>, context_id: u32) -> Envoy {
+        Envoy { gw, context_id }
     }
 }
 
@@ -349,6 +367,16 @@ impl Host for Envoy {
 
     fn local_reply(&self, status: u16, headers: &[(&str, String)], body: &[u8]) {
         local_reply(status, headers, body);
+    }
+
+    fn hold_reply(&self, reply: Reply) {
+        let held = match self.gw.tarpit.try_borrow_mut() {
+            Ok(mut tarpit) => tarpit.hold(self.context_id, reply, now_ms()),
+            Err(_) => Err(reply),
+        };
+        if let Err(reply) = held {
+            local_reply(reply.status, &reply.headers, &reply.body);
+        }
     }
 
     fn resume_request(&self) {

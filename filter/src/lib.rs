@@ -12,6 +12,7 @@ mod profile;
 mod renewal;
 mod request;
 mod signer;
+mod tarpit;
 mod telemetry;
 
 use std::cell::RefCell;
@@ -33,6 +34,7 @@ use crate::host::{Envoy, Metrics, SharedData};
 use crate::renewal::Renewal;
 use crate::request::Request;
 use crate::signer::Signer;
+use crate::tarpit::Tarpit;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -60,6 +62,8 @@ pub struct Gateway {
     /// The price table as every forwarded request vouches for it (`x-weir-price`), so the
     /// ledger prices each record at its model's entry; formatted once per configuration.
     pub price_header: Option<String>,
+    /// Refusals of retries held back, sent on the root tick (`tarpit`).
+    pub tarpit: RefCell<Tarpit>,
 }
 
 impl Gateway {
@@ -74,6 +78,7 @@ impl Gateway {
             in_flight: RefCell::default(),
             runs_in_flight: RefCell::default(),
             run_settles: RefCell::default(),
+            tarpit: RefCell::default(),
         }
     }
 }
@@ -140,7 +145,8 @@ impl RootContext for Root {
         {
             period = period.min(fleet.renew_ms);
         }
-        self.set_tick_period(Duration::from_millis(period));
+        // Held refusals go within a tick of their due time.
+        self.set_tick_period(Duration::from_millis(period.min(tarpit::TICK_MS)));
         reservation::initialize(&SharedData, gateway.directory.tenants(), host::now_ms());
         run::create(
             &SharedData,
@@ -180,6 +186,10 @@ impl RootContext for Root {
         }
         exchange::run_fleet::send_settles(&Envoy::new(Rc::clone(gw)), gw);
         let now = host::now_ms();
+        let due = gw.tarpit.try_borrow_mut().map(|mut t| t.due(now));
+        for held in due.unwrap_or_default() {
+            host::reply_on(held.context_id, &held.reply);
+        }
         if now
             < self
                 .slots_renewed_ms
@@ -205,13 +215,13 @@ impl RootContext for Root {
             .add(telemetry::SETTLE_CONFLICTS, conflicts as i64);
     }
 
-    fn create_http_context(&self, _: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // Envoy does not start without a valid configuration, so a gateway is always there.
         let gateway = self
             .gateway
             .clone()
             .unwrap_or_else(|| Rc::new(Gateway::new(Config::default(), None, Metrics::default())));
-        Some(Box::new(Request::new(gateway)))
+        Some(Box::new(Request::new(gateway, context_id)))
     }
 
     fn get_type(&self) -> Option<ContextType> {

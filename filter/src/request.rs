@@ -17,9 +17,9 @@ pub struct Request {
 }
 
 impl Request {
-    pub fn new(gw: Rc<Gateway>) -> Self {
+    pub fn new(gw: Rc<Gateway>, context_id: u32) -> Self {
         Request {
-            envoy: Envoy::new(Rc::clone(&gw)),
+            envoy: Envoy::of_request(Rc::clone(&gw), context_id),
             exchange: Exchange::new(gw),
         }
     }

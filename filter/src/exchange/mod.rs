@@ -228,6 +228,22 @@ impl Exchange {
         reason: &'static str,
         shadow_stage: Stage,
     ) -> Action {
+        if let Some(action) = self.refusing(host, reason, shadow_stage) {
+            return action;
+        }
+        host.local_reply(reply.status, &reply.headers, &reply.body);
+        Action::Pause
+    }
+
+    /// What every refusal does but send its reply: gives back what the request holds, counts
+    /// it, and ends the request (`None`: the caller sends the reply); in shadow mode notes it
+    /// and lets the request go on (the action that does).
+    fn refusing(
+        &mut self,
+        host: &impl Host,
+        reason: &'static str,
+        shadow_stage: Stage,
+    ) -> Option<Action> {
         self.cancel_reservation(host);
         let counter = telemetry::rejection_metric(reason, self.shadow);
         host.add(&counter, 1);
@@ -238,12 +254,11 @@ impl Exchange {
             if shadow_stage == Stage::Passthrough {
                 self.outcome = "passthrough";
             }
-            return self.send_headers(host);
+            return Some(self.send_headers(host));
         }
         self.stage = Stage::Replied;
         self.outcome = "rejected";
-        host.local_reply(reply.status, &reply.headers, &reply.body);
-        Action::Pause
+        None
     }
 
     /// Refuses a body on admission: `None` when shadow mode lets it go on (the refusal

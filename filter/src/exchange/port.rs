@@ -6,6 +6,7 @@
 //! a host keeps what little state it has (a test's record of calls) inside.
 
 use proxy_wasm::types::Status;
+use weir_core::reply::Reply;
 use weir_core::store::SharedStore;
 
 /// The host calls an exchange makes.
@@ -41,6 +42,10 @@ pub trait Host {
 
     /// Answers the request locally; the host stops forwarding it.
     fn local_reply(&self, status: u16, headers: &[(&str, String)], body: &[u8]);
+
+    /// Answers the request locally once [`crate::tarpit::HOLD_MS`] have passed (the request
+    /// stays paused until then), or at once when no more replies can be held.
+    fn hold_reply(&self, reply: Reply);
 
     /// Lets a request held for a call's answer (its body paused) go on.
     fn resume_request(&self);

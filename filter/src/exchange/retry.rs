@@ -4,7 +4,9 @@
 //! `side_effect` tool without an idempotency key is refused (409), and past the key's
 //! `retries_per_minute` a retry is refused (429) with a `Retry-After` that grows with the
 //! key's streak of refusals — before it takes any queue space upstream; first attempts are
-//! never held to it. Either refusal gives back what the headers reserved.
+//! never held to it. Either refusal gives back what the headers reserved, and is held back
+//! before it is sent (`crate::tarpit`), so a client retrying with no backoff retries at most
+//! once a hold.
 
 use proxy_wasm::types::Action;
 use weir_core::reply::Reply;
@@ -12,7 +14,7 @@ use weir_core::reservation::{self, Denial};
 use weir_core::retry;
 use weir_core::trusted;
 
-use super::{Exchange, Host};
+use super::{Exchange, Host, Stage};
 use crate::telemetry;
 
 impl Exchange {
@@ -48,7 +50,7 @@ impl Exchange {
         {
             let reply = self.error_reply(&retry::side_effect_retry(&tool));
             let reason = "side_effect_retry_requires_idempotency_key";
-            return self.refuse_on_admission(host, reply, reason);
+            return self.refuse_retry(host, reply, reason);
         }
         let denial = match reservation::charge_retry(store, &tenant, self.ledger(), now) {
             Ok(()) => {
@@ -69,6 +71,20 @@ impl Exchange {
         if !self.shadow {
             telemetry::runs::retry_refused(host, &tenant);
         }
-        self.refuse_on_admission(host, reply, "retry_budget_exceeded")
+        self.refuse_retry(host, reply, "retry_budget_exceeded")
+    }
+
+    /// Refuses a retry, its reply held back (in shadow mode, noted and let go on).
+    fn refuse_retry(
+        &mut self,
+        host: &impl Host,
+        reply: Reply,
+        reason: &'static str,
+    ) -> Option<Action> {
+        if let Some(action) = self.refusing(host, reason, Stage::AwaitingBody) {
+            return (self.stage == Stage::Replied).then_some(action);
+        }
+        host.hold_reply(reply);
+        Some(Action::Pause)
     }
 }

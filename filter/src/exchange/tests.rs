@@ -11,6 +11,7 @@ use serde_json::{Value, json};
 use weir_core::config::{Config, Tenant};
 use weir_core::fleet::{Grant, LeaseRequest, LeaseResponse};
 use weir_core::keys::hash_key;
+use weir_core::reply::Reply;
 use weir_core::reservation::{self, Denial, Ledger, LimitKind};
 use weir_core::store::{SharedStore, StoreError};
 
@@ -61,6 +62,8 @@ struct Mock {
     request_body: RefCell<Vec<u8>>,
     response_body: RefCell<Vec<u8>>,
     reply: RefCell<Option<(u16, Pairs, Vec<u8>)>>,
+    /// Replies held back (`hold_reply`): the test host sends them at once, as `reply`.
+    held_replies: Cell<usize>,
     resumed: Cell<usize>,
     /// Calls sent: cluster, headers, body.
     calls: RefCell<Vec<(String, Pairs, Vec<u8>)>>,
@@ -133,6 +136,11 @@ impl Host for Mock {
             .map(|(k, v)| ((*k).to_owned(), v.clone()))
             .collect();
         *self.reply.borrow_mut() = Some((status, headers, body.to_vec()));
+    }
+
+    fn hold_reply(&self, reply: Reply) {
+        self.held_replies.set(self.held_replies.get() + 1);
+        self.local_reply(reply.status, &reply.headers, &reply.body);
     }
 
     fn resume_request(&self) {

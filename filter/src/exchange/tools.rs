@@ -129,10 +129,12 @@ pub(super) fn guarded(endpoint: Endpoint) -> bool {
 }
 
 impl Exchange {
-    /// Whether the key's tool policy reads the answers to this call.
+    /// Whether the answers to this call are read for their calls: the key has a tool policy,
+    /// or its runs a `tool_calls` budget (counted as the answer makes them).
     pub(super) fn tool_policy_applies(&self, endpoint: Endpoint) -> bool {
-        let policy = self.tenant.as_ref().is_some_and(|t| !t.tools.is_empty());
-        policy && !self.shadow && guarded(endpoint)
+        let read = (self.tenant.as_ref())
+            .is_some_and(|t| !t.tools.is_empty() || t.run_budgets.tool_calls.is_some());
+        read && !self.shadow && guarded(endpoint)
     }
 
     /// The meter of a streamed answer. Under a tool policy it holds each event whole up to the
@@ -320,7 +322,10 @@ impl Exchange {
         for call in calls {
             let class = match tenant.tools.rule(&call.name) {
                 ToolRule::Blocked => Err(Policy::Blocked),
-                ToolRule::Allowed(_) if !guard.offered.contains(&call.name) => {
+                // Without a tool policy the calls are only counted.
+                ToolRule::Allowed(_)
+                    if !tenant.tools.is_empty() && !guard.offered.contains(&call.name) =>
+                {
                     Err(Policy::NotOffered)
                 }
                 ToolRule::Allowed(class) => Ok(class),

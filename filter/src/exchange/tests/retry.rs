@@ -95,6 +95,8 @@ fn retries_past_budget_get_growing_retry_after() {
     assert_eq!(waits, ["1", "2", "4", "8", "16", "32", "60"]);
     assert_eq!(host.metric("weir.rejections.retry_budget_exceeded"), 7);
     assert_eq!(host.metric("weir.retries_refused_total.tenant.acme"), 7);
+    // Each refusal was held back before it went (`tarpit`); the calls let through were not.
+    assert_eq!(host.held_replies.get(), 7);
     // The refused ones took nothing: their request charges went back.
     assert_eq!(host.remaining(&t, LimitKind::Requests), 100 - 3);
     // Anthropic's clients get their shape, with weir's code.
@@ -188,6 +190,11 @@ fn side_effect_retry_without_key_refused_with_key_passes() {
     assert_eq!(
         host.metric("weir.rejections.side_effect_retry_requires_idempotency_key"),
         1
+    );
+    assert_eq!(
+        host.held_replies.get(),
+        1,
+        "held back as any retry's refusal"
     );
     // With its key it passes (the sidecar answers it with the first answer).
     let keyed_again = send(&gw, &host, CHAT, &keyed, &step);

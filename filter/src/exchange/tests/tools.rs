@@ -5,7 +5,7 @@ use std::rc::Rc;
 
 use proxy_wasm::types::Action;
 use serde_json::{Value, json};
-use weir_core::config::Config;
+use weir_core::config::{Config, ToolRule};
 use weir_core::endpoint::Endpoint;
 use weir_core::keys::hash_key;
 use weir_core::meter::{MAX_HELD_BYTES, StreamMeter};
@@ -22,10 +22,7 @@ use crate::telemetry;
 /// A gateway whose key blocks `shell_*`, needs approval for `deploy` and removes blocked tools
 /// offered.
 fn gateway() -> Rc<Gateway> {
-    gateway_with(
-        json!({"tools": {"blocked": ["shell_*"], "classes": {"deploy": "approval"},
-                                  "on_blocked_offered": "remove"}}),
-    )
+    gateway_with(json!({ "tools": tool_policy() }))
 }
 
 /// A gateway whose one key's org has `policy`.
@@ -95,7 +92,9 @@ fn admitted_with(
     assert_eq!(x.on_body(host, size, true), Action::Continue);
     assert!(host.reply.borrow().is_none(), "{:?}", host.replied());
     let sent: Value = serde_json::from_slice(&host.request_body.borrow()).unwrap();
-    assert!(!sent.to_string().contains("shell_rm"), "removed: {sent}");
+    if super::tenant(gw).tools.rule("shell_rm") == ToolRule::Blocked {
+        assert!(!sent.to_string().contains("shell_rm"), "removed: {sent}");
+    }
     x
 }
 
@@ -496,16 +495,23 @@ fn a_blocked_tool_offered_is_refused_unless_the_policy_removes_it() {
     assert!(headers.contains(&("x-should-retry".into(), "false".into())));
 }
 
-/// A request in run `r1` of a key whose runs may make `tool_calls` calls (its request
-/// carrying `extra` headers), admitted.
-fn in_a_run(tool_calls: u64, extra: &[(&str, &str)]) -> (Mock, Exchange) {
+/// The tool policy of [`gateway`].
+fn tool_policy() -> Value {
+    json!({"blocked": ["shell_*"], "classes": {"deploy": "approval"},
+           "on_blocked_offered": "remove"})
+}
+
+/// A request in run `r1` of a key with `tools` (a policy, or null for none) whose runs may
+/// make `tool_calls` calls (its request carrying `extra` headers), admitted.
+fn in_a_run(tools: Value, tool_calls: u64, extra: &[(&str, &str)]) -> (Mock, Exchange) {
     use weir_core::reservation::SlotLease;
     use weir_core::run::{self, Counts, RunDemand, RunKey, RunTable};
 
-    let gw = gateway_with(json!({
-        "tools": {"blocked": ["shell_*"], "classes": {"deploy": "approval"},
-                  "on_blocked_offered": "remove"},
-        "runs": {"budgets": {"tool_calls": tool_calls}}}));
+    let mut policy = json!({"runs": {"budgets": {"tool_calls": tool_calls}}});
+    if !tools.is_null() {
+        policy["tools"] = tools;
+    }
+    let gw = gateway_with(policy);
     let host = Mock::new(None);
     configured(&gw, &host);
     let tenant = super::tenant(&gw);
@@ -530,7 +536,7 @@ fn in_a_run(tool_calls: u64, extra: &[(&str, &str)]) -> (Mock, Exchange) {
 
 #[test]
 fn a_call_past_the_run_s_tool_budget_is_withheld_naming_the_budget() {
-    let (host, mut x) = in_a_run(1, &[]);
+    let (host, mut x) = in_a_run(tool_policy(), 1, &[]);
     let stream = chat_stream(&[
         ("call_1", "search", r#"{"q":"a"}"#),
         ("call_2", "search", r#"{"q":"b"}"#),

@@ -210,7 +210,7 @@ fn an_approval_with_two_choices_names_the_call_of_its_own_choice() {
 #[test]
 fn a_delivered_approval_call_counts_against_the_run_s_tool_calls() {
     let resend = [("weir-approval-id", "apr_x")];
-    let (host, mut x) = in_a_run(1, &resend);
+    let (host, mut x) = in_a_run(tool_policy(), 1, &resend);
     let stream = chat_stream(&[
         ("call_1", "deploy", r#"{"env":"prod"}"#),
         ("call_2", "search", r#"{"q":"b"}"#),
@@ -230,4 +230,18 @@ fn a_delivered_approval_call_counts_against_the_run_s_tool_calls() {
         (error["code"].as_str(), error["used"].as_u64()),
         (Some("run_budget_exceeded"), Some(1))
     );
+}
+
+#[test]
+fn a_run_s_tool_calls_are_counted_without_a_tool_policy() {
+    let (host, mut x) = in_a_run(Value::Null, 1, &[]);
+    let stream = chat_stream(&[
+        ("call_1", "search", r#"{"q":"a"}"#),
+        ("call_2", "lookup", r#"{"q":"b"}"#),
+    ]);
+    let got = streamed(&mut x, &host, &stream, 40);
+    assert!(got.contains("call_1") && !got.contains("call_2"), "{got}");
+    let error = error_of(Endpoint::ChatCompletions, &got);
+    assert_eq!(error["code"], "run_budget_exceeded", "{got}");
+    assert_eq!(error["budget"], "tool_calls");
 }
