@@ -2,7 +2,8 @@
 //! answer makes (called as the filter calls it, with signed headers), approvers decide on it
 //! through weir's API behind the real Envoy and filter (an approver key, a key that approves
 //! nothing, another org's approver), and the re-send gets the call once, without the engine
-//! running again and without a ledger record.
+//! running again and without a ledger record. The whole flow also runs through the gateway
+//! alone: the filter withholds the call, the client approves and re-sends as an agent would.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: a panic is a failed check
 
@@ -15,6 +16,8 @@ use weir_core::tools::approval_id;
 use weir_e2e::{Envoy, Sidecar, Sim, api_key, sse_events, vouched};
 
 const AGENT: &str = "agentco/w/p/agent";
+/// How long key `gw`'s held calls wait (its tool policy's `approval.ttl_ms`).
+const GW_TTL_MS: u64 = 3_000;
 const RUN: &str = "run-1";
 
 struct Stack {
@@ -34,12 +37,16 @@ fn stack() -> &'static Stack {
         ops["approves"] = json!(["agentco"]);
         let mut other = api_key("other");
         other["approves"] = json!(["globex"]);
+        // The agent whose calls go through the gateway: its tool policy holds `deploy_*`.
+        let mut gw = api_key("gw");
+        gw["policy"] = json!({"tools": {"classes": {"deploy_*": "approval"},
+                                        "approval": {"ttl_ms": GW_TTL_MS}}});
         let org = |id: &str, keys: Vec<Value>| {
             json!({"id": id, "workspaces": [{"id": "w", "projects": [{"id": "p", "keys": keys}]}]})
         };
         let config = json!({
             "orgs": [
-                org("agentco", vec![api_key("agent"), ops, api_key("dev")]),
+                org("agentco", vec![api_key("agent"), ops, api_key("dev"), gw]),
                 org("globex", vec![other]),
             ],
             "models": {"tiny": {"max_context_tokens": 4096}},
@@ -361,4 +368,118 @@ async fn a_messages_call_is_held_and_delivered_in_anthropic_s_shape() {
     assert_eq!(delivered["content"], json!([block]));
     assert_eq!(delivered["usage"]["output_tokens"], 0);
     assert_eq!(engine_runs().await, runs, "the model did not run again");
+}
+
+/// Key `gw`'s streamed call in `run` through the gateway (`approval` as `weir-approval-id`):
+/// its status and text.
+async fn through_gateway(key: &str, run: &str, approval: Option<&str>) -> (u16, String) {
+    let url = format!("{}/v1/chat/completions", stack().envoy.url);
+    let mut headers = vec![("x-weir-run-id", run)];
+    headers.extend(approval.map(|id| ("weir-approval-id", id)));
+    let body = deploy_body(true).to_string();
+    let resp = weir_e2e::post_json(&url, Some(key), body, &headers).await;
+    (resp.status().as_u16(), resp.text().await.unwrap())
+}
+
+/// The error a withheld answer ended with (its stream's error event), or a refusal's body's.
+fn error_in(text: &str) -> Value {
+    let events = if text.starts_with('{') {
+        vec![serde_json::from_str(text).unwrap()]
+    } else {
+        sse_events(text)
+    };
+    let event = events.into_iter().find(|e| e.get("error").is_some());
+    event.map(|e| e["error"].clone()).unwrap_or(Value::Null)
+}
+
+/// Makes key `gw`'s model call `deploy_prod` in `run` through the gateway: the approval the
+/// filter names, after checking no part of the call reached the client.
+async fn withheld(run: &str) -> Value {
+    let (status, text) = through_gateway("gw", run, None).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        streamed_call(&text).1,
+        "",
+        "no part of the call reached the client: {text}"
+    );
+    let error = error_in(&text);
+    assert_eq!(error["code"], "approval_required", "{text}");
+    assert_eq!(error["tool"], "deploy_prod");
+    assert_eq!(error["run_id"], run);
+    error
+}
+
+#[tokio::test]
+async fn through_the_gateway_a_call_is_withheld_approved_and_delivered_once() {
+    let _turn = turn().await;
+    let runs = engine_runs().await;
+    let error = withheld("gw-run").await;
+    let id = error["approval_id"].as_str().unwrap().to_owned();
+    assert_eq!(engine_runs().await, runs + 1.0);
+
+    // Pending, then approved by the org's approver through weir's API.
+    let (status, pending) = through_gateway("gw", "gw-run", Some(&id)).await;
+    assert_eq!(
+        (status, code(&serde_json::from_str(&pending).unwrap())),
+        (409, "approval_pending")
+    );
+    let (status, approved) = api("ops", "POST", &format!("/{id}/approve")).await;
+    assert_eq!(
+        (status, &approved["state"]),
+        (200, &json!("approved")),
+        "{approved}"
+    );
+
+    // Another tenant presenting it, or another run, finds nothing.
+    for (key, run) in [("other", "gw-run"), ("gw", "gw-run-2")] {
+        let (status, text) = through_gateway(key, run, Some(&id)).await;
+        assert_eq!(
+            (status, error_in(&text)["code"].as_str()),
+            (404, Some("approval_not_found"))
+        );
+    }
+
+    // The re-send gets the call as the model made it, the digest the one the filter named, and
+    // the engine does not run again.
+    let (status, text) = through_gateway("gw", "gw-run", Some(&id)).await;
+    assert_eq!(status, 200, "{text}");
+    let (call_id, name, arguments) = streamed_call(&text);
+    assert_eq!(name, "deploy_prod", "{text}");
+    assert!(!call_id.is_empty(), "{text}");
+    let digest = weir_core::tools::arguments_sha256(&arguments);
+    assert_eq!(json!(digest), error["arguments_sha256"]);
+    assert_eq!(engine_runs().await, runs + 1.0, "the model ran once");
+
+    // Replayed: used.
+    let (status, text) = through_gateway("gw", "gw-run", Some(&id)).await;
+    assert_eq!(
+        (status, error_in(&text)["code"].as_str()),
+        (409, Some("approval_used"))
+    );
+    assert_eq!(engine_runs().await, runs + 1.0);
+}
+
+#[tokio::test]
+async fn through_the_gateway_a_rejected_or_expired_call_is_never_delivered() {
+    let _turn = turn().await;
+    let rejected = withheld("gw-rejected").await;
+    let rejected = rejected["approval_id"].as_str().unwrap().to_owned();
+    let expiring = withheld("gw-expiring").await;
+    let expiring = expiring["approval_id"].as_str().unwrap().to_owned();
+    let (status, _) = api("ops", "POST", &format!("/{rejected}/reject")).await;
+    assert_eq!(status, 200);
+    let (status, text) = through_gateway("gw", "gw-rejected", Some(&rejected)).await;
+    assert_eq!(
+        (status, error_in(&text)["code"].as_str()),
+        (403, Some("approval_rejected"))
+    );
+    // Past the key's `approval.ttl_ms`: gone, for the approver and for the re-send alike.
+    tokio::time::sleep(Duration::from_millis(GW_TTL_MS + 200)).await;
+    let (status, late) = api("ops", "POST", &format!("/{expiring}/approve")).await;
+    assert_eq!((status, code(&late)), (404, "approval_not_found"));
+    let (status, text) = through_gateway("gw", "gw-expiring", Some(&expiring)).await;
+    assert_eq!(
+        (status, error_in(&text)["code"].as_str()),
+        (404, Some("approval_not_found"))
+    );
 }

@@ -32,6 +32,9 @@ pub const APPROVES: &str = "x-weir-approves";
 /// The tool patterns whose calls wait for an approver (class `approval`), comma-separated: the
 /// sidecar holds such a call when its answer makes one.
 pub const TOOL_APPROVAL: &str = "x-weir-tool-approval";
+/// With [`TOOL_APPROVAL`]: the terms those calls wait under
+/// ([`crate::config::ApprovalTerms::to_header`]: ttl, most pending, self approval).
+pub const APPROVAL_TERMS: &str = "x-weir-approval-terms";
 /// `v1:<expires_ms>:<hex HMAC-SHA256>` over every other `x-weir-*` header.
 pub const SIGNATURE: &str = "x-weir-signature";
 /// The tenant's cap on KV tokens held by its running requests (`active_kv_tokens`), if any.

@@ -22,8 +22,8 @@ mod validation;
 pub use resolution::{Directory, KeyRefusal, Level, Tenant};
 pub use rfc3339::parse_rfc3339;
 pub use runs::{
-    OnBlockedOffered, RUN_BUDGETS, RunBudgets, RunPolicy, ToolClass, ToolPolicy, ToolRule, Tools,
-    malformed as malformed_tool_pattern, matches as tool_matches,
+    ApprovalPolicy, ApprovalTerms, OnBlockedOffered, RUN_BUDGETS, RunBudgets, RunPolicy, ToolClass,
+    ToolPolicy, ToolRule, Tools, malformed as malformed_tool_pattern, matches as tool_matches,
 };
 pub use schema::*;
 

@@ -56,13 +56,17 @@ pub const RUN_BUDGETS: [&str; 8] = [
     "retries",
 ];
 
+/// The smaller of two bounds, either possibly unset.
+fn min<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 impl RunBudgets {
     /// The tighter of two levels' budgets, measure by measure.
     pub fn tightest(self, other: RunBudgets) -> RunBudgets {
-        let min = |a: Option<u64>, b: Option<u64>| match (a, b) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
         RunBudgets {
             model_calls: min(self.model_calls, other.model_calls),
             tool_calls: min(self.tool_calls, other.tool_calls),
@@ -112,6 +116,91 @@ pub struct ToolPolicy {
     #[serde(default)]
     pub classes: BTreeMap<String, ToolClass>,
     pub on_blocked_offered: Option<OnBlockedOffered>,
+    /// How its `approval` tools' calls wait for an approver.
+    #[serde(default)]
+    pub approval: ApprovalPolicy,
+}
+
+/// A level's terms for held calls, each optional: along a key's path the strictest wins.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApprovalPolicy {
+    /// A pending approval expires this long after its call was held, a decided one this long
+    /// after its decision (10 minutes unset).
+    pub ttl_ms: Option<u64>,
+    /// Approvals a key may have pending at once (64 unset); a call past it is not held, so
+    /// its re-send finds no approval.
+    pub max_pending: Option<u32>,
+    /// The calling key may approve its own calls (when it also approves for its subtree);
+    /// unset, no. Any level saying no says no.
+    pub self_approve: Option<bool>,
+}
+
+/// The terms a key's held calls wait under: its path's [`ApprovalPolicy`]s combined. The
+/// filter vouches them to the sidecar, which holds the calls (`x-weir-approval-terms`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ApprovalTerms {
+    pub ttl_ms: u64,
+    pub max_pending: u32,
+    pub self_approve: bool,
+}
+
+impl Default for ApprovalTerms {
+    fn default() -> ApprovalTerms {
+        ApprovalTerms {
+            ttl_ms: 600_000,
+            max_pending: 64,
+            self_approve: false,
+        }
+    }
+}
+
+impl ApprovalTerms {
+    /// The levels' terms combined, org first: the shortest ttl, the fewest pending, self
+    /// approval only where some level allows it and none forbids it.
+    fn combine<'a>(levels: impl IntoIterator<Item = &'a ApprovalPolicy>) -> ApprovalTerms {
+        let mut terms = ApprovalTerms::default();
+        let (mut ttl, mut pending, mut allowed, mut forbidden) = (None, None, false, false);
+        for level in levels {
+            ttl = min(ttl, level.ttl_ms);
+            pending = min(pending, level.max_pending);
+            allowed |= level.self_approve == Some(true);
+            forbidden |= level.self_approve == Some(false);
+        }
+        terms.ttl_ms = ttl.unwrap_or(terms.ttl_ms);
+        terms.max_pending = pending.unwrap_or(terms.max_pending);
+        terms.self_approve = allowed && !forbidden;
+        terms
+    }
+
+    /// `<ttl_ms>,<max_pending>,<0|1>`, as the trusted header carries them.
+    pub fn to_header(self) -> String {
+        let ApprovalTerms {
+            ttl_ms,
+            max_pending,
+            self_approve,
+        } = self;
+        format!("{ttl_ms},{max_pending},{}", u8::from(self_approve))
+    }
+
+    /// Terms read from [`to_header`](Self::to_header)'s form; `None` unless well formed and
+    /// both bounds positive.
+    pub fn parse_header(value: &str) -> Option<ApprovalTerms> {
+        let mut parts = value.split(',');
+        let ttl_ms: u64 = parts.next()?.parse().ok()?;
+        let max_pending: u32 = parts.next()?.parse().ok()?;
+        let self_approve = match parts.next()? {
+            "0" => false,
+            "1" => true,
+            _ => return None,
+        };
+        let positive = ttl_ms > 0 && max_pending > 0;
+        (parts.next().is_none() && positive).then_some(ApprovalTerms {
+            ttl_ms,
+            max_pending,
+            self_approve,
+        })
+    }
 }
 
 /// A key's tool policy, its path's levels combined: a tool is blocked if any level blocks it
@@ -124,6 +213,8 @@ pub struct Tools {
     classes: Vec<(String, ToolClass)>,
     /// The most specific level's choice.
     pub on_blocked_offered: OnBlockedOffered,
+    /// How its `approval` tools' calls wait.
+    pub approval: ApprovalTerms,
 }
 
 /// What the policy says of one tool.
@@ -137,6 +228,7 @@ impl Tools {
     /// The levels' policies combined, org first.
     pub fn combine<'a>(levels: impl IntoIterator<Item = &'a ToolPolicy>) -> Tools {
         let mut tools = Tools::default();
+        let mut levels_seen = Vec::new();
         for level in levels {
             if let Some(allowed) = &level.allowed {
                 tools.allowed.push(allowed.clone());
@@ -146,7 +238,9 @@ impl Tools {
             if let Some(choice) = level.on_blocked_offered {
                 tools.on_blocked_offered = choice;
             }
+            levels_seen.push(&level.approval);
         }
+        tools.approval = ApprovalTerms::combine(levels_seen);
         tools
     }
 
@@ -243,6 +337,7 @@ mod tests {
             blocked: vec!["shell_*".into()],
             classes: BTreeMap::from([("send_email".into(), ToolClass::SideEffect)]),
             on_blocked_offered: None,
+            approval: ApprovalPolicy::default(),
         };
         let key = ToolPolicy {
             allowed: Some(vec![
@@ -256,6 +351,7 @@ mod tests {
                 ("search_*".into(), ToolClass::ReadOnly),
             ]),
             on_blocked_offered: Some(OnBlockedOffered::Remove),
+            approval: ApprovalPolicy::default(),
         };
         let tools = Tools::combine([&org, &key]);
         assert_eq!(
@@ -300,6 +396,35 @@ mod tests {
         assert_eq!(run.tool_calls, Some(5));
         assert_eq!(run.output_tokens, Some(5_000));
         assert_eq!(run.retries, None);
+    }
+
+    #[test]
+    fn approval_terms_combine_to_the_strictest_and_cross_in_their_header() {
+        let level = |ttl_ms, max_pending, self_approve| ApprovalPolicy {
+            ttl_ms,
+            max_pending,
+            self_approve,
+        };
+        let none = ApprovalTerms::combine([&level(None, None, None)]);
+        assert_eq!(none, ApprovalTerms::default());
+        let org = level(Some(60_000), None, Some(true));
+        let key = level(Some(120_000), Some(4), None);
+        let terms = ApprovalTerms::combine([&org, &key]);
+        assert_eq!(
+            (terms.ttl_ms, terms.max_pending, terms.self_approve),
+            (60_000, 4, true)
+        );
+        let forbids = level(None, None, Some(false));
+        assert!(
+            !ApprovalTerms::combine([&org, &forbids]).self_approve,
+            "any no is no"
+        );
+        assert_eq!(ApprovalTerms::parse_header(&terms.to_header()), Some(terms));
+        for bad in [
+            "", "1,2", "1,2,3", "0,2,0", "1,0,1", "1,2,1,4", "x,2,0", "-1,2,0",
+        ] {
+            assert_eq!(ApprovalTerms::parse_header(bad), None, "{bad}");
+        }
     }
 
     #[test]

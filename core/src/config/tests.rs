@@ -600,6 +600,14 @@ fn a_run_or_tool_policy_that_cannot_hold_is_refused_with_its_field() {
             r#"{"tools": {"classes": {"a?": "approval"}}}"#,
             "orgs[0].policy.tools.classes.a?",
         ),
+        (
+            r#"{"tools": {"approval": {"ttl_ms": 0}}}"#,
+            "orgs[0].policy.tools.approval.ttl_ms",
+        ),
+        (
+            r#"{"tools": {"approval": {"max_pending": 0}}}"#,
+            "orgs[0].policy.tools.approval.max_pending",
+        ),
     ];
     for (org, field) in cases {
         let error = error_of(&agent_config(org, "{}"));

@@ -444,6 +444,17 @@ fn check_tools(at: &str, tools: &ToolPolicy) -> Result<(), ConfigError> {
             return Err(invalid(format!("{at}.classes.{name}"), why.to_owned()));
         }
     }
+    let approval = &tools.approval;
+    let zero = [
+        ("ttl_ms", approval.ttl_ms == Some(0)),
+        ("max_pending", approval.max_pending == Some(0)),
+    ];
+    if let Some((field, _)) = zero.iter().find(|(_, zero)| *zero) {
+        return Err(invalid(
+            format!("{at}.approval.{field}"),
+            "must be positive".to_owned(),
+        ));
+    }
     Ok(())
 }
 

@@ -315,6 +315,7 @@ impl Exchange {
         let approval: Vec<&str> = tenant.tools.approval_patterns().collect();
         if !approval.is_empty() {
             self.vouch(trusted::TOOL_APPROVAL, approval.join(","));
+            self.vouch(trusted::APPROVAL_TERMS, tenant.tools.approval.to_header());
         }
         if let Some(prices) = &self.gw.price_header {
             self.vouch(trusted::PRICE, prices.clone());

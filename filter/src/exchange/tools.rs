@@ -299,16 +299,20 @@ impl Exchange {
         }
     }
 
-    /// The approval a withheld call is held as.
+    /// The approval a withheld call is held as (bound, as the sidecar holds it, to the run
+    /// the call named, budgeted or not).
     fn approval_required(&self, call: &ToolCall) -> Withheld {
-        let attempt = (self.vouched.iter())
-            .find(|(n, _)| *n == trusted::REQUEST_ID)
-            .map_or("", |(_, v)| v.as_str());
+        let vouched = |name| {
+            (self.vouched.iter())
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.as_str())
+        };
+        let attempt = vouched(trusted::REQUEST_ID).unwrap_or_default();
         Withheld::Approval {
             approval_id: approval_id(attempt, call.index, &call.id),
             tool: call.name.clone(),
             arguments_sha256: arguments_sha256(&call.arguments),
-            run_id: self.run.as_ref().map(|r| r.run_id.clone()),
+            run_id: vouched(trusted::RUN_ID).map(str::to_owned),
         }
     }
 

@@ -11,27 +11,9 @@ use weir_core::endpoint::Endpoint;
 use crate::metrics::Metrics;
 
 /// How long approvals wait, how many a tenant may have pending, and whether a key may approve
-/// its own calls. The tool policy's `approval` terms are not carried to the sidecar yet: these
-/// are their defaults.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Terms {
-    /// A pending approval expires this long after the call was held, a decided one this long
-    /// after its decision.
-    pub ttl_ms: u64,
-    /// Pending approvals per tenant (calling key); a call past it is not held.
-    pub max_pending: usize,
-    pub self_approve: bool,
-}
-
-impl Default for Terms {
-    fn default() -> Terms {
-        Terms {
-            ttl_ms: 600_000,
-            max_pending: 64,
-            self_approve: false,
-        }
-    }
-}
+/// its own calls: the calling key's tool policy's `approval` terms, vouched by the filter (these
+/// defaults for a call whose terms were not).
+pub use weir_core::config::ApprovalTerms as Terms;
 
 /// A tool call as the model made it, held for an approver.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -125,6 +107,8 @@ pub struct Approval {
     pub created_ms: u64,
     pub expires_ms: u64,
     pub state: State,
+    /// The terms it was held under: how long a decision stands, who may decide.
+    pub terms: Terms,
 }
 
 /// A key calling weir's approvals API: its tenant path and the subtrees it approves for.
@@ -182,6 +166,7 @@ pub enum Refused {
 
 /// Every approval this sidecar holds.
 pub struct Approvals {
+    /// The terms of a call held without its own.
     terms: Terms,
     book: Mutex<Book>,
     metrics: Metrics,
@@ -205,25 +190,23 @@ impl Approvals {
         }
     }
 
-    pub fn terms(&self) -> Terms {
-        self.terms
-    }
-
-    /// Holds a call, pending, until `now_ms + ttl_ms`. Holding an id already held is a no-op.
+    /// Holds a call under `terms` (the store's own when `None`), pending, until
+    /// `now_ms + ttl_ms`. Holding an id already held is a no-op.
     pub fn hold(
         &self,
         id: &str,
         (tenant, run_id): (&str, Option<&str>),
         request_sha256: [u8; 32],
-        call: HeldCall,
+        (call, terms): (HeldCall, Option<Terms>),
         now_ms: u64,
     ) -> Result<(), Refused> {
+        let terms = terms.unwrap_or(self.terms);
         let mut book = self.book(now_ms);
         if book.by_id.contains_key(id) {
             return Ok(());
         }
         let pending = book.pending.entry(tenant.to_owned()).or_default();
-        if *pending >= self.terms.max_pending {
+        if *pending >= usize::try_from(terms.max_pending).unwrap_or(usize::MAX) {
             self.outcome(tenant, "capacity");
             return Err(Refused::Full);
         }
@@ -235,8 +218,9 @@ impl Approvals {
             request_sha256,
             call,
             created_ms: now_ms,
-            expires_ms: now_ms.saturating_add(self.terms.ttl_ms),
+            expires_ms: now_ms.saturating_add(terms.ttl_ms),
             state: State::Pending,
+            terms,
         };
         self.moved(&mut book.held, tenant, None, Some(&approval.state));
         self.outcome(tenant, "held");
@@ -278,7 +262,7 @@ impl Approvals {
         let approval = (book.by_id.get_mut(id))
             .filter(|a| approver.covers(&a.tenant))
             .ok_or(Refused::NotFound)?;
-        if approval.tenant == approver.tenant && !self.terms.self_approve {
+        if approval.tenant == approver.tenant && !approval.terms.self_approve {
             return Err(Refused::SelfApproval);
         }
         if approval.state != State::Pending {
@@ -298,7 +282,7 @@ impl Approvals {
         self.outcome(&approval.tenant, outcome);
         unpend(&mut book.pending, &approval.tenant);
         approval.state = state;
-        approval.expires_ms = now_ms.saturating_add(self.terms.ttl_ms);
+        approval.expires_ms = now_ms.saturating_add(approval.terms.ttl_ms);
         Ok(approval.clone())
     }
 

@@ -26,7 +26,7 @@ fn call() -> HeldCall {
 }
 
 fn hold(a: &Approvals, id: &str, tenant: &str, run: Option<&str>) -> Result<(), Refused> {
-    a.hold(id, (tenant, run), BODY, call(), T0)
+    a.hold(id, (tenant, run), BODY, (call(), None), T0)
 }
 
 fn approver(tenant: &str, scopes: &[&str]) -> Approver {

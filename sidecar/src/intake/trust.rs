@@ -46,6 +46,8 @@ pub struct Trusted {
     pub agent: Option<String>,
     /// The tool patterns whose calls wait for an approver (`x-weir-tool-approval`).
     pub tool_approval: Vec<String>,
+    /// The terms those calls wait under (the approvals store's defaults when not vouched).
+    pub approval_terms: Option<weir_core::config::ApprovalTerms>,
     /// On weir's approvals API: the tenant subtrees the key approves for (`x-weir-approves`).
     pub approves: Vec<String>,
 }
@@ -299,6 +301,12 @@ fn parse(headers: &[(&str, &str)]) -> Result<Trusted, ApiError> {
         tool_approval: list(get(trusted::TOOL_APPROVAL), trusted::TOOL_APPROVAL, |p| {
             weir_core::config::malformed_tool_pattern(p).is_none()
         })?,
+        approval_terms: get(trusted::APPROVAL_TERMS)
+            .map(|v| {
+                weir_core::config::ApprovalTerms::parse_header(v)
+                    .ok_or_else(|| invalid(trusted::APPROVAL_TERMS, "is not approval terms"))
+            })
+            .transpose()?,
         approves: list(
             get(trusted::APPROVES),
             trusted::APPROVES,
@@ -407,6 +415,7 @@ mod tests {
         run.push((trusted::RUN_ID, "run-7/step:a".into()));
         run.push((trusted::AGENT, "planner".into()));
         run.push((trusted::TOOL_APPROVAL, "deploy_*,send_email".into()));
+        run.push((trusted::APPROVAL_TERMS, "5000,3,1".into()));
         run.push((trusted::APPROVES, "acme,acme/lab".into()));
         let who = trust().check(&signed(SECRET, &run, 2_000), 1_000).unwrap();
         assert_eq!(
@@ -414,6 +423,11 @@ mod tests {
             (Some("run-7/step:a"), Some("planner"))
         );
         assert_eq!(who.tool_approval, ["deploy_*", "send_email"]);
+        let terms = who.approval_terms.unwrap();
+        assert_eq!(
+            (terms.ttl_ms, terms.max_pending, terms.self_approve),
+            (5000, 3, true)
+        );
         assert_eq!(who.approves, ["acme", "acme/lab"]);
         let mut routed = base();
         routed[4].1 = "weir-routed".into();
@@ -496,6 +510,9 @@ mod tests {
             (trusted::RUN_ID, long_run.as_str()),
             (trusted::TOOL_APPROVAL, "deploy_*,,x"),
             (trusted::TOOL_APPROVAL, "rm -rf"),
+            (trusted::APPROVAL_TERMS, "0,3,0"),
+            (trusted::APPROVAL_TERMS, "5000,3,yes"),
+            (trusted::APPROVAL_TERMS, "5000,3"),
             (trusted::APPROVES, "acme,../x"),
         ] {
             let mut fields = base();

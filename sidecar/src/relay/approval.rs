@@ -117,7 +117,8 @@ impl Watch {
             let bound = (who.tenant.as_str(), who.run_id.as_deref());
             // Past the tenant's pending bound the call is not held (counted as `capacity`):
             // its re-send finds no approval, so it is never delivered.
-            let _ = approvals.hold(&id, bound, self.request_sha256, held, now_ms());
+            let terms = who.approval_terms;
+            let _ = approvals.hold(&id, bound, self.request_sha256, (held, terms), now_ms());
         }
     }
 }
@@ -142,6 +143,7 @@ mod tests {
             run_id: Some("r1".into()),
             agent: None,
             tool_approval: vec!["deploy_*".into()],
+            approval_terms: None,
             approves: Vec::new(),
         }
     }

@@ -99,6 +99,7 @@ fn flight_of(rig: &Rig, endpoint: Endpoint, hide_usage: bool) -> Flight {
             run_id: None,
             agent: None,
             tool_approval: Vec::new(),
+            approval_terms: None,
             approves: Vec::new(),
         },
         model: "m".into(),
