@@ -536,17 +536,20 @@ fn in_a_run(tools: Value, tool_calls: u64, extra: &[(&str, &str)]) -> (Mock, Exc
 
 #[test]
 fn a_call_past_the_run_s_tool_budget_is_withheld_naming_the_budget() {
-    let (host, mut x) = in_a_run(tool_policy(), 1, &[]);
-    let stream = chat_stream(&[
-        ("call_1", "search", r#"{"q":"a"}"#),
-        ("call_2", "search", r#"{"q":"b"}"#),
-    ]);
-    let got = streamed(&mut x, &host, &stream, 40);
-    assert!(got.contains("call_1") && !got.contains("call_2"), "{got}");
-    let error = error_of(Endpoint::ChatCompletions, &got);
-    assert_eq!(error["code"], "run_budget_exceeded", "{got}");
-    assert_eq!(error["budget"], "tool_calls");
-    assert_eq!(error["limit"], 1);
-    assert_eq!(error["used"], 1);
-    assert_eq!(error["run_id"], "r1");
+    // With a tool policy, and without one (the answers are read for the budget alone).
+    for tools in [tool_policy(), Value::Null] {
+        let (host, mut x) = in_a_run(tools, 1, &[]);
+        let stream = chat_stream(&[
+            ("call_1", "search", r#"{"q":"a"}"#),
+            ("call_2", "search", r#"{"q":"b"}"#),
+        ]);
+        let got = streamed(&mut x, &host, &stream, 40);
+        assert!(got.contains("call_1") && !got.contains("call_2"), "{got}");
+        let error = error_of(Endpoint::ChatCompletions, &got);
+        assert_eq!(error["code"], "run_budget_exceeded", "{got}");
+        assert_eq!(error["budget"], "tool_calls");
+        assert_eq!(error["limit"], 1);
+        assert_eq!(error["used"], 1);
+        assert_eq!(error["run_id"], "r1");
+    }
 }

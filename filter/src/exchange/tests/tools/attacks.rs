@@ -28,6 +28,19 @@ fn delta(delta: Value) -> String {
     event(json!({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": null}]}))
 }
 
+/// `stream` through `x` as an answer saying it delivers an approved call: what the client got.
+fn claimed_delivered(x: &mut Exchange, host: &Mock, stream: &str) -> String {
+    let headers = [
+        (":status", "200"),
+        ("content-type", "text/event-stream"),
+        ("weir-approval", "delivered"),
+    ];
+    answer_headers(x, host, &headers);
+    *host.response_body.borrow_mut() = stream.as_bytes().to_vec();
+    x.on_response_body(host, stream.len(), true);
+    String::from_utf8(host.response_body.borrow().clone()).unwrap()
+}
+
 const FINISH: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n";
 
 #[test]
@@ -173,15 +186,7 @@ fn a_compressed_answer_is_withheld_whole_in_its_shape() {
 fn a_delivery_claimed_on_an_answer_to_no_re_send_is_not_believed() {
     let stream = chat_stream(&[("call_9", "deploy", r#"{"env":"prod"}"#)]);
     let (host, mut x) = fresh(Endpoint::ChatCompletions, true);
-    let headers = [
-        (":status", "200"),
-        ("content-type", "text/event-stream"),
-        ("weir-approval", "delivered"),
-    ];
-    answer_headers(&mut x, &host, &headers);
-    *host.response_body.borrow_mut() = stream.clone().into_bytes();
-    x.on_response_body(&host, stream.len(), true);
-    let got = String::from_utf8(host.response_body.borrow().clone()).unwrap();
+    let got = claimed_delivered(&mut x, &host, &stream);
     assert!(!got.contains("prod"), "{got}");
     assert_eq!(
         error_of(Endpoint::ChatCompletions, &got)["code"],
@@ -215,33 +220,11 @@ fn a_delivered_approval_call_counts_against_the_run_s_tool_calls() {
         ("call_1", "deploy", r#"{"env":"prod"}"#),
         ("call_2", "search", r#"{"q":"b"}"#),
     ]);
-    let headers = [
-        (":status", "200"),
-        ("content-type", "text/event-stream"),
-        ("weir-approval", "delivered"),
-    ];
-    answer_headers(&mut x, &host, &headers);
-    *host.response_body.borrow_mut() = stream.clone().into_bytes();
-    x.on_response_body(&host, stream.len(), true);
-    let got = String::from_utf8(host.response_body.borrow().clone()).unwrap();
+    let got = claimed_delivered(&mut x, &host, &stream);
     assert!(got.contains("call_1") && !got.contains("call_2"), "{got}");
     let error = error_of(Endpoint::ChatCompletions, &got);
     assert_eq!(
         (error["code"].as_str(), error["used"].as_u64()),
         (Some("run_budget_exceeded"), Some(1))
     );
-}
-
-#[test]
-fn a_run_s_tool_calls_are_counted_without_a_tool_policy() {
-    let (host, mut x) = in_a_run(Value::Null, 1, &[]);
-    let stream = chat_stream(&[
-        ("call_1", "search", r#"{"q":"a"}"#),
-        ("call_2", "lookup", r#"{"q":"b"}"#),
-    ]);
-    let got = streamed(&mut x, &host, &stream, 40);
-    assert!(got.contains("call_1") && !got.contains("call_2"), "{got}");
-    let error = error_of(Endpoint::ChatCompletions, &got);
-    assert_eq!(error["code"], "run_budget_exceeded", "{got}");
-    assert_eq!(error["budget"], "tool_calls");
 }
