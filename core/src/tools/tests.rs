@@ -649,3 +649,77 @@ fn approval_ids_are_fixed_by_attempt_index_and_call() {
     assert_ne!(id, super::approval_id("att-1", 1, "call_1"));
     assert_ne!(id, super::approval_id("att-1", 0, "call_2"));
 }
+
+// Attacker pass 3: shapes a client reads a call in that the scan does not judge as such.
+
+#[test]
+#[ignore = "attack: a chat call typed `custom` carrying both `function` and `custom` is judged by its `function` name; a client dispatching on `type` runs the custom one unjudged"]
+fn attack_a_custom_typed_call_with_a_decoy_function_is_judged_by_what_the_client_runs() {
+    let (seen, steps) = decisions(
+        Endpoint::ChatCompletions,
+        &[
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_c","type":"custom","function":{"name":"search","arguments":"{}"},"custom":{"name":"shell_rm","input":"rm -rf /"}}]}}]}"#,
+            "[DONE]",
+        ],
+    );
+    let judged_custom = seen.iter().any(|c| c.3 == "shell_rm");
+    let refused = steps.contains(&ScanStep::Unreadable);
+    assert!(judged_custom || refused, "decided only {seen:?}");
+    let body = br#"{"choices":[{"index":0,"message":{"tool_calls":[{"id":"c","type":"custom","function":{"name":"search","arguments":"{}"},"custom":{"name":"shell_rm","input":"rm -rf /"}}]}}]}"#;
+    let calls = body_calls(Endpoint::ChatCompletions, body);
+    assert!(
+        calls.is_none_or(|calls| calls.iter().any(|c| c.name == "shell_rm")),
+        "whole body judged as `search` only"
+    );
+}
+
+#[test]
+#[ignore = "attack: Responses calls the client runs besides function/custom (local_shell_call, shell_call, apply_patch_call, computer_call) are neither judged nor counted"]
+fn attack_client_run_builtin_calls_in_responses_are_read() {
+    for kind in [
+        "local_shell_call",
+        "shell_call",
+        "apply_patch_call",
+        "computer_call",
+    ] {
+        let added = format!(
+            r#"{{"type":"response.output_item.added","output_index":0,"item":{{"type":"{kind}","call_id":"call_s","action":{{"type":"exec","command":["rm","-rf","/"]}}}}}}"#
+        );
+        let (seen, steps) = decisions(
+            Endpoint::Responses,
+            &[&added, r#"{"type":"response.completed","response":{"output":[]}}"#],
+        );
+        let read = !seen.is_empty() || steps.contains(&ScanStep::Unreadable);
+        assert!(read, "{kind}: passed unread and uncounted: {steps:?}");
+        let body = format!(
+            r#"{{"output":[{{"type":"{kind}","call_id":"call_s","action":{{"type":"exec","command":["rm"]}}}}]}}"#
+        );
+        let calls = body_calls(Endpoint::Responses, body.as_bytes());
+        assert!(
+            calls.is_none_or(|c| !c.is_empty()),
+            "{kind}: whole body has no call"
+        );
+    }
+}
+
+#[test]
+#[ignore = "attack: a tool_calls entry at index u32::MAX shares the legacy function_call's slot, so the scan judges the two names joined while the client runs each"]
+fn attack_a_tool_call_at_the_legacy_index_is_not_joined_to_the_legacy_call() {
+    // Offered: `deploy` (approval) and `deploy_status` (allowed). The scan sees one call
+    // `deploy_status`; the client sees tool call `deploy` and function_call `_status`.
+    let (seen, steps) = decisions(
+        Endpoint::ChatCompletions,
+        &[
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":4294967295,"id":"call_d","type":"function","function":{"name":"deploy"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"function_call":{"name":"_status"}}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"function_call":{"arguments":"{\"env\":\"prod\"}"}}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
+            "[DONE]",
+        ],
+    );
+    let judged_deploy = seen.iter().any(|c| c.3 == "deploy");
+    let refused = steps
+        .iter()
+        .any(|s| matches!(s, ScanStep::Unreadable | ScanStep::Renamed { .. }));
+    assert!(judged_deploy || refused, "decided only {seen:?}");
+}

@@ -228,3 +228,26 @@ fn a_delivered_approval_call_counts_against_the_run_s_tool_calls() {
         (Some("run_budget_exceeded"), Some(1))
     );
 }
+
+// Attacker pass 3.
+
+#[test]
+#[ignore = "attack: a stream opening with a UTF-8 BOM hides its first event from the scan (`\\u{feff}data:` is no data line to it), while a standard SSE parser strips the BOM and reads the call"]
+fn attack_a_call_in_a_bom_prefixed_first_event_is_judged() {
+    let bom = "\u{feff}";
+    let chat = delta(json!({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+        "function": {"name": "shell_rm", "arguments": "{\"path\":\"rm -rf /\"}"}}]}));
+    let start = json!({"type": "message_start", "message": {"id": "m", "content": [
+        {"type": "tool_use", "id": "toolu_z", "name": "shell_rm", "input": {"path": "rm -rf /"}}]}});
+    let messages = format!("event: message_start\ndata: {start}\n\n")
+        + "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+    for (endpoint, stream) in [
+        (Endpoint::ChatCompletions, format!("{bom}{chat}{FINISH}")),
+        (Endpoint::Messages, format!("{bom}{messages}")),
+    ] {
+        for cut in [1, 5, stream.len() - 1] {
+            let (got, _, _) = through(endpoint, &stream, cut);
+            assert!(!got.contains("rm -rf"), "{endpoint:?} cut {cut}: {got}");
+        }
+    }
+}
