@@ -240,3 +240,32 @@ fn an_approval_re_send_is_no_retry_and_spends_no_retry_budget() {
     let bare = send(&gw, &host, CHAT, &id, &step);
     assert_eq!(bare.refused.expect("refused").0, 409);
 }
+
+#[test]
+#[ignore = "attack: any request naming `weir-approval-id` skips the retry budget and the side-effect check, also for a key with no approval tool; without a sidecar (Envoy straight to engines, a documented deployment) each reaches the engine"]
+fn attack_a_forged_approval_id_on_a_key_without_approval_tools_buys_no_retries() {
+    let policy = json!({"tools": {"classes": {"send_*": "side_effect"}}});
+    let (gw, host) = retry_gateway(json!({"retries_per_minute": 1}), policy);
+    let step = json!({"model": "tiny", "messages": [{"role": "user", "content": "mail bob"}],
+        "tools": [{"type": "function", "function": {"name": "send_email"}}]})
+    .to_string();
+    let id = [("x-request-id", "step-7")];
+    assert!(send(&gw, &host, CHAT, &id, &step).refused.is_none());
+    // No approval can exist for this key (no `approval` class): the header is a bare retry.
+    let forged = [("x-request-id", "step-7"), ("weir-approval-id", "apr_forged")];
+    let mut passed = 0;
+    for _ in 0..5 {
+        let again = send(&gw, &host, CHAT, &forged, &step);
+        passed += usize::from(again.refused.is_none());
+    }
+    assert_eq!(passed, 0, "side-effect retries without a key passed with a forged approval id");
+    // Plain retries over the budget too.
+    let (gw, host) = retry_gateway(json!({"retries_per_minute": 1}), json!({}));
+    let body = chat_with("hello");
+    send(&gw, &host, CHAT, &[("x-request-id", "r1")], &body);
+    let forged = [("x-request-id", "r1"), ("weir-approval-id", "apr_forged")];
+    let passed = (0..5)
+        .filter(|_| send(&gw, &host, CHAT, &forged, &body).refused.is_none())
+        .count();
+    assert!(passed <= 1, "{passed} retries past a budget of 1 a minute");
+}
