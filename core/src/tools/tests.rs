@@ -723,3 +723,17 @@ fn attack_a_tool_call_at_the_legacy_index_is_not_joined_to_the_legacy_call() {
         .any(|s| matches!(s, ScanStep::Unreadable | ScanStep::Renamed { .. }));
     assert!(judged_deploy || refused, "decided only {seen:?}");
 }
+
+#[test]
+#[ignore = "attack: a Responses call restated by a snapshot at another position (same call_id) is decided, and counted against tool_calls, twice"]
+fn attack_a_call_restated_at_another_snapshot_position_is_decided_once() {
+    let (seen, _) = decisions(
+        Endpoint::Responses,
+        &[
+            r#"{"type":"response.output_item.added","output_index":1,"item":{"type":"function_call","call_id":"call_a","name":"search","arguments":""}}"#,
+            r#"{"type":"response.output_item.done","output_index":1,"item":{"type":"function_call","call_id":"call_a","name":"search","arguments":"{}"}}"#,
+            r#"{"type":"response.completed","response":{"output":[{"type":"function_call","call_id":"call_a","name":"search","arguments":"{}"}]}}"#,
+        ],
+    );
+    assert_eq!(seen.len(), 1, "one call decided {} times: {seen:?}", seen.len());
+}
