@@ -687,7 +687,10 @@ fn attack_client_run_builtin_calls_in_responses_are_read() {
         );
         let (seen, steps) = decisions(
             Endpoint::Responses,
-            &[&added, r#"{"type":"response.completed","response":{"output":[]}}"#],
+            &[
+                &added,
+                r#"{"type":"response.completed","response":{"output":[]}}"#,
+            ],
         );
         let read = !seen.is_empty() || steps.contains(&ScanStep::Unreadable);
         assert!(read, "{kind}: passed unread and uncounted: {steps:?}");
@@ -735,5 +738,10 @@ fn attack_a_call_restated_at_another_snapshot_position_is_decided_once() {
             r#"{"type":"response.completed","response":{"output":[{"type":"function_call","call_id":"call_a","name":"search","arguments":"{}"}]}}"#,
         ],
     );
-    assert_eq!(seen.len(), 1, "one call decided {} times: {seen:?}", seen.len());
+    assert_eq!(
+        seen.len(),
+        1,
+        "one call decided {} times: {seen:?}",
+        seen.len()
+    );
 }

@@ -252,13 +252,19 @@ fn attack_a_forged_approval_id_on_a_key_without_approval_tools_buys_no_retries()
     let id = [("x-request-id", "step-7")];
     assert!(send(&gw, &host, CHAT, &id, &step).refused.is_none());
     // No approval can exist for this key (no `approval` class): the header is a bare retry.
-    let forged = [("x-request-id", "step-7"), ("weir-approval-id", "apr_forged")];
+    let forged = [
+        ("x-request-id", "step-7"),
+        ("weir-approval-id", "apr_forged"),
+    ];
     let mut passed = 0;
     for _ in 0..5 {
         let again = send(&gw, &host, CHAT, &forged, &step);
         passed += usize::from(again.refused.is_none());
     }
-    assert_eq!(passed, 0, "side-effect retries without a key passed with a forged approval id");
+    assert_eq!(
+        passed, 0,
+        "side-effect retries without a key passed with a forged approval id"
+    );
     // Plain retries over the budget too.
     let (gw, host) = retry_gateway(json!({"retries_per_minute": 1}), json!({}));
     let body = chat_with("hello");

@@ -235,8 +235,10 @@ fn a_delivered_approval_call_counts_against_the_run_s_tool_calls() {
 #[ignore = "attack: a stream opening with a UTF-8 BOM hides its first event from the scan (`\\u{feff}data:` is no data line to it), while a standard SSE parser strips the BOM and reads the call"]
 fn attack_a_call_in_a_bom_prefixed_first_event_is_judged() {
     let bom = "\u{feff}";
-    let chat = delta(json!({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
-        "function": {"name": "shell_rm", "arguments": "{\"path\":\"rm -rf /\"}"}}]}));
+    let chat = delta(
+        json!({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+        "function": {"name": "shell_rm", "arguments": "{\"path\":\"rm -rf /\"}"}}]}),
+    );
     let start = json!({"type": "message_start", "message": {"id": "m", "content": [
         {"type": "tool_use", "id": "toolu_z", "name": "shell_rm", "input": {"path": "rm -rf /"}}]}});
     let messages = format!("event: message_start\ndata: {start}\n\n")
@@ -290,5 +292,8 @@ fn attack_a_replayed_answer_s_calls_are_not_counted_twice() {
     *host.response_body.borrow_mut() = stream.as_bytes().to_vec();
     replay.on_response_body(&host, stream.len(), true);
     let got = String::from_utf8(host.response_body.borrow().clone()).unwrap();
-    assert_eq!(got, stream, "the replay of a call already counted was withheld");
+    assert_eq!(
+        got, stream,
+        "the replay of a call already counted was withheld"
+    );
 }
