@@ -297,3 +297,21 @@ fn attack_a_replayed_answer_s_calls_are_not_counted_twice() {
         "the replay of a call already counted was withheld"
     );
 }
+
+#[test]
+#[ignore = "attack: a Responses `local_shell_call` (or shell_call, apply_patch_call, computer_call) item, a call the client runs, reaches the client though never offered, unjudged and uncounted"]
+fn attack_a_local_shell_call_never_offered_is_withheld() {
+    let item = json!({"type": "local_shell_call", "id": "lsh_1", "call_id": "call_s",
+        "status": "completed", "action": {"type": "exec", "command": ["rm", "-rf", "/"]}});
+    let added = json!({"type": "response.output_item.added", "output_index": 0, "item": item});
+    let done = json!({"type": "response.output_item.done", "output_index": 0, "item": item});
+    let completed = json!({"type": "response.completed", "response": {"id": "r",
+        "output": [item], "usage": {"input_tokens": 3, "output_tokens": 2}}});
+    let stream = format!(
+        "event: response.output_item.added\ndata: {added}\n\n\
+         event: response.output_item.done\ndata: {done}\n\n\
+         event: response.completed\ndata: {completed}\n\n"
+    );
+    let (got, _, _) = through(Endpoint::Responses, &stream, 3);
+    assert!(!got.contains("rm\",\"-rf"), "{got}");
+}
