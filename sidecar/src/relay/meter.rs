@@ -257,3 +257,30 @@ mod tests {
         assert_eq!(meter.bill(None, 5).tool_calls, 0);
     }
 }
+
+#[cfg(test)]
+mod attack_tests {
+    use super::*;
+
+    #[test]
+    #[ignore = "attack: a call whose one event is past 64 KiB (which the filter holds, reads and counts under a tool policy) is skipped by the sidecar's ToolCount, so the ledger records tool_calls 0"]
+    fn attack_a_call_in_one_event_past_64_kib_is_counted_in_the_ledger() {
+        let arguments = format!("{{\\\"pad\\\":\\\"{}\\\"}}", "x".repeat(3 * MAX_HELD_BYTES));
+        let stream = format!(
+            "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\
+             \"id\":\"c1\",\"type\":\"function\",\"function\":{{\"name\":\"search\",\
+             \"arguments\":\"{arguments}\"}}}}]}}}}]}}\n\n\
+             data: {{\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"tool_calls\"}}]}}\n\n\
+             data: [DONE]\n\n"
+        );
+        for chunk in [1_000, 16 * 1024, 1 << 20] {
+            let mut meter = Meter::new(Endpoint::ChatCompletions, false, 0);
+            meter.streamed = true;
+            for piece in stream.as_bytes().chunks(chunk) {
+                meter.feed(&Bytes::copy_from_slice(piece));
+            }
+            meter.drain();
+            assert_eq!(meter.bill(None, 10).tool_calls, 1, "chunk {chunk}");
+        }
+    }
+}
