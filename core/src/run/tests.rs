@@ -554,7 +554,7 @@ fn a_run_denial_s_error_names_budget_limit_and_used_in_each_shape() {
 /// what a run holds never passes a budget whose calls reserve their worst case.
 #[test]
 fn random_shapes_admit_exactly_what_the_budgets_allow() {
-    use crate::fuzzing::Rng;
+    use crate::draw::Rng;
 
     let mut rng = Rng::seeded("random_shapes_admit_exactly_what_the_budgets_allow");
     let (mut admitted, mut refused) = (0, HashMap::new());

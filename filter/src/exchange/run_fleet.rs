@@ -139,8 +139,8 @@ impl Exchange {
         admitted: Admitted,
         size: usize,
     ) -> Action {
-        let wait_s = (self.gw.config.fleet.as_ref())
-            .map_or(1, |f| f.renew_ms.div_ceil(1000).max(1));
+        let wait_s =
+            (self.gw.config.fleet.as_ref()).map_or(1, |f| f.renew_ms.div_ceil(1000).max(1));
         let error = ApiError::new(
             429,
             format!(
