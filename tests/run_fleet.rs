@@ -364,7 +364,7 @@ async fn a_stopped_store_refuses_every_call_and_admits_again_once_back() {
     assert!(
         answers
             .iter()
-            .all(|(s, c)| *s == 503 && c == "quota_unavailable"),
+            .all(|(s, c)| *s == 429 && c == "quota_unavailable"),
         "{:?}",
         tally(&answers)
     );

@@ -8,6 +8,8 @@
 // (`cargo xtask test` checks both).
 
 // layer: basics — errors, JSON, tokens, SSE, the shared-data store, trusted headers' values
+#[cfg(test)]
+mod draw;
 pub mod error;
 pub mod json;
 pub mod keys;

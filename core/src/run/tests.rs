@@ -546,3 +546,146 @@ fn a_run_denial_s_error_names_budget_limit_and_used_in_each_shape() {
     );
     assert_eq!(denial.header_value(), "model_calls=10/10");
 }
+
+/// A guarantee is a property: across budgets, demands and orders of admission and settling
+/// drawn at random (seed printed), every call is admitted exactly when a plain model of the
+/// budgets (`used + reserved + demand <= limit` per measure, calls in flight under
+/// `parallel_calls`) admits it, a refusal names the budget and figures the model does, and
+/// what a run holds never passes a budget whose calls reserve their worst case.
+#[test]
+fn random_shapes_admit_exactly_what_the_budgets_allow() {
+    use crate::draw::Rng;
+
+    let mut rng = Rng::seeded("random_shapes_admit_exactly_what_the_budgets_allow");
+    let (mut admitted, mut refused) = (0, HashMap::new());
+    for shape in 0..200 {
+        let mut budgets = RunBudgets {
+            model_calls: rng.maybe(12),
+            tool_calls: None,
+            runtime_ms: None,
+            input_tokens: rng.maybe(3_000),
+            output_tokens: rng.maybe(2_000),
+            cost_micros: None,
+            parallel_calls: rng.maybe(6),
+            retries: rng.maybe(4),
+        };
+        if budgets == RunBudgets::default() {
+            // A run with no budget has no table.
+            budgets.model_calls = Some(1 + rng.below(12));
+        }
+        let set = |name: &str, v: Option<u64>| v.map(|v| format!(r#""{name}": {v}"#));
+        let json: Vec<String> = [
+            set("model_calls", budgets.model_calls),
+            set("input_tokens", budgets.input_tokens),
+            set("output_tokens", budgets.output_tokens),
+            set("parallel_calls", budgets.parallel_calls),
+            set("retries", budgets.retries),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let t = tenant("k", &format!("{{{}}}", json.join(", ")));
+        let store = ready(&t);
+        let r = run(&t, &format!("shape-{shape}"));
+        // The model: what the run holds, and the calls in flight with what each reserved.
+        let mut held = Counts::default();
+        let mut in_flight: Vec<RunHold> = Vec::new();
+        for step in 0..60 {
+            if !in_flight.is_empty() && rng.below(3) == 0 {
+                let hold = in_flight.remove(rng.below(in_flight.len() as u64) as usize);
+                // It used up to its output ceiling, any input, or nothing at all (a replay).
+                let ran = rng.below(5) != 0;
+                let used = Counts {
+                    model_calls: u64::from(ran),
+                    input_tokens: rng.below(400),
+                    output_tokens: rng.below(hold.reserved.output_tokens + 1),
+                    retries: hold.reserved.retries,
+                    ..Counts::default()
+                };
+                assert!(settle(&store, &hold, used, 1_000));
+                held = held.minus(hold.reserved).plus(used);
+                continue;
+            }
+            let asked = Counts {
+                model_calls: 1,
+                input_tokens: rng.below(400),
+                output_tokens: rng.below(400),
+                retries: u64::from(rng.below(4) == 0),
+                ..Counts::default()
+            };
+            let measures = [
+                (
+                    Budget::ModelCalls,
+                    budgets.model_calls,
+                    held.model_calls,
+                    asked.model_calls,
+                ),
+                (
+                    Budget::InputTokens,
+                    budgets.input_tokens,
+                    held.input_tokens,
+                    asked.input_tokens,
+                ),
+                (
+                    Budget::OutputTokens,
+                    budgets.output_tokens,
+                    held.output_tokens,
+                    asked.output_tokens,
+                ),
+                (
+                    Budget::Retries,
+                    budgets.retries,
+                    held.retries,
+                    asked.retries,
+                ),
+            ];
+            let crossed = measures
+                .into_iter()
+                .find_map(|(b, limit, used, want)| {
+                    limit
+                        .filter(|&l| used + want > l)
+                        .map(|l| (b, l, used, want))
+                })
+                .or_else(|| {
+                    let live = in_flight.len() as u64;
+                    let limit = budgets.parallel_calls?;
+                    (live + 1 > limit).then_some((Budget::ParallelCalls, limit, live, 1))
+                });
+            let demand = RunDemand {
+                counts: asked,
+                call: call(),
+            };
+            let got = reserve(&store, &t, &TABLE, &r, demand, 1_000);
+            let at =
+                format!("shape {shape} step {step}: {budgets:?} held {held:?} asked {asked:?}");
+            match (got, crossed) {
+                (Ok(hold), None) => {
+                    held = held.plus(asked);
+                    in_flight.push(hold);
+                    admitted += 1;
+                }
+                (Err(RunRefusal::Budget(d)), Some((budget, limit, used, want))) => {
+                    *refused.entry(budget.name()).or_insert(0) += 1;
+                    assert_eq!(
+                        (d.budget, d.limit, d.used, d.requested),
+                        (budget, limit, used, want),
+                        "{at}"
+                    );
+                }
+                (got, crossed) => panic!("{at}: got {got:?}, the model says {crossed:?}"),
+            }
+            // Measures whose calls reserve their worst case never pass their budget.
+            for (limit, value) in [
+                (budgets.model_calls, held.model_calls),
+                (budgets.output_tokens, held.output_tokens),
+                (budgets.retries, held.retries),
+                (budgets.parallel_calls, in_flight.len() as u64),
+            ] {
+                assert!(limit.is_none_or(|l| value <= l), "{at}");
+            }
+        }
+    }
+    println!("{admitted} calls admitted; refused by budget: {refused:?}");
+    // Every budget drawn was met somewhere: the property was put to the test.
+    assert_eq!(refused.len(), 5, "{refused:?}");
+}

@@ -2,7 +2,7 @@
 //! charged to the tenant's limits and to its run's per-Envoy budgets, it is reserved in the
 //! quota store by one signed call, and its body waits for the answer (at most the fleet's
 //! `timeout_ms`). Admitted, it goes on; refused, it gets `run_budget_exceeded` as a per-Envoy
-//! refusal does; a store that does not answer refuses it with 503 `quota_unavailable` (a run's
+//! refusal does; a store that does not answer refuses it with 429 `quota_unavailable` (a run's
 //! budget never fails open). Either refusal gives back everything the call had reserved.
 //!
 //! Its settle goes on the gateway's queue when the request ends (its context may be gone by
@@ -131,25 +131,27 @@ impl Exchange {
         }
     }
 
-    /// Refuses the call with 503 `quota_unavailable` (shadow mode lets it on).
+    /// Refuses the call with 429 `quota_unavailable` and a `Retry-After` of a renewal period,
+    /// as a fleet-wide limit that fails closed does (shadow mode lets it on).
     fn refuse_run_store_down(
         &mut self,
         host: &impl Host,
         admitted: Admitted,
         size: usize,
     ) -> Action {
+        let wait_s =
+            (self.gw.config.fleet.as_ref()).map_or(1, |f| f.renew_ms.div_ceil(1000).max(1));
         let error = ApiError::new(
-            503,
-            "The run's fleet-wide budget could not be checked (the quota store did not \
-             answer); try again.",
+            429,
+            format!(
+                "The run's fleet-wide budget cannot be checked: the quota store did not \
+                 answer and a run's budget fails closed. Retry after {wait_s} s."
+            ),
         )
         .with_code("quota_unavailable");
-        self.refuse_with(
-            host,
-            &error,
-            "quota_unavailable",
-            super::Stage::AwaitingBody,
-        );
+        let mut reply = self.error_reply(&error);
+        reply.headers.push(("retry-after", wait_s.to_string()));
+        self.refuse(host, reply, "quota_unavailable", super::Stage::AwaitingBody);
         self.forward_unless_replied(host, admitted, size)
     }
 

@@ -1226,7 +1226,7 @@ mod run_fleet {
     }
 
     #[test]
-    fn a_store_that_does_not_answer_refuses_the_call_with_503() {
+    fn a_store_that_does_not_answer_refuses_the_call_as_a_fleet_limit_does() {
         let (gw, host) = setup(json!({}));
         let (mut x, _) = call(&gw, &host);
         store_answers(&mut x, &host, None, &ReserveAnswer::Admitted);
@@ -1234,14 +1234,18 @@ mod run_fleet {
         let (status, body) = host.replied().unwrap();
         assert_eq!(
             (status, body["error"]["code"].as_str()),
-            (503, Some("quota_unavailable")),
+            (429, Some("quota_unavailable")),
             "{body}"
         );
+        let retry_after = (host.reply.borrow().as_ref().unwrap().1.iter())
+            .find(|(k, _)| k == "retry-after")
+            .map(|(_, v)| v.clone());
+        assert!(retry_after.is_some_and(|s| s.parse::<u64>().unwrap() >= 1));
         assert_eq!(host.metric("weir.rejections.quota_unavailable"), 1);
         // A 503 from the service is no answer either.
         let (mut x, _) = call(&gw, &host);
         store_answers(&mut x, &host, Some(503), &ReserveAnswer::Admitted);
-        assert_eq!(host.replied().map(|r| r.0), Some(503));
+        assert_eq!(host.replied().map(|r| r.0), Some(429));
     }
 
     #[test]

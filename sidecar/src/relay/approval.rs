@@ -1,27 +1,23 @@
 //! The calls an answer makes to tools that wait for an approver, held ([`crate::approvals`])
-//! as the answer passes: a stream is framed into whole events and read by the same
-//! [`ToolScan`] as the filter's, a whole body by [`body_calls`]. A call is held once it is
-//! complete, in the step that reads the event completing it — before that event is handed on
-//! towards the client, so the filter's `approval_required` always names a stored approval.
+//! as the answer passes: a stream's calls as the attempt's one reading of them completes them
+//! ([`super::meter::ToolCount`], the same [`weir_core::tools::ToolScan`] as the filter's), a
+//! whole body's by [`body_calls`]. A call is held once it is complete, in the step that reads
+//! the event completing it — before that event is handed on towards the client, so the
+//! filter's `approval_required` always names a stored approval.
 
 use weir_core::config::tool_matches;
 use weir_core::endpoint::Endpoint;
-use weir_core::sse::event_end;
-use weir_core::tools::{ToolCall, ToolScan, approval_id, body_calls};
+use weir_core::tools::{ToolCall, approval_id, body_calls};
 
 use crate::approvals::{Approvals, HeldCall};
 use crate::intake::trust::Trusted;
 use crate::support::clock::now_ms;
 
-/// Most bytes of one event a watch holds. A larger one is skipped (its calls are never held,
-/// so never delivered): more than the filter holds of an event under a tool policy (the
-/// request body bound and a mebibyte, by default), so a call the filter reads whole the
-/// sidecar has held.
-const MAX_WATCHED_EVENT_BYTES: usize = 8 * 1024 * 1024;
-
-/// Bytes kept of an event being skipped: enough for its end (a blank line, `\r\n\r\n` at
-/// most) to be found across two chunks.
-const SKIP_TAIL: usize = 3;
+/// Bytes of one event read for its calls when an answer is watched: more than the filter holds
+/// of an event under a tool policy (the request body bound and a mebibyte, by default), so a
+/// call the filter reads whole the sidecar has held. A larger event is passed unread (its calls
+/// are never held, so never delivered), and the events after it are read.
+pub const MAX_WATCHED_EVENT_BYTES: usize = 8 * 1024 * 1024;
 
 /// Where a watch holds calls: the store, the caller, the model that answered.
 pub type Holding<'a> = (&'a Approvals, &'a Trusted, &'a str);
@@ -29,16 +25,10 @@ pub type Holding<'a> = (&'a Approvals, &'a Trusted, &'a str);
 /// What an answer's calls are watched with: a request with tool approval patterns vouched.
 pub struct Watch {
     endpoint: Endpoint,
-    scan: ToolScan,
-    /// The start of an event not whole yet.
-    partial: Vec<u8>,
     /// SHA-256 of the request body: a re-send must be the same request.
     request_sha256: [u8; 32],
     /// Calls (by choice and index) already held, or given up on.
     done: Vec<(u32, u32)>,
-    /// An event grew past [`MAX_WATCHED_EVENT_BYTES`]: it is skipped up to its end, and the
-    /// events after it read.
-    skipping: bool,
 }
 
 impl Watch {
@@ -51,55 +41,34 @@ impl Watch {
     ) -> Option<Watch> {
         (!who.tool_approval.is_empty()).then(|| Watch {
             endpoint,
-            scan: ToolScan::new(endpoint),
-            partial: Vec::new(),
             request_sha256: request_sha256(),
             done: Vec::new(),
-            skipping: false,
         })
     }
 
-    /// Reads a chunk of the stream; the calls it completes, each once.
-    fn stream(&mut self, chunk: &[u8]) -> Vec<ToolCall> {
-        self.partial.extend_from_slice(chunk);
-        if self.skipping {
-            let Some(end) = event_end(&self.partial) else {
-                let tail = self.partial.len().saturating_sub(SKIP_TAIL);
-                self.partial.drain(..tail);
-                return Vec::new();
-            };
-            self.partial.drain(..end);
-            self.skipping = false;
-        }
-        let mut completed = Vec::new();
-        while let Some(end) = event_end(&self.partial) {
-            let event: Vec<u8> = self.partial.drain(..end).collect();
-            self.scan.observe(&event);
-            let calls: Vec<ToolCall> = self.scan.completed().cloned().collect();
-            completed.extend(calls.into_iter().filter(|c| self.first_time(c)));
-        }
-        if self.partial.len() > MAX_WATCHED_EVENT_BYTES {
-            self.skipping = true;
-            let tail = self.partial.len().saturating_sub(SKIP_TAIL);
-            self.partial.drain(..tail);
-        }
-        completed
-    }
-
-    fn first_time(&mut self, call: &ToolCall) -> bool {
-        let at = (call.choice, call.index);
-        let first = !self.done.contains(&at);
-        if first {
-            self.done.push(at);
+    /// Of the calls completed so far, those not seen before, each once.
+    fn first_completed<'c>(
+        &mut self,
+        completed: impl Iterator<Item = &'c ToolCall>,
+    ) -> Vec<ToolCall> {
+        let mut first = Vec::new();
+        for call in completed {
+            let at = (call.choice, call.index);
+            if !self.done.contains(&at) {
+                self.done.push(at);
+                first.push(call.clone());
+            }
         }
         first
     }
-}
 
-impl Watch {
-    /// Holds the approval-class calls a chunk of the stream completes.
-    pub fn hold_streamed(&mut self, chunk: &[u8], at: Holding<'_>) {
-        let calls = self.stream(chunk);
+    /// Holds the approval-class calls a stream has completed since the last look.
+    pub fn hold_completed<'c>(
+        &mut self,
+        completed: impl Iterator<Item = &'c ToolCall>,
+        at: Holding<'_>,
+    ) {
+        let calls = self.first_completed(completed);
         self.hold(&calls, at);
     }
 
@@ -126,6 +95,13 @@ impl Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::relay::meter::ToolCount;
+
+    /// A chunk read as an attempt reads it: the calls it completes that the watch sees first.
+    fn read(count: &mut ToolCount, watch: &mut Watch, chunk: &[u8]) -> Vec<ToolCall> {
+        count.feed(chunk);
+        watch.first_completed(count.completed())
+    }
 
     fn who() -> Trusted {
         Trusted {
@@ -166,9 +142,10 @@ mod tests {
         let completing_end = completing + stream[completing..].find("\n\n").unwrap() + 2;
         for cut in 1..stream.len() {
             let mut watch = Watch::of(&who(), Endpoint::ChatCompletions, || [0; 32]).unwrap();
+            let mut count = ToolCount::new(Endpoint::ChatCompletions, MAX_WATCHED_EVENT_BYTES);
             let (a, b) = stream.as_bytes().split_at(cut);
-            let first = watch.stream(a);
-            let second = watch.stream(b);
+            let first = read(&mut count, &mut watch, a);
+            let second = read(&mut count, &mut watch, b);
             let (held, at) = match (first.as_slice(), second.as_slice()) {
                 ([call], []) => (call, "first"),
                 ([], [call]) => (call, "second"),
@@ -202,12 +179,12 @@ mod tests {
             );
             let stream = text + call;
             let mut watch = Watch::of(&who(), Endpoint::ChatCompletions, || [0; 32]).unwrap();
+            let mut count = ToolCount::new(Endpoint::ChatCompletions, MAX_WATCHED_EVENT_BYTES);
             let held: Vec<ToolCall> = (stream.as_bytes().chunks(64 * 1024))
-                .flat_map(|chunk| watch.stream(chunk))
+                .flat_map(|chunk| read(&mut count, &mut watch, chunk))
                 .collect();
             assert_eq!(held.len(), 1, "pad {pad}");
             assert_eq!(held[0].name, "deploy_prod");
-            assert!(watch.partial.len() <= MAX_WATCHED_EVENT_BYTES);
         }
     }
 

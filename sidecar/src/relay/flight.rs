@@ -12,12 +12,13 @@ use std::time::Instant;
 use axum::body::Bytes;
 use axum::http::HeaderValue;
 use weir_core::endpoint::Endpoint;
+use weir_core::meter::MAX_HELD_BYTES;
 
 use crate::dispatch::Assignment;
 use crate::intake::app::App;
 use crate::intake::idempotency::Claim;
 use crate::intake::trust::Trusted;
-use crate::relay::approval::Watch;
+use crate::relay::approval::{MAX_WATCHED_EVENT_BYTES, Watch};
 use crate::relay::capture::Capture;
 use crate::relay::figures::Figures;
 use crate::relay::hold::Hold;
@@ -108,7 +109,17 @@ impl Flight {
             model: attempt.model,
             input_tokens: attempt.input_tokens,
             hold: Hold::new(assignment, attempt.input_tokens),
-            meter: Meter::new(attempt.endpoint, attempt.hide_usage, attempt.unread_output),
+            meter: Meter::new(
+                attempt.endpoint,
+                attempt.hide_usage,
+                attempt.unread_output,
+                // A watched answer's calls are read from larger events (see `Watch`).
+                if attempt.approval.is_some() {
+                    MAX_WATCHED_EVENT_BYTES
+                } else {
+                    MAX_HELD_BYTES
+                },
+            ),
             capture: Capture::new(claim),
             learning: Learning {
                 uncapped: attempt.uncapped,
@@ -126,10 +137,8 @@ impl Flight {
     /// unless weir asked for the usage chunk, which is then held back).
     pub(super) fn observe(&mut self, chunk: &Bytes) -> Bytes {
         self.figures.chunk(&self.app.metrics, &self.who.tenant);
-        if let Some(watch) = &mut self.approval {
-            watch.hold_streamed(chunk, (&self.app.approvals, &self.who, &self.model));
-        }
         let out = self.meter.feed(chunk);
+        self.hold_completed_calls();
         self.keep(&out);
         if let Some(usage) = self.meter.stream.usage() {
             self.reconcile(usage.prompt_tokens);
@@ -139,6 +148,15 @@ impl Flight {
             self.charge(served);
         }
         out
+    }
+
+    /// Holds the approval-class calls the stream has completed so far ([`Watch`]), before the
+    /// events completing them go on.
+    fn hold_completed_calls(&mut self) {
+        if let Some(watch) = &mut self.approval {
+            let at = (&self.app.approvals, &self.who, self.model.as_str());
+            watch.hold_completed(self.meter.tools.completed(), at);
+        }
     }
 
     /// Holds the approval-class calls of an answer read whole ([`Watch`]).
@@ -152,6 +170,7 @@ impl Flight {
     /// client has not had yet.
     pub(super) fn drain(&mut self) -> Bytes {
         let out = self.meter.drain();
+        self.hold_completed_calls();
         self.keep(&out);
         out
     }

@@ -8,7 +8,7 @@ use weir_core::endpoint::Endpoint;
 use weir_core::meter::{BodyUsage, MAX_HELD_BYTES, StreamMeter};
 use weir_core::outcome;
 use weir_core::sse;
-use weir_core::tools::{ToolScan, body_calls};
+use weir_core::tools::{ToolCall, ToolScan, body_calls};
 
 /// What the attempt is billed, and where the figures came from.
 #[derive(Clone, Copy, Debug)]
@@ -44,14 +44,20 @@ pub struct Meter {
 }
 
 impl Meter {
-    pub(super) fn new(endpoint: Endpoint, hide_usage: bool, unread_output: u64) -> Meter {
+    /// `tool_event_bytes`: the largest event read for its tool calls (see [`ToolCount`]).
+    pub(super) fn new(
+        endpoint: Endpoint,
+        hide_usage: bool,
+        unread_output: u64,
+        tool_event_bytes: usize,
+    ) -> Meter {
         Meter {
             stream: StreamMeter::new(endpoint, hide_usage),
             hide_usage,
             streamed: false,
             unread_output,
             nothing_ran: false,
-            tools: ToolCount::new(endpoint),
+            tools: ToolCount::new(endpoint, tool_event_bytes),
         }
     }
 
@@ -121,13 +127,16 @@ impl Meter {
     }
 }
 
-/// Counts the tool calls an answer makes: a stream read one whole event at a time by a
-/// [`ToolScan`] (framed as the meters frame it), or an answer read whole by [`body_calls`].
-/// An unended event past [`MAX_HELD_BYTES`] is passed unread, as the meters pass it, and the
-/// count goes on at the next event; past the scan's own bounds (more than
-/// [`weir_core::tools::MAX_CALLS`] calls) it counts no further.
+/// Reads the tool calls an answer makes, once, for its record and for the approval watch
+/// ([`super::approval::Watch`]): a stream read one whole event at a time by a [`ToolScan`]
+/// (framed as the meters frame it), or an answer read whole by [`body_calls`]. An unended
+/// event past its bound ([`MAX_HELD_BYTES`], as the meters pass it, or the watch's larger one)
+/// is passed unread, and the reading goes on at the next event; past the scan's own bounds
+/// (more than [`weir_core::tools::MAX_CALLS`] calls) it counts no further.
 pub(super) struct ToolCount {
     scan: ToolScan,
+    /// Bytes of an unended event held before it is passed unread.
+    bound: usize,
     /// The stream's unended last event; while `skipping`, only its last bytes, which may
     /// begin the empty line that ends it.
     rest: Vec<u8>,
@@ -141,9 +150,10 @@ pub(super) struct ToolCount {
 const SKIP_TAIL: usize = 3;
 
 impl ToolCount {
-    fn new(endpoint: Endpoint) -> ToolCount {
+    pub(super) fn new(endpoint: Endpoint, bound: usize) -> ToolCount {
         ToolCount {
             scan: ToolScan::new(endpoint),
+            bound: bound.max(MAX_HELD_BYTES),
             rest: Vec::new(),
             skipping: false,
             whole: None,
@@ -152,7 +162,7 @@ impl ToolCount {
     }
 
     /// Reads the events a chunk of the stream completes.
-    fn feed(&mut self, chunk: &[u8]) {
+    pub(super) fn feed(&mut self, chunk: &[u8]) {
         self.rest.extend_from_slice(chunk);
         let mut at = 0;
         while let Some(len) = self.rest.get(at..).and_then(sse::event_end) {
@@ -163,7 +173,7 @@ impl ToolCount {
             at += len;
         }
         self.rest.drain(..at);
-        if self.skipping || self.rest.len() > MAX_HELD_BYTES {
+        if self.skipping || self.rest.len() > self.bound {
             self.skipping = true;
             self.rest.drain(..self.rest.len().saturating_sub(SKIP_TAIL));
         }
@@ -186,6 +196,11 @@ impl ToolCount {
 
     fn made(&self) -> u64 {
         self.whole.unwrap_or_else(|| self.scan.calls_made())
+    }
+
+    /// The calls of the stream completed so far (their arguments whole).
+    pub(super) fn completed(&self) -> impl Iterator<Item = &ToolCall> {
+        self.scan.completed()
     }
 }
 
@@ -219,7 +234,7 @@ mod tests {
     }
 
     fn streamed(stream: &str, chunk: usize) -> Bill {
-        let mut meter = Meter::new(Endpoint::ChatCompletions, false, 0);
+        let mut meter = Meter::new(Endpoint::ChatCompletions, false, 0, MAX_HELD_BYTES);
         meter.streamed = true;
         for piece in stream.as_bytes().chunks(chunk) {
             meter.feed(&Bytes::copy_from_slice(piece));
@@ -242,7 +257,7 @@ mod tests {
 
     #[test]
     fn an_answer_read_whole_counts_its_calls() {
-        let mut meter = Meter::new(Endpoint::Messages, false, 0);
+        let mut meter = Meter::new(Endpoint::Messages, false, 0, MAX_HELD_BYTES);
         meter.tools.whole(
             br#"{"type":"message","role":"assistant","content":[
                 {"type":"text","text":"on it"},
