@@ -67,6 +67,12 @@ impl HttpContext for Request {
         })
     }
 
+    fn on_http_response_trailers(&mut self, _: usize) -> Action {
+        host::callback("response_trailers", || {
+            self.exchange.on_response_trailers(&self.envoy)
+        })
+    }
+
     fn on_log(&mut self) {
         host::callback("log", || self.exchange.on_log(&self.envoy));
         host::report_stages();

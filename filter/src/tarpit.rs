@@ -13,8 +13,10 @@ use weir_core::reply::Reply;
 /// How long a retry's refusal is held back.
 pub const HOLD_MS: u64 = 1_000;
 
-/// Replies held at once per worker VM.
-pub const MAX_HELD: usize = 1_024;
+/// Replies held at once per worker VM: a few hundred bytes each, and the request they answer is
+/// open anyway. A key holding more retries in flight than this is bounded by its concurrency
+/// limits, which its requests took before their retries were told.
+pub const MAX_HELD: usize = 16_384;
 
 /// How often the root context looks for replies due: the hold's precision.
 pub const TICK_MS: u64 = 100;

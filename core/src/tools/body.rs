@@ -47,7 +47,7 @@ fn chat(body: &[u8]) -> Option<Vec<ToolCall>> {
             .unwrap_or_default();
         for (k, call) in tool_calls.into_iter().enumerate() {
             let id = call.id.clone().unwrap_or_default();
-            let (name, arguments) = call.parts();
+            let (name, arguments) = call.parts()?;
             let (name, arguments) = (name.unwrap_or_default(), arguments.unwrap_or_default());
             calls.push(whole(c, k, &id, &name, &arguments));
         }
@@ -71,8 +71,9 @@ fn responses(body: &[u8]) -> Option<Vec<ToolCall>> {
             .filter(|(_, item)| item.is_call())
             .map(|(n, mut item)| {
                 let arguments = item.arguments().unwrap_or_default();
+                let name = item.name().unwrap_or_default();
                 let id = item.call_id.unwrap_or_default();
-                whole(0, n, &id, &item.name.unwrap_or_default(), &arguments)
+                whole(0, n, &id, &name, &arguments)
             })
             .collect(),
     )

@@ -43,6 +43,9 @@ pub struct ChatToolCall<'a> {
     pub index: Option<u32>,
     #[serde(default, borrow)]
     pub id: Text<'a>,
+    /// `function` or `custom`: which of the two members a client reads.
+    #[serde(rename = "type", default, borrow)]
+    pub kind: Text<'a>,
     #[serde(default, borrow)]
     pub function: Option<ChatFunction<'a>>,
     /// A custom tool's call (`type: "custom"`): its text `input` in place of `arguments`.
@@ -51,12 +54,15 @@ pub struct ChatToolCall<'a> {
 }
 
 impl<'a> ChatToolCall<'a> {
-    /// The call's name and arguments (a piece of each, in a stream), whichever kind it is.
-    pub fn parts(self) -> (Text<'a>, Text<'a>) {
-        match (self.function, self.custom) {
-            (Some(f), _) => (f.name, f.arguments),
-            (None, Some(c)) => (c.name, c.input),
-            (None, None) => (None, None),
+    /// The call's name and arguments (a piece of each, in a stream), whichever kind it is;
+    /// `None` when it is ambiguous what a client runs (both members, or the one its `type`
+    /// does not name): a client going by `type` and one going by the member present differ.
+    pub fn parts(self) -> Option<(Text<'a>, Text<'a>)> {
+        match (self.kind.as_deref(), self.function, self.custom) {
+            (None | Some("function"), Some(f), None) => Some((f.name, f.arguments)),
+            (None | Some("custom"), None, Some(c)) => Some((c.name, c.input)),
+            (_, None, None) => Some((None, None)),
+            _ => None,
         }
     }
 }
@@ -122,22 +128,58 @@ pub struct ResponsesItem<'a> {
     /// A `custom_tool_call`'s text input.
     #[serde(default, borrow)]
     pub input: Text<'a>,
+    /// A built-in tool's call: what it asks the client to do.
+    #[serde(default, borrow)]
+    pub action: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    pub operation: Option<&'a RawValue>,
 }
 
-/// The Responses output items the client runs: a function's call, a custom tool's.
-pub const RESPONSES_CALL_KINDS: [&str; 2] = ["function_call", "custom_tool_call"];
+/// The Responses output items the client runs, and the name of the tool each calls: a
+/// function's or a custom tool's call names it; a built-in tool's call is named by the tool's
+/// `type` as the request offers it (`{"type": "local_shell"}`).
+pub const RESPONSES_CALL_KINDS: [(&str, Option<&str>); 6] = [
+    ("function_call", None),
+    ("custom_tool_call", None),
+    ("local_shell_call", Some("local_shell")),
+    ("shell_call", Some("shell")),
+    ("apply_patch_call", Some("apply_patch")),
+    ("computer_call", Some("computer_use_preview")),
+];
 
 impl<'a> ResponsesItem<'a> {
     /// Whether the item is a call the client runs.
     pub fn is_call(&self) -> bool {
-        self.kind
-            .as_deref()
-            .is_some_and(|k| RESPONSES_CALL_KINDS.contains(&k))
+        self.builtin().is_some()
     }
 
-    /// The call's arguments (a custom tool's input), when the item states them.
+    /// `Some` for a call: `Some(name)` of a built-in tool's, `None` of one that names its tool.
+    fn builtin(&self) -> Option<Option<&'static str>> {
+        let kind = self.kind.as_deref()?;
+        (RESPONSES_CALL_KINDS.iter())
+            .find(|(k, _)| *k == kind)
+            .map(|(_, tool)| *tool)
+    }
+
+    /// The tool the call calls.
+    pub fn name(&mut self) -> Text<'a> {
+        match self.builtin() {
+            Some(Some(tool)) => Some(Cow::Borrowed(tool)),
+            _ => self.name.take(),
+        }
+    }
+
+    /// The call's arguments (a custom tool's input, a built-in's action), when the item
+    /// states them.
     pub fn arguments(&mut self) -> Text<'a> {
-        self.arguments.take().or_else(|| self.input.take())
+        let action = self
+            .action
+            .or(self.operation)
+            .map(|a| Cow::Borrowed(a.get()));
+        self.arguments
+            .take()
+            .or_else(|| self.input.take())
+            .or(action)
     }
 }
 

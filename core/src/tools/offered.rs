@@ -10,6 +10,7 @@
 use serde_json::Value;
 use serde_json::value::RawValue;
 
+use super::events::RESPONSES_CALL_KINDS;
 use super::withheld::{Policy, tool_blocked};
 use crate::error::ApiError;
 
@@ -108,11 +109,17 @@ fn walk(
     Ok(())
 }
 
-/// A tool definition's name, wherever its API puts it.
+/// A tool definition's name, wherever its API puts it; a Responses built-in tool the client
+/// runs (`{"type": "local_shell"}`) is named by its type, as its calls are.
 fn name_of(tool: &Value) -> Option<String> {
     let name = (tool.pointer("/function/name"))
         .or_else(|| tool.pointer("/custom/name"))
-        .or_else(|| tool.get("name"))?;
+        .or_else(|| tool.get("name"))
+        .or_else(|| {
+            let kind = tool.get("type")?;
+            let builtin = (RESPONSES_CALL_KINDS.iter()).any(|(_, t)| kind.as_str() == *t);
+            builtin.then_some(kind)
+        })?;
     name.as_str().map(str::to_owned)
 }
 

@@ -50,6 +50,8 @@ impl ToolScan {
         if self.too_large {
             return ScanStep::TooLarge;
         }
+        // A stream may open with a byte order mark, which SSE parsers drop.
+        let event = event.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(event);
         let mut effect = Effect::default();
         if let Some(data) = event_data(event) {
             match self.endpoint {
@@ -183,7 +185,12 @@ impl ToolScan {
         arguments: Option<Cow<'_, str>>,
         effect: &mut Effect,
     ) -> Option<&mut ToolCall> {
-        if let Some(call) = self.calls.iter_mut().find(|c| c.index == i) {
+        // The call known by its index, or restated elsewhere by its id (a snapshot placing it
+        // at another position): the same call.
+        let same_id = |c: &ToolCall| id.as_deref().is_some_and(|d| !d.is_empty() && c.id == d);
+        let known = (self.calls.iter().position(|c| c.index == i))
+            .or_else(|| self.calls.iter().position(same_id));
+        if let Some(call) = known.and_then(|at| self.calls.get_mut(at)) {
             let other_name = name.is_some_and(|n| n != call.name);
             let other_id = id.is_some_and(|d| !d.is_empty() && !call.id.is_empty() && d != call.id);
             if other_name || other_id {
@@ -225,14 +232,20 @@ impl ToolScan {
                 .delta
                 .map(|d| (d.tool_calls.unwrap_or_default(), d.function_call))
                 .unwrap_or_default();
-            let pieces = (tool_calls.into_iter().enumerate())
-                .map(|(k, call)| {
-                    let i = (call.index).unwrap_or_else(|| u32::try_from(k).unwrap_or(u32::MAX));
-                    let id = call.id.clone();
-                    let (name, arguments) = call.parts();
-                    (i, id, name, arguments)
-                })
-                .chain(legacy.map(|f| (LEGACY_INDEX, None, f.name, f.arguments)));
+            let mut pieces = Vec::with_capacity(tool_calls.len() + 1);
+            for (k, call) in tool_calls.into_iter().enumerate() {
+                let i = (call.index).unwrap_or_else(|| u32::try_from(k).unwrap_or(u32::MAX));
+                let id = call.id.clone();
+                // The legacy call's index is not a `tool_calls` one; a call whose kind is
+                // ambiguous is not one a client is sure to run as judged.
+                let parts = call.parts().filter(|_| i != LEGACY_INDEX);
+                let Some((name, arguments)) = parts else {
+                    effect.unreadable = true;
+                    return;
+                };
+                pieces.push((i, id, name, arguments));
+            }
+            pieces.extend(legacy.map(|f| (LEGACY_INDEX, None, f.name, f.arguments)));
             for (i, id, name, arguments) in pieces {
                 // A delta of another index: the undecided call's name is final.
                 for call in &mut self.calls {
@@ -281,8 +294,8 @@ impl ToolScan {
         for (n, mut item) in output.into_iter().enumerate() {
             if item.is_call() {
                 let i = u32::try_from(n).unwrap_or(u32::MAX);
-                let arguments = item.arguments();
-                self.state(i, item.call_id, item.name, arguments, effect);
+                let (name, arguments) = (item.name(), item.arguments());
+                self.state(i, item.call_id, name, arguments, effect);
             }
         }
         let index = event.output_index;
@@ -291,13 +304,13 @@ impl ToolScan {
             // A call the client cannot place is not one to let pass unread.
             (_, Some(_), None) => effect.unreadable = true,
             ("response.output_item.added", Some(mut item), Some(i)) => {
-                let arguments = Some(item.arguments().unwrap_or_default());
-                self.state(i, item.call_id, item.name, arguments, effect);
+                let (name, arguments) = (item.name(), Some(item.arguments().unwrap_or_default()));
+                self.state(i, item.call_id, name, arguments, effect);
             }
             ("response.output_item.done", Some(mut item), Some(i)) => {
-                let arguments = item.arguments();
+                let (name, arguments) = (item.name(), item.arguments());
                 // Done without being added: opened and decided now.
-                self.state(i, item.call_id, item.name, arguments, effect);
+                self.state(i, item.call_id, name, arguments, effect);
                 if let Some(call) = self.calls.iter_mut().find(|c| c.index == i) {
                     call.complete = true;
                 }

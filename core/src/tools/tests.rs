@@ -653,7 +653,6 @@ fn approval_ids_are_fixed_by_attempt_index_and_call() {
 // Attacker pass 3: shapes a client reads a call in that the scan does not judge as such.
 
 #[test]
-#[ignore = "attack: a chat call typed `custom` carrying both `function` and `custom` is judged by its `function` name; a client dispatching on `type` runs the custom one unjudged"]
 fn attack_a_custom_typed_call_with_a_decoy_function_is_judged_by_what_the_client_runs() {
     let (seen, steps) = decisions(
         Endpoint::ChatCompletions,
@@ -674,7 +673,6 @@ fn attack_a_custom_typed_call_with_a_decoy_function_is_judged_by_what_the_client
 }
 
 #[test]
-#[ignore = "attack: Responses calls the client runs besides function/custom (local_shell_call, shell_call, apply_patch_call, computer_call) are neither judged nor counted"]
 fn attack_client_run_builtin_calls_in_responses_are_read() {
     for kind in [
         "local_shell_call",
@@ -706,7 +704,6 @@ fn attack_client_run_builtin_calls_in_responses_are_read() {
 }
 
 #[test]
-#[ignore = "attack: a tool_calls entry at index u32::MAX shares the legacy function_call's slot, so the scan judges the two names joined while the client runs each"]
 fn attack_a_tool_call_at_the_legacy_index_is_not_joined_to_the_legacy_call() {
     // Offered: `deploy` (approval) and `deploy_status` (allowed). The scan sees one call
     // `deploy_status`; the client sees tool call `deploy` and function_call `_status`.
@@ -728,7 +725,6 @@ fn attack_a_tool_call_at_the_legacy_index_is_not_joined_to_the_legacy_call() {
 }
 
 #[test]
-#[ignore = "attack: a Responses call restated by a snapshot at another position (same call_id) is decided, and counted against tool_calls, twice"]
 fn attack_a_call_restated_at_another_snapshot_position_is_decided_once() {
     let (seen, _) = decisions(
         Endpoint::Responses,

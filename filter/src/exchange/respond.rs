@@ -175,6 +175,17 @@ impl Exchange {
         Action::Continue
     }
 
+    /// The answer ended in trailers (HTTP/2 trailers, chunked trailer fields): no body callback
+    /// saw its end, so it ends here — a whole answer held for the tool policy is judged on the
+    /// body Envoy buffered (else Envoy would let it go unread), a stream's held events decided.
+    pub fn on_response_trailers(&mut self, host: &impl Host) -> Action {
+        if self.stage != Stage::Responding {
+            return Action::Continue;
+        }
+        let whole = self.tools.is_some() && matches!(self.meter, Meter::Body(_));
+        self.on_response_body(host, if whole { usize::MAX } else { 0 }, true)
+    }
+
     /// A whole answer held for the tool policy: buffered (Envoy keeps the chunks) until its
     /// end, then metered and judged. One that makes a withheld call is replaced by the error
     /// body in the called API's shape; its status stays the engine's (the headers went on
@@ -192,7 +203,7 @@ impl Exchange {
         self.finish(host, self.completed_outcome());
         if let Some(error) = withheld {
             let answer = self.error_reply(&error);
-            host.replace_body(Side::Response, size, &answer.body);
+            host.replace_body(Side::Response, body.len(), &answer.body);
         }
         Action::Continue
     }

@@ -21,12 +21,14 @@ impl Exchange {
     /// Tells whether the call is a retry (marking it so for the run's `retries` budget), and
     /// refuses it if it may not go on: `None` to go on, else the action that ends it.
     pub(super) fn check_retry(&mut self, host: &impl Host, body: &[u8]) -> Option<Action> {
+        let tenant = self.tenant.clone().filter(|t| retry::watched(t))?;
         // Sending a withheld call's request again for its approved call is how approval works,
-        // not a retry: the sidecar answers it from the approval, no engine runs.
-        if self.approval_resend {
+        // not a retry: the sidecar answers it from the approval, no engine runs. Only a key
+        // with approval tools has any to send again.
+        let approves_calls = tenant.tools.approval_patterns().next().is_some();
+        if self.approval_resend && approves_calls {
             return None;
         }
-        let tenant = self.tenant.clone().filter(|t| retry::watched(t))?;
         self.endpoint?;
         let idempotency_key = (self.vouched.iter())
             .find(|(name, _)| *name == trusted::IDEMPOTENCY_KEY)

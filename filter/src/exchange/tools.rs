@@ -349,9 +349,12 @@ impl Exchange {
                 Ok(_) => counted += 1,
             }
         }
-        // The budgets held on this Envoy (a fleet-wide one is the quota store's).
+        // The budgets held on this Envoy (a fleet-wide one is the quota store's). An answer
+        // replayed from completed work made its calls when it first ran (and was counted
+        // then); one delivering an approved call makes it now.
         let budgets = run::fleet::local_budgets(&tenant);
-        if let Some(hold) = self.run.as_mut() {
+        let made_now = !self.replayed || guard.delivered;
+        if let Some(hold) = self.run.as_mut().filter(|_| made_now) {
             for _ in 0..counted {
                 let now = host.now_ms();
                 if let Err(denial) = run::take_tool_call(host.store(), &budgets, hold, now) {

@@ -13,12 +13,6 @@ use crate::approvals::{Approvals, HeldCall};
 use crate::intake::trust::Trusted;
 use crate::support::clock::now_ms;
 
-/// Bytes of one event read for its calls when an answer is watched: more than the filter holds
-/// of an event under a tool policy (the request body bound and a mebibyte, by default), so a
-/// call the filter reads whole the sidecar has held. A larger event is passed unread (its calls
-/// are never held, so never delivered), and the events after it are read.
-pub const MAX_WATCHED_EVENT_BYTES: usize = 8 * 1024 * 1024;
-
 /// Where a watch holds calls: the store, the caller, the model that answered.
 pub type Holding<'a> = (&'a Approvals, &'a Trusted, &'a str);
 
@@ -95,7 +89,7 @@ impl Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::relay::meter::ToolCount;
+    use crate::relay::meter::{MAX_TOOL_EVENT_BYTES, ToolCount};
 
     /// A chunk read as an attempt reads it: the calls it completes that the watch sees first.
     fn read(count: &mut ToolCount, watch: &mut Watch, chunk: &[u8]) -> Vec<ToolCall> {
@@ -142,7 +136,7 @@ mod tests {
         let completing_end = completing + stream[completing..].find("\n\n").unwrap() + 2;
         for cut in 1..stream.len() {
             let mut watch = Watch::of(&who(), Endpoint::ChatCompletions, || [0; 32]).unwrap();
-            let mut count = ToolCount::new(Endpoint::ChatCompletions, MAX_WATCHED_EVENT_BYTES);
+            let mut count = ToolCount::new(Endpoint::ChatCompletions);
             let (a, b) = stream.as_bytes().split_at(cut);
             let first = read(&mut count, &mut watch, a);
             let second = read(&mut count, &mut watch, b);
@@ -172,14 +166,14 @@ mod tests {
             r#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}"#,
             "\n\ndata: [DONE]\n\n",
         );
-        for pad in [100 * 1024, MAX_WATCHED_EVENT_BYTES + 1024] {
+        for pad in [100 * 1024, MAX_TOOL_EVENT_BYTES + 1024] {
             let text = format!(
                 "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":\"{}\"}}}}]}}\n\n",
                 "y".repeat(pad)
             );
             let stream = text + call;
             let mut watch = Watch::of(&who(), Endpoint::ChatCompletions, || [0; 32]).unwrap();
-            let mut count = ToolCount::new(Endpoint::ChatCompletions, MAX_WATCHED_EVENT_BYTES);
+            let mut count = ToolCount::new(Endpoint::ChatCompletions);
             let held: Vec<ToolCall> = (stream.as_bytes().chunks(64 * 1024))
                 .flat_map(|chunk| read(&mut count, &mut watch, chunk))
                 .collect();

@@ -12,13 +12,12 @@ use std::time::Instant;
 use axum::body::Bytes;
 use axum::http::HeaderValue;
 use weir_core::endpoint::Endpoint;
-use weir_core::meter::MAX_HELD_BYTES;
 
 use crate::dispatch::Assignment;
 use crate::intake::app::App;
 use crate::intake::idempotency::Claim;
 use crate::intake::trust::Trusted;
-use crate::relay::approval::{MAX_WATCHED_EVENT_BYTES, Watch};
+use crate::relay::approval::Watch;
 use crate::relay::capture::Capture;
 use crate::relay::figures::Figures;
 use crate::relay::hold::Hold;
@@ -109,17 +108,7 @@ impl Flight {
             model: attempt.model,
             input_tokens: attempt.input_tokens,
             hold: Hold::new(assignment, attempt.input_tokens),
-            meter: Meter::new(
-                attempt.endpoint,
-                attempt.hide_usage,
-                attempt.unread_output,
-                // A watched answer's calls are read from larger events (see `Watch`).
-                if attempt.approval.is_some() {
-                    MAX_WATCHED_EVENT_BYTES
-                } else {
-                    MAX_HELD_BYTES
-                },
-            ),
+            meter: Meter::new(attempt.endpoint, attempt.hide_usage, attempt.unread_output),
             capture: Capture::new(claim),
             learning: Learning {
                 uncapped: attempt.uncapped,

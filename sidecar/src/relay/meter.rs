@@ -5,7 +5,7 @@
 
 use axum::body::Bytes;
 use weir_core::endpoint::Endpoint;
-use weir_core::meter::{BodyUsage, MAX_HELD_BYTES, StreamMeter};
+use weir_core::meter::{BodyUsage, StreamMeter};
 use weir_core::outcome;
 use weir_core::sse;
 use weir_core::tools::{ToolCall, ToolScan, body_calls};
@@ -44,20 +44,14 @@ pub struct Meter {
 }
 
 impl Meter {
-    /// `tool_event_bytes`: the largest event read for its tool calls (see [`ToolCount`]).
-    pub(super) fn new(
-        endpoint: Endpoint,
-        hide_usage: bool,
-        unread_output: u64,
-        tool_event_bytes: usize,
-    ) -> Meter {
+    pub(super) fn new(endpoint: Endpoint, hide_usage: bool, unread_output: u64) -> Meter {
         Meter {
             stream: StreamMeter::new(endpoint, hide_usage),
             hide_usage,
             streamed: false,
             unread_output,
             nothing_ran: false,
-            tools: ToolCount::new(endpoint, tool_event_bytes),
+            tools: ToolCount::new(endpoint),
         }
     }
 
@@ -127,16 +121,20 @@ impl Meter {
     }
 }
 
+/// Bytes of one event read for its tool calls: more than the filter holds of an event under a
+/// tool policy (the request body bound and a mebibyte, by default), so a call the filter reads
+/// and counts the ledger records, and the approval watch holds. Held only while such an event
+/// streams; a larger one is passed unread (its calls neither counted nor held).
+pub const MAX_TOOL_EVENT_BYTES: usize = 8 * 1024 * 1024;
+
 /// Reads the tool calls an answer makes, once, for its record and for the approval watch
 /// ([`super::approval::Watch`]): a stream read one whole event at a time by a [`ToolScan`]
 /// (framed as the meters frame it), or an answer read whole by [`body_calls`]. An unended
-/// event past its bound ([`MAX_HELD_BYTES`], as the meters pass it, or the watch's larger one)
-/// is passed unread, and the reading goes on at the next event; past the scan's own bounds
-/// (more than [`weir_core::tools::MAX_CALLS`] calls) it counts no further.
+/// event past [`MAX_TOOL_EVENT_BYTES`] is passed unread, and the reading goes on at the next
+/// event; past the scan's own bounds (more than [`weir_core::tools::MAX_CALLS`] calls) it
+/// counts no further.
 pub(super) struct ToolCount {
     scan: ToolScan,
-    /// Bytes of an unended event held before it is passed unread.
-    bound: usize,
     /// The stream's unended last event; while `skipping`, only its last bytes, which may
     /// begin the empty line that ends it.
     rest: Vec<u8>,
@@ -150,10 +148,9 @@ pub(super) struct ToolCount {
 const SKIP_TAIL: usize = 3;
 
 impl ToolCount {
-    pub(super) fn new(endpoint: Endpoint, bound: usize) -> ToolCount {
+    pub(super) fn new(endpoint: Endpoint) -> ToolCount {
         ToolCount {
             scan: ToolScan::new(endpoint),
-            bound: bound.max(MAX_HELD_BYTES),
             rest: Vec::new(),
             skipping: false,
             whole: None,
@@ -173,7 +170,7 @@ impl ToolCount {
             at += len;
         }
         self.rest.drain(..at);
-        if self.skipping || self.rest.len() > self.bound {
+        if self.skipping || self.rest.len() > MAX_TOOL_EVENT_BYTES {
             self.skipping = true;
             self.rest.drain(..self.rest.len().saturating_sub(SKIP_TAIL));
         }
@@ -207,6 +204,7 @@ impl ToolCount {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use weir_core::meter::MAX_HELD_BYTES;
 
     /// A chat answer that makes two parallel calls, the second after a text event too large
     /// for the meters to hold.
@@ -234,7 +232,7 @@ mod tests {
     }
 
     fn streamed(stream: &str, chunk: usize) -> Bill {
-        let mut meter = Meter::new(Endpoint::ChatCompletions, false, 0, MAX_HELD_BYTES);
+        let mut meter = Meter::new(Endpoint::ChatCompletions, false, 0);
         meter.streamed = true;
         for piece in stream.as_bytes().chunks(chunk) {
             meter.feed(&Bytes::copy_from_slice(piece));
@@ -257,7 +255,7 @@ mod tests {
 
     #[test]
     fn an_answer_read_whole_counts_its_calls() {
-        let mut meter = Meter::new(Endpoint::Messages, false, 0, MAX_HELD_BYTES);
+        let mut meter = Meter::new(Endpoint::Messages, false, 0);
         meter.tools.whole(
             br#"{"type":"message","role":"assistant","content":[
                 {"type":"text","text":"on it"},
@@ -276,10 +274,12 @@ mod tests {
 #[cfg(test)]
 mod attack_tests {
     use super::*;
+    use weir_core::meter::MAX_HELD_BYTES;
 
+    /// The filter reads and counts a call in one event past 64 KiB (it holds events whole under
+    /// a tool policy): the ledger counts it too.
     #[test]
-    #[ignore = "attack: a call whose one event is past 64 KiB (which the filter holds, reads and counts under a tool policy) is skipped by the sidecar's ToolCount, so the ledger records tool_calls 0"]
-    fn attack_a_call_in_one_event_past_64_kib_is_counted_in_the_ledger() {
+    fn a_call_in_one_event_past_64_kib_is_counted_in_the_ledger() {
         let arguments = format!("{{\\\"pad\\\":\\\"{}\\\"}}", "x".repeat(3 * MAX_HELD_BYTES));
         let stream = format!(
             "data: {{\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\

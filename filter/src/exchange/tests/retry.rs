@@ -242,7 +242,6 @@ fn an_approval_re_send_is_no_retry_and_spends_no_retry_budget() {
 }
 
 #[test]
-#[ignore = "attack: any request naming `weir-approval-id` skips the retry budget and the side-effect check, also for a key with no approval tool; without a sidecar (Envoy straight to engines, a documented deployment) each reaches the engine"]
 fn attack_a_forged_approval_id_on_a_key_without_approval_tools_buys_no_retries() {
     let policy = json!({"tools": {"classes": {"send_*": "side_effect"}}});
     let (gw, host) = retry_gateway(json!({"retries_per_minute": 1}), policy);

@@ -232,7 +232,6 @@ fn a_delivered_approval_call_counts_against_the_run_s_tool_calls() {
 // Attacker pass 3.
 
 #[test]
-#[ignore = "attack: a stream opening with a UTF-8 BOM hides its first event from the scan (`\\u{feff}data:` is no data line to it), while a standard SSE parser strips the BOM and reads the call"]
 fn attack_a_call_in_a_bom_prefixed_first_event_is_judged() {
     let bom = "\u{feff}";
     let chat = delta(
@@ -255,7 +254,6 @@ fn attack_a_call_in_a_bom_prefixed_first_event_is_judged() {
 }
 
 #[test]
-#[ignore = "attack: an idempotent replay (`idempotent-replayed: true`, charged nothing, its model call given back) counts its tool calls against the run's tool_calls again, so a client's keyed retry of an answer that fit the budget is withheld"]
 fn attack_a_replayed_answer_s_calls_are_not_counted_twice() {
     use weir_core::reservation::SlotLease;
     use weir_core::run::{self, Counts, RunDemand, RunKey, RunTable};
@@ -299,7 +297,6 @@ fn attack_a_replayed_answer_s_calls_are_not_counted_twice() {
 }
 
 #[test]
-#[ignore = "attack: a Responses `local_shell_call` (or shell_call, apply_patch_call, computer_call) item, a call the client runs, reaches the client though never offered, unjudged and uncounted"]
 fn attack_a_local_shell_call_never_offered_is_withheld() {
     let item = json!({"type": "local_shell_call", "id": "lsh_1", "call_id": "call_s",
         "status": "completed", "action": {"type": "exec", "command": ["rm", "-rf", "/"]}});
@@ -314,4 +311,24 @@ fn attack_a_local_shell_call_never_offered_is_withheld() {
     );
     let (got, _, _) = through(Endpoint::Responses, &stream, 3);
     assert!(!got.contains("rm\",\"-rf"), "{got}");
+}
+
+#[test]
+fn a_whole_answer_ending_in_trailers_is_judged_on_what_envoy_buffered() {
+    let (host, mut x) = fresh(Endpoint::ChatCompletions, false);
+    let json = ("content-type", "application/json");
+    answer_headers(&mut x, &host, &[(":status", "200"), json]);
+    let body = chat_body("shell_rm");
+    // Every body callback says more is coming; the trailers end it.
+    *host.response_body.borrow_mut() = body.clone().into_bytes();
+    assert_eq!(x.on_response_body(&host, body.len(), false), Action::Pause);
+    assert_eq!(x.on_response_trailers(&host), Action::Continue);
+    let sent: Value = serde_json::from_slice(&host.response_body.borrow()).unwrap();
+    assert_eq!(sent["error"]["code"], "tool_blocked", "{sent}");
+    assert!(!sent.to_string().contains("tool_calls"), "{sent}");
+    assert_eq!(
+        host.metric(telemetry::TOKENS_OUT),
+        11,
+        "billed at the trailers"
+    );
 }
