@@ -5,6 +5,11 @@
 pub struct Rng(u64);
 
 impl Rng {
+    /// A fixed seed: the same draws wherever the test runs.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+
     /// Seeded from `WEIR_SEED` if set, else the clock; the seed is printed, so a failing
     /// shape can be drawn again.
     pub fn seeded(test: &str) -> Rng {
@@ -34,5 +39,15 @@ impl Rng {
     /// `Some` of a draw in `1..=max` half the time.
     pub fn maybe(&mut self, max: u64) -> Option<u64> {
         (self.below(2) == 0).then(|| 1 + self.below(max))
+    }
+
+    /// A draw in `0..len` (0 when `len` is 0), for an index.
+    pub fn index(&mut self, len: usize) -> usize {
+        usize::try_from(self.below(len as u64)).unwrap_or(0)
+    }
+
+    /// One of `from`, which must not be empty.
+    pub fn pick<T: Copy>(&mut self, from: &[T]) -> T {
+        from[self.index(from.len())]
     }
 }

@@ -1422,21 +1422,7 @@ mod invariants {
     //! operation that the tree's bookkeeping matches its queues.
     use super::*;
 
-    /// A small xorshift: reproducible without a dependency.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-
-        fn below(&mut self, n: u64) -> u64 {
-            self.next() % n
-        }
-    }
+    use crate::draw::Rng;
 
     /// Tenant paths of different depths, some of whose levels share ids with others' keys.
     const TENANTS: &[&str] = &[
@@ -1636,7 +1622,7 @@ mod invariants {
     /// Returns how many steps ended with a B-tree among the ready sets.
     fn run_with(policy: Policy, share: Share, seed: u64, o: &Options) -> u64 {
         let mut many = 0;
-        let mut rng = Rng(seed);
+        let mut rng = Rng::new(seed);
         let mut s = Scheduler::new(policy, share, TokenWeights::default(), 500);
         let mut item = 0u32;
         let mut clock = 10_000u64;

@@ -212,21 +212,7 @@ fn read(data: &[u8]) -> Option<Observed> {
 mod tests {
     use super::*;
 
-    /// A small xorshift: reproducible without a dependency.
-    struct Rng(u64);
-
-    impl Rng {
-        fn below(&mut self, n: usize) -> usize {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            (self.0 % n as u64) as usize
-        }
-
-        fn pick<'a>(&mut self, from: &[&'a str]) -> &'a str {
-            from[self.below(from.len())]
-        }
-    }
+    use crate::draw::Rng;
 
     const KEYS: [&str; 17] = [
         "choices",
@@ -342,9 +328,9 @@ mod tests {
         .into_bytes();
         // Sometimes one byte changed, added or taken away.
         for _ in 0..rng.below(3).saturating_sub(1) {
-            let at = rng.below(bytes.len());
+            let at = rng.index(bytes.len());
             const BYTES: &[u8] = b",\"\\{}[] n0-.:\xff\x01e";
-            let byte = BYTES[rng.below(BYTES.len())];
+            let byte = rng.pick(BYTES);
             match rng.below(3) {
                 0 => bytes[at] = byte,
                 1 => bytes.insert(at, byte),
@@ -356,7 +342,7 @@ mod tests {
 
     #[test]
     fn the_plain_event_reader_agrees_with_serde_wherever_it_answers() {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
         let mut answered = 0;
         let rounds = 200_000;
         for _ in 0..rounds {

@@ -539,39 +539,29 @@ fn parallel_choices_keep_their_calls_apart() {
     assert_eq!(seen, [call(0, 0, "a", "search"), call(1, 0, "b", "deploy")]);
 }
 
-/// xorshift64*, so the property test draws the same inputs wherever it runs.
-fn next(state: &mut u64) -> u64 {
-    *state ^= *state >> 12;
-    *state ^= *state << 25;
-    *state ^= *state >> 27;
-    state.wrapping_mul(0x2545_F491_4F6C_DD1D)
-}
-
 #[test]
 fn random_bytes_and_mangled_streams_never_panic() {
-    let seed = 0x7001_5CA4_u64;
-    println!("seed {seed:#x}");
-    let mut state = seed;
+    let mut rng = crate::draw::Rng::new(0x7001_5CA4);
     let alphabet: &[u8] = b"{}[]\":,0123 \n\rdata:index\\tool_callsfunctionnametype";
     for round in 0..3000 {
         let (shape, stream) = fixtures()[round % 3];
         let mut bytes = stream.as_bytes().to_vec();
         // Mangle a fixture in a few places, or draw random bytes.
         if round % 4 == 0 {
-            let len = (next(&mut state) % 512) as usize;
+            let len = (rng.draw() % 512) as usize;
             bytes = (0..len)
-                .map(|_| match next(&mut state) % 3 {
-                    0 => (next(&mut state) % 256) as u8,
-                    _ => alphabet[(next(&mut state) % alphabet.len() as u64) as usize],
+                .map(|_| match rng.draw() % 3 {
+                    0 => (rng.draw() % 256) as u8,
+                    _ => alphabet[(rng.draw() % alphabet.len() as u64) as usize],
                 })
                 .collect();
         } else {
-            for _ in 0..(1 + next(&mut state) % 8) {
-                let at = (next(&mut state) as usize) % bytes.len();
-                bytes[at] = alphabet[(next(&mut state) % alphabet.len() as u64) as usize];
+            for _ in 0..(1 + rng.draw() % 8) {
+                let at = (rng.draw() as usize) % bytes.len();
+                bytes[at] = alphabet[(rng.draw() % alphabet.len() as u64) as usize];
             }
         }
-        let cut = (next(&mut state) as usize) % (bytes.len() + 1);
+        let cut = (rng.draw() as usize) % (bytes.len() + 1);
         for shape in [shape, Endpoint::ALL[round % 5]] {
             let mut scan = ToolScan::new(shape);
             for event in events_in_two_chunks(&bytes, cut) {
