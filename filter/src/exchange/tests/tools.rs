@@ -411,15 +411,7 @@ fn an_approved_call_the_sidecar_delivers_passes() {
     let resend = [("weir-approval-id", "apr_x")];
     let mut x = admitted_with(&gw, &host, Endpoint::ChatCompletions, true, &resend);
     let delivered = ("weir-approval", "delivered");
-    let event_stream = ("content-type", "text/event-stream");
-    answer_headers(
-        &mut x,
-        &host,
-        &[(":status", "200"), event_stream, delivered],
-    );
-    *host.response_body.borrow_mut() = stream.clone().into_bytes();
-    x.on_response_body(&host, stream.len(), true);
-    assert_eq!(*host.response_body.borrow(), stream.into_bytes());
+    assert_eq!(streamed_marked(&mut x, &host, &stream, delivered), stream);
 }
 
 /// A whole chat answer calling `name`.
@@ -501,12 +493,14 @@ fn tool_policy() -> Value {
            "on_blocked_offered": "remove"})
 }
 
+/// The run table the run tests' gateways hold: 64 runs a key.
+fn run_table() -> weir_core::run::RunTable {
+    weir_core::run::RunTable::new(64, 60_000)
+}
+
 /// A request in run `r1` of a key with `tools` (a policy, or null for none) whose runs may
 /// make `tool_calls` calls (its request carrying `extra` headers), admitted.
 fn in_a_run(tools: Value, tool_calls: u64, extra: &[(&str, &str)]) -> (Mock, Exchange) {
-    use weir_core::reservation::SlotLease;
-    use weir_core::run::{self, Counts, RunDemand, RunKey, RunTable};
-
     let mut policy = json!({"runs": {"budgets": {"tool_calls": tool_calls}}});
     if !tools.is_null() {
         policy["tools"] = tools;
@@ -515,8 +509,22 @@ fn in_a_run(tools: Value, tool_calls: u64, extra: &[(&str, &str)]) -> (Mock, Exc
     let host = Mock::new(None);
     configured(&gw, &host);
     let tenant = super::tenant(&gw);
-    let table = RunTable::new(64, 60_000);
-    run::create(&host.store, [tenant.as_ref()], table);
+    weir_core::run::create(&host.store, [tenant.as_ref()], run_table());
+    let x = admitted_in_run(&gw, &host, extra, 7);
+    (host, x)
+}
+
+/// Another call of run `r1` (its call lease `call_id`), admitted on `gw`'s host.
+fn admitted_in_run(
+    gw: &Rc<Gateway>,
+    host: &Mock,
+    extra: &[(&str, &str)],
+    call_id: u64,
+) -> Exchange {
+    use weir_core::reservation::SlotLease;
+    use weir_core::run::{self, Counts, RunDemand, RunKey};
+
+    let tenant = super::tenant(gw);
     let key = RunKey::new(tenant.path(), None, "r1").unwrap();
     let demand = RunDemand {
         counts: Counts {
@@ -524,14 +532,28 @@ fn in_a_run(tools: Value, tool_calls: u64, extra: &[(&str, &str)]) -> (Mock, Exc
             ..Counts::default()
         },
         call: SlotLease {
-            id: 7,
+            id: call_id,
             ttl_ms: 30_000,
         },
     };
-    let hold = run::reserve(&host.store, &tenant, &table, &key, demand, 1_000_000).unwrap();
-    let mut x = admitted_with(&gw, &host, Endpoint::ChatCompletions, true, extra);
+    let hold = run::reserve(&host.store, &tenant, &run_table(), &key, demand, 1_000_000).unwrap();
+    let mut x = admitted_with(gw, host, Endpoint::ChatCompletions, true, extra);
     x.run = Some(hold);
-    (host, x)
+    x
+}
+
+/// `stream` through `x` whole, as a 200 event stream whose headers also carry `marker`: what
+/// the client got.
+fn streamed_marked(x: &mut Exchange, host: &Mock, stream: &str, marker: (&str, &str)) -> String {
+    let headers = [
+        (":status", "200"),
+        ("content-type", "text/event-stream"),
+        marker,
+    ];
+    answer_headers(x, host, &headers);
+    *host.response_body.borrow_mut() = stream.as_bytes().to_vec();
+    x.on_response_body(host, stream.len(), true);
+    String::from_utf8(host.response_body.borrow().clone()).unwrap()
 }
 
 #[test]

@@ -30,15 +30,7 @@ fn delta(delta: Value) -> String {
 
 /// `stream` through `x` as an answer saying it delivers an approved call: what the client got.
 fn claimed_delivered(x: &mut Exchange, host: &Mock, stream: &str) -> String {
-    let headers = [
-        (":status", "200"),
-        ("content-type", "text/event-stream"),
-        ("weir-approval", "delivered"),
-    ];
-    answer_headers(x, host, &headers);
-    *host.response_body.borrow_mut() = stream.as_bytes().to_vec();
-    x.on_response_body(host, stream.len(), true);
-    String::from_utf8(host.response_body.borrow().clone()).unwrap()
+    streamed_marked(x, host, stream, ("weir-approval", "delivered"))
 }
 
 const FINISH: &str = "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\ndata: [DONE]\n\n";
@@ -255,9 +247,6 @@ fn attack_a_call_in_a_bom_prefixed_first_event_is_judged() {
 
 #[test]
 fn attack_a_replayed_answer_s_calls_are_not_counted_twice() {
-    use weir_core::reservation::SlotLease;
-    use weir_core::run::{self, Counts, RunDemand, RunKey, RunTable};
-
     let keyed = [("idempotency-key", "K1")];
     let (host, mut first) = in_a_run(tool_policy(), 1, &keyed);
     let stream = chat_stream(&[("call_1", "search", r#"{"q":"a"}"#)]);
@@ -265,31 +254,8 @@ fn attack_a_replayed_answer_s_calls_are_not_counted_twice() {
     first.on_log(&host);
     // The same call again with its key: the sidecar replays the answer it stored.
     let gw = Rc::clone(&first.gw);
-    let tenant = super::super::tenant(&gw);
-    let key = RunKey::new(tenant.path(), None, "r1").unwrap();
-    let demand = RunDemand {
-        counts: Counts {
-            model_calls: 1,
-            ..Counts::default()
-        },
-        call: SlotLease {
-            id: 8,
-            ttl_ms: 30_000,
-        },
-    };
-    let table = RunTable::new(64, 60_000);
-    let hold = run::reserve(&host.store, &tenant, &table, &key, demand, 1_000_000).unwrap();
-    let mut replay = admitted_with(&gw, &host, Endpoint::ChatCompletions, true, &keyed);
-    replay.run = Some(hold);
-    let headers = [
-        (":status", "200"),
-        ("content-type", "text/event-stream"),
-        ("idempotent-replayed", "true"),
-    ];
-    answer_headers(&mut replay, &host, &headers);
-    *host.response_body.borrow_mut() = stream.as_bytes().to_vec();
-    replay.on_response_body(&host, stream.len(), true);
-    let got = String::from_utf8(host.response_body.borrow().clone()).unwrap();
+    let mut replay = admitted_in_run(&gw, &host, &keyed, 8);
+    let got = streamed_marked(&mut replay, &host, &stream, ("idempotent-replayed", "true"));
     assert_eq!(
         got, stream,
         "the replay of a call already counted was withheld"
