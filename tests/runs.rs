@@ -166,18 +166,20 @@ async fn thirty_two_calls_of_one_run_admit_exactly_its_output_token_budget() {
     );
 }
 
+/// `calls` calls of run `run_id` as `key`, each answered, then one more, refused: its body.
+async fn spend(key: &str, run_id: &str, calls: usize) -> Value {
+    for i in 0..calls {
+        assert_eq!(call(key, run_id).await.0, StatusCode::OK, "{key} call {i}");
+    }
+    let (status, refusal) = call(key, run_id).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{refusal}");
+    refusal
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_tenant_s_run_id_cannot_read_extend_or_exhaust_another_tenant_s_run() {
     // Tenant alpha spends its run `shared-id`.
-    for i in 0..3 {
-        assert_eq!(
-            call("alpha", "shared-id").await.0,
-            StatusCode::OK,
-            "alpha call {i}"
-        );
-    }
-    let (status, refusal) = call("alpha", "shared-id").await;
-    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let refusal = spend("alpha", "shared-id", 3).await;
     assert_eq!(
         (
             refusal["error"]["used"].as_u64(),
@@ -187,15 +189,7 @@ async fn a_tenant_s_run_id_cannot_read_extend_or_exhaust_another_tenant_s_run() 
     );
     // Beta's run of the same id is another run: its whole budget, and its refusal tells only
     // its own use.
-    for i in 0..3 {
-        assert_eq!(
-            call("beta", "shared-id").await.0,
-            StatusCode::OK,
-            "beta call {i}"
-        );
-    }
-    let (status, refusal) = call("beta", "shared-id").await;
-    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let refusal = spend("beta", "shared-id", 3).await;
     assert_eq!(refusal["error"]["run_id"], "shared-id");
     assert_eq!(refusal["error"]["used"].as_u64(), Some(3));
     // Alpha's is still spent (beta's calls did not reset or refund it), and a caller cannot
