@@ -90,6 +90,10 @@ struct Root {
     renewal: Option<Renewal>,
     /// When this VM last renewed its requests' slot leases.
     slots_renewed_ms: u64,
+    /// Ticks between the fleet's renewals and runs' settles (more than one when the tick comes
+    /// more often, for held refusals), and ticks since they last went.
+    duties_every: u64,
+    ticks: u64,
 }
 
 impl Context for Root {
@@ -145,8 +149,15 @@ impl RootContext for Root {
         {
             period = period.min(fleet.renew_ms);
         }
-        // Held refusals go within a tick of their due time.
-        self.set_tick_period(Duration::from_millis(period.min(tarpit::TICK_MS)));
+        // Held refusals go within a tick of their due time, where some key's retries can be
+        // refused; the other duties keep their own period.
+        let holds = (gateway.directory.tenants()).any(weir_core::retry::watched);
+        let tick = match holds {
+            true => period.clamp(1, tarpit::TICK_MS),
+            false => period.max(1),
+        };
+        self.duties_every = period.div_ceil(tick).max(1);
+        self.set_tick_period(Duration::from_millis(tick));
         reservation::initialize(&SharedData, gateway.directory.tenants(), host::now_ms());
         run::create(
             &SharedData,
@@ -181,15 +192,19 @@ impl RootContext for Root {
         let Some(gw) = &self.gateway else {
             return;
         };
-        if let Some(renewal) = self.renewal.as_mut() {
-            renewal.tick(&Envoy::new(Rc::clone(gw)), gw.signer.as_ref());
-        }
-        exchange::run_fleet::send_settles(&Envoy::new(Rc::clone(gw)), gw);
         let now = host::now_ms();
         let due = gw.tarpit.try_borrow_mut().map(|mut t| t.due(now));
         for held in due.unwrap_or_default() {
             host::reply_on(held.context_id, &held.reply);
         }
+        self.ticks = self.ticks.wrapping_add(1);
+        if !self.ticks.is_multiple_of(self.duties_every.max(1)) {
+            return;
+        }
+        if let Some(renewal) = self.renewal.as_mut() {
+            renewal.tick(&Envoy::new(Rc::clone(gw)), gw.signer.as_ref());
+        }
+        exchange::run_fleet::send_settles(&Envoy::new(Rc::clone(gw)), gw);
         if now
             < self
                 .slots_renewed_ms
