@@ -158,19 +158,18 @@ impl Exchange {
         size: usize,
         end_of_stream: bool,
     ) -> Action {
-        let streamed = self.tools.as_ref().and_then(|g| g.unread);
-        let mut out = Vec::new();
-        if end_of_stream {
-            let error = Withheld::Unreadable.error();
-            out = match (streamed, &self.tools) {
-                (Some(true), Some(guard)) => reply::stream_error_event(guard.endpoint, &error),
-                _ => self.error_reply(&error).body,
-            };
+        if !end_of_stream {
+            host.replace_body(Side::Response, size, &[]);
+            return Action::Continue;
         }
+        let error = Withheld::Unreadable.error();
+        let streamed = self.tools.as_ref().filter(|g| g.unread == Some(true));
+        let out = match streamed {
+            Some(guard) => reply::stream_error_event(guard.endpoint, &error),
+            None => self.error_reply(&error).body,
+        };
         host.replace_body(Side::Response, size, &out);
-        if end_of_stream {
-            self.finish(host, self.completed_outcome());
-        }
+        self.finish(host, self.completed_outcome());
         Action::Continue
     }
 
